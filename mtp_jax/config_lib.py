@@ -1,0 +1,207 @@
+"""The base configuration and its validation.
+
+Config files in `configs/` start from `base_config()` and override fields; every
+field is documented here once. `validate()` runs before anything is compiled and
+raises `ConfigError` naming the offending field.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+
+# Logical axis -> mesh axis. Layers only ever name logical axes.
+DEFAULT_RULES = (
+    ('batch', ('data', 'fsdp')),  # activations: batch split over data and fsdp
+    ('length', None),  # sequence positions stay whole
+    ('act_embed', None),  # activation feature dim (replicated: fsdp gathers params)
+    ('act_heads', 'tensor'),  # attention heads of activations
+    ('act_mlp', 'tensor'),  # MLP hidden of activations
+    ('act_vocab', 'tensor'),  # logits
+    ('embed', 'fsdp'),  # parameter model dim, sharded ZeRO-3 style
+    ('mlp', 'tensor'),  # parameter MLP hidden dim
+    ('heads', 'tensor'),  # query heads
+    ('kv_heads', 'tensor'),  # key/value heads
+    ('head_dim', None),
+    ('vocab', 'tensor'),  # embedding / output head vocab dim
+    ('norm', None),  # RMSNorm scales
+    ('depth', None),  # stacked MTP depth axis
+)
+
+
+class ConfigError(ValueError):
+  """A configuration value that cannot work; the message names the field."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field, with a comment, and defaults for a small CPU model."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # seeds parameter init and dropout-free training RNG
+
+  m = c.model = ml_collections.ConfigDict()
+  m.vocab_size = 0  # 0: the tokenizer's size rounded up to vocab_multiple
+  m.vocab_multiple = 64  # round the vocab up to this (MXU / matmul friendly)
+  m.d_model = 256  # residual stream width d
+  m.n_layers = 4  # L trunk blocks
+  m.n_heads = 4  # query heads
+  m.n_kv_heads = 4  # key/value heads (GQA when < n_heads)
+  m.head_dim = 64  # per-head width
+  m.mlp_dim = 768  # SwiGLU hidden width
+  m.rope_theta = 10000.0  # RoPE base
+  m.norm_eps = 1e-6  # RMSNorm epsilon
+  m.tie_embeddings = True  # OutHead = Emb^T (False: a separate output kernel)
+  m.dtype = 'float32'  # compute dtype (params stay float32)
+  m.init_std = 0.02  # stddev of the embedding init
+  m.remat = 'none'  # rematerialisation: none | block | full
+  m.scan_layers = False  # nnx.scan over trunk layers (faster compiles on deep models)
+  m.loss_chunk = 0  # sequence chunk for the vocab projection + CE (0: whole length)
+
+  mtp = m.mtp = ml_collections.ConfigDict()
+  mtp.depth = 1  # D, number of MTP depths (0: plain next-token model)
+  mtp.kind = 'sequential'  # sequential (DeepSeek-V3) | parallel (independent heads)
+  mtp.lambda_values = (0.3,)  # piecewise-constant lambda; w_k = lambda / D
+  mtp.lambda_boundaries = ()  # steps where lambda moves to the next value
+  mtp.weights = ()  # explicit per-depth weights w_1..w_D, override lambda / D
+  mtp.detach_trunk = False  # stop_gradient from the MTP modules into the trunk
+
+  d = c.data = ml_collections.ConfigDict()
+  d.dataset = 'python_stdlib'  # TFDS name; python_stdlib is built from this interpreter
+  d.data_dir = ''  # TFDS data_dir ('' -> ~/.cache/mtp_jax/tensorflow_datasets)
+  d.text_key = 'text'  # feature holding the document text
+  d.train_split = 'train'  # TFDS split to train on
+  d.eval_split = 'validation'  # TFDS split for evaluation
+  d.validation_percent = 5  # python_stdlib: percent of files (by path hash) held out
+  d.tokenizer = 'byte'  # byte | sentencepiece
+  d.spm_model = ''  # path of a SentencePiece .model (scripts/train_tokenizer.py)
+  d.seq_len = 256  # tokens per packed sequence T
+  d.batch_size = 16  # global batch (sequences per optimizer step)
+  d.shuffle_seed = 0  # seed of the document shuffle
+  d.worker_count = 0  # grain worker processes (0: in the main process)
+
+  t = c.train = ml_collections.ConfigDict()
+  t.steps = 1000  # optimizer steps
+  t.lr = 3e-3  # peak learning rate
+  t.warmup_steps = 100  # linear warmup
+  t.min_lr_ratio = 0.1  # cosine decays to lr * min_lr_ratio
+  t.weight_decay = 0.1  # AdamW decoupled weight decay
+  t.b1 = 0.9  # Adam beta1
+  t.b2 = 0.95  # Adam beta2
+  t.grad_clip = 1.0  # global-norm clip (0: off)
+  t.grad_accum = 1  # microbatches per step (same update as one big batch)
+  t.log_every = 10  # steps between metric lines
+  t.eval_every = 200  # steps between evaluations (0: only at the end)
+  t.eval_batches = 8  # validation batches per evaluation
+  t.checkpoint_every = 200  # steps between checkpoints (0: only at the end)
+  t.max_to_keep = 3  # checkpoints kept
+  t.async_checkpoint = True  # save in a background thread
+  t.progress = True  # live progress line on the console
+
+  mesh = c.mesh = ml_collections.ConfigDict()
+  mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); one -1 takes the remaining devices
+  mesh.rules = DEFAULT_RULES  # logical axis -> mesh axis table
+  return c
+
+
+def resolved_mesh_shape(shape, num_devices: int) -> tuple[int, ...]:
+  """Fills one -1 entry so the product equals num_devices."""
+  shape = tuple(int(s) for s in shape)
+  if len(shape) != len(MESH_AXES):
+    raise ConfigError(f'mesh.shape must have {len(MESH_AXES)} entries {MESH_AXES}, got {shape}')
+  if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
+    raise ConfigError(f'mesh.shape entries must be positive or a single -1, got {shape}')
+  if -1 in shape:
+    known = math.prod(s for s in shape if s != -1)
+    if num_devices % known:
+      raise ConfigError(
+          f'mesh.shape {shape}: {num_devices} devices are not divisible by {known}')
+    shape = tuple(num_devices // known if s == -1 else s for s in shape)
+  if math.prod(shape) != num_devices:
+    raise ConfigError(
+        f'mesh.shape {shape} has {math.prod(shape)} devices but {num_devices} are available')
+  return shape
+
+
+def _require(cond: bool, msg: str):
+  if not cond:
+    raise ConfigError(msg)
+
+
+def validate(config, num_devices: int | None = None) -> None:
+  """Checks every field that could fail later, before anything compiles."""
+  m, mtp, d, t = config.model, config.model.mtp, config.data, config.train
+  for name, val in [('model.d_model', m.d_model), ('model.n_layers', m.n_layers),
+                    ('model.n_heads', m.n_heads), ('model.n_kv_heads', m.n_kv_heads),
+                    ('model.head_dim', m.head_dim), ('model.mlp_dim', m.mlp_dim),
+                    ('data.seq_len', d.seq_len), ('data.batch_size', d.batch_size),
+                    ('train.steps', t.steps), ('train.grad_accum', t.grad_accum),
+                    ('train.log_every', t.log_every), ('train.eval_batches', t.eval_batches),
+                    ('model.vocab_multiple', m.vocab_multiple)]:
+    _require(isinstance(val, int) and not isinstance(val, bool) and val > 0,
+             f'{name} must be a positive integer, got {val!r}')
+  _require(m.vocab_size >= 0, f'model.vocab_size must be >= 0, got {m.vocab_size}')
+  _require(m.n_heads % m.n_kv_heads == 0,
+           f'model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})')
+  _require(m.head_dim % 2 == 0, f'model.head_dim must be even for RoPE, got {m.head_dim}')
+  _require(m.dtype in ('float32', 'bfloat16', 'float16'),
+           f"model.dtype must be float32, bfloat16 or float16, got {m.dtype!r}")
+  _require(m.remat in ('none', 'block', 'full'),
+           f"model.remat must be none, block or full, got {m.remat!r}")
+  _require(m.loss_chunk >= 0 and (m.loss_chunk == 0 or d.seq_len % m.loss_chunk == 0),
+           f'model.loss_chunk ({m.loss_chunk}) must be 0 or divide data.seq_len ({d.seq_len})')
+  _require(m.norm_eps > 0, f'model.norm_eps must be > 0, got {m.norm_eps}')
+  _require(m.rope_theta > 0, f'model.rope_theta must be > 0, got {m.rope_theta}')
+
+  _require(isinstance(mtp.depth, int) and mtp.depth >= 0,
+           f'model.mtp.depth must be a non-negative integer, got {mtp.depth!r}')
+  _require(mtp.depth + 1 < d.seq_len,
+           f'model.mtp.depth ({mtp.depth}) must be smaller than data.seq_len - 1 '
+           f'({d.seq_len - 1}): depth k predicts t_(i+k+1) inside the sequence')
+  _require(mtp.kind in ('sequential', 'parallel'),
+           f"model.mtp.kind must be 'sequential' or 'parallel', got {mtp.kind!r}")
+  lv, lb = tuple(mtp.lambda_values), tuple(mtp.lambda_boundaries)
+  _require(len(lv) == len(lb) + 1,
+           f'model.mtp.lambda_values needs one more entry than model.mtp.lambda_boundaries '
+           f'(got {len(lv)} values, {len(lb)} boundaries)')
+  _require(all(v >= 0 for v in lv), f'model.mtp.lambda_values must be >= 0, got {lv}')
+  _require(all(b2 > b1 for b1, b2 in zip(lb, lb[1:])) and all(b > 0 for b in lb),
+           f'model.mtp.lambda_boundaries must be positive and increasing, got {lb}')
+  if mtp.weights:
+    _require(len(mtp.weights) == mtp.depth,
+             f'model.mtp.weights has {len(mtp.weights)} entries but model.mtp.depth is {mtp.depth}')
+    _require(all(w >= 0 for w in mtp.weights), f'model.mtp.weights must be >= 0, got {mtp.weights}')
+
+  _require(t.lr > 0, f'train.lr must be > 0, got {t.lr}')
+  _require(0 <= t.warmup_steps, f'train.warmup_steps must be >= 0, got {t.warmup_steps}')
+  _require(0 <= t.min_lr_ratio <= 1, f'train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}')
+  _require(t.weight_decay >= 0, f'train.weight_decay must be >= 0, got {t.weight_decay}')
+  _require(0 <= t.b1 < 1 and 0 <= t.b2 < 1, f'train.b1/b2 must be in [0, 1), got {t.b1}, {t.b2}')
+  _require(t.grad_clip >= 0, f'train.grad_clip must be >= 0, got {t.grad_clip}')
+  _require(t.eval_every >= 0 and t.checkpoint_every >= 0,
+           'train.eval_every and train.checkpoint_every must be >= 0')
+  _require(t.max_to_keep >= 1, f'train.max_to_keep must be >= 1, got {t.max_to_keep}')
+
+  _require(d.tokenizer in ('byte', 'sentencepiece'),
+           f"data.tokenizer must be 'byte' or 'sentencepiece', got {d.tokenizer!r}")
+  if d.tokenizer == 'sentencepiece':
+    _require(bool(d.spm_model), 'data.spm_model must name a .model file when data.tokenizer is sentencepiece')
+  _require(0 < d.validation_percent < 100,
+           f'data.validation_percent must be in (0, 100), got {d.validation_percent}')
+  _require(d.worker_count >= 0, f'data.worker_count must be >= 0, got {d.worker_count}')
+
+  for rule in config.mesh.rules:
+    _require(len(rule) == 2, f'mesh.rules entries must be (logical, mesh_axes) pairs, got {rule!r}')
+    axes = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
+    for a in axes:
+      _require(a is None or a in MESH_AXES,
+               f'mesh.rules maps {rule[0]!r} to unknown mesh axis {a!r}; axes are {MESH_AXES}')
+  if num_devices is not None:
+    shape = resolved_mesh_shape(config.mesh.shape, num_devices)
+    batch_ways = shape[0] * shape[1]
+    _require(d.batch_size % (batch_ways * t.grad_accum) == 0,
+             f'data.batch_size ({d.batch_size}) must be divisible by data x fsdp '
+             f'({batch_ways}) x train.grad_accum ({t.grad_accum})')
+    _require(m.n_kv_heads % shape[2] == 0 and m.n_heads % shape[2] == 0,
+             f'model.n_heads ({m.n_heads}) and n_kv_heads ({m.n_kv_heads}) must be divisible '
+             f'by the tensor axis ({shape[2]})')
