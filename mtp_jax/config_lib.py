@@ -73,6 +73,7 @@ def base_config() -> ml_collections.ConfigDict:
   d.train_split = 'train'  # TFDS split to train on
   d.eval_split = 'validation'  # TFDS split for evaluation
   d.validation_percent = 5  # python_stdlib: percent of files (by path hash) held out
+  d.corpus_dir = ''  # python_stdlib: root of the .py files ('' -> this interpreter's stdlib)
   d.tokenizer = 'byte'  # byte | sentencepiece
   d.spm_model = ''  # path of a SentencePiece .model (scripts/train_tokenizer.py)
   d.seq_len = 256  # tokens per packed sequence T
@@ -189,6 +190,7 @@ def validate(config, num_devices: int | None = None) -> None:
   _require(0 < d.validation_percent < 100,
            f'data.validation_percent must be in (0, 100), got {d.validation_percent}')
   _require(d.worker_count >= 0, f'data.worker_count must be >= 0, got {d.worker_count}')
+  _require(isinstance(d.corpus_dir, str), f'data.corpus_dir must be a path string, got {d.corpus_dir!r}')
 
   for rule in config.mesh.rules:
     _require(len(rule) == 2, f'mesh.rules entries must be (logical, mesh_axes) pairs, got {rule!r}')
