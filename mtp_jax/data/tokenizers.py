@@ -1,0 +1,271 @@
+"""Tokenizers that round-trip source code exactly: raw bytes, or a SentencePiece BPE.
+
+Both share one id layout at the bottom: 0 = pad (never a target), 1 = eos
+(appended to every document). `token_bytes()` gives the UTF-8 bytes each id
+stands for, the denominator of bits-per-byte:
+  * pad -> 0 (padding is masked out of every loss anyway);
+  * eos -> 1: the document boundary is charged as one separator byte, so its
+    loss counts and bits-per-byte stays comparable between the two tokenizers
+    (both emit exactly one eos per document);
+  * a byte / byte-fallback token -> 1; a SentencePiece piece -> len(utf-8 text).
+`decode` skips pad, eos and ids outside the vocabulary (a model's vocab is
+padded up to a multiple of 64, so a sampler can emit such ids).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from mtp_jax.config_lib import ConfigError
+
+PAD_ID = 0
+EOS_ID = 1
+BYTE_VOCAB_SIZE = 258  # pad, eos, 256 bytes
+_SPM_WS = '\u2581'  # SentencePiece's escaped space '▁'
+# SentencePiece skips longer "sentences"; documents are cut at line ends to fit.
+_SPM_MAX_SENTENCE_BYTES = 1 << 14
+
+
+class Tokenizer(Protocol):
+  vocab_size: int
+  pad_id: int
+  eos_id: int
+
+  def encode(self, text: str) -> list[int]: ...
+  def encode_array(self, text: str | bytes) -> np.ndarray: ...
+  def decode(self, ids: Iterable[int]) -> str: ...
+  def token_bytes(self) -> np.ndarray: ...
+
+
+class ByteTokenizer:
+  """UTF-8 bytes: byte b -> b + 2. No training, vocab 258."""
+
+  vocab_size = BYTE_VOCAB_SIZE
+  pad_id = PAD_ID
+  eos_id = EOS_ID
+  _OFFSET = 2
+
+  def encode_array(self, text: str | bytes) -> np.ndarray:
+    """int32 ids of text, without eos (bytes are taken as already UTF-8)."""
+    raw = text.encode('utf-8') if isinstance(text, str) else bytes(text)
+    return np.frombuffer(raw, np.uint8).astype(np.int32) + self._OFFSET
+
+  def encode(self, text: str) -> list[int]:
+    return self.encode_array(text).tolist()
+
+  def decode(self, ids: Iterable[int]) -> str:
+    a = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, np.int64).ravel()
+    a = a[(a >= self._OFFSET) & (a < self.vocab_size)] - self._OFFSET
+    return a.astype(np.uint8).tobytes().decode('utf-8', errors='replace')
+
+  def token_bytes(self) -> np.ndarray:
+    out = np.ones([self.vocab_size], np.int32)
+    out[PAD_ID] = 0
+    return out
+
+
+class SentencePieceTokenizer:
+  """A SentencePiece model trained by `train_sentencepiece` (pad 0, eos 1, byte fallback).
+
+  Picklable (grain worker processes get a copy): it keeps the serialized model.
+  Known limit: SentencePiece escapes spaces as U+2581 '▁', so a literal '▁' in
+  the text decodes as a space (the standard library has none).
+  """
+
+  def __init__(self, model_proto: bytes, path: str = ''):
+    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+    self.path = path
+    self._proto = model_proto
+    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    self.vocab_size = self._sp.get_piece_size()
+    self.pad_id = self._sp.pad_id()
+    self.eos_id = self._sp.eos_id()
+    if self.pad_id != PAD_ID or self.eos_id < 0:
+      raise ConfigError(
+          f'data.spm_model {path!r} has pad_id={self.pad_id}, eos_id={self.eos_id}; '
+          f'pad must be {PAD_ID} and eos must exist (train it with scripts/train_tokenizer.py)')
+
+  @classmethod
+  def from_file(cls, path: str) -> SentencePieceTokenizer:
+    try:
+      with open(path, 'rb') as f:
+        proto = f.read()
+    except OSError as e:
+      raise ConfigError(f'data.spm_model {path!r} cannot be read: {e}') from e
+    try:
+      return cls(proto, path)
+    except (RuntimeError, OSError) as e:
+      raise ConfigError(f'data.spm_model {path!r} is not a SentencePiece model: {e}') from e
+
+  def __getstate__(self):
+    return {'model_proto': self._proto, 'path': self.path}
+
+  def __setstate__(self, state):
+    self.__init__(state['model_proto'], state['path'])
+
+  def encode_array(self, text: str | bytes) -> np.ndarray:
+    if not isinstance(text, str):
+      text = bytes(text).decode('utf-8', errors='replace')
+    return np.asarray(self._sp.encode(text), np.int32)
+
+  def encode(self, text: str) -> list[int]:
+    return self._sp.encode(text)
+
+  def decode(self, ids: Iterable[int]) -> str:
+    ids = [int(i) for i in (ids.ravel() if isinstance(ids, np.ndarray) else ids)]
+    return self._sp.decode([i for i in ids if 0 <= i < self.vocab_size and i != self.pad_id])
+
+  def token_bytes(self) -> np.ndarray:
+    out = np.zeros([self.vocab_size], np.int32)
+    for i in range(self.vocab_size):
+      if i == self.pad_id:
+        out[i] = 0
+      elif self._sp.is_control(i) or self._sp.is_unknown(i) or self._sp.is_byte(i):
+        out[i] = 1
+      else:
+        out[i] = len(self._sp.id_to_piece(i).replace(_SPM_WS, ' ').encode('utf-8'))
+    return out
+
+
+def get_tokenizer(data_config) -> Tokenizer:
+  """The tokenizer named by data.tokenizer; ConfigError naming the field otherwise."""
+  kind = data_config.tokenizer
+  if kind == 'byte':
+    return ByteTokenizer()
+  if kind == 'sentencepiece':
+    path = data_config.spm_model
+    if not path:
+      raise ConfigError('data.spm_model must name a .model file when data.tokenizer is '
+                        "'sentencepiece' (train one with scripts/train_tokenizer.py)")
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+      raise ConfigError(f'data.spm_model {path!r} does not exist '
+                        '(train one with scripts/train_tokenizer.py)')
+    return SentencePieceTokenizer.from_file(path)
+  raise ConfigError(f"data.tokenizer must be 'byte' or 'sentencepiece', got {kind!r}")
+
+
+def vocab_size_for(data_config) -> int:
+  """The tokenizer's vocab size, without touching the corpus (reads the spm model file)."""
+  if data_config.tokenizer == 'byte':
+    return BYTE_VOCAB_SIZE
+  return get_tokenizer(data_config).vocab_size
+
+
+def _sentences(texts: Iterable[str], max_bytes: int) -> Iterable[str]:
+  """Cuts documents at line ends into pieces below max_bytes (UTF-8); newlines kept."""
+  for text in texts:
+    if len(text.encode('utf-8')) < max_bytes:
+      yield text
+      continue
+    chunk, size = [], 0
+    for line in text.splitlines(keepends=True):
+      n = len(line.encode('utf-8'))
+      if chunk and size + n >= max_bytes:
+        yield ''.join(chunk)
+        chunk, size = [], 0
+      if n >= max_bytes:  # a single huge line: cut by characters (still exact text)
+        step = max_bytes // 4
+        for i in range(0, len(line), step):
+          yield line[i:i + step]
+        continue
+      chunk.append(line)
+      size += n
+    if chunk:
+      yield ''.join(chunk)
+
+
+def train_sentencepiece(texts: Iterable[str], *, vocab_size: int = 8192,
+                        num_threads: int | None = None) -> bytes:
+  """Trains a code-safe BPE on texts; returns the serialized model.
+
+  Identity normalization, no whitespace removal, no dummy prefix and
+  whitespace-only pieces ('▁▁▁▁' for indentation) keep the text exact; newlines
+  stay inside the sentences, so pieces such as ':\\n' are learned; byte_fallback
+  means nothing is ever unknown.
+  """
+  import io  # pylint: disable=g-import-not-at-top
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(_sentences(texts, _SPM_MAX_SENTENCE_BYTES)),
+      model_writer=model,
+      model_type='bpe',
+      vocab_size=vocab_size,
+      hard_vocab_limit=False,  # a small sample may not support the full vocab
+      normalization_rule_name='identity',
+      remove_extra_whitespaces=False,
+      add_dummy_prefix=False,
+      allow_whitespace_only_pieces=True,
+      split_by_whitespace=True,
+      byte_fallback=True,
+      character_coverage=0.9995,  # rare characters go to byte fallback
+      max_sentence_length=_SPM_MAX_SENTENCE_BYTES,
+      pad_id=PAD_ID, eos_id=EOS_ID, unk_id=2, bos_id=-1,
+      num_threads=num_threads or os.cpu_count() or 1,
+      minloglevel=2,
+  )
+  return model.getvalue()
+
+
+def sample_texts(data_config, split: str, max_bytes: int, seed: int = 0) -> list[str]:
+  """Documents of a split in a seeded random order, until max_bytes of UTF-8 text."""
+  from mtp_jax.data import stdlib_dataset  # pylint: disable=g-import-not-at-top
+  source = stdlib_dataset.data_source(data_config, split)
+  texts, total = [], 0
+  for i in np.random.default_rng(seed).permutation(len(source)):
+    text = as_text(source[int(i)][data_config.text_key])
+    if not text:
+      continue
+    texts.append(text)
+    total += len(text.encode('utf-8'))
+    if total >= max_bytes:
+      break
+  return texts
+
+
+def as_text(value) -> str:
+  """A TFDS Text feature (bytes) as str."""
+  return value.decode('utf-8', errors='replace') if isinstance(value, bytes) else str(value)
+
+
+def roundtrip_failures(tokenizer: Tokenizer, texts: Sequence[str]) -> list[int]:
+  """Indices of texts for which decode(encode(text)) != text."""
+  return [i for i, t in enumerate(texts) if tokenizer.decode(tokenizer.encode(t)) != t]
+
+
+def train_tokenizer(data_config, *, output: str, vocab_size: int = 8192,
+                    max_bytes: int = 20 << 20, seed: int = 0) -> dict:
+  """Trains a BPE on data.train_split only, writes it to output, checks the eval split.
+
+  Returns a report: sizes, timings, bytes per token and round-trip failures on
+  (up to max_bytes of) data.eval_split.
+  """
+  import time  # pylint: disable=g-import-not-at-top
+  start = time.perf_counter()
+  texts = sample_texts(data_config, data_config.train_split, max_bytes, seed)
+  sampled = time.perf_counter()
+  proto = train_sentencepiece(texts, vocab_size=vocab_size)
+  trained = time.perf_counter()
+  output = os.path.abspath(os.path.expanduser(output))
+  os.makedirs(os.path.dirname(output), exist_ok=True)
+  tmp = f'{output}.tmp{os.getpid()}'
+  with open(tmp, 'wb') as f:
+    f.write(proto)
+  os.replace(tmp, output)  # readers never see a half-written model
+  tok = SentencePieceTokenizer(proto, output)
+  held_out = sample_texts(data_config, data_config.eval_split, max_bytes, seed)
+  n_tokens = sum(len(tok.encode(t)) for t in held_out)
+  n_bytes = sum(len(t.encode('utf-8')) for t in held_out)
+  failures = roundtrip_failures(tok, held_out)
+  return {
+      'output': output, 'vocab_size': tok.vocab_size, 'model_bytes': len(proto),
+      'train_docs': len(texts), 'train_bytes': sum(len(t.encode('utf-8')) for t in texts),
+      'sample_seconds': sampled - start, 'train_seconds': trained - sampled,
+      'eval_docs': len(held_out), 'eval_bytes': n_bytes,
+      'eval_bytes_per_token': n_bytes / max(n_tokens, 1),
+      'roundtrip_failures': len(failures),
+  }
