@@ -1,0 +1,124 @@
+"""Transformer building blocks: RoPE, grouped-query attention, SwiGLU, the pre-norm block.
+
+Parameter names follow Hugging Face's DeepSeek-V3 / Llama layout (input_layernorm,
+self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj) so the
+MTP layer maps 1:1 onto released weights.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.sharding import constrain
+
+Array = jax.Array
+
+
+def _init(initializer, names):
+  return nnx.with_partitioning(initializer, names)
+
+
+def rms_norm(d: int, cfg, rngs: nnx.Rngs) -> nnx.RMSNorm:
+  return nnx.RMSNorm(d, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=jnp.float32,
+                     scale_init=_init(nnx.initializers.ones, ('norm',)), rngs=rngs)
+
+
+def apply_rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float) -> Array:
+  """Rotary embedding (rotate-half form) at the given integer positions."""
+  h = x_BxTxNxH.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  sin = jnp.sin(angles_BxTxF)[:, :, None, :]
+  cos = jnp.cos(angles_BxTxF)[:, :, None, :]
+  x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxH.dtype)
+
+
+def attention_mask(segment_ids_BxT: Array) -> Array:
+  """Causal mask restricted to one packed document: [B, 1, T, T] booleans."""
+  t = segment_ids_BxT.shape[1]
+  causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
+  same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+  return (causal_TxT[None] & same_BxTxT)[:, None]
+
+
+def write_cache(cache_BxSxKxH: Array, new_BxQxKxH: Array, index_B: Array) -> Array:
+  """Writes each row's new entries at that row's own offset."""
+  def one(c, n, i):
+    return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), i, axis=0)
+  return jax.vmap(one)(cache_BxSxKxH, new_BxQxKxH, index_B)
+
+
+class Attention(nnx.Module):
+  """Causal grouped-query attention with RoPE; optional per-row KV cache."""
+
+  def __init__(self, cfg, rngs: nnx.Rngs):
+    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    init = nnx.initializers.lecun_normal()
+    dt = cfg.dtype
+    self.q_proj = nnx.Einsum('btd,dnh->btnh', (d, n, h), dtype=dt,
+                             kernel_init=_init(init, ('embed', 'heads', 'head_dim')), rngs=rngs)
+    self.k_proj = nnx.Einsum('btd,dkh->btkh', (d, k, h), dtype=dt,
+                             kernel_init=_init(init, ('embed', 'kv_heads', 'head_dim')), rngs=rngs)
+    self.v_proj = nnx.Einsum('btd,dkh->btkh', (d, k, h), dtype=dt,
+                             kernel_init=_init(init, ('embed', 'kv_heads', 'head_dim')), rngs=rngs)
+    self.o_proj = nnx.Einsum('btnh,nhd->btd', (n, h, d), dtype=dt,
+                             kernel_init=_init(init, ('heads', 'head_dim', 'embed')), rngs=rngs)
+    self.rope_theta = cfg.rope_theta
+
+  def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache=None, cache_index_B=None):
+    """Attention over x (cache=None) or over a cache the new keys are written into.
+
+    cache: (k_BxSxKxH, v_BxSxKxH); the T new keys/values of row b land at
+    cache_index_B[b] .. +T, and mask_Bx1xTxS says which cache slots each query sees.
+    Returns (out_BxTxD, new_cache or None).
+    """
+    q = apply_rope(self.q_proj(x_BxTxD), positions_BxT, self.rope_theta)
+    k = apply_rope(self.k_proj(x_BxTxD), positions_BxT, self.rope_theta)
+    v = self.v_proj(x_BxTxD)
+    q = constrain(q, ('batch', 'length', 'act_heads', None))
+    if cache is not None:
+      k = write_cache(cache[0], k, cache_index_B)
+      v = write_cache(cache[1], v, cache_index_B)
+      cache = (k, v)
+    out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask_Bx1xTxS)
+    out = constrain(out, ('batch', 'length', 'act_heads', None))
+    return self.o_proj(out), cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg, rngs: nnx.Rngs):
+    d, f, dt = cfg.d_model, cfg.mlp_dim, cfg.dtype
+    init = nnx.initializers.lecun_normal()
+    self.gate_proj = nnx.Linear(d, f, use_bias=False, dtype=dt,
+                                kernel_init=_init(init, ('embed', 'mlp')), rngs=rngs)
+    self.up_proj = nnx.Linear(d, f, use_bias=False, dtype=dt,
+                              kernel_init=_init(init, ('embed', 'mlp')), rngs=rngs)
+    self.down_proj = nnx.Linear(f, d, use_bias=False, dtype=dt,
+                                kernel_init=_init(init, ('mlp', 'embed')), rngs=rngs)
+
+  def __call__(self, x_BxTxD):
+    h = jax.nn.silu(self.gate_proj(x_BxTxD)) * self.up_proj(x_BxTxD)
+    h = constrain(h, ('batch', 'length', 'act_mlp'))
+    return self.down_proj(h)
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x))."""
+
+  def __init__(self, cfg, rngs: nnx.Rngs):
+    self.input_layernorm = rms_norm(cfg.d_model, cfg, rngs)
+    self.self_attn = Attention(cfg, rngs)
+    self.post_attention_layernorm = rms_norm(cfg.d_model, cfg, rngs)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache=None, cache_index_B=None):
+    a, cache = self.self_attn(self.input_layernorm(x_BxTxD), positions_BxT, mask_Bx1xTxS,
+                              cache, cache_index_B)
+    x = x_BxTxD + a
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return constrain(x, ('batch', 'length', 'act_embed')), cache

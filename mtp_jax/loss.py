@@ -1,0 +1,129 @@
+"""The weighted multi-depth loss and its per-depth metrics (DESIGN.md sections 3-4).
+
+  L = L_main + sum_k w_k L^k,   L^k = mean over valid i of -log P^k_{i+k+1}[t_{i+k+1}]
+
+Every depth keeps the static length T; targets of depth k are tokens shifted left by
+k + 1. Position i is valid at depth k only when t_{i+k+1} exists and lies in t_i's
+document. Depth by depth, and optionally in sequence chunks under `jax.checkpoint`,
+so the [D+1, B, T, V] logits never exist at once (not even as saved residuals).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mtp_jax.model import MTPModel, shift_left
+
+Array = jax.Array
+
+
+def valid_mask(segment_ids_BxT: Array, depth: int) -> Array:
+  """Positions whose target t_{i+depth+1} is inside the sequence and in t_i's document."""
+  target_seg = shift_left(segment_ids_BxT, depth + 1, fill=0)
+  return (segment_ids_BxT != 0) & (target_seg == segment_ids_BxT)
+
+
+def targets(tokens_BxT: Array, depth: int) -> Array:
+  return shift_left(tokens_BxT, depth + 1, fill=0)
+
+
+def valid_counts(segment_ids_BxT: Array, num_depths: int) -> Array:
+  """[D+1] number of valid positions per depth (the loss normalisers)."""
+  return jnp.stack([valid_mask(segment_ids_BxT, k).sum() for k in range(num_depths)])
+
+
+def lambda_at(config, step) -> Array:
+  """The step-indexed piecewise-constant lambda of config.model.mtp."""
+  values = jnp.asarray(config.model.mtp.lambda_values, jnp.float32)
+  bounds = jnp.asarray(config.model.mtp.lambda_boundaries, jnp.int32).reshape(-1)
+  return values[jnp.searchsorted(bounds, step, side='right')]
+
+
+def depth_weights(config, step) -> Array:
+  """[D+1] weights: 1 for the main loss, then w_k (explicit, or lambda / D)."""
+  depth = config.model.mtp.depth
+  if depth == 0:
+    return jnp.ones((1,), jnp.float32)
+  if config.model.mtp.weights:
+    w = jnp.asarray(config.model.mtp.weights, jnp.float32)
+  else:
+    w = jnp.full((depth,), lambda_at(config, step) / depth, jnp.float32)
+  return jnp.concatenate([jnp.ones((1,), jnp.float32), w])
+
+
+def _head_sums(model: MTPModel, depth: int, h_BxTxD, targets_BxT, mask_BxT, chunk: int):
+  """(sum of -log p over valid positions, number correct, argmax [B, T]) for one depth.
+
+  The vocab projection runs under jax.checkpoint, chunk by chunk along T, so only
+  one [B, chunk, V] block of logits is alive and none is kept for the backward pass.
+  """
+  b, t, d = h_BxTxD.shape
+  chunk = t if chunk in (0, None) else chunk
+  n = t // chunk
+
+  def body(carry, xs):
+    h, tgt, m = xs
+    logits = model.logits(h, depth)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, tgt)
+    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    mf = m.astype(jnp.float32)
+    loss_sum = carry[0] + jnp.sum(nll * mf)
+    correct = carry[1] + jnp.sum((pred == tgt) * mf)
+    return (loss_sum, correct), pred
+
+  def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
+    return jnp.moveaxis(x.reshape((b, n, chunk) + x.shape[2:]), 1, 0)
+
+  zero = jnp.zeros((), jnp.float32)
+  (loss_sum, correct), pred = jax.lax.scan(
+      jax.checkpoint(body), (zero, zero), (split(h_BxTxD), split(targets_BxT), split(mask_BxT)))
+  pred_BxT = jnp.moveaxis(pred, 0, 1).reshape(b, t)
+  return loss_sum, correct, pred_BxT
+
+
+def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: Array | None = None,
+                     chunk: int = 0):
+  """The weighted loss and summed per-depth statistics of one (micro)batch.
+
+  counts_K: the valid-position counts that normalise each depth's mean; pass the full
+  batch's counts when this is one microbatch of an accumulated step, so the summed
+  gradients equal one large batch exactly. Defaults to this batch's own counts.
+  Returns (loss, sums) where sums maps 'loss_sum', 'correct', 'agree', 'count' to [D+1]
+  arrays (agree[0] is unused and 0).
+  """
+  tokens, seg = batch['tokens'], batch['segment_ids']
+  hiddens = model(tokens, batch.get('positions'), seg)
+  num = len(hiddens)
+  stats = {'loss_sum': [], 'correct': [], 'agree': [], 'count': []}
+  preds = []
+  for k, h in enumerate(hiddens):
+    mask = valid_mask(seg, k)
+    loss_sum, correct, pred = _head_sums(model, k, h, targets(tokens, k), mask, chunk)
+    preds.append(pred)
+    if k == 0:
+      agree = jnp.zeros((), jnp.float32)
+    else:  # does depth k's argmax at i equal the main model's argmax at i + k?
+      agree = jnp.sum((pred == shift_left(preds[0], k, fill=-1)) & mask).astype(jnp.float32)
+    stats['loss_sum'].append(loss_sum)
+    stats['correct'].append(correct)
+    stats['agree'].append(agree)
+    stats['count'].append(mask.sum().astype(jnp.float32))
+  sums = {key: jnp.stack(v) for key, v in stats.items()}
+  denom = sums['count'] if counts_K is None else counts_K.astype(jnp.float32)
+  per_depth = sums['loss_sum'] / jnp.maximum(denom, 1.0)  # empty mask -> 0, never NaN
+  loss = jnp.sum(weights_K[:num] * per_depth)
+  return loss, sums
+
+
+def summarize(sums: dict, prefix: str = 'train') -> dict:
+  """Per-depth means from summed statistics: loss_main, loss_mtp_k, acc_*, agree_mtp_k."""
+  count = jnp.maximum(sums['count'], 1.0)
+  loss_k = sums['loss_sum'] / count
+  acc_k = sums['correct'] / count
+  out = {f'{prefix}/loss_main': loss_k[0], f'{prefix}/acc_main': acc_k[0]}
+  for k in range(1, loss_k.shape[0]):
+    out[f'{prefix}/loss_mtp_{k}'] = loss_k[k]
+    out[f'{prefix}/acc_mtp_{k}'] = acc_k[k]
+    out[f'{prefix}/agree_mtp_{k}'] = sums['agree'][k] / count[k]
+  return out

@@ -1,0 +1,197 @@
+"""The main decoder and its D multi-token-prediction modules (DESIGN.md sections 1-2).
+
+Sequential (DeepSeek-V3) depth k at position i:
+  h'^k_i = eh_proj([enorm(Emb(t_{i+k})) ; hnorm(h^{k-1}_i)])
+  h^k    = block_k(h'^k)              causal, RoPE at the original positions i
+  P^k    = OutHead(shared_head.norm(h^k_i))     distribution of t_{i+k+1}
+Parallel heads (ablation): h^k = block_k(h^0), no token input, no chain.
+`Emb` and `OutHead` are shared by every depth.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax import layers
+from mtp_jax.sharding import constrain
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+  """Static model hyper-parameters (the resolved `config.model`)."""
+  vocab_size: int
+  d_model: int = 256
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: int = 4
+  head_dim: int = 64
+  mlp_dim: int = 768
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  dtype: jnp.dtype = jnp.float32
+  init_std: float = 0.02
+  mtp_depth: int = 1
+  mtp_kind: str = 'sequential'
+  detach_trunk: bool = False
+
+  @classmethod
+  def from_config(cls, config) -> 'ModelArgs':
+    m = config.model
+    return cls(vocab_size=resolve_vocab_size(config), d_model=m.d_model, n_layers=m.n_layers,
+               n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+               mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+               tie_embeddings=m.tie_embeddings, dtype=jnp.dtype(m.dtype), init_std=m.init_std,
+               mtp_depth=m.mtp.depth, mtp_kind=m.mtp.kind, detach_trunk=m.mtp.detach_trunk)
+
+
+def resolve_vocab_size(config) -> int:
+  """config.model.vocab_size, or the tokenizer's size rounded up to vocab_multiple."""
+  if config.model.vocab_size:
+    return int(config.model.vocab_size)
+  from mtp_jax.data import tokenizers  # the data layer is only needed to size the vocab
+  n = tokenizers.vocab_size_for(config.data)
+  mult = config.model.vocab_multiple
+  return int(math.ceil(n / mult) * mult)
+
+
+def shift_left(x_BxT: Array, k: int, fill=0) -> Array:
+  """x[:, i + k] at position i; the last k positions hold `fill` (static shape)."""
+  if k == 0:
+    return x_BxT
+  pad = jnp.full((x_BxT.shape[0], k) + x_BxT.shape[2:], fill, x_BxT.dtype)
+  return jnp.concatenate([x_BxT[:, k:], pad], axis=1)
+
+
+class SharedHead(nnx.Module):
+  """DeepSeek-V3's `shared_head`: its own norm; the projection is the shared OutHead."""
+
+  def __init__(self, args: ModelArgs, rngs: nnx.Rngs):
+    self.norm = layers.rms_norm(args.d_model, args, rngs)
+
+
+class SequentialMTP(nnx.Module):
+  """One DeepSeek-V3 MTP module: enorm, hnorm, eh_proj, a block, shared_head.norm."""
+
+  def __init__(self, args: ModelArgs, rngs: nnx.Rngs):
+    d = args.d_model
+    self.enorm = layers.rms_norm(d, args, rngs)
+    self.hnorm = layers.rms_norm(d, args, rngs)
+    self.eh_proj = nnx.Linear(
+        2 * d, d, use_bias=False, dtype=args.dtype,
+        kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, 'embed')),
+        rngs=rngs)
+    self.block = layers.Block(args, rngs)
+    self.shared_head = SharedHead(args, rngs)
+
+  def combine(self, h_prev_BxTxD: Array, emb_BxTxD: Array) -> Array:
+    """eh_proj([enorm(emb) ; hnorm(h)]): the order of DeepSeek's released weights."""
+    x = jnp.concatenate([self.enorm(emb_BxTxD), self.hnorm(h_prev_BxTxD)], axis=-1)
+    return constrain(self.eh_proj(x), ('batch', 'length', 'act_embed'))
+
+
+class ParallelHead(nnx.Module):
+  """An independent block on the trunk's h^0 (Gloeckle et al. 2024), no token input."""
+
+  def __init__(self, args: ModelArgs, rngs: nnx.Rngs):
+    self.block = layers.Block(args, rngs)
+    self.shared_head = SharedHead(args, rngs)
+
+
+class MTPModel(nnx.Module):
+  """Main decoder + D MTP modules sharing one embedding and one output head."""
+
+  def __init__(self, args: ModelArgs, *, rngs: nnx.Rngs):
+    # Parameters are placed on devices by jit out_shardings (sharding.py), not eagerly,
+    # so the model also builds outside a mesh (tests, notebooks).
+    with nnx.use_eager_sharding(False):
+      self.args = args
+      self.embed = nnx.Embed(
+          args.vocab_size, args.d_model, dtype=args.dtype,
+          embedding_init=nnx.with_partitioning(
+              nnx.initializers.normal(args.init_std), ('vocab', 'embed')), rngs=rngs)
+      self.layers = nnx.List([layers.Block(args, rngs) for _ in range(args.n_layers)])
+      self.norm = layers.rms_norm(args.d_model, args, rngs)
+      if not args.tie_embeddings:
+        self.lm_head = nnx.Linear(
+            args.d_model, args.vocab_size, use_bias=False, dtype=args.dtype,
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ('embed', 'vocab')),
+            rngs=rngs)
+      module = SequentialMTP if args.mtp_kind == 'sequential' else ParallelHead
+      self.mtp = nnx.List([module(args, rngs) for _ in range(args.mtp_depth)])
+
+  # -- pieces, also used by the decoder ----------------------------------------------
+  def embed_tokens(self, tokens_BxT: Array) -> Array:
+    return constrain(self.embed(tokens_BxT), ('batch', 'length', 'act_embed'))
+
+  def head_norm(self, depth: int) -> nnx.RMSNorm:
+    """The norm before OutHead: the final norm (depth 0) or depth k's shared_head.norm."""
+    return self.norm if depth == 0 else self.mtp[depth - 1].shared_head.norm
+
+  def output_kernel(self) -> Array:
+    """OutHead as a [d, V] matrix (the embedding transposed when tied)."""
+    if self.args.tie_embeddings:
+      return self.embed.embedding[...].T
+    return self.lm_head.kernel[...]
+
+  def logits(self, h_BxTxD: Array, depth: int = 0) -> Array:
+    """OutHead(norm_depth(h)) in float32."""
+    x = self.head_norm(depth)(h_BxTxD)
+    w = self.output_kernel().astype(x.dtype)
+    return jnp.einsum('btd,dv->btv', x, w, preferred_element_type=jnp.float32)
+
+  def trunk(self, tokens_BxT, positions_BxT, mask_Bx1xTxT) -> Array:
+    """h^0: the last block's output, before the final norm."""
+    x = self.embed_tokens(tokens_BxT)
+    for block in self.layers:
+      x, _ = block(x, positions_BxT, mask_Bx1xTxT)
+    return x
+
+  def mtp_step(self, depth: int, h_prev_BxTxD, tokens_BxT, positions_BxT, mask, cache=None,
+               cache_index_B=None):
+    """h^k from h^{k-1} (sequential) or h^0 (parallel); tokens_BxT are t_{i+k} at i."""
+    module = self.mtp[depth - 1]
+    if isinstance(module, SequentialMTP):
+      x = module.combine(h_prev_BxTxD, self.embed_tokens(tokens_BxT))
+    else:
+      x = h_prev_BxTxD
+    return module.block(x, positions_BxT, mask, cache, cache_index_B)
+
+  def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None,
+               segment_ids_BxT: Array | None = None) -> list[Array]:
+    """Hidden states [h^0, h^1, ..., h^D], each [B, T, d], for teacher-forced training.
+
+    Depth k reads the true tokens t_{i+k} (shifted left by k; the tail is padding and
+    is masked out by the loss).
+    """
+    b, t = tokens_BxT.shape[:2]
+    if positions_BxT is None:
+      positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids_BxT is None:
+      segment_ids_BxT = jnp.ones((b, t), jnp.int32)
+    mask = layers.attention_mask(segment_ids_BxT)
+    h0 = self.trunk(tokens_BxT, positions_BxT, mask)
+    hiddens = [h0]
+    h = jax.lax.stop_gradient(h0) if self.args.detach_trunk else h0
+    for k in range(1, self.args.mtp_depth + 1):
+      if self.args.mtp_kind == 'sequential':
+        h, _ = self.mtp_step(k, h, shift_left(tokens_BxT, k), positions_BxT, mask)
+        hiddens.append(h)
+      else:
+        hk, _ = self.mtp_step(k, h, None, positions_BxT, mask)
+        hiddens.append(hk)
+    return hiddens
+
+
+def count_params(model: nnx.Module) -> dict[str, int]:
+  """Parameter counts: total, trunk (embedding, blocks, final norm, head), mtp."""
+  state = nnx.state(model, nnx.Param)
+  total = sum(x.size for x in jax.tree.leaves(state))
+  mtp = sum(x.size for x in jax.tree.leaves(nnx.state(model.mtp, nnx.Param)))
+  return {'total': int(total), 'trunk': int(total - mtp), 'mtp': int(mtp)}

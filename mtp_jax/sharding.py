@@ -1,0 +1,71 @@
+"""The device mesh and the logical-axis sharding table.
+
+Layers name logical axes only (`batch`, `embed`, `heads`, ...); the config's
+`mesh.rules` table maps them onto the mesh axes ('data', 'fsdp', 'tensor').
+"""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.core import spmd as flax_spmd
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mtp_jax import config_lib
+
+
+def make_mesh(config, devices=None) -> jax.sharding.Mesh:
+  """The ('data', 'fsdp', 'tensor') mesh of the config, with Auto axis types."""
+  devices = jax.devices() if devices is None else devices
+  shape = config_lib.resolved_mesh_shape(config.mesh.shape, len(devices))
+  return jax.make_mesh(shape, config_lib.MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+                       devices=devices)
+
+
+def rules_of(config) -> tuple:
+  return tuple((name, tuple(ax) if isinstance(ax, (list, tuple)) else ax)
+               for name, ax in config.mesh.rules)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh, rules):
+  """Makes `mesh` current and binds the logical-axis rules for layers."""
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    yield
+
+
+def logical_spec(names) -> P:
+  """PartitionSpec for logical axis names under the active rules."""
+  return flax_spmd.get_pspec(tuple(names))
+
+
+def constrain(x, names):
+  """Sharding hint for an activation; a no-op outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not flax_spmd.get_logical_axis_rules():
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_spec(names))
+
+
+def state_shardings(abstract_state, mesh):
+  """NamedShardings for an nnx State from its params' logical annotations."""
+  return nnx.get_named_sharding(abstract_state, mesh)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+  """Sharding of a [B, T] input batch: batch axis over the data-parallel axes."""
+  return NamedSharding(mesh, logical_spec(('batch', 'length')))
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def host_batch_to_global(batch: dict, mesh) -> dict:
+  """Assembles per-process numpy batches into global sharded jax Arrays."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in batch.items()}

@@ -1,0 +1,327 @@
+"""Training: state built on the mesh, one jitted train step, the loop with eval and checkpoints.
+
+The train step is a pure module-level function of (state, batch): the model and
+optimizer are split once into a static graphdef and an nnx.State pytree, merged back
+inside `jax.jit`, which has explicit in/out shardings and donates the state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import config_lib
+from mtp_jax import loss as loss_lib
+from mtp_jax import metrics as metrics_lib
+from mtp_jax import sharding
+from mtp_jax.model import MTPModel, ModelArgs
+
+
+# -- optimizer ----------------------------------------------------------------------------
+def lr_schedule(config) -> optax.Schedule:
+  t = config.train
+  warmup = min(t.warmup_steps, max(t.steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
+      decay_steps=max(t.steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)
+
+
+def build_optimizer(config) -> optax.GradientTransformation:
+  """AdamW with warmup + cosine, global-norm clipping; no decay on norms (1-D params)."""
+  t = config.train
+  adamw = optax.adamw(lr_schedule(config), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                      mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+  if t.grad_clip > 0:
+    return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw)
+  return adamw
+
+
+def create_model_and_optimizer(config) -> tuple[MTPModel, nnx.Optimizer]:
+  model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(config.seed))
+  return model, nnx.Optimizer(model, build_optimizer(config), wrt=nnx.Param)
+
+
+# -- state on the mesh -------------------------------------------------------------------
+@dataclasses.dataclass
+class TrainSetup:
+  """Everything static about a run: mesh, graphdef, shardings, compiled steps."""
+  config: Any
+  mesh: jax.sharding.Mesh
+  rules: tuple
+  graphdef: Any
+  state_shardings: Any
+  abstract_state: Any
+  train_step: Callable
+  eval_step: Callable
+
+
+def init_state(config, mesh, rules):
+  """(graphdef, state, shardings, abstract): parameters created directly on the mesh."""
+  with sharding.use_mesh(mesh, rules):
+    abstract = nnx.eval_shape(lambda: create_model_and_optimizer(config))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = sharding.state_shardings(abstract_state, mesh)
+    state = jax.jit(lambda: nnx.split(create_model_and_optimizer(config))[1],
+                    out_shardings=shardings)()
+  abstract_state = ckpt_lib.abstract_like(abstract_state, shardings)
+  return graphdef, state, shardings, abstract_state
+
+
+def _split_micro(x, accum: int):
+  """[B, ...] -> [A, B/A, ...] taking rows j*A + m into microbatch m (keeps shards local)."""
+  b = x.shape[0]
+  return x.reshape((b // accum, accum) + x.shape[1:]).swapaxes(0, 1)
+
+
+def train_step(config, graphdef, state, batch):
+  """One optimizer step: accumulated gradients of the weighted multi-depth loss."""
+  model, optimizer = nnx.merge(graphdef, state)
+  num_depths = config.model.mtp.depth + 1
+  step = optimizer.step[...]
+  weights = loss_lib.depth_weights(config, step)
+  # Normalisers from the whole batch: microbatch gradients then sum to the big-batch one.
+  counts = loss_lib.valid_counts(batch['segment_ids'], num_depths)
+  model_graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(p, mb):
+    m = nnx.merge(model_graph, p, rest)
+    return loss_lib.loss_and_metrics(m, mb, weights, counts, config.model.loss_chunk)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  accum = config.train.grad_accum
+  if accum == 1:
+    (loss, sums), grads = grad_fn(params, batch)
+  else:
+    micro = jax.tree.map(lambda x: _split_micro(x, accum), batch)
+
+    def body(carry, mb):
+      out = grad_fn(params, mb)
+      return jax.tree.map(jnp.add, carry, out), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params,
+                                                        jax.tree.map(lambda x: x[0], micro)))
+    ((loss, sums), grads), _ = jax.lax.scan(body, zeros, micro)
+  grad_norm = optax.global_norm(grads)
+  optimizer.update(model, grads)
+  metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr_schedule(config)(step),
+             'lambda': weights[1:].sum() if num_depths > 1 else jnp.zeros(()), **sums}
+  return nnx.state((model, optimizer)), metrics
+
+
+def eval_step(config, graphdef, state, batch, token_bytes_V):
+  """Summed per-depth statistics on one batch, plus target bytes for bits per byte."""
+  model, _ = nnx.merge(graphdef, state)
+  num_depths = config.model.mtp.depth + 1
+  weights = jnp.ones((num_depths,), jnp.float32)
+  _, sums = loss_lib.loss_and_metrics(model, batch, weights, None, config.model.loss_chunk)
+  seg = batch['segment_ids']
+  byte_sums = [jnp.sum(jnp.where(loss_lib.valid_mask(seg, k),
+                                 token_bytes_V[loss_lib.targets(batch['tokens'], k)], 0))
+               for k in range(num_depths)]
+  sums['bytes'] = jnp.stack(byte_sums).astype(jnp.float32)
+  return sums
+
+
+def setup(config, devices=None) -> tuple[TrainSetup, Any]:
+  """Validates, builds the mesh and the sharded state, and jits the steps."""
+  devices = jax.devices() if devices is None else devices
+  config_lib.validate(config, len(devices))
+  mesh = sharding.make_mesh(config, devices)
+  rules = sharding.rules_of(config)
+  graphdef, state, shardings, abstract = init_state(config, mesh, rules)
+  with sharding.use_mesh(mesh, rules):
+    batch_sh = sharding.batch_sharding(mesh)
+  rep = sharding.replicated(mesh)
+  batch_shardings = {'tokens': batch_sh, 'segment_ids': batch_sh, 'positions': batch_sh}
+  step_fn = jax.jit(functools.partial(train_step, config, graphdef),
+                    in_shardings=(shardings, batch_shardings),
+                    out_shardings=(shardings, rep), donate_argnums=0)
+  eval_fn = jax.jit(functools.partial(eval_step, config, graphdef),
+                    in_shardings=(shardings, batch_shardings, rep), out_shardings=rep)
+  return TrainSetup(config, mesh, rules, graphdef, shardings, abstract, step_fn, eval_fn), state
+
+
+def run_step(ts: TrainSetup, state, batch):
+  """Calls the compiled step under the mesh and logical-axis rules (host numpy in)."""
+  with sharding.use_mesh(ts.mesh, ts.rules):
+    gbatch = sharding.host_batch_to_global(batch, ts.mesh)
+    return ts.train_step(state, gbatch)
+
+
+def evaluate(ts: TrainSetup, state, batches, token_bytes_V) -> dict:
+  """eval/... per-depth loss, accuracy, agreement and bits per byte over `batches`."""
+  total = None
+  with sharding.use_mesh(ts.mesh, ts.rules):
+    tb = jax.device_put(jnp.asarray(token_bytes_V, jnp.int32), sharding.replicated(ts.mesh))
+    for batch in batches:
+      sums = ts.eval_step(state, sharding.host_batch_to_global(batch, ts.mesh), tb)
+      total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+  total = jax.device_get(total)
+  out = {k: float(v) for k, v in loss_lib.summarize(total, 'eval').items()}
+  bpb = total['loss_sum'] / (math.log(2) * np.maximum(total['bytes'], 1.0))
+  out['eval/bpb_main'] = float(bpb[0])
+  for k in range(1, len(bpb)):
+    out[f'eval/bpb_mtp_{k}'] = float(bpb[k])
+  out['eval/tokens'] = float(total['count'][0])
+  return out
+
+
+# -- the loop ------------------------------------------------------------------------------
+class _Window:
+  """Host-side sums of step metrics between two log lines."""
+
+  def __init__(self):
+    self.reset()
+
+  def reset(self):
+    self.sums, self.steps, self.loss, self.start = None, 0, 0.0, time.time()
+    self.excluded = 0.0  # seconds spent in eval and saving, not training
+
+  def add(self, m: dict):
+    stats = {k: m[k] for k in ('loss_sum', 'correct', 'agree', 'count')}
+    self.sums = stats if self.sums is None else {k: self.sums[k] + stats[k] for k in stats}
+    self.steps += 1
+    self.loss += float(m['loss'])
+
+
+def _nonfinite_report(m: dict) -> str:
+  count = np.maximum(m['count'], 1.0)
+  per = m['loss_sum'] / count
+  bad = [('main' if k == 0 else f'mtp_{k}') for k in range(len(per)) if not np.isfinite(per[k])]
+  return (f'loss={float(m["loss"])}, grad_norm={float(m["grad_norm"])}'
+          + (f'; non-finite depth losses: {", ".join(bad)}' if bad else ''))
+
+
+def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | None = None) -> dict:
+  """Trains `config` in `workdir`, resuming from its latest checkpoint if one exists.
+
+  stop_after: stop (with a checkpoint) once this step is reached, as a preempted job
+  would; the schedule still follows config.train.steps. Returns the last metrics.
+  """
+  from mtp_jax.data import pipeline, tokenizers  # heavy imports only when training
+
+  workdir = os.path.abspath(workdir)
+  devices = jax.devices() if devices is None else devices
+  config_lib.validate(config, len(devices))
+  pipeline.validate_data_config(config)
+  tokenizer = tokenizers.get_tokenizer(config.data)
+  is_main = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'),
+                                       max_to_keep=config.train.max_to_keep,
+                                       async_save=config.train.async_checkpoint)
+  config_dict = json.loads(config.to_json_best_effort())
+  latest = checkpointer.latest_step()
+  if latest is not None:  # fail before compiling anything
+    saved = checkpointer.read_meta(latest).get('config', {})
+    ckpt_lib.check_compatible(saved, config_dict, checkpointer.directory)
+
+  ts, state = setup(config, devices)
+  data_iter = pipeline.make_train_iter(config, process_index=jax.process_index(),
+                                       process_count=jax.process_count())
+  start_step = 0
+  progress = metrics_lib.Progress(config.train.steps, enabled=config.train.progress and is_main)
+  if latest is not None:
+    state, meta = checkpointer.restore(latest, ts.abstract_state, data_iter)
+    start_step = int(meta['step'])
+    progress.message(f'Resumed from {checkpointer.directory} at step {start_step}.')
+  if is_main:
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      f.write(config.to_json_best_effort(indent=2))
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+
+  eval_batches = None
+  token_bytes = tokenizer.token_bytes()
+  vocab = ModelArgs.from_config(config).vocab_size
+  token_bytes = np.pad(token_bytes, (0, vocab - len(token_bytes)), constant_values=1)
+
+  def run_eval(step):
+    nonlocal eval_batches
+    if eval_batches is None:
+      eval_batches = list(pipeline.make_eval_batches(
+          config, num_batches=config.train.eval_batches, process_index=jax.process_index(),
+          process_count=jax.process_count()))
+    out = evaluate(ts, state, eval_batches, token_bytes)
+    writer.write(step, out)
+    progress.message(f'eval @ {step}: ' + '  '.join(
+        f'{k[5:]}={v:.4f}' for k, v in out.items() if 'bpb' in k or 'loss' in k))
+    return out
+
+  def save(step):
+    meta = {'step': int(step), 'config': config_dict}
+    checkpointer.save(step, state, data_iter, meta, force=True)
+
+  tokens_per_step = config.data.batch_size * config.data.seq_len
+  end_step = config.train.steps if stop_after is None else min(stop_after, config.train.steps)
+  window = _Window()
+  last = {}
+  pending = None  # (step, device metrics) fetched after the next step is dispatched
+
+  def consume(step, m):
+    nonlocal last
+    m = jax.device_get(m)
+    if not (np.isfinite(m['loss']) and np.isfinite(m['grad_norm'])):
+      raise FloatingPointError(f'non-finite training state at step {step}: {_nonfinite_report(m)}')
+    window.add(m)
+    if step % config.train.log_every == 0 or step == end_step:
+      elapsed = time.time() - window.start - window.excluded
+      out = {k: float(v) for k, v in loss_lib.summarize(
+          {k: jnp.asarray(v) for k, v in window.sums.items()}, 'train').items()}
+      out['train/loss'] = window.loss / window.steps
+      out['train/lr'] = float(m['lr'])
+      out['train/lambda'] = float(m['lambda'])
+      out['train/grad_norm'] = float(m['grad_norm'])
+      out['perf/tokens_per_sec'] = window.steps * tokens_per_step / max(elapsed, 1e-9)
+      out['perf/step_time'] = elapsed / window.steps
+      writer.write(step, out)
+      progress.update(step, out['train/loss'], out['perf/tokens_per_sec'])
+      window.reset()
+      last = out
+
+  step = start_step
+  if start_step >= config.train.steps:
+    progress.message(f'Nothing to do: the checkpoint in {workdir} is at the final step {start_step}.')
+  try:
+    while step < end_step:
+      batch = next(data_iter)
+      state, m = run_step(ts, state, batch)
+      step += 1
+      if pending is not None:
+        consume(*pending)
+      pending = (step, m)
+      want_eval = config.train.eval_every and step % config.train.eval_every == 0
+      want_ckpt = config.train.checkpoint_every and step % config.train.checkpoint_every == 0
+      if want_eval or want_ckpt or step == end_step:
+        consume(*pending)  # a checkpoint never holds a state whose loss was not checked
+        pending = None
+      t0 = time.time()
+      if want_eval and step != config.train.steps:
+        last.update(run_eval(step))
+      if want_ckpt and step != end_step:
+        save(step)
+      window.excluded += time.time() - t0
+    if pending is not None:
+      consume(*pending)
+    if start_step < end_step or latest is None:
+      save(step)
+    if start_step < step == config.train.steps:
+      last.update(run_eval(step))
+  finally:
+    checkpointer.close()
+    writer.close()
+    progress.close()
+    if hasattr(data_iter, 'close'):
+      data_iter.close()
+  return last

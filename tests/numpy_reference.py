@@ -1,0 +1,100 @@
+"""An independent float64 numpy implementation of DESIGN.md sections 1-3, for tests.
+
+Written from the equations, loop-by-loop where that is clearer, sharing no code with
+mtp_jax: a bug in the JAX model or loss shows up as a mismatch here.
+"""
+import numpy as np
+
+
+def rmsnorm(x, scale, eps):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def rope(x_TxNxH, pos_T, theta):
+  h = x_TxNxH.shape[-1]
+  half = h // 2
+  out = np.empty_like(x_TxNxH)
+  for t in range(x_TxNxH.shape[0]):
+    for j in range(half):
+      ang = pos_T[t] * theta ** (-(2 * j) / h)
+      a, b = x_TxNxH[t, :, j], x_TxNxH[t, :, j + half]
+      out[t, :, j] = a * np.cos(ang) - b * np.sin(ang)
+      out[t, :, j + half] = b * np.cos(ang) + a * np.sin(ang)
+  return out
+
+
+def block(p, x_TxD, pos_T, seg_T, eps, theta):
+  """One pre-norm block on a single sequence; attention within a document, causal."""
+  t = x_TxD.shape[0]
+  a = p['self_attn']
+  h = rmsnorm(x_TxD, p['input_layernorm']['scale'], eps)
+  q = rope(np.einsum('td,dnh->tnh', h, a['q_proj']['kernel']), pos_T, theta)
+  k = rope(np.einsum('td,dkh->tkh', h, a['k_proj']['kernel']), pos_T, theta)
+  v = np.einsum('td,dkh->tkh', h, a['v_proj']['kernel'])
+  n_heads, n_kv = q.shape[1], k.shape[1]
+  group = n_heads // n_kv
+  out = np.zeros_like(q)
+  for head in range(n_heads):
+    kv = head // group  # query heads share key/value heads in contiguous groups
+    for i in range(t):
+      allowed = [j for j in range(i + 1) if seg_T[j] == seg_T[i]]
+      s = np.array([q[i, head] @ k[j, kv] for j in allowed]) / np.sqrt(q.shape[-1])
+      w = np.exp(s - s.max())
+      w /= w.sum()
+      out[i, head] = sum(wj * v[j, kv] for wj, j in zip(w, allowed))
+  x = x_TxD + np.einsum('tnh,nhd->td', out, a['o_proj']['kernel'])
+  m = p['mlp']
+  h = rmsnorm(x, p['post_attention_layernorm']['scale'], eps)
+  g = h @ m['gate_proj']['kernel']
+  u = h @ m['up_proj']['kernel']
+  silu = g / (1.0 + np.exp(-g))
+  return x + (silu * u) @ m['down_proj']['kernel']
+
+
+def forward(params, tokens_T, pos_T, seg_T, depth, kind='sequential', eps=1e-6, theta=1e4):
+  """[h^0, ..., h^D] for one sequence; depth k reads t_{i+k} (0 past the end)."""
+  emb = params['embed']['embedding']
+  t = len(tokens_T)
+  x = emb[tokens_T]
+  for i in sorted(params['layers']):
+    x = block(params['layers'][i], x, pos_T, seg_T, eps, theta)
+  hs = [x]
+  for k in range(1, depth + 1):
+    p = params['mtp'][k - 1]
+    if kind == 'sequential':
+      shifted = np.array([tokens_T[i + k] if i + k < t else 0 for i in range(t)])
+      e = rmsnorm(emb[shifted], p['enorm']['scale'], eps)
+      hprev = rmsnorm(hs[-1], p['hnorm']['scale'], eps)
+      inp = np.concatenate([e, hprev], axis=-1) @ p['eh_proj']['kernel']
+    else:
+      inp = hs[0]
+    hs.append(block(p['block'], inp, pos_T, seg_T, eps, theta))
+  return hs
+
+
+def head_logits(params, h, depth, eps=1e-6):
+  scale = params['norm']['scale'] if depth == 0 else params['mtp'][depth - 1]['shared_head']['norm']['scale']
+  w = params['lm_head']['kernel'] if 'lm_head' in params else params['embed']['embedding'].T
+  return rmsnorm(h, scale, eps) @ w
+
+
+def loss(params, tokens_BxT, pos_BxT, seg_BxT, depth, weights, kind='sequential'):
+  """L = L_main + sum_k w_k L^k with §3's valid positions; also per-depth (sum, count)."""
+  b, t = tokens_BxT.shape
+  sums = np.zeros(depth + 1)
+  counts = np.zeros(depth + 1)
+  for r in range(b):
+    hs = forward(params, tokens_BxT[r], pos_BxT[r], seg_BxT[r], depth, kind)
+    for k in range(depth + 1):
+      logits = head_logits(params, hs[k], k)
+      for i in range(t):
+        j = i + k + 1
+        if seg_BxT[r, i] == 0 or j >= t or seg_BxT[r, j] != seg_BxT[r, i]:
+          continue
+        z = logits[i] - logits[i].max()
+        logp = z - np.log(np.exp(z).sum())
+        sums[k] -= logp[tokens_BxT[r, j]]
+        counts[k] += 1
+  means = np.where(counts > 0, sums / np.maximum(counts, 1), 0.0)
+  total = means[0] + sum(weights[k - 1] * means[k] for k in range(1, depth + 1))
+  return total, sums, counts

@@ -1,0 +1,113 @@
+"""Model: shapes, finiteness, causality per depth, parameter naming, numpy agreement."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import numpy_reference as ref
+from conftest import tiny_model_config
+from mtp_jax import loss as loss_lib
+from mtp_jax.model import MTPModel, ModelArgs, count_params
+
+
+def build(depth, kind='sequential', seed=0, **model):
+  # Eager init: every tiny model shares shapes, so each init op compiles once per session.
+  return MTPModel(ModelArgs.from_config(tiny_model_config(depth, kind, **model)),
+                  rngs=nnx.Rngs(seed))
+
+
+@nnx.jit
+def forward(model, tokens, positions=None, segment_ids=None):
+  hs = model(tokens, positions, segment_ids)
+  return hs, [model.logits(h, k) for k, h in enumerate(hs)]
+
+
+def randomize(model, seed=1):
+  """Replaces every parameter (norm scales too) with seeded random values."""
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(lambda x: (rng.normal(size=x.shape) * (0.3 if x.ndim > 1 else 0.5)
+                                   + (1.0 if x.ndim == 1 else 0.0)).astype(np.float32), params)
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(model, state)
+  return jax.tree.map(np.float64, params)
+
+
+@pytest.mark.parametrize('depth', [0, 1, 3])
+@pytest.mark.parametrize('kind', ['sequential', 'parallel'])
+def test_shapes_and_finite(depth, kind):
+  model = build(depth, kind)
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 64)
+  hs, all_logits = forward(model, tokens)
+  assert len(hs) == depth + 1
+  for h, logits in zip(hs, all_logits):
+    assert h.shape == (2, 16, 32)
+    assert logits.shape == (2, 16, 64) and logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits)))
+  counts = count_params(model)
+  assert (counts['mtp'] == 0) == (depth == 0)
+  assert counts['total'] == counts['trunk'] + counts['mtp']
+
+
+def test_depth_zero_has_identical_trunk():
+  """D = 0 is the same trunk: same parameter tree minus `mtp`, same h^0 and logits."""
+  m0, m2 = build(0, seed=3), build(2, seed=3)
+  s0 = nnx.to_pure_dict(nnx.state(m0, nnx.Param))
+  s2 = nnx.to_pure_dict(nnx.state(m2, nnx.Param))
+  s2.pop('mtp')
+  s0.pop('mtp', None)
+  assert jax.tree.structure(s0) == jax.tree.structure(s2)
+  nnx.update(m2, nnx.state(m0, nnx.Param))  # load the trunk of m0 into m2 (mtp untouched)
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+  np.testing.assert_allclose(forward(m0, tokens)[1][0], forward(m2, tokens)[1][0],
+                             rtol=1e-6, atol=1e-6)
+
+
+def test_deepseek_parameter_names():
+  model = build(2)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  layer = params['mtp'][1]
+  assert set(layer) == {'enorm', 'hnorm', 'eh_proj', 'block', 'shared_head'}
+  assert layer['eh_proj']['kernel'].shape == (64, 32)  # M_k: 2d -> d, no bias
+  assert set(layer['shared_head']) == {'norm'}
+  assert 'embed' not in layer and 'lm_head' not in layer  # Emb and OutHead are shared
+
+
+@pytest.mark.parametrize('kind', ['sequential', 'parallel'])
+def test_causality_per_depth(kind):
+  """Depth k's output at i depends on tokens t_0..t_{i+k} only (sequential), t_0..t_i
+  (parallel, main); and does depend on t_{i+k} (sequential: the chain's token input)."""
+  depth, t = 3, 12
+  model = build(depth, kind)
+  # Float one-hot tokens make gradients w.r.t. every input token exist.
+  object.__setattr__(model, 'embed_tokens', lambda onehot: onehot @ model.embed.embedding[...])
+  tokens = jax.random.randint(jax.random.key(2), (1, t), 0, 64)
+  onehot = jax.nn.one_hot(tokens, 64)
+  probe = jnp.linspace(-1, 1, 64)
+  for k in range(depth + 1):
+    # jac[i, j, v] = d(output at i) / d(one-hot input j, v)
+    jac = jax.jit(jax.jacrev(lambda x: model.logits(model(x)[k], k)[0] @ probe))(onehot)[:, 0]
+    touched_IxJ = np.abs(np.asarray(jac)).sum(-1) > 0
+    for i in range(t):
+      touched = np.nonzero(touched_IxJ[i])[0]
+      reach = i + k if (kind == 'sequential' and k > 0) else i
+      assert touched.max() <= min(reach, t - 1), (k, i, touched)
+      if reach < t:
+        assert reach in touched, (k, i, touched)
+
+
+@pytest.mark.parametrize('kind', ['sequential', 'parallel'])
+def test_forward_matches_numpy(kind):
+  model = build(2, kind, tie_embeddings=(kind == 'sequential'))
+  params = randomize(model)
+  tokens = np.array([[5, 9, 1, 33, 2, 7, 60, 4, 11, 12, 3, 8, 21, 22, 0, 0]])
+  seg = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 0, 0]])
+  pos = np.array([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1]])
+  hs, logits = forward(model, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg))
+  want = ref.forward(params, tokens[0], pos[0], seg[0], 2, kind)
+  for k in range(3):
+    np.testing.assert_allclose(np.asarray(hs[k][0]), want[k], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(logits[k][0]),
+                               ref.head_logits(params, want[k], k), rtol=2e-4, atol=2e-4)
