@@ -13,7 +13,9 @@ padded up to a multiple of 64, so a sampler can emit such ids).
 """
 from __future__ import annotations
 
+import io
 import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -187,7 +189,6 @@ def train_sentencepiece(texts: Iterable[str], *, vocab_size: int = 8192,
   stay inside the sentences, so pieces such as ':\\n' are learned; byte_fallback
   means nothing is ever unknown.
   """
-  import io  # pylint: disable=g-import-not-at-top
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(
@@ -244,7 +245,6 @@ def train_tokenizer(data_config, *, output: str, vocab_size: int = 8192,
   Returns a report: sizes, timings, bytes per token and round-trip failures on
   (up to max_bytes of) data.eval_split.
   """
-  import time  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   texts = sample_texts(data_config, data_config.train_split, max_bytes, seed)
   sampled = time.perf_counter()
