@@ -291,12 +291,19 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
       last = out
 
   step = start_step
+  compiled = None
   if start_step >= config.train.steps:
     progress.message(f'Nothing to do: the checkpoint in {workdir} is at the final step {start_step}.')
   try:
     while step < end_step:
       batch = next(data_iter)
-      state, m = run_step(ts, state, batch)
+      with sharding.use_mesh(ts.mesh, ts.rules):
+        gbatch = sharding.host_batch_to_global(batch, ts.mesh)
+        if compiled is None:  # ahead of time, so compilation is not counted as training
+          t0 = time.time()
+          compiled = ts.train_step.lower(state, gbatch).compile()
+          progress.message(f'Compiled the train step in {time.time() - t0:.1f} s.')
+        state, m = compiled(state, gbatch)
       step += 1
       if pending is not None:
         consume(*pending)

@@ -4,10 +4,30 @@ import os
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
+import importlib.util  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from mtp_jax import config_lib  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Many tests compile the same tiny programs (init, train step) in separate setups and
+# subprocesses; a persistent cache shared by the session compiles each once.
+_CACHE = os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
+                               os.path.join(REPO, '.pytest_cache', 'jax_compilation_cache'))
+jax.config.update('jax_compilation_cache_dir', _CACHE)
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
+
+def load_config(name: str):
+  """configs/<name>.py's get_config()."""
+  path = os.path.join(REPO, 'configs', f'{name}.py')
+  spec = importlib.util.spec_from_file_location(f'configs_{name}', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 def tiny_model_config(depth=2, kind='sequential', vocab=64, **model):
@@ -33,3 +53,12 @@ def tiny_model_config(depth=2, kind='sequential', vocab=64, **model):
 def devices():
   assert len(jax.devices()) == 8, 'tests expect 8 fake CPU devices (XLA_FLAGS set too late?)'
   return jax.devices()
+
+
+@pytest.fixture(scope='session')
+def stdlib_data_dir(tmp_path_factory):
+  """python_stdlib prepared once per session in a temp data_dir."""
+  from mtp_jax.data import stdlib_dataset
+  data_dir = str(tmp_path_factory.mktemp('tfds'))
+  stdlib_dataset.prepare_stdlib(data_dir=data_dir)
+  return data_dir

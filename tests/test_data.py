@@ -18,14 +18,6 @@ EOS = tokenizers.EOS_ID
 # ----------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope='session')
-def stdlib_data_dir(tmp_path_factory):
-  """python_stdlib prepared once per session in a temp data_dir."""
-  data_dir = str(tmp_path_factory.mktemp('tfds'))
-  stdlib_dataset.prepare_stdlib(data_dir=data_dir)
-  return data_dir
-
-
-@pytest.fixture(scope='session')
 def stdlib_texts():
   """{split: {relpath: text}} read straight from disk."""
   return {s: dict(corpus.split_documents(s)) for s in corpus.SPLITS}
@@ -309,9 +301,7 @@ def test_iterator_state_resumes_exactly(cfg, tmp_path):
 
 
 @pytest.mark.slow
-def test_multiprocess_workers_resume_exactly(cfg, request):
-  if 'slow' not in (request.config.getoption('markexpr') or ''):
-    pytest.skip('spawning grain workers takes ~10 s; run with -m slow')
+def test_multiprocess_workers_resume_exactly(cfg):
   cfg.data.worker_count = 2
   it = pipeline.make_train_iter(cfg)
   _take(it, 3)

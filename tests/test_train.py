@@ -1,0 +1,154 @@
+"""Training: gradient accumulation, 1 vs 8 devices, checkpoint resume, the entry script."""
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO, load_config
+from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import train
+from mtp_jax.config_lib import ConfigError
+
+
+def tiny_config(data_dir, **train_fields):
+  c = load_config('tiny')
+  c.data.data_dir = data_dir
+  c.train.progress = False
+  for k, v in train_fields.items():
+    c.train[k] = v
+  return c
+
+
+def synthetic_batches(n, batch, seq_len, vocab=258, seed=0):
+  """Packed batches with document boundaries and padding, as numpy (host) arrays."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    seg = np.zeros((batch, seq_len), np.int32)
+    pos = np.zeros((batch, seq_len), np.int32)
+    for r in range(batch):
+      i, s = 0, 1
+      end = seq_len - rng.integers(0, 5)  # some rows end in padding
+      while i < end:
+        n_doc = min(int(rng.integers(2, seq_len)), end - i)
+        seg[r, i:i + n_doc] = s
+        pos[r, i:i + n_doc] = np.arange(n_doc)
+        i, s = i + n_doc, s + 1
+    tokens = np.where(seg > 0, rng.integers(2, vocab, size=seg.shape), 0).astype(np.int32)
+    out.append({'tokens': tokens, 'segment_ids': seg, 'positions': pos})
+  return out
+
+
+def params_of(state):
+  model_state = state[0]
+  from flax import nnx
+  return jax.tree.map(np.asarray, nnx.to_pure_dict(model_state))
+
+
+def test_grad_accumulation_equals_one_big_batch(devices, stdlib_data_dir):
+  config = tiny_config(stdlib_data_dir)
+  ts, state = train.setup(config, devices[:1])
+  copy = jax.tree.map(jnp.copy, state)
+  batch = synthetic_batches(1, 8, 64)[0]
+  new_big, m_big = train.run_step(ts, state, batch)
+  config.train.grad_accum = 2
+  step2 = jax.jit(functools.partial(train.train_step, config, ts.graphdef), donate_argnums=0)
+  ts2 = train.TrainSetup(**{**ts.__dict__, 'config': config, 'train_step': step2})
+  new_acc, m_acc = train.run_step(ts2, copy, batch)
+  np.testing.assert_allclose(float(m_big['loss']), float(m_acc['loss']), rtol=1e-6)
+  np.testing.assert_allclose(float(m_big['grad_norm']), float(m_acc['grad_norm']), rtol=1e-5)
+  for key in ('count', 'correct', 'agree'):
+    np.testing.assert_array_equal(np.asarray(m_big[key]), np.asarray(m_acc[key]))
+  for a, b in zip(jax.tree.leaves(params_of(new_big)), jax.tree.leaves(params_of(new_acc))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_one_device_equals_eight_devices(devices, stdlib_data_dir):
+  """The same steps on 1 device and on a 2x2x2 (data, fsdp, tensor) mesh of 8."""
+  batches = synthetic_batches(4, 8, 64, seed=1)
+  losses, finals = {}, {}
+  for name, devs, shape in [('one', devices[:1], (1, 1, 1)), ('eight', devices, (2, 2, 2))]:
+    config = tiny_config(stdlib_data_dir)
+    config.mesh.shape = shape
+    ts, state = train.setup(config, devs)
+    assert ts.mesh.devices.size == len(devs)
+    run = []
+    for b in batches:
+      state, m = train.run_step(ts, state, b)
+      run.append(float(m['loss']))
+    losses[name], finals[name] = run, params_of(state)
+  assert losses['one'][-1] < losses['one'][0]
+  np.testing.assert_allclose(losses['one'], losses['eight'], rtol=2e-5)
+  for a, b in zip(jax.tree.leaves(finals['one']), jax.tree.leaves(finals['eight'])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
+
+
+def _train_losses(workdir):
+  rows = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
+  return {r['step']: r['train/loss'] for r in rows if 'train/loss' in r}
+
+
+def _final_params(workdir, config, devices):
+  ts, state = train.setup(config, devices)
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'))
+  restored, meta = ckpt.restore(ckpt.latest_step(), ts.abstract_state)
+  ckpt.close()
+  return meta['step'], params_of(restored)
+
+
+def test_checkpoint_resume_is_exact(devices, stdlib_data_dir, tmp_path):
+  """6 steps straight == 3 steps, stop, resume, 3 steps: same losses, same parameters."""
+  fields = dict(steps=6, log_every=1, eval_every=0, checkpoint_every=0, eval_batches=1)
+  full, split = str(tmp_path / 'full'), str(tmp_path / 'split')
+  train.train_and_evaluate(tiny_config(stdlib_data_dir, **fields), full, devices=devices[:1])
+  train.train_and_evaluate(tiny_config(stdlib_data_dir, **fields), split, devices=devices[:1],
+                           stop_after=3)
+  assert ckpt_lib.Checkpointer(os.path.join(split, 'checkpoints')).latest_step() == 3
+  train.train_and_evaluate(tiny_config(stdlib_data_dir, **fields), split, devices=devices[:1])
+  a, b = _train_losses(full), _train_losses(split)
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+  assert a == b  # same data order and same arithmetic, step by step
+  step_a, pa = _final_params(full, tiny_config(stdlib_data_dir, **fields), devices[:1])
+  step_b, pb = _final_params(split, tiny_config(stdlib_data_dir, **fields), devices[:1])
+  assert step_a == step_b == 6
+  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+    np.testing.assert_array_equal(x, y)
+
+  bad = tiny_config(stdlib_data_dir, **fields)
+  bad.model.mtp.depth = 1
+  with pytest.raises(ConfigError, match='incompatible config.*model.mtp.depth'):
+    train.train_and_evaluate(bad, full, devices=devices[:1])
+
+
+def test_train_script_smoke(stdlib_data_dir, tmp_path):
+  """scripts/train.py on configs/tiny.py: the loss falls and every output is written."""
+  workdir = tmp_path / 'run'
+  env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu')
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'scripts', 'train.py'),
+       '--config', os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', str(workdir),
+       f'--config.data.data_dir={stdlib_data_dir}', '--config.train.steps=40',
+       '--config.train.eval_every=20', '--config.train.checkpoint_every=20'],
+      capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'step' in proc.stderr and 'tok/s' in proc.stderr  # the live progress line
+  rows = [json.loads(line) for line in open(workdir / 'metrics.jsonl')]
+  train_rows = [r for r in rows if 'train/loss' in r]
+  eval_rows = [r for r in rows if 'eval/loss_main' in r]
+  assert train_rows[-1]['train/loss'] < train_rows[0]['train/loss'] - 0.5
+  for key in ('train/loss_main', 'train/loss_mtp_1', 'train/loss_mtp_2', 'train/acc_main',
+              'train/acc_mtp_2', 'train/agree_mtp_1', 'train/lr', 'perf/tokens_per_sec'):
+    assert key in train_rows[-1], key
+  assert train_rows[-1]['train/loss_mtp_2'] > 0
+  assert [r['step'] for r in eval_rows] == [20, 40]
+  for key in ('eval/bpb_main', 'eval/bpb_mtp_1', 'eval/bpb_mtp_2', 'eval/agree_mtp_2'):
+    assert 0 < eval_rows[-1][key] < 10, key
+  assert json.load(open(workdir / 'config.json'))['model']['mtp']['depth'] == 2
+  assert any(f.startswith('events') for f in os.listdir(workdir / 'tensorboard'))
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['20', '40']
