@@ -62,3 +62,23 @@ def stdlib_data_dir(tmp_path_factory):
   data_dir = str(tmp_path_factory.mktemp('tfds'))
   stdlib_dataset.prepare_stdlib(data_dir=data_dir)
   return data_dir
+
+
+@pytest.fixture(scope='session')
+def tiny_run(stdlib_data_dir, tmp_path_factory):
+  """scripts/train.py on configs/tiny.py for 40 steps, run once per session.
+
+  Returns (workdir, CompletedProcess); tests of outputs, notebooks and decoding share it.
+  """
+  import subprocess
+  import sys
+  workdir = tmp_path_factory.mktemp('tiny_run') / 'run'
+  env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu')
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'scripts', 'train.py'),
+       '--config', os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', str(workdir),
+       f'--config.data.data_dir={stdlib_data_dir}', '--config.train.steps=40',
+       '--config.train.eval_every=20', '--config.train.checkpoint_every=20'],
+      capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return workdir, proc

@@ -126,17 +126,9 @@ def test_checkpoint_resume_is_exact(devices, stdlib_data_dir, tmp_path):
     train.train_and_evaluate(bad, full, devices=devices[:1])
 
 
-def test_train_script_smoke(stdlib_data_dir, tmp_path):
+def test_train_script_smoke(tiny_run):
   """scripts/train.py on configs/tiny.py: the loss falls and every output is written."""
-  workdir = tmp_path / 'run'
-  env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu')
-  proc = subprocess.run(
-      [sys.executable, os.path.join(REPO, 'scripts', 'train.py'),
-       '--config', os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', str(workdir),
-       f'--config.data.data_dir={stdlib_data_dir}', '--config.train.steps=40',
-       '--config.train.eval_every=20', '--config.train.checkpoint_every=20'],
-      capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  workdir, proc = tiny_run
   assert 'step' in proc.stderr and 'tok/s' in proc.stderr  # the live progress line
   rows = [json.loads(line) for line in open(workdir / 'metrics.jsonl')]
   train_rows = [r for r in rows if 'train/loss' in r]
