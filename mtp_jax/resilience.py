@@ -190,7 +190,7 @@ class PreemptionGuard:
     self._previous = {}
     self._multihost = False
 
-  def __enter__(self):
+  def install(self):
     self._multihost = jax.process_count() > 1 and _preemption_service_running()
     if threading.current_thread() is not threading.main_thread():
       return self  # signals can only be caught in the main thread
@@ -199,10 +199,16 @@ class PreemptionGuard:
       self._previous[sig] = signal.signal(sig, self._handle)
     return self
 
-  def __exit__(self, *exc):
+  def uninstall(self):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
     self._previous.clear()
+
+  def __enter__(self):
+    return self.install()
+
+  def __exit__(self, *exc):
+    self.uninstall()
     return False
 
   def _handle(self, signum, frame):

@@ -270,7 +270,8 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
     abstract = nnx.eval_shape(lambda: nnx.split(create_model_and_optimizer(config))[1])
     resilience.check_disk_space(checkpointer.directory,
                                 resilience.checkpoint_bytes_estimate(abstract))
-    resilience.repair_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+    if is_main:  # the only writer of metrics.jsonl
+      resilience.repair_jsonl(os.path.join(workdir, 'metrics.jsonl'))
   except BaseException:
     checkpointer.close()
     raise
@@ -367,52 +368,53 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   if start_step >= config.train.steps:
     notify(f'Nothing to do: the checkpoint in {workdir} is at the final step {start_step}.')
   error = None
-  guard = resilience.PreemptionGuard(notify)
+  guard = resilience.PreemptionGuard(notify)  # SIGTERM / SIGINT: save at the end of the step
   try:
-    with guard:
-      while step < end_step:
-        batch = next(data_iter)
-        if batch_hook is not None:
-          batch = batch_hook(step + 1, batch)
-        with sharding.use_mesh(ts.mesh, ts.rules):
-          gbatch = sharding.host_batch_to_global(batch, ts.mesh)
-          if compiled is None:  # ahead of time, so compilation is not counted as training
-            t0 = time.time()
-            compiled = ts.train_step.lower(state, gbatch).compile()
-            progress.message(f'Compiled the train step in {time.time() - t0:.1f} s.')
-          state, m = compiled(state, gbatch)
-        step += 1
-        if pending is not None:
-          consume(*pending)
-        pending = (step, m)
-        stop = guard.should_stop(step)
-        want_eval = config.train.eval_every and step % config.train.eval_every == 0
-        want_ckpt = config.train.checkpoint_every and step % config.train.checkpoint_every == 0
-        if want_eval or want_ckpt or stop or step == end_step:
-          consume(*pending)  # a checkpoint never holds a state whose loss was not checked
-          pending = None
-        t0 = time.time()
-        if want_eval and step != config.train.steps and not stop:
-          last.update(run_eval(step))
-        if (want_ckpt or stop) and step != end_step:
-          save(step)
-        window.excluded += time.time() - t0
-        if stop:
-          notify(f'Preempted ({guard.signal_name}) at step {step}: saved a checkpoint; '
-                 'rerun the same command to resume.')
-          break
+    guard.install()
+    while step < end_step:
+      batch = next(data_iter)
+      if batch_hook is not None:
+        batch = batch_hook(step + 1, batch)
+      with sharding.use_mesh(ts.mesh, ts.rules):
+        gbatch = sharding.host_batch_to_global(batch, ts.mesh)
+        if compiled is None:  # ahead of time, so compilation is not counted as training
+          t0 = time.time()
+          compiled = ts.train_step.lower(state, gbatch).compile()
+          progress.message(f'Compiled the train step in {time.time() - t0:.1f} s.')
+        state, m = compiled(state, gbatch)
+      step += 1
       if pending is not None:
         consume(*pending)
-      # The final eval comes before the final save: a kill in between redoes both.
-      if start_step < step == config.train.steps and not guard.requested:
+      pending = (step, m)
+      stop = guard.should_stop(step)
+      want_eval = config.train.eval_every and step % config.train.eval_every == 0
+      want_ckpt = config.train.checkpoint_every and step % config.train.checkpoint_every == 0
+      if want_eval or want_ckpt or stop or step == end_step:
+        consume(*pending)  # a checkpoint never holds a state whose loss was not checked
+        pending = None
+      t0 = time.time()
+      if want_eval and step != config.train.steps and not stop:
         last.update(run_eval(step))
-      if last_saved != step:
+      if (want_ckpt or stop) and step != end_step:
         save(step)
-      checkpointer.wait()  # a failed last save is an error, not a silent loss
+      window.excluded += time.time() - t0
+      if stop:
+        notify(f'Preempted ({guard.signal_name}) at step {step}: saved a checkpoint; '
+               'rerun the same command to resume.')
+        break
+    if pending is not None:
+      consume(*pending)
+    # The final eval comes before the final save: a kill in between redoes both.
+    if start_step < step == config.train.steps and not guard.requested:
+      last.update(run_eval(step))
+    if last_saved != step:
+      save(step)
+    checkpointer.wait()  # a failed last save is an error, not a silent loss
   except BaseException as e:
     error = e
     raise
   finally:  # every closer runs; a failure surfaces unless another error is already on its way
+    guard.uninstall()
     resilience.close_all(error, notify, checkpointer.close, writer.close, progress.close,
                          getattr(data_iter, 'close', None))
   return last

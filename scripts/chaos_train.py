@@ -83,6 +83,26 @@ def saves_in_progress(ckpt_dir) -> set:
     return set()
 
 
+def tmp_dir_ids(ckpt_dir) -> set:
+  """(name, inode, ctime) of incomplete checkpoint directories: tells a new one from a stale
+  one of the same name (a step saved again after a resume)."""
+  out = set()
+  for name in saves_in_progress_names(ckpt_dir):
+    try:
+      st = os.stat(os.path.join(ckpt_dir, name))
+    except FileNotFoundError:
+      continue
+    out.add((name, st.st_ino, st.st_ctime_ns))
+  return out
+
+
+def saves_in_progress_names(ckpt_dir) -> list:
+  try:
+    return [n for n in os.listdir(ckpt_dir) if TMP_MARKER in n]
+  except FileNotFoundError:
+    return []
+
+
 def latest_checkpoint(ckpt_dir) -> int:
   try:
     return max([int(n) for n in os.listdir(ckpt_dir) if n.isdigit()] + [0])
@@ -122,6 +142,7 @@ def chaos(args, workdir, env):
                               stderr=err, env=env, cwd=REPO)
     mode = modes[len(kills)] if len(kills) < len(modes) else None
     t0 = time.time()
+    stale_ids = tmp_dir_ids(ckpt_dir)
     base = latest_checkpoint(ckpt_dir)
     if mode == 'startup':  # imports, compilation, restore
       target = t0 + rng.uniform(0.5, 6.0)
@@ -146,7 +167,7 @@ def chaos(args, workdir, env):
     if mode is not None and proc.poll() is None:
       proc.send_signal(signal.SIGKILL)
       proc.wait()
-      in_save = bool(saves_in_progress(ckpt_dir))  # a kill mid-save leaves it behind
+      in_save = bool(tmp_dir_ids(ckpt_dir) - stale_ids)  # a kill mid-save leaves one
       kills.append({'mode': mode, 'in_save': in_save, 'after_s': time.time() - t0})
       lives.append({'rc': -9, 'log': log_path, 'logged': read_log(workdir)[logged_before:]})
     else:
@@ -218,7 +239,9 @@ def main():
 
   by_mode = {m: sum(k['mode'] == m for k in kills) for m in ('save', 'step', 'startup')}
   print(f'kills: {len(kills)}')
-  print(f'kills during saves: {sum(k["in_save"] for k in kills)}')
+  in_save = sum(k['in_save'] for k in kills)
+  print(f'kills during saves: {in_save}')
+  print(f'kills between saves: {len(kills) - in_save}')
   print(f'kill moments: {by_mode["save"]} aimed at saves, {by_mode["step"]} while steps ran, '
         f'{by_mode["startup"]} during start-up/restore')
   print(f'resumes: {resumes}')

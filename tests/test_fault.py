@@ -125,6 +125,53 @@ def test_cli_sigterm_exits_zero_after_saving(stdlib_data_dir, tmp_path):
   ckpt.close()
 
 
+_TWO_HOSTS = """
+import os, signal, sys, time
+import jax
+jax.config.update('jax_num_cpu_devices', 1)
+pid, port, sig = int(sys.argv[1]), sys.argv[2], getattr(signal, sys.argv[3])
+jax.distributed.initialize(f'127.0.0.1:{port}', num_processes=2, process_id=pid)
+from jax.experimental import multihost_utils
+from mtp_jax import resilience
+with resilience.PreemptionGuard(lambda text: None) as guard:
+  for step in range(1, 1000):
+    time.sleep(0.01 * (1 + pid))  # the hosts run at different speeds
+    multihost_utils.process_allgather(jax.numpy.ones(()))  # a collective, like a train step
+    if step == 10 and pid == 1:
+      os.kill(os.getpid(), sig)  # only host 1 is told
+    if guard.should_stop(step):
+      print('STOP', step, guard.signal_name, flush=True)
+      break
+"""
+
+
+@pytest.mark.parametrize('sig', ['SIGTERM', 'SIGINT'])
+def test_two_processes_stop_at_the_same_step(sig):
+  """Several processes: a signal to one host stops every host at one agreed step (JAX's
+  preemption sync point), so they all save the same checkpoint."""
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = str(s.getsockname()[1])
+  env = dict(os.environ, XLA_FLAGS='', PYTHONPATH=REPO)
+  procs = [subprocess.Popen([sys.executable, '-c', _TWO_HOSTS, str(i), port, sig],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+           for i in range(2)]
+  outs = [p.communicate(timeout=240) for p in procs]
+  assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+  stops = [[l.split() for l in o[0].splitlines() if l.startswith('STOP')] for o in outs]
+  assert len(stops[0]) == len(stops[1]) == 1, outs
+  assert stops[0][0][:2] == stops[1][0][:2] and int(stops[0][0][1]) > 10, outs
+
+
+def test_metrics_log_cut_by_a_kill_is_repaired(tmp_path):
+  path = tmp_path / 'metrics.jsonl'
+  path.write_text('{"step": 1}\n{"step": 2, "train/lo')
+  resilience.repair_jsonl(str(path))
+  assert path.read_text() == '{"step": 1}\n'
+  resilience.repair_jsonl(str(tmp_path / 'missing.jsonl'))  # nothing to do
+
+
 # ----------------------------------------------------------------------------- broken checkpoints
 
 def _flip_a_byte_of_the_largest_array_file(step_dir):
