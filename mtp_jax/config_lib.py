@@ -98,8 +98,8 @@ def base_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 200  # steps between checkpoints (0: only at the end)
   t.max_to_keep = 3  # checkpoints kept
   t.async_checkpoint = True  # save in a background thread
-  t.nonfinite = 'halt'  # NaN/Inf loss or grad norm: halt (stop, naming step and depth) | skip (drop that update)
-  t.max_consecutive_skips = 10  # nonfinite=skip: halt anyway after this many non-finite steps in a row
+  t.nonfinite = 'halt'  # NaN/Inf loss or grad norm: halt (stop, name step + depth) | skip (drop it)
+  t.max_consecutive_skips = 10  # nonfinite=skip: halt after this many non-finite steps in a row
   t.progress = True  # live progress line on the console
 
   mesh = c.mesh = ml_collections.ConfigDict()
@@ -156,13 +156,22 @@ def check_schema(config, reference=None, prefix: str = '') -> None:
                f'{name} must be a group of fields, got {value!r}')
       check_schema(value, want, name + '.')
       continue
-    ok = (isinstance(value, bool) if isinstance(want, bool)
-          else isinstance(value, (int, float)) and not isinstance(value, bool)
-          if isinstance(want, float)
-          else isinstance(value, int) and not isinstance(value, bool) if isinstance(want, int)
-          else isinstance(value, (tuple, list)) if isinstance(want, (tuple, list))
-          else isinstance(value, type(want)))
-    _require(ok, f'{name} must be {_type_name(want)}, got {value!r}')
+    _require(_same_kind(value, want), f'{name} must be {_type_name(want)}, got {value!r}')
+
+
+def _same_kind(value, want) -> bool:
+  """value may stand where base_config() has `want` (an int for a float, a list for a tuple)."""
+  if isinstance(want, bool):
+    return isinstance(value, bool)
+  if isinstance(value, bool):
+    return False
+  if isinstance(want, float):
+    return isinstance(value, (int, float))
+  if isinstance(want, int):
+    return isinstance(value, int)
+  if isinstance(want, (tuple, list)):
+    return isinstance(value, (tuple, list))
+  return isinstance(value, type(want))
 
 
 def validate(config, num_devices: int | None = None) -> None:
@@ -222,7 +231,8 @@ def validate(config, num_devices: int | None = None) -> None:
   _require(t.nonfinite in ('halt', 'skip'),
            f"train.nonfinite must be 'halt' or 'skip', got {t.nonfinite!r}")
   _require(isinstance(t.max_consecutive_skips, int) and t.max_consecutive_skips >= 1,
-           f'train.max_consecutive_skips must be a positive integer, got {t.max_consecutive_skips!r}')
+           'train.max_consecutive_skips must be a positive integer, '
+           f'got {t.max_consecutive_skips!r}')
 
   _require(d.tokenizer in ('byte', 'sentencepiece'),
            f"data.tokenizer must be 'byte' or 'sentencepiece', got {d.tokenizer!r}")

@@ -92,8 +92,9 @@ def _corpus(root, files: dict):
 DATA_CASES = [
     ('missing corpus dir', None, ['data.corpus_dir', 'is not a readable directory']),
     ('empty corpus', {'README': 'no python here'}, ['data.corpus_dir', 'contains no .py files']),
-    ('only binary and empty files', {f'm{i}.py': (b'\x00\x01\x02' if i % 2 else b'')
-                                     for i in range(12)}, ['data.corpus_dir', 'no readable document', 'binary']),
+    ('only binary and empty files',
+     {f'm{i}.py': (b'\x00\x01\x02' if i % 2 else b'') for i in range(12)},
+     ['data.corpus_dir', 'no readable document', 'binary']),
     ('documents shorter than D + 2 tokens', {f'm{i}.py': 'x' for i in range(12)},
      ['shorter than model.mtp.depth + 2 = 4 tokens', 'longest 2']),
 ]

@@ -219,6 +219,17 @@ def test_corrupted_latest_falls_back_to_the_previous_good_one(devices, stdlib_da
   assert len(os.listdir(workdir / ckpt_lib.QUARANTINE_DIR)) == 2
   assert_same_leaves(saved_params(workdir), reference['params'])
 
+  # Valid JSON, wrong data position: caught by the data-state hash, not by any parser.
+  data_json = glob.glob(str(ckpts / '6' / 'data' / '*.json'))[0]
+  state = json.load(open(data_json))
+  state['parent_state']['next_index'] += 1
+  json.dump(state, open(data_json, 'w'))
+  run(tiny(stdlib_data_dir), workdir, devices)
+  err = capfd.readouterr().err
+  assert 'checkpoint 6 is broken' in err and 'data-iterator state differs' in err
+  assert_same_leaves(saved_params(workdir), reference['params'])
+  assert log_rows(workdir) == reference['rows']
+
 
 def test_no_restorable_checkpoint_is_an_error_and_changes_nothing(devices, stdlib_data_dir,
                                                                   reference, tmp_path):
@@ -287,12 +298,14 @@ def test_nonfinite_skip_counts_and_continues(devices, stdlib_data_dir, tmp_path,
   assert metas[4]['fingerprint'] != metas[3]['fingerprint']  # and training went on
   assert [metas[s]['skipped_total'] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]
   rows = log_rows(tmp_path)
-  assert rows[(4, 'train')]['train/skipped_steps'] == 1 and np.isfinite(rows[(4, 'train')]['train/loss'])
+  assert rows[(4, 'train')]['train/skipped_steps'] == 1
+  assert np.isfinite(rows[(4, 'train')]['train/loss'])
   assert all(np.isfinite(x).all() for x in saved_params(tmp_path))
 
   # Non-finite steps in a row beyond train.max_consecutive_skips stop the run anyway.
   config = tiny(stdlib_data_dir, nonfinite='skip', max_consecutive_skips=2)
-  with pytest.raises(resilience.NonFiniteError, match='2 non-finite steps in a row, the last at step 4'):
+  with pytest.raises(resilience.NonFiniteError,
+                     match='2 non-finite steps in a row, the last at step 4'):
     run(config, tmp_path / 'again', devices, batch_hook=_bad_token_at(3, 4, 5, 6))
 
 
