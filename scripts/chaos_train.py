@@ -149,7 +149,9 @@ def chaos(args, workdir, env):
       while proc.poll() is None and time.time() < target:
         time.sleep(0.01)
     elif mode == 'step':  # a random moment once this life is a few steps past its checkpoint
-      target_step = base + rng.randint(1, 2 * args.checkpoint_every)
+      # Before the first checkpoint a kill only restarts from scratch; aim past it.
+      low = 1 if base else args.checkpoint_every + 1
+      target_step = base + rng.randint(low, 2 * args.checkpoint_every)
       while proc.poll() is None and max(
           [s for s, _, _ in read_log(workdir)[logged_before:]] + [0]) < target_step:
         time.sleep(0.01)
@@ -157,7 +159,7 @@ def chaos(args, workdir, env):
       while proc.poll() is None and time.time() < target:
         time.sleep(0.002)
     elif mode == 'save':  # while the n-th checkpoint of this life is being written
-      nth, seen = rng.randint(1, 3), set()
+      nth, seen = rng.randint(1 if base else 2, 3), set()
       stale = saves_in_progress(ckpt_dir)  # left by the last kill; the new process removes it
       while proc.poll() is None and stale & saves_in_progress(ckpt_dir):
         time.sleep(0.001)
