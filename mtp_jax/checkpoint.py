@@ -1,17 +1,63 @@
-"""Orbax checkpoints: model + optimizer state, data-iterator state and run metadata together."""
+"""Orbax checkpoints: model + optimizer state, data-iterator state and run metadata together.
+
+Failure model (issue 5):
+- A save interrupted by a kill leaves `<step>.orbax-checkpoint-tmp*`; orbax never lists it
+  as a step, and the next Checkpointer reports and removes it.
+- Every save records in its JSON `meta` a fingerprint of the state and a hash of the data
+  iterator state. Orbax restores a checkpoint whose array bytes were flipped without
+  complaint (compressed chunks are not checksummed), so `restore_latest_good` checks both
+  and falls back to the newest checkpoint that is intact, moving broken ones aside.
+- Nothing here unpickles: arrays come from TensorStore, everything else from JSON.
+"""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import shutil
+import time
 
 import grain
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from mtp_jax.config_lib import ConfigError
 
 # Fields whose change makes an old checkpoint unusable for this run.
 _SHAPE_FIELDS = ('model', 'data.tokenizer', 'data.spm_model', 'data.seq_len')
+TMP_MARKER = '.orbax-checkpoint-tmp'
+QUARANTINE_DIR = 'corrupt_checkpoints'  # next to `checkpoints/`: broken steps moved aside
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that cannot be written or read; the message is one line."""
+  exit_code = 2
+
+
+def short(e: BaseException, limit: int = 300) -> str:
+  """The first line of an exception (TensorStore errors run to pages), for one-line reports."""
+  text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  text = text if len(text) <= limit else text[:limit] + '...'
+  return f'{type(e).__name__}: {text}'
+
+
+def _is_disk_full(e: BaseException) -> bool:
+  text = str(e)
+  return (getattr(e, 'errno', None) == 28 or 'No space left on device' in text
+          or "os_error_code='28'" in text)
+
+
+@dataclasses.dataclass
+class Restored:
+  """What restore_latest_good found: the state, its meta and the steps it had to skip."""
+  state: object
+  meta: dict
+  step: int
+  broken: list  # [(step, reason)] newer checkpoints that failed to load, newest first
+  moved_to: str | None  # where the broken ones were moved
 
 
 class Checkpointer:
@@ -19,9 +65,14 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = os.path.abspath(directory)
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options)
+    # Reported once by the trainer; orbax deletes them (cleanup_tmp_directories).
+    self.incomplete = sorted(n for n in _listdir(self.directory) if TMP_MARKER in n)
+    self._options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
+        cleanup_tmp_directories=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=self._options)
+    self._in_flight: int | None = None  # step of an async save not yet known to be complete
+    self._failed = False  # orbax re-raises a failed save on every later wait
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -31,16 +82,36 @@ class Checkpointer:
 
   def save(self, step: int, state, data_iter=None, meta: dict | None = None,
            force: bool = False) -> bool:
+    """Starts a (possibly asynchronous) save; CheckpointError if this or the previous one failed."""
+    self.wait()  # an error of the previous async save belongs to that step, not this one
     items = {'state': ocp.args.StandardSave(state),
              'meta': ocp.args.JsonSave(meta or {})}
     if data_iter is not None:
       items['data'] = grain.checkpoint.CheckpointSave(data_iter)
-    return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    if self._failed:
+      raise CheckpointError(f'not saving step {step}: an earlier save in {self.directory} failed')
+    try:
+      saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    except Exception as e:  # pylint: disable=broad-except
+      self._failed = True
+      raise self._save_error(step, e) from e
+    self._in_flight = step
+    return saved
+
+  def _save_error(self, step: int, e: BaseException) -> CheckpointError:
+    what = 'disk full: ' if _is_disk_full(e) else ''
+    return CheckpointError(
+        f'{what}could not save the checkpoint of step {step} in {self.directory} ({short(e)}); '
+        'earlier checkpoints are intact, and rerunning the same command resumes from the '
+        'latest one once the problem is fixed')
 
   def read_meta(self, step: int | None = None) -> dict:
     step = self.latest_step() if step is None else step
     out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    return dict(out['meta'])
+    meta = out['meta']
+    if not isinstance(meta, dict):
+      raise ValueError(f'meta of step {step} is not a JSON object')
+    return dict(meta)
 
   def restore(self, step: int, abstract_state, data_iter=None):
     """Restores onto the shardings carried by `abstract_state` (ShapeDtypeStructs)."""
@@ -50,14 +121,141 @@ class Checkpointer:
     out = self.manager.restore(step, args=ocp.args.Composite(**items))
     return out['state'], dict(out['meta'])
 
+  def restore_latest_good(self, abstract_state, data_iter=None, check_meta=None) -> Restored | None:
+    """The newest checkpoint that loads and matches its recorded fingerprints.
+
+    check_meta(meta) may raise ConfigError (an incompatible run: never a fallback).
+    Broken newer checkpoints are moved to `<workdir>/corrupt_checkpoints/` so later
+    saves of those steps cannot collide with them; when none is good nothing is moved
+    and CheckpointError lists why each failed. None when there is no checkpoint at all.
+    """
+    steps = sorted(self.all_steps(), reverse=True)
+    if not steps:
+      return None
+    broken = []
+    for step in steps:
+      try:
+        meta = self.read_meta(step)
+        if check_meta is not None:
+          check_meta(meta)
+        state, meta = self.restore(step, abstract_state, data_iter)
+        verify(step, state, meta, data_iter)
+      except ConfigError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        broken.append((step, short(e)))
+        continue
+      moved = self._quarantine([s for s, _ in broken]) if broken else None
+      return Restored(state, meta, step, broken, moved)
+    raise CheckpointError(
+        f'no checkpoint in {self.directory} can be restored: '
+        + '; '.join(f'step {s}: {r}' for s, r in broken)
+        + '. Nothing was changed; move them away (or use a new --workdir) to start afresh.')
+
+  def _quarantine(self, steps: list[int]) -> str:
+    """Moves broken step directories out of the manager's sight (never deletes them)."""
+    dest = os.path.join(os.path.dirname(self.directory), QUARANTINE_DIR)
+    if jax.process_index() == 0:
+      os.makedirs(dest, exist_ok=True)
+      stamp = time.strftime('%Y%m%d-%H%M%S')
+      for step in steps:
+        src = os.path.join(self.directory, str(step))
+        if os.path.exists(src):
+          shutil.move(src, os.path.join(dest, f'{step}-{stamp}'))
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices('mtp_jax_checkpoint_quarantine')
+    self.manager.reload()
+    return dest
+
   def wait(self):
-    self.manager.wait_until_finished()
+    """Blocks until the in-flight save is on disk; CheckpointError naming its step if it failed."""
+    if self._failed:
+      return
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      step, self._in_flight, self._failed = self._in_flight, None, True
+      raise self._save_error(step if step is not None else -1, e) from e
+    self._in_flight = None
 
   def close(self):
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self.wait()
+    finally:
+      try:
+        self.manager.close()
+      except Exception:  # pylint: disable=broad-except
+        if not self._failed:
+          raise
 
 
+def _listdir(path: str) -> list[str]:
+  try:
+    return os.listdir(path)
+  except FileNotFoundError:
+    return []
+
+
+# -- integrity ---------------------------------------------------------------------------
+def _as_uint32(x):
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+  return jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
+
+
+@jax.jit
+def _leaf_hashes(leaves):
+  """One uint32 per array: a position-dependent mix of its bits, summed (order-free, exact)."""
+  out = []
+  for x in leaves:
+    u = _as_uint32(jnp.asarray(x))
+    idx = jnp.zeros(u.shape, jnp.uint32)  # flat index without reshaping a sharded array
+    stride = 1
+    for axis in reversed(range(u.ndim)):
+      idx = idx + jax.lax.broadcasted_iota(jnp.uint32, u.shape, axis) * jnp.uint32(stride)
+      stride *= u.shape[axis]
+    h = (u ^ (idx * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    out.append(jnp.sum(h, dtype=jnp.uint32))
+  return jnp.stack(out) if out else jnp.zeros((0,), jnp.uint32)
+
+
+def fingerprint(state) -> list[int]:
+  """A uint32 per leaf of `state`; recorded in meta at save, compared at restore."""
+  return [int(v) for v in np.asarray(jax.device_get(_leaf_hashes(jax.tree.leaves(state))))]
+
+
+def data_state_hash(data_iter) -> str | None:
+  if data_iter is None or not hasattr(data_iter, 'get_state'):
+    return None
+  state = data_iter.get_state()
+  blob = state if isinstance(state, bytes) else json.dumps(state, sort_keys=True).encode()
+  return hashlib.sha256(blob).hexdigest()
+
+
+def integrity_meta(state, data_iter=None) -> dict:
+  return {'fingerprint': fingerprint(state), 'data_sha256': data_state_hash(data_iter)}
+
+
+def verify(step: int, state, meta: dict, data_iter=None) -> None:
+  """ValueError when the restored state or data position differs from what was saved."""
+  want = meta.get('fingerprint')
+  if want is not None:
+    got = fingerprint(state)
+    if got != want:
+      bad = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+      paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+      names = ', '.join(paths[i] for i in bad[:3]) if len(got) == len(want) else 'tree shape'
+      raise ValueError(f'step {step}: restored arrays differ from the saved ones '
+                       f'({len(bad) or "all"} corrupted, e.g. {names})')
+  want_data = meta.get('data_sha256')
+  if want_data is not None and data_iter is not None and data_state_hash(data_iter) != want_data:
+    raise ValueError(f'step {step}: restored data-iterator state differs from the saved one')
+
+
+# -- compatibility ---------------------------------------------------------------------------
 def _lookup(d: dict, dotted: str):
   for part in dotted.split('.'):
     if not isinstance(d, dict) or part not in d:
@@ -66,25 +264,35 @@ def _lookup(d: dict, dotted: str):
   return d
 
 
-def check_compatible(saved_config: dict, config_dict: dict, directory: str) -> None:
-  """Raises ConfigError when a checkpoint was written by a config of another shape."""
+# Training-only model switches that may change between runs of the same model.
+_TRAINING_ONLY = {'remat', 'scan_layers', 'loss_chunk', 'dtype', 'mtp.lambda_values',
+                  'mtp.lambda_boundaries', 'mtp.weights', 'mtp.detach_trunk'}
+
+
+def config_diffs(saved_config: dict, config_dict: dict, ignore=()) -> list[str]:
+  """'field: checkpoint X vs config Y' for every shape-relevant difference."""
   diffs = []
   for field in _SHAPE_FIELDS:
     old, new = _lookup(saved_config, field), _lookup(config_dict, field)
     if field == 'model' and isinstance(old, dict) and isinstance(new, dict):
-      keys = sorted(set(_flatten(old)) | set(_flatten(new)))
       fo, fn = _flatten(old), _flatten(new)
-      # Training-only switches may change between runs of the same model.
-      ignore = {'remat', 'scan_layers', 'loss_chunk', 'dtype', 'mtp.lambda_values',
-                'mtp.lambda_boundaries', 'mtp.weights', 'mtp.detach_trunk'}
+      skip = _TRAINING_ONLY | set(ignore)
       diffs += [f'model.{k}: checkpoint {fo.get(k)!r} vs config {fn.get(k)!r}'
-                for k in keys if k not in ignore and _norm(fo.get(k)) != _norm(fn.get(k))]
+                for k in sorted(set(fo) | set(fn))
+                if k not in skip and _norm(fo.get(k)) != _norm(fn.get(k))]
     elif _norm(old) != _norm(new):
       diffs.append(f'{field}: checkpoint {old!r} vs config {new!r}')
+  return diffs
+
+
+def check_compatible(saved_config: dict, config_dict: dict, directory: str) -> None:
+  """Raises ConfigError when a checkpoint was written by a config of another shape."""
+  diffs = config_diffs(saved_config, config_dict)
   if diffs:
     raise ConfigError(
         f'the workdir holds a checkpoint of an incompatible config ({directory}): '
-        + '; '.join(diffs) + '. Use a new --workdir.')
+        + '; '.join(diffs) + '. Use a new --workdir (with --init_from=<this workdir> to '
+        'start from its trunk, embedding and head).')
 
 
 def _flatten(d: dict, prefix: str = '') -> dict:

@@ -6,6 +6,7 @@ raises `ConfigError` naming the offending field.
 """
 from __future__ import annotations
 
+import difflib
 import math
 
 import ml_collections
@@ -97,6 +98,8 @@ def base_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 200  # steps between checkpoints (0: only at the end)
   t.max_to_keep = 3  # checkpoints kept
   t.async_checkpoint = True  # save in a background thread
+  t.nonfinite = 'halt'  # NaN/Inf loss or grad norm: halt (stop, name step + depth) | skip (drop it)
+  t.max_consecutive_skips = 10  # nonfinite=skip: halt after this many non-finite steps in a row
   t.progress = True  # live progress line on the console
 
   mesh = c.mesh = ml_collections.ConfigDict()
@@ -129,8 +132,51 @@ def _require(cond: bool, msg: str):
     raise ConfigError(msg)
 
 
+def _type_name(v) -> str:
+  return {bool: 'a boolean', int: 'an integer', float: 'a number', str: 'a string',
+          tuple: 'a tuple', list: 'a tuple'}.get(type(v), type(v).__name__)
+
+
+def check_schema(config, reference=None, prefix: str = '') -> None:
+  """Every field must exist in base_config() and hold a value of its type.
+
+  A config *file* may add fields freely (only command-line overrides are locked), so a
+  misspelled `c.train.checkpoint_evry = 10` would otherwise be silently ignored.
+  """
+  reference = base_config() if reference is None else reference
+  for key in config.keys():
+    name = f'{prefix}{key}'
+    if key not in reference:
+      close = difflib.get_close_matches(key, list(reference.keys()), n=1)
+      hint = f' (did you mean {prefix}{close[0]}?)' if close else ''
+      raise ConfigError(f'unknown config field {name}{hint}')
+    value, want = config[key], reference[key]
+    if isinstance(want, ml_collections.ConfigDict):
+      _require(isinstance(value, ml_collections.ConfigDict),
+               f'{name} must be a group of fields, got {value!r}')
+      check_schema(value, want, name + '.')
+      continue
+    _require(_same_kind(value, want), f'{name} must be {_type_name(want)}, got {value!r}')
+
+
+def _same_kind(value, want) -> bool:
+  """value may stand where base_config() has `want` (an int for a float, a list for a tuple)."""
+  if isinstance(want, bool):
+    return isinstance(value, bool)
+  if isinstance(value, bool):
+    return False
+  if isinstance(want, float):
+    return isinstance(value, (int, float))
+  if isinstance(want, int):
+    return isinstance(value, int)
+  if isinstance(want, (tuple, list)):
+    return isinstance(value, (tuple, list))
+  return isinstance(value, type(want))
+
+
 def validate(config, num_devices: int | None = None) -> None:
   """Checks every field that could fail later, before anything compiles."""
+  check_schema(config)
   m, mtp, d, t = config.model, config.model.mtp, config.data, config.train
   for name, val in [('model.d_model', m.d_model), ('model.n_layers', m.n_layers),
                     ('model.n_heads', m.n_heads), ('model.n_kv_heads', m.n_kv_heads),
@@ -182,6 +228,11 @@ def validate(config, num_devices: int | None = None) -> None:
   _require(t.eval_every >= 0 and t.checkpoint_every >= 0,
            'train.eval_every and train.checkpoint_every must be >= 0')
   _require(t.max_to_keep >= 1, f'train.max_to_keep must be >= 1, got {t.max_to_keep}')
+  _require(t.nonfinite in ('halt', 'skip'),
+           f"train.nonfinite must be 'halt' or 'skip', got {t.nonfinite!r}")
+  _require(isinstance(t.max_consecutive_skips, int) and t.max_consecutive_skips >= 1,
+           'train.max_consecutive_skips must be a positive integer, '
+           f'got {t.max_consecutive_skips!r}')
 
   _require(d.tokenizer in ('byte', 'sentencepiece'),
            f"data.tokenizer must be 'byte' or 'sentencepiece', got {d.tokenizer!r}")

@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax import metrics as metrics_lib
+from mtp_jax import resilience
 from mtp_jax import sharding
 from mtp_jax.model import MTPModel, ModelArgs
 
@@ -85,7 +87,11 @@ def _split_micro(x, accum: int):
 
 
 def train_step(config, graphdef, state, batch):
-  """One optimizer step: accumulated gradients of the weighted multi-depth loss."""
+  """One optimizer step: accumulated gradients of the weighted multi-depth loss.
+
+  A non-finite loss or gradient norm returns the input state unchanged (metric `skipped`).
+  """
+  old_state = jax.tree.map(lambda x: x, state)  # nnx.merge aliases `state`'s variables
   model, optimizer = nnx.merge(graphdef, state)
   num_depths = config.model.mtp.depth + 1
   step = optimizer.step[...]
@@ -116,7 +122,7 @@ def train_step(config, graphdef, state, batch):
   optimizer.update(model, grads)
   metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr_schedule(config)(step),
              'lambda': weights[1:].sum() if num_depths > 1 else jnp.zeros(()), **sums}
-  return nnx.state((model, optimizer)), metrics
+  return resilience.keep_finite_update(old_state, nnx.state((model, optimizer)), metrics)
 
 
 def eval_step(config, graphdef, state, batch, token_bytes_V):
@@ -179,13 +185,14 @@ def evaluate(ts: TrainSetup, state, batches, token_bytes_V) -> dict:
 
 # -- the loop ------------------------------------------------------------------------------
 class _Window:
-  """Host-side sums of step metrics between two log lines."""
+  """Host-side sums of step metrics between two log lines (checkpointed, so a resumed run
+  writes the same log lines as an uninterrupted one)."""
 
   def __init__(self):
     self.reset()
 
   def reset(self):
-    self.sums, self.steps, self.loss, self.start = None, 0, 0.0, time.time()
+    self.sums, self.steps, self.loss, self.skipped, self.start = None, 0, 0.0, 0, time.time()
     self.excluded = 0.0  # seconds spent in eval and saving, not training
 
   def add(self, m: dict):
@@ -194,49 +201,102 @@ class _Window:
     self.steps += 1
     self.loss += float(m['loss'])
 
+  def to_json(self) -> dict:
+    sums = None if self.sums is None else {k: [float(x) for x in np.asarray(v).ravel()]
+                                           for k, v in self.sums.items()}
+    return {'sums': sums, 'steps': self.steps, 'loss': self.loss, 'skipped': self.skipped}
 
-def _nonfinite_report(m: dict) -> str:
-  count = np.maximum(m['count'], 1.0)
-  per = m['loss_sum'] / count
-  bad = [('main' if k == 0 else f'mtp_{k}') for k in range(len(per)) if not np.isfinite(per[k])]
-  return (f'loss={float(m["loss"])}, grad_norm={float(m["grad_norm"])}'
-          + (f'; non-finite depth losses: {", ".join(bad)}' if bad else ''))
+  def load(self, d: dict | None):
+    if not d:
+      return
+    self.sums = None if d['sums'] is None else {k: np.asarray(v, np.float32)
+                                                for k, v in d['sums'].items()}
+    self.steps, self.loss, self.skipped = int(d['steps']), float(d['loss']), int(d['skipped'])
 
 
-def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | None = None) -> dict:
-  """Trains `config` in `workdir`, resuming from its latest checkpoint if one exists.
+def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | None = None,
+                       init_from: str | None = None, batch_hook=None) -> dict:
+  """Trains `config` in `workdir`, resuming from its latest good checkpoint if one exists.
 
   stop_after: stop (with a checkpoint) once this step is reached, as a preempted job
-  would; the schedule still follows config.train.steps. Returns the last metrics.
+  would; the schedule still follows config.train.steps. SIGTERM / SIGINT do the same
+  at the end of the current step. init_from: a workdir or checkpoint whose trunk and
+  shared embedding/head start this run (ignored once the run has checkpoints of its
+  own). batch_hook(step, batch) -> batch: a test hook for fault injection. Returns the
+  last metrics.
   """
   from mtp_jax.data import pipeline, tokenizers  # heavy imports only when training
 
   workdir = os.path.abspath(workdir)
   devices = jax.devices() if devices is None else devices
   config_lib.validate(config, len(devices))
-  pipeline.validate_data_config(config)
+  resilience.check_workdir(workdir)
+  resilience.validate_data(config)
+  resilience.check_document_lengths(config)
   tokenizer = tokenizers.get_tokenizer(config.data)
   is_main = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
+  progress = metrics_lib.Progress(config.train.steps, enabled=config.train.progress and is_main)
+
+  def notify(text):  # events that must be seen even without the progress line
+    if not is_main:
+      return
+    if progress.enabled:
+      progress.message(text)
+    else:
+      print(text, file=sys.stderr, flush=True)
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                        max_to_keep=config.train.max_to_keep,
                                        async_save=config.train.async_checkpoint)
+  if checkpointer.incomplete:
+    notify(f'Ignoring incomplete checkpoint save(s) left by an interrupted run: '
+           f'{", ".join(checkpointer.incomplete)} (removed).')
   config_dict = json.loads(config.to_json_best_effort())
-  latest = checkpointer.latest_step()
-  if latest is not None:  # fail before compiling anything
-    saved = checkpointer.read_meta(latest).get('config', {})
-    ckpt_lib.check_compatible(saved, config_dict, checkpointer.directory)
+
+  def check_meta(meta):
+    ckpt_lib.check_compatible(meta.get('config', {}), config_dict, checkpointer.directory)
+
+  has_checkpoints = bool(checkpointer.all_steps())
+  try:  # fail before compiling anything
+    for s in sorted(checkpointer.all_steps(), reverse=True):
+      try:
+        meta = checkpointer.read_meta(s)
+      except Exception:  # pylint: disable=broad-except
+        continue  # unreadable: restore_latest_good reports it and falls back
+      check_meta(meta)
+      break
+    if init_from and not has_checkpoints:
+      resilience.check_init_from(init_from, config, config_dict)
+    abstract = nnx.eval_shape(lambda: nnx.split(create_model_and_optimizer(config))[1])
+    resilience.check_disk_space(checkpointer.directory,
+                                resilience.checkpoint_bytes_estimate(abstract))
+    if is_main:  # the only writer of metrics.jsonl
+      resilience.repair_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+  except BaseException:
+    checkpointer.close()
+    raise
 
   ts, state = setup(config, devices)
   data_iter = pipeline.make_train_iter(config, process_index=jax.process_index(),
                                        process_count=jax.process_count())
   start_step = 0
-  progress = metrics_lib.Progress(config.train.steps, enabled=config.train.progress and is_main)
-  if latest is not None:
-    state, meta = checkpointer.restore(latest, ts.abstract_state, data_iter)
-    start_step = int(meta['step'])
-    progress.message(f'Resumed from {checkpointer.directory} at step {start_step}.')
+  window = _Window()
+  monitor = resilience.NonFiniteMonitor(config.train.nonfinite,
+                                        config.train.max_consecutive_skips, notify)
+  init_desc = None
+  if has_checkpoints:
+    restored = checkpointer.restore_latest_good(ts.abstract_state, data_iter, check_meta)
+    state, meta, start_step = restored.state, restored.meta, restored.step
+    if restored.broken:
+      notify('WARNING: ' + '; '.join(f'checkpoint {s} is broken ({r})' for s, r in restored.broken)
+             + f'. Moved to {restored.moved_to}; restoring step {start_step} instead.')
+    window.load(meta.get('window'))
+    monitor.skipped_total = int(meta.get('skipped_total', 0))
+    notify(f'Resumed from {checkpointer.directory} at step {start_step}.'
+           + (' (--init_from ignored: the run has checkpoints of its own.)' if init_from else ''))
+  elif init_from:
+    state, init_desc = resilience.init_from(init_from, config, config_dict, state,
+                                            ts.abstract_state, notify)
   if is_main:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=2))
@@ -259,44 +319,62 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
         f'{k[5:]}={v:.4f}' for k, v in out.items() if 'bpb' in k or 'loss' in k))
     return out
 
+  last_saved = start_step if has_checkpoints else None
+
   def save(step):
-    meta = {'step': int(step), 'config': config_dict}
+    nonlocal last_saved
+    meta = {'step': int(step), 'config': config_dict, 'window': window.to_json(),
+            'skipped_total': monitor.skipped_total,
+            **ckpt_lib.integrity_meta(state, data_iter)}
+    if init_desc:
+      meta['init_from'] = init_desc
     checkpointer.save(step, state, data_iter, meta, force=True)
+    last_saved = step
 
   tokens_per_step = config.data.batch_size * config.data.seq_len
   end_step = config.train.steps if stop_after is None else min(stop_after, config.train.steps)
-  window = _Window()
   last = {}
   pending = None  # (step, device metrics) fetched after the next step is dispatched
 
   def consume(step, m):
     nonlocal last
     m = jax.device_get(m)
-    if not (np.isfinite(m['loss']) and np.isfinite(m['grad_norm'])):
-      raise FloatingPointError(f'non-finite training state at step {step}: {_nonfinite_report(m)}')
-    window.add(m)
+    if monitor.check(step, m, last_saved):  # raises under train.nonfinite='halt'
+      window.add(m)
+    else:
+      window.skipped += 1
     if step % config.train.log_every == 0 or step == end_step:
       elapsed = time.time() - window.start - window.excluded
-      out = {k: float(v) for k, v in loss_lib.summarize(
-          {k: jnp.asarray(v) for k, v in window.sums.items()}, 'train').items()}
-      out['train/loss'] = window.loss / window.steps
+      out = {}
+      if window.steps:
+        out = {k: float(v) for k, v in loss_lib.summarize(
+            {k: jnp.asarray(v) for k, v in window.sums.items()}, 'train').items()}
+        out['train/loss'] = window.loss / window.steps
+        out['train/grad_norm'] = float(m['grad_norm'])
       out['train/lr'] = float(m['lr'])
       out['train/lambda'] = float(m['lambda'])
-      out['train/grad_norm'] = float(m['grad_norm'])
-      out['perf/tokens_per_sec'] = window.steps * tokens_per_step / max(elapsed, 1e-9)
-      out['perf/step_time'] = elapsed / window.steps
+      out['train/skipped_steps'] = float(monitor.skipped_total)
+      done = max(window.steps + window.skipped, 1)
+      out['perf/tokens_per_sec'] = done * tokens_per_step / max(elapsed, 1e-9)
+      out['perf/step_time'] = elapsed / done
       writer.write(step, out)
-      progress.update(step, out['train/loss'], out['perf/tokens_per_sec'])
+      if window.steps:
+        progress.update(step, out['train/loss'], out['perf/tokens_per_sec'])
       window.reset()
       last = out
 
   step = start_step
   compiled = None
   if start_step >= config.train.steps:
-    progress.message(f'Nothing to do: the checkpoint in {workdir} is at the final step {start_step}.')
+    notify(f'Nothing to do: the checkpoint in {workdir} is at the final step {start_step}.')
+  error = None
+  guard = resilience.PreemptionGuard(notify)  # SIGTERM / SIGINT: save at the end of the step
   try:
+    guard.install()
     while step < end_step:
       batch = next(data_iter)
+      if batch_hook is not None:
+        batch = batch_hook(step + 1, batch)
       with sharding.use_mesh(ts.mesh, ts.rules):
         gbatch = sharding.host_batch_to_global(batch, ts.mesh)
         if compiled is None:  # ahead of time, so compilation is not counted as training
@@ -308,27 +386,35 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
       if pending is not None:
         consume(*pending)
       pending = (step, m)
+      stop = guard.should_stop(step)
       want_eval = config.train.eval_every and step % config.train.eval_every == 0
       want_ckpt = config.train.checkpoint_every and step % config.train.checkpoint_every == 0
-      if want_eval or want_ckpt or step == end_step:
+      if want_eval or want_ckpt or stop or step == end_step:
         consume(*pending)  # a checkpoint never holds a state whose loss was not checked
         pending = None
       t0 = time.time()
-      if want_eval and step != config.train.steps:
+      if want_eval and step != config.train.steps and not stop:
         last.update(run_eval(step))
-      if want_ckpt and step != end_step:
+      if (want_ckpt or stop) and step != end_step:
         save(step)
       window.excluded += time.time() - t0
+      if stop:
+        notify(f'Preempted ({guard.signal_name}) at step {step}: saved a checkpoint; '
+               'rerun the same command to resume.')
+        break
     if pending is not None:
       consume(*pending)
-    if start_step < end_step or latest is None:
-      save(step)
-    if start_step < step == config.train.steps:
+    # The final eval comes before the final save: a kill in between redoes both.
+    if start_step < step == config.train.steps and not guard.requested:
       last.update(run_eval(step))
-  finally:
-    checkpointer.close()
-    writer.close()
-    progress.close()
-    if hasattr(data_iter, 'close'):
-      data_iter.close()
+    if last_saved != step:
+      save(step)
+    checkpointer.wait()  # a failed last save is an error, not a silent loss
+  except BaseException as e:
+    error = e
+    raise
+  finally:  # every closer runs; a failure surfaces unless another error is already on its way
+    guard.uninstall()
+    resilience.close_all(error, notify, checkpointer.close, writer.close, progress.close,
+                         getattr(data_iter, 'close', None))
   return last

@@ -1,7 +1,10 @@
 """Trains an MTP model: `python scripts/train.py --config configs/stdlib_mtp.py [--workdir DIR]`.
 
-Intentionally thin: parse flags, validate, call mtp_jax.train.train_and_evaluate.
-Rerunning with the same --workdir resumes from its latest checkpoint.
+Intentionally thin: parse flags, call mtp_jax.train.train_and_evaluate.
+Rerunning with the same --workdir resumes from its latest good checkpoint; SIGTERM or
+Ctrl-C saves at the end of the current step and exits 0. Exit 2: bad input (config,
+data, workdir, disk), with a one-line `error: ...`; exit 1: training stopped on a
+non-finite loss.
 """
 import os
 import sys
@@ -11,29 +14,58 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtp_jax import config_lib  # noqa: E402
-
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (get_config()).',
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (default: runs/<config name>).')
+_INIT_FROM = flags.DEFINE_string(
+    'init_from', None, 'A workdir or checkpoint whose trunk and shared embedding/head start '
+    'this run; new MTP depths are freshly initialised (ignored once --workdir has checkpoints).')
+
+
+def _fail(what: str, e: BaseException):
+  text = ' '.join(str(e).replace('\\n', '. ').replace("\\'", '').split()).strip('\'"')
+  print(f'error: {what}: {text}', file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse_flags(argv):
+  """absl's parser, but a bad flag or config file is exit 2 with one line, not a traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail('bad flag', e)
+  except AttributeError as e:  # ml_collections: an unknown --config.x key
+    _fail('unknown config field in a --config.* override', e)
+  except Exception as e:  # pylint: disable=broad-except
+    _fail(f'bad --config file or override ({type(e).__name__})', e)
 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
+    sys.exit(2)
+  if not flags.FLAGS['config'].present:
+    print('error: --config is required (e.g. --config configs/tiny.py)', file=sys.stderr)
+    sys.exit(2)
+  try:
+    config = _CONFIG.value
+    config.keys()  # a config file that failed to load raises only when used
+  except Exception as e:  # pylint: disable=broad-except
+    _fail('cannot load --config', e)
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
-  config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
-  from mtp_jax import train  # after flag parsing: JAX starts here
+  from mtp_jax import resilience, train  # after flag parsing: JAX starts here
   try:
-    train.train_and_evaluate(config, workdir)
-  except config_lib.ConfigError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
+    train.train_and_evaluate(config, workdir, init_from=_INIT_FROM.value)
+  except Exception as e:  # pylint: disable=broad-except
+    code = resilience.exit_code_of(e)
+    if code is None:
+      raise
+    print(f'error: {resilience.one_line(e)}', file=sys.stderr)
+    sys.exit(code)
 
 
 if __name__ == '__main__':
-  flags.mark_flags_as_required(['config'])
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
