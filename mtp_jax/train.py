@@ -22,6 +22,7 @@ from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
+from mtp_jax import flops as flops_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax import metrics as metrics_lib
 from mtp_jax import sharding
@@ -214,7 +215,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   workdir = os.path.abspath(workdir)
   devices = jax.devices() if devices is None else devices
   config_lib.validate(config, len(devices))
-  pipeline.validate_data_config(config)
+  pipeline.validate_data_config(config, jax.process_count())
   tokenizer = tokenizers.get_tokenizer(config.data)
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
@@ -241,6 +242,8 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=2))
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+  mfu = flops_lib.MFU(config, devices)  # CPU: a matmul probe, run now in this process
+  progress.message(mfu.describe())
 
   eval_batches = None
   token_bytes = tokenizer.token_bytes()
@@ -285,6 +288,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
       out['train/grad_norm'] = float(m['grad_norm'])
       out['perf/tokens_per_sec'] = window.steps * tokens_per_step / max(elapsed, 1e-9)
       out['perf/step_time'] = elapsed / window.steps
+      out.update(mfu.metrics(out['perf/tokens_per_sec']))
       writer.write(step, out)
       progress.update(step, out['train/loss'], out['perf/tokens_per_sec'])
       window.reset()
@@ -302,6 +306,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
         if compiled is None:  # ahead of time, so compilation is not counted as training
           t0 = time.time()
           compiled = ts.train_step.lower(state, gbatch).compile()
+          window.excluded += time.time() - t0  # tokens/s and MFU measure training only
           progress.message(f'Compiled the train step in {time.time() - t0:.1f} s.')
         state, m = compiled(state, gbatch)
       step += 1

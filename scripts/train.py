@@ -16,6 +16,15 @@ from mtp_jax import config_lib  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (get_config()).',
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (default: runs/<config name>).')
+# Multi-process jobs (mtp_jax/distributed.py; README "Scaling out"). Not config fields:
+# they describe one launch, not the experiment.
+_DISTRIBUTED = flags.DEFINE_enum('distributed', 'auto', ['auto', 'on', 'off'],
+                                 'auto: join a job when a coordinator is given or a TPU pod / '
+                                 'SLURM / MPI launcher is detected; on: always (TPU pods); off: never.')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0 .. num_processes - 1.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', None, 'CPU devices of this process (CPU jobs, tests).')
 
 
 def main(argv):
@@ -26,7 +35,9 @@ def main(argv):
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
-  from mtp_jax import train  # after flag parsing: JAX starts here
+  from mtp_jax import distributed, train  # after flag parsing: JAX starts here
+  distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
+                         _PROCESS_ID.value, _CPU_DEVICES.value)
   try:
     train.train_and_evaluate(config, workdir)
   except config_lib.ConfigError as e:
