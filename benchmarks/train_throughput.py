@@ -9,7 +9,8 @@ Sections (issue 4):
             taken within one round cancels most of the load of other jobs)
   overhead  step time with D = 1, 2, 3 over D = 0 (same trunk), next to the FLOP ratio
   memory    peak temporary memory of the compiled step (XLA memory analysis) at vocab
-            32k, T = 1024, D = 1 vs D = 4
+            32k, T = 1024, D = 1 vs D = 4, under XLA:CPU's default scheduler and its
+            memory-aware one
   compile   train-step compile time: configs/tiny.py, and a 12-layer model with and
             without layer scan (persistent compilation cache off)
 """
@@ -168,13 +169,15 @@ def bench_overhead(rounds: int) -> dict:
   return out
 
 
-def memory_config(depth: int, loss_chunk: int = 0, remat: str = 'none', batch: int = 8):
+def memory_config(depth: int, loss_chunk: int = 0, remat: str = 'none', scan: bool = False,
+                  batch: int = 8):
   c = load_config('stdlib_mtp')
   c.model.vocab_size = 32768
   c.model.mtp.depth = depth
   c.model.mtp.lambda_values, c.model.mtp.lambda_boundaries = (0.3,), ()
   c.model.loss_chunk = loss_chunk
   c.model.remat = remat
+  c.model.scan_layers = scan
   c.data.seq_len = 1024
   c.data.batch_size = batch
   return c
@@ -188,23 +191,48 @@ def compiled_memory(config) -> dict:
     batch = sharding.host_batch_to_global(
         synthetic_batch(config.data.batch_size, config.data.seq_len, args.vocab_size), ts.mesh)
     mem = ts.train_step.lower(state, batch).compile().memory_analysis()
-  b, t, v = config.data.batch_size, config.data.seq_len, args.vocab_size
   return {'temp_bytes': int(mem.temp_size_in_bytes),
-          'argument_bytes': int(mem.argument_size_in_bytes),
-          'output_bytes': int(mem.output_size_in_bytes),
-          'one_depth_logits_bytes': 4 * b * t * v}
+          'argument_bytes': int(mem.argument_size_in_bytes)}
 
 
-def bench_memory() -> dict:
-  out = {'setup': 'stdlib_mtp model (d=256, 4 layers), vocab 32768, T=1024, batch 8, f32', 'runs': []}
-  for loss_chunk in (0, 256):
-    for remat in ('none', 'full'):
-      row = {'loss_chunk': loss_chunk, 'remat': remat}
-      for depth in (1, 4):
-        row[f'D{depth}'] = compiled_memory(memory_config(depth, loss_chunk, remat))
-      row['temp_ratio_D4_over_D1'] = row['D4']['temp_bytes'] / row['D1']['temp_bytes']
-      out['runs'].append(row)
-      print(json.dumps(row), flush=True)
+# (loss_chunk, remat, scan_layers) rows; the last two are the memory-lean settings.
+MEMORY_ROWS = [(0, 'none', False), (256, 'none', False), (256, 'full', False),
+               (256, 'block', True), (256, 'full', True)]
+MEMORY_AWARE_FLAG = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
+
+
+def bench_memory(rows=MEMORY_ROWS) -> dict:
+  b, t, v = 8, 1024, 32768
+  out = {'setup': f'stdlib_mtp model (d=256, 4 layers, 2x128 heads), vocab {v}, T={t}, '
+                  f'batch {b}, float32; one depth of logits = {4 * b * t * v / 2**30:.2f} GiB',
+         'xla_flags': os.environ.get('XLA_FLAGS', ''), 'runs': []}
+  for loss_chunk, remat, scan in rows:
+    row = {'loss_chunk': loss_chunk, 'remat': remat, 'scan_layers': scan}
+    for depth in (1, 4):
+      row[f'D{depth}_temp_MiB'] = compiled_memory(
+          memory_config(depth, loss_chunk, remat, scan))['temp_bytes'] / 2**20
+    row['temp_ratio_D4_over_D1'] = row['D4_temp_MiB'] / row['D1_temp_MiB']
+    out['runs'].append(row)
+    print(json.dumps(row), flush=True)
+  return out
+
+
+def bench_memory_both_schedulers() -> dict:
+  """XLA:CPU's default (concurrency-optimised) scheduler, then its memory-aware one.
+
+  The scheduler is a process-wide XLA flag, so the second pass runs in a subprocess.
+  """
+  import subprocess
+  out = {'default_cpu_scheduler': bench_memory()}
+  env = dict(os.environ, XLA_FLAGS=MEMORY_AWARE_FLAG)
+  code = ('import sys, json; sys.argv = sys.argv[:1]; sys.path.insert(0, %r); '
+          'import train_throughput as tt; '
+          'print("RESULT", json.dumps(tt.bench_memory(tt.MEMORY_ROWS[-2:])))'
+          % os.path.join(REPO, 'benchmarks'))
+  proc = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]
+  out['memory_aware_cpu_scheduler'] = (json.loads(lines[-1][7:]) if lines
+                                       else {'error': proc.stderr[-2000:]})
   return out
 
 
@@ -236,7 +264,7 @@ def main():
   for name in a.only.split(','):
     t0 = time.time()
     result[name] = {'mfu': lambda: bench_mfu(a.rounds), 'overhead': lambda: bench_overhead(a.rounds),
-                    'memory': bench_memory, 'compile': bench_compile}[name]()
+                    'memory': bench_memory_both_schedulers, 'compile': bench_compile}[name]()
     result[name]['bench_seconds'] = time.time() - t0
     print(name, json.dumps(result[name], indent=1), flush=True)
   result['machine']['load_average_at_end'] = os.getloadavg()

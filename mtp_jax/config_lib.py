@@ -55,7 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.dtype = 'float32'  # compute dtype (params stay float32)
   m.init_std = 0.02  # stddev of the embedding init
   m.remat = 'none'  # rematerialisation per block: none | block (keep matmul outputs) | full (keep block inputs)
-  m.scan_layers = False  # lax.scan one block over the stacked trunk layers (faster compiles; same params)
+  m.scan_layers = False  # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
   m.loss_chunk = 0  # sequence chunk for the vocab projection + CE (0: whole length)
 
   mtp = m.mtp = ml_collections.ConfigDict()

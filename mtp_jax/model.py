@@ -240,6 +240,8 @@ class MTPModel(nnx.Module):
     h0 = self.trunk(tokens_BxT, positions_BxT, mask)
     hiddens = [h0]
     h = jax.lax.stop_gradient(h0) if self.args.detach_trunk else h0
+    if self.args.scan_layers and self.args.mtp_depth > 1:
+      return hiddens + self._scan_depths(h, tokens_BxT, positions_BxT, mask)
     for k in range(1, self.args.mtp_depth + 1):
       module = self.mtp[k - 1]
       if self.args.mtp_kind == 'sequential':
@@ -249,6 +251,29 @@ class MTPModel(nnx.Module):
       else:
         hiddens.append(run_blocks([module.block], h, positions_BxT, mask, self.args.remat))
     return hiddens
+
+  def _scan_depths(self, h0, tokens_BxT, positions_BxT, mask) -> list[Array]:
+    """[h^1 .. h^D] by one lax.scan over the depths' stacked parameters.
+
+    XLA runs the depths strictly one after another and reuses one depth's buffers for
+    the next, so (with remat) step memory stays nearly flat in D; unrolled, XLA:CPU's
+    scheduler keeps several depths' recomputed activations alive at once.
+    """
+    graphdef, _ = nnx.split(self.mtp[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in self.mtp])
+    sequential = self.args.mtp_kind == 'sequential'
+    tokens_KxBxT = jnp.stack([shift_left(tokens_BxT, k)
+                              for k in range(1, self.args.mtp_depth + 1)])
+
+    def body(h, xs):
+      state, tokens = xs
+      module = nnx.merge(graphdef, state)
+      x = module.combine(h, self.embed_tokens(tokens)) if sequential else h
+      hk = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
+      return (hk if sequential else h), hk
+
+    _, h_KxBxTxD = jax.lax.scan(body, h0, (stacked, tokens_KxBxT))
+    return list(h_KxBxTxD)
 
 
 def count_params(model: nnx.Module) -> dict[str, int]:

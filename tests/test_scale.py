@@ -116,24 +116,28 @@ def test_distributed_initialize_arguments(monkeypatch):
   assert distributed.managed_cluster() == 'cloud_tpu'
 
 
-VARIANTS = [('none', False), ('block', False), ('full', True), ('none', True)]
+VARIANTS = [('sequential', 'none', False), ('sequential', 'block', False),
+            ('sequential', 'full', True), ('sequential', 'none', True),
+            ('parallel', 'none', False), ('parallel', 'full', True)]
 
 
 def test_remat_and_scan_give_the_same_loss_and_gradients():
+  """Scan covers the trunk layers and the MTP depths (sequential chain and parallel heads)."""
   b = test_loss.batch(0)
-  results = {}
-  trees = set()
-  for remat, scan in VARIANTS:
-    config = tiny_model_config(2, remat=remat, scan_layers=scan)
+  results, trees = {}, {}
+  for kind, remat, scan in VARIANTS:
+    config = tiny_model_config(2, kind, remat=remat, scan_layers=scan)
     config.model.n_layers = 3
     model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
-    trees.add(str(jax.tree.structure(nnx.to_pure_dict(nnx.state(model, nnx.Param)))))
-    results[(remat, scan)] = test_loss._grads(model, b, loss_lib.depth_weights(config, 0))
-  assert len(trees) == 1  # checkpoints do not depend on remat / scan
-  (l0, s0), g0 = results[VARIANTS[0]]
+    trees.setdefault(kind, set()).add(
+        str(jax.tree.structure(nnx.to_pure_dict(nnx.state(model, nnx.Param)))))
+    results[(kind, remat, scan)] = test_loss._grads(model, b, loss_lib.depth_weights(config, 0))
+  assert all(len(t) == 1 for t in trees.values())  # checkpoints do not depend on remat / scan
   for key, ((l, s), g) in results.items():
+    (l0, s0), g0 = results[(key[0], 'none', False)]
     np.testing.assert_allclose(float(l), float(l0), rtol=1e-6, err_msg=str(key))
     np.testing.assert_array_equal(np.asarray(s['correct']), np.asarray(s0['correct']))
+    np.testing.assert_array_equal(np.asarray(s['agree']), np.asarray(s0['agree']))
     for a, b_ in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=1e-7,
                                  err_msg=str(key))
