@@ -256,7 +256,11 @@ def main():
   parser.add_argument('--only', default='mfu,overhead,memory,compile')
   parser.add_argument('--rounds', type=int, default=10)
   a = parser.parse_args()
-  result = {'machine': {'platform': platform.platform(), 'processor': platform.processor(),
+  cpu_model = ''
+  if os.path.exists('/proc/cpuinfo'):
+    cpu_model = next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo')
+                      if l.startswith('model name')), '')
+  result = {'machine': {'platform': platform.platform(), 'processor': cpu_model or platform.processor(),
                         'cpu_count': os.cpu_count(), 'jax': jax.__version__,
                         'devices': [d.device_kind for d in jax.devices()[:1]],
                         'date': datetime.datetime.now().isoformat(timespec='seconds'),

@@ -135,4 +135,6 @@ def test_two_processes_equal_one_process_of_eight_devices(devices, stdlib_data_d
   for key in ('eval/loss_main', 'eval/loss_mtp_1', 'eval/loss_mtp_2', 'eval/bpb_main'):
     np.testing.assert_allclose(ev(got)[key], ev(want)[key], rtol=2e-5, err_msg=key)
   train_rows = [r for r in got if 'train/loss' in r]
-  assert all(0 < r['perf/mfu'] < 1.5 for r in train_rows)
+  # Present and positive; one-step windows time the gap between two metric fetches,
+  # so their values are not meaningful (benchmarks/train_throughput.py measures MFU).
+  assert all(np.isfinite(r['perf/mfu']) and r['perf/mfu'] > 0 for r in train_rows)
