@@ -42,7 +42,7 @@ class ModelArgs:
   mtp_kind: str = 'sequential'
   detach_trunk: bool = False
   remat: str = 'none'  # none | block | full (see remat_policy); never changes parameters
-  scan_layers: bool = False  # lax.scan over the trunk blocks; never changes parameters
+  scan_layers: bool = False  # lax.scan over trunk blocks and MTP depths; never changes parameters
 
   @classmethod
   def from_config(cls, config) -> 'ModelArgs':
@@ -101,7 +101,7 @@ def run_blocks(blocks, x_BxTxD, positions_BxT, mask, remat: str = 'none',
 
   With scan, the per-layer parameters are stacked inside the traced computation and
   one block body is scanned over them: the HLO holds one block instead of L (compile
-  time), while the parameter tree (checkpoints, the decoder's per-layer loop) stays a
+  time on deep models; one block's buffers reused layer after layer), while the parameter tree (checkpoints, the decoder's per-layer loop) stays a
   list of blocks whatever remat / scan are.
   """
   policy = remat_policy(remat)
