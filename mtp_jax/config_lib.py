@@ -55,8 +55,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = True  # OutHead = Emb^T (False: a separate output kernel)
   m.dtype = 'float32'  # compute dtype (params stay float32)
   m.init_std = 0.02  # stddev of the embedding init
-  m.remat = 'none'  # rematerialisation: none | block | full
-  m.scan_layers = False  # nnx.scan over trunk layers (faster compiles on deep models)
+  m.remat = 'none'  # rematerialisation per block: none | block (keep matmul outputs) | full (keep block inputs)
+  m.scan_layers = False  # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
   m.loss_chunk = 0  # sequence chunk for the vocab projection + CE (0: whole length)
 
   mtp = m.mtp = ml_collections.ConfigDict()
@@ -195,6 +195,8 @@ def validate(config, num_devices: int | None = None) -> None:
            f"model.dtype must be float32, bfloat16 or float16, got {m.dtype!r}")
   _require(m.remat in ('none', 'block', 'full'),
            f"model.remat must be none, block or full, got {m.remat!r}")
+  _require(isinstance(m.scan_layers, bool),
+           f'model.scan_layers must be True or False, got {m.scan_layers!r}')
   _require(m.loss_chunk >= 0 and (m.loss_chunk == 0 or d.seq_len % m.loss_chunk == 0),
            f'model.loss_chunk ({m.loss_chunk}) must be 0 or divide data.seq_len ({d.seq_len})')
   _require(m.norm_eps > 0, f'model.norm_eps must be > 0, got {m.norm_eps}')

@@ -6,6 +6,8 @@ MTP layer maps 1:1 onto released weights.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,6 +24,20 @@ def _init(initializer, names):
 def rms_norm(d: int, cfg, rngs: nnx.Rngs) -> nnx.RMSNorm:
   return nnx.RMSNorm(d, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=jnp.float32,
                      scale_init=_init(nnx.initializers.ones, ('norm',)), rngs=rngs)
+
+
+def project(x_NxI: Array, kernel, dtype, in_dims: int = 1) -> Array:
+  """x @ kernel with the kernel's first `in_dims` axes contracted, as one 2-D matmul.
+
+  Activations are flattened to [B*T, features] for every projection: XLA:CPU runs a
+  plain 2-D matmul (and its two backward matmuls) ~1.5x faster than the same einsum
+  over [B, T, ...] with two contracting dims in the weight gradient; on GPU/TPU it is
+  the same HLO dot. Parameters keep their [in..., out...] shapes (checkpoints and
+  per-axis sharding names unchanged).
+  """
+  w = kernel[...]
+  w_IxO = w.reshape(math.prod(w.shape[:in_dims]), -1)
+  return jnp.dot(x_NxI.astype(dtype), w_IxO.astype(dtype))
 
 
 def apply_rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float) -> Array:
@@ -67,6 +83,7 @@ class Attention(nnx.Module):
     self.o_proj = nnx.Einsum('btnh,nhd->btd', (n, h, d), dtype=dt,
                              kernel_init=_init(init, ('heads', 'head_dim', 'embed')), rngs=rngs)
     self.rope_theta = cfg.rope_theta
+    self.dtype = dt
 
   def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache=None, cache_index_B=None):
     """Attention over x (cache=None) or over a cache the new keys are written into.
@@ -75,9 +92,15 @@ class Attention(nnx.Module):
     cache_index_B[b] .. +T, and mask_Bx1xTxS says which cache slots each query sees.
     Returns (out_BxTxD, new_cache or None).
     """
-    q = apply_rope(self.q_proj(x_BxTxD), positions_BxT, self.rope_theta)
-    k = apply_rope(self.k_proj(x_BxTxD), positions_BxT, self.rope_theta)
-    v = self.v_proj(x_BxTxD)
+    b, t, _ = x_BxTxD.shape
+    x_NxD = x_BxTxD.reshape(b * t, -1)
+
+    def heads(proj):  # [B*T, N*H] -> [B, T, N, H]
+      return project(x_NxD, proj.kernel, self.dtype).reshape(b, t, *proj.kernel.shape[1:])
+
+    q = apply_rope(heads(self.q_proj), positions_BxT, self.rope_theta)
+    k = apply_rope(heads(self.k_proj), positions_BxT, self.rope_theta)
+    v = heads(self.v_proj)
     q = constrain(q, ('batch', 'length', 'act_heads', None))
     if cache is not None:
       k = write_cache(cache[0], k, cache_index_B)
@@ -85,7 +108,8 @@ class Attention(nnx.Module):
       cache = (k, v)
     out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask_Bx1xTxS)
     out = constrain(out, ('batch', 'length', 'act_heads', None))
-    return self.o_proj(out), cache
+    o_NxD = project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
+    return o_NxD.reshape(b, t, -1), cache
 
 
 class MLP(nnx.Module):
@@ -100,11 +124,15 @@ class MLP(nnx.Module):
                               kernel_init=_init(init, ('embed', 'mlp')), rngs=rngs)
     self.down_proj = nnx.Linear(f, d, use_bias=False, dtype=dt,
                                 kernel_init=_init(init, ('mlp', 'embed')), rngs=rngs)
+    self.dtype = dt
 
   def __call__(self, x_BxTxD):
-    h = jax.nn.silu(self.gate_proj(x_BxTxD)) * self.up_proj(x_BxTxD)
-    h = constrain(h, ('batch', 'length', 'act_mlp'))
-    return self.down_proj(h)
+    b, t, _ = x_BxTxD.shape
+    x_NxD = x_BxTxD.reshape(b * t, -1)
+    h_NxF = (jax.nn.silu(project(x_NxD, self.gate_proj.kernel, self.dtype))
+             * project(x_NxD, self.up_proj.kernel, self.dtype))
+    h_NxF = constrain(h_NxF, ('batch', 'act_mlp'))
+    return project(h_NxF, self.down_proj.kernel, self.dtype).reshape(b, t, -1)
 
 
 class Block(nnx.Module):

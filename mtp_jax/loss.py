@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from mtp_jax.model import MTPModel, shift_left
 
@@ -52,34 +53,50 @@ def depth_weights(config, step) -> Array:
   return jnp.concatenate([jnp.ones((1,), jnp.float32), w])
 
 
-def _head_sums(model: MTPModel, depth: int, h_BxTxD, targets_BxT, mask_BxT, chunk: int):
-  """(sum of -log p over valid positions, number correct, argmax [B, T]) for one depth.
+def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk: int):
+  """Per-depth (sum of -log p over valid positions [K], number correct [K], argmax [K, B, T]).
 
-  The vocab projection runs under jax.checkpoint, chunk by chunk along T, so only
-  one [B, chunk, V] block of logits is alive and none is kept for the backward pass.
+  One lax.scan over the depths, and inside it one over sequence chunks whose body
+  (head norm, vocab projection, cross-entropy) runs under jax.checkpoint: a single
+  [B, chunk, V] block of logits is alive at a time, whatever D is, and none is kept
+  for the backward pass. (Separate per-depth loops would each get their own
+  temporaries in XLA's buffer assignment: peak memory then grows with D.)
   """
-  b, t, d = h_BxTxD.shape
+  num = len(hiddens)
+  b, t, d = hiddens[0].shape
   chunk = t if chunk in (0, None) else chunk
   n = t // chunk
-
-  def body(carry, xs):
-    h, tgt, m = xs
-    logits = model.logits(h, depth)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, tgt)
-    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    mf = m.astype(jnp.float32)
-    loss_sum = carry[0] + jnp.sum(nll * mf)
-    correct = carry[1] + jnp.sum((pred == tgt) * mf)
-    return (loss_sum, correct), pred
+  h_KxBxTxD = jnp.stack(hiddens)
+  norms = [model.head_norm(k) for k in range(num)]
+  norm_def, _ = nnx.split(norms[0])
+  norm_K = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in norms])
+  w_DxV = model.output_kernel()
 
   def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
     return jnp.moveaxis(x.reshape((b, n, chunk) + x.shape[2:]), 1, 0)
 
-  zero = jnp.zeros((), jnp.float32)
-  (loss_sum, correct), pred = jax.lax.scan(
-      jax.checkpoint(body), (zero, zero), (split(h_BxTxD), split(targets_BxT), split(mask_BxT)))
-  pred_BxT = jnp.moveaxis(pred, 0, 1).reshape(b, t)
-  return loss_sum, correct, pred_BxT
+  def depth_body(_, xs):
+    h, tgt, m, norm_state = xs
+    norm = nnx.merge(norm_def, norm_state)
+
+    def chunk_body(carry, cxs):
+      hc, tc, mc = cxs
+      x_NxD = norm(hc).reshape(b * chunk, d)  # 2-D: see layers.project
+      logits = jnp.dot(x_NxD, w_DxV.astype(x_NxD.dtype),
+                       preferred_element_type=jnp.float32).reshape(b, chunk, -1)
+      nll = optax.softmax_cross_entropy_with_integer_labels(logits, tc)
+      pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      mf = mc.astype(jnp.float32)
+      return (carry[0] + jnp.sum(nll * mf), carry[1] + jnp.sum((pred == tc) * mf)), pred
+
+    zero = jnp.zeros((), jnp.float32)
+    (loss_sum, correct), pred = jax.lax.scan(jax.checkpoint(chunk_body), (zero, zero),
+                                             (split(h), split(tgt), split(m)))
+    return None, (loss_sum, correct, jnp.moveaxis(pred, 0, 1).reshape(b, t))
+
+  _, (loss_K, correct_K, pred_KxBxT) = jax.lax.scan(
+      depth_body, None, (h_KxBxTxD, targets_KxBxT, mask_KxBxT, norm_K))
+  return loss_K, correct_K, pred_KxBxT
 
 
 def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: Array | None = None,
@@ -95,21 +112,15 @@ def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: A
   tokens, seg = batch['tokens'], batch['segment_ids']
   hiddens = model(tokens, batch.get('positions'), seg)
   num = len(hiddens)
-  stats = {'loss_sum': [], 'correct': [], 'agree': [], 'count': []}
-  preds = []
-  for k, h in enumerate(hiddens):
-    mask = valid_mask(seg, k)
-    loss_sum, correct, pred = _head_sums(model, k, h, targets(tokens, k), mask, chunk)
-    preds.append(pred)
-    if k == 0:
-      agree = jnp.zeros((), jnp.float32)
-    else:  # does depth k's argmax at i equal the main model's argmax at i + k?
-      agree = jnp.sum((pred == shift_left(preds[0], k, fill=-1)) & mask).astype(jnp.float32)
-    stats['loss_sum'].append(loss_sum)
-    stats['correct'].append(correct)
-    stats['agree'].append(agree)
-    stats['count'].append(mask.sum().astype(jnp.float32))
-  sums = {key: jnp.stack(v) for key, v in stats.items()}
+  mask_KxBxT = jnp.stack([valid_mask(seg, k) for k in range(num)])
+  targets_KxBxT = jnp.stack([targets(tokens, k) for k in range(num)])
+  loss_K, correct_K, pred_KxBxT = _head_sums(model, hiddens, targets_KxBxT, mask_KxBxT, chunk)
+  # does depth k's argmax at i equal the main model's argmax at i + k?
+  agree = [jnp.zeros((), jnp.float32)] + [
+      jnp.sum((pred_KxBxT[k] == shift_left(pred_KxBxT[0], k, fill=-1)) & mask_KxBxT[k])
+      .astype(jnp.float32) for k in range(1, num)]
+  sums = {'loss_sum': loss_K, 'correct': correct_K, 'agree': jnp.stack(agree),
+          'count': mask_KxBxT.sum(axis=(1, 2)).astype(jnp.float32)}
   denom = sums['count'] if counts_K is None else counts_K.astype(jnp.float32)
   per_depth = sums['loss_sum'] / jnp.maximum(denom, 1.0)  # empty mask -> 0, never NaN
   loss = jnp.sum(weights_K[:num] * per_depth)

@@ -10,6 +10,7 @@ Parallel heads (ablation): h^k = block_k(h^0), no token input, no chain.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -40,6 +41,8 @@ class ModelArgs:
   mtp_depth: int = 1
   mtp_kind: str = 'sequential'
   detach_trunk: bool = False
+  remat: str = 'none'  # none | block | full (see remat_policy); never changes parameters
+  scan_layers: bool = False  # lax.scan over trunk blocks and MTP depths; never changes parameters
 
   @classmethod
   def from_config(cls, config) -> 'ModelArgs':
@@ -48,7 +51,8 @@ class ModelArgs:
                n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
                tie_embeddings=m.tie_embeddings, dtype=jnp.dtype(m.dtype), init_std=m.init_std,
-               mtp_depth=m.mtp.depth, mtp_kind=m.mtp.kind, detach_trunk=m.mtp.detach_trunk)
+               mtp_depth=m.mtp.depth, mtp_kind=m.mtp.kind, detach_trunk=m.mtp.detach_trunk,
+               remat=m.remat, scan_layers=m.scan_layers)
 
 
 def resolve_vocab_size(config) -> int:
@@ -67,6 +71,61 @@ def shift_left(x_BxT: Array, k: int, fill=0) -> Array:
     return x_BxT
   pad = jnp.full((x_BxT.shape[0], k) + x_BxT.shape[2:], fill, x_BxT.dtype)
   return jnp.concatenate([x_BxT[:, k:], pad], axis=1)
+
+
+def remat_policy(name: str):
+  """The jax.checkpoint policy of config.model.remat (None: no rematerialisation).
+
+  block: keep each block's weight-matmul outputs (q/k/v/o, gate/up/down projections),
+         recompute attention scores, softmax, norms, RoPE and the SwiGLU product.
+  full:  keep only each block's input; recompute the whole block in the backward pass.
+  """
+  if name == 'none':
+    return None
+  if name == 'block':
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  if name == 'full':
+    return jax.checkpoint_policies.nothing_saveable
+  raise ValueError(f'unknown remat policy {name!r}')
+
+
+def _apply_block(graphdef, state, x, positions, mask):
+  """A pure function of the block's state (what jax.checkpoint and lax.scan need)."""
+  out, _ = nnx.merge(graphdef, state)(x, positions, mask)
+  return out
+
+
+def run_blocks(blocks, x_BxTxD, positions_BxT, mask, remat: str = 'none',
+               scan: bool = False) -> Array:
+  """x through `blocks` in order (no caches), optionally rematerialised and scanned.
+
+  With scan, the per-layer parameters are stacked inside the traced computation and
+  one block body is scanned over them: the HLO holds one block instead of L (compile
+  time on deep models; one block's buffers reused layer after layer), while the parameter tree (checkpoints, the decoder's per-layer loop) stays a
+  list of blocks whatever remat / scan are.
+  """
+  policy = remat_policy(remat)
+
+  def block_fn(graphdef):
+    fn = functools.partial(_apply_block, graphdef)
+    # Inside a scan the loop already keeps XLA from merging recomputation with the
+    # forward pass, so CSE prevention is not needed there (JAX's advice for scans).
+    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=not scan)
+
+  if scan and len(blocks) > 1:
+    graphdef, _ = nnx.split(blocks[0])
+    fn = block_fn(graphdef)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
+
+    def body(x, state):
+      return fn(state, x, positions_BxT, mask), None
+
+    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, stacked)
+    return x_BxTxD
+  for block in blocks:
+    graphdef, state = nnx.split(block)
+    x_BxTxD = block_fn(graphdef)(state, x_BxTxD, positions_BxT, mask)
+  return x_BxTxD
 
 
 class SharedHead(nnx.Module):
@@ -92,8 +151,10 @@ class SequentialMTP(nnx.Module):
 
   def combine(self, h_prev_BxTxD: Array, emb_BxTxD: Array) -> Array:
     """eh_proj([enorm(emb) ; hnorm(h)]): the order of DeepSeek's released weights."""
+    b, t, d = emb_BxTxD.shape
     x = jnp.concatenate([self.enorm(emb_BxTxD), self.hnorm(h_prev_BxTxD)], axis=-1)
-    return constrain(self.eh_proj(x), ('batch', 'length', 'act_embed'))
+    h = layers.project(x.reshape(b * t, 2 * d), self.eh_proj.kernel, self.eh_proj.dtype)
+    return constrain(h.reshape(b, t, d), ('batch', 'length', 'act_embed'))
 
 
 class ParallelHead(nnx.Module):
@@ -142,16 +203,16 @@ class MTPModel(nnx.Module):
 
   def logits(self, h_BxTxD: Array, depth: int = 0) -> Array:
     """OutHead(norm_depth(h)) in float32."""
-    x = self.head_norm(depth)(h_BxTxD)
-    w = self.output_kernel().astype(x.dtype)
-    return jnp.einsum('btd,dv->btv', x, w, preferred_element_type=jnp.float32)
+    b, t, d = h_BxTxD.shape
+    x_NxD = self.head_norm(depth)(h_BxTxD).reshape(b * t, d)  # 2-D: see layers.project
+    w = self.output_kernel().astype(x_NxD.dtype)
+    return jnp.dot(x_NxD, w, preferred_element_type=jnp.float32).reshape(b, t, -1)
 
   def trunk(self, tokens_BxT, positions_BxT, mask_Bx1xTxT) -> Array:
     """h^0: the last block's output, before the final norm."""
     x = self.embed_tokens(tokens_BxT)
-    for block in self.layers:
-      x, _ = block(x, positions_BxT, mask_Bx1xTxT)
-    return x
+    return run_blocks(self.layers, x, positions_BxT, mask_Bx1xTxT, self.args.remat,
+                      self.args.scan_layers)
 
   def mtp_step(self, depth: int, h_prev_BxTxD, tokens_BxT, positions_BxT, mask, cache=None,
                cache_index_B=None):
@@ -179,14 +240,40 @@ class MTPModel(nnx.Module):
     h0 = self.trunk(tokens_BxT, positions_BxT, mask)
     hiddens = [h0]
     h = jax.lax.stop_gradient(h0) if self.args.detach_trunk else h0
+    if self.args.scan_layers and self.args.mtp_depth > 1:
+      return hiddens + self._scan_depths(h, tokens_BxT, positions_BxT, mask)
     for k in range(1, self.args.mtp_depth + 1):
+      module = self.mtp[k - 1]
       if self.args.mtp_kind == 'sequential':
-        h, _ = self.mtp_step(k, h, shift_left(tokens_BxT, k), positions_BxT, mask)
+        x = module.combine(h, self.embed_tokens(shift_left(tokens_BxT, k)))
+        h = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
         hiddens.append(h)
       else:
-        hk, _ = self.mtp_step(k, h, None, positions_BxT, mask)
-        hiddens.append(hk)
+        hiddens.append(run_blocks([module.block], h, positions_BxT, mask, self.args.remat))
     return hiddens
+
+  def _scan_depths(self, h0, tokens_BxT, positions_BxT, mask) -> list[Array]:
+    """[h^1 .. h^D] by one lax.scan over the depths' stacked parameters.
+
+    XLA runs the depths strictly one after another and reuses one depth's buffers for
+    the next, so (with remat) step memory stays nearly flat in D; unrolled, XLA:CPU's
+    scheduler keeps several depths' recomputed activations alive at once.
+    """
+    graphdef, _ = nnx.split(self.mtp[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in self.mtp])
+    sequential = self.args.mtp_kind == 'sequential'
+    tokens_KxBxT = jnp.stack([shift_left(tokens_BxT, k)
+                              for k in range(1, self.args.mtp_depth + 1)])
+
+    def body(h, xs):
+      state, tokens = xs
+      module = nnx.merge(graphdef, state)
+      x = module.combine(h, self.embed_tokens(tokens)) if sequential else h
+      hk = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
+      return (hk if sequential else h), hk
+
+    _, h_KxBxTxD = jax.lax.scan(body, h0, (stacked, tokens_KxBxT))
+    return list(h_KxBxTxD)
 
 
 def count_params(model: nnx.Module) -> dict[str, int]:

@@ -125,12 +125,12 @@ def checkpoint_bytes_estimate(abstract_state) -> int:
   return state_bytes(abstract_state) + (1 << 20)
 
 
-def validate_data(config) -> None:
+def validate_data(config, process_count: int = 1) -> None:
   """pipeline.validate_data_config, with TFDS's failure on a split left without any readable
   document (every file binary or empty) turned into a ConfigError naming the corpus."""
   from mtp_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   try:
-    pipeline.validate_data_config(config)
+    pipeline.validate_data_config(config, process_count)
   except AssertionError as e:
     if 'No examples were yielded' not in str(e):
       raise

@@ -23,6 +23,7 @@ from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
+from mtp_jax import flops as flops_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax import metrics as metrics_lib
 from mtp_jax import resilience
@@ -231,7 +232,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   devices = jax.devices() if devices is None else devices
   config_lib.validate(config, len(devices))
   resilience.check_workdir(workdir)
-  resilience.validate_data(config)
+  resilience.validate_data(config, jax.process_count())
   resilience.check_document_lengths(config)
   tokenizer = tokenizers.get_tokenizer(config.data)
   is_main = jax.process_index() == 0
@@ -301,6 +302,8 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=2))
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+  mfu = flops_lib.MFU(config, devices)  # CPU: a matmul probe, run now in this process
+  progress.message(mfu.describe())
 
   eval_batches = None
   token_bytes = tokenizer.token_bytes()
@@ -357,6 +360,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
       done = max(window.steps + window.skipped, 1)
       out['perf/tokens_per_sec'] = done * tokens_per_step / max(elapsed, 1e-9)
       out['perf/step_time'] = elapsed / done
+      out.update(mfu.metrics(out['perf/tokens_per_sec']))
       writer.write(step, out)
       if window.steps:
         progress.update(step, out['train/loss'], out['perf/tokens_per_sec'])
@@ -380,6 +384,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
         if compiled is None:  # ahead of time, so compilation is not counted as training
           t0 = time.time()
           compiled = ts.train_step.lower(state, gbatch).compile()
+          window.excluded += time.time() - t0  # tokens/s and MFU measure training only
           progress.message(f'Compiled the train step in {time.time() - t0:.1f} s.')
         state, m = compiled(state, gbatch)
       step += 1

@@ -21,6 +21,16 @@ _INIT_FROM = flags.DEFINE_string(
     'init_from', None, 'A workdir or checkpoint whose trunk and shared embedding/head start '
     'this run; new MTP depths are freshly initialised (ignored once --workdir has checkpoints).')
 
+# Multi-process jobs (mtp_jax/distributed.py; README "Scaling out"). Not config fields:
+# they describe one launch, not the experiment.
+_DISTRIBUTED = flags.DEFINE_enum('distributed', 'auto', ['auto', 'on', 'off'],
+                                 'auto: join a job when a coordinator is given or a TPU pod / '
+                                 'SLURM / MPI launcher is detected; on: always (TPU pods); off: never.')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0 .. num_processes - 1.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', None, 'CPU devices of this process (CPU jobs, tests).')
+
 
 def _fail(what: str, e: BaseException):
   text = ' '.join(str(e).replace('\\n', '. ').replace("\\'", '').split()).strip('\'"')
@@ -56,7 +66,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   workdir = _WORKDIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
-  from mtp_jax import resilience, train  # after flag parsing: JAX starts here
+  from mtp_jax import distributed, resilience, train  # after flag parsing: JAX starts here
+  distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
+                         _PROCESS_ID.value, _CPU_DEVICES.value)
   try:
     train.train_and_evaluate(config, workdir, init_from=_INIT_FROM.value)
   except Exception as e:  # pylint: disable=broad-except

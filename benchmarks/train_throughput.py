@@ -1,0 +1,281 @@
+"""Training throughput, MTP overhead, loss memory and compile time; one JSON out.
+
+  python benchmarks/train_throughput.py --out benchmarks/train_throughput.json
+  python benchmarks/train_throughput.py --only mfu,overhead --rounds 12
+
+Sections (issue 4):
+  mfu       the configs/stdlib_mtp.py train step: model FLOP/s over a matmul probe run in
+            the same process, interleaved round by round (shared, noisy CPUs: a ratio
+            taken within one round cancels most of the load of other jobs)
+  overhead  step time with D = 1, 2, 3 over D = 0 (same trunk), next to the FLOP ratio
+  memory    peak temporary memory of the compiled step (XLA memory analysis) at vocab
+            32k, T = 1024, D = 1 vs D = 4, under XLA:CPU's default scheduler and its
+            memory-aware one
+  compile   train-step compile time: configs/tiny.py, and a 12-layer model with and
+            without layer scan (persistent compilation cache off)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mtp_jax import flops as flops_lib  # noqa: E402
+from mtp_jax import sharding, train  # noqa: E402
+from mtp_jax.model import ModelArgs  # noqa: E402
+
+jax.config.update('jax_enable_compilation_cache', False)  # compile times must be real
+
+
+def load_config(name: str):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'configs', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def synthetic_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
+  """Packed rows of random tokens: documents of random length, a little padding."""
+  rng = np.random.default_rng(seed)
+  seg = np.zeros((batch, seq_len), np.int32)
+  pos = np.zeros((batch, seq_len), np.int32)
+  for r in range(batch):
+    i, s, end = 0, 1, seq_len - int(rng.integers(0, 4))
+    while i < end:
+      n = min(int(rng.integers(seq_len // 8, seq_len)), end - i)
+      seg[r, i:i + n], pos[r, i:i + n] = s, np.arange(n)
+      i, s = i + n, s + 1
+  tokens = np.where(seg > 0, rng.integers(1, min(vocab, 256), size=seg.shape), 0)
+  return {'tokens': tokens.astype(np.int32), 'segment_ids': seg, 'positions': pos}
+
+
+class Step:
+  """One config's compiled train step on one device, with its state and a batch."""
+
+  def __init__(self, config):
+    t0 = time.perf_counter()
+    self.ts, self.state = train.setup(config, jax.devices()[:1])
+    self.config = config
+    args = ModelArgs.from_config(config)
+    b, t = config.data.batch_size, config.data.seq_len
+    self.tokens = b * t
+    self.flops = flops_lib.flops_per_token(args, t).train * self.tokens
+    self.flops_full_attention = flops_lib.flops_per_token(args, t, causal=False).train * self.tokens
+    with sharding.use_mesh(self.ts.mesh, self.ts.rules):
+      self.batch = sharding.host_batch_to_global(synthetic_batch(b, t, args.vocab_size), self.ts.mesh)
+      t1 = time.perf_counter()
+      self.compiled = self.ts.train_step.lower(self.state, self.batch).compile()
+    self.compile_s = time.perf_counter() - t1
+    self.setup_s = t1 - t0
+    cost = self.compiled.cost_analysis()
+    self.xla_flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost).get('flops', 0))
+    self.run()  # warm up
+
+  def run(self) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one step."""
+    w, c = time.perf_counter(), time.process_time()
+    self.state, m = self.compiled(self.state, self.batch)
+    jax.block_until_ready(m)
+    return time.perf_counter() - w, time.process_time() - c
+
+
+class Probe:
+  """The f32 2048^2 matmul that MFU is measured against, run in this process."""
+
+  def __init__(self, n=2048):
+    self.flops = 2.0 * n ** 3
+    self.fn = jax.jit(lambda a, b: a @ b)
+    self.a = jnp.ones((n, n), jnp.float32)
+    self.fn(self.a, self.a).block_until_ready()
+
+  def run(self, reps=2) -> tuple[float, float]:
+    """(best wall, best CPU seconds) over reps matmuls."""
+    best_w = best_c = float('inf')
+    for _ in range(reps):
+      w, c = time.perf_counter(), time.process_time()
+      self.fn(self.a, self.a).block_until_ready()
+      best_w, best_c = min(best_w, time.perf_counter() - w), min(best_c, time.process_time() - c)
+    return best_w, best_c
+
+
+def _summary(xs):
+  return {'median': statistics.median(xs), 'max': max(xs), 'min': min(xs)}
+
+
+def bench_mfu(rounds: int) -> dict:
+  config = load_config('stdlib_mtp')
+  step, probe = Step(config), Probe()
+  wall, cpu, steps, probes = [], [], [], []
+  for _ in range(rounds):
+    pw, pc = probe.run()
+    sw, sc = step.run()
+    steps.append(sw)
+    probes.append(pw)
+    wall.append((step.flops / sw) / (probe.flops / pw))
+    cpu.append((step.flops / sc) / (probe.flops / pc))
+  best_step, best_probe = min(steps), min(probes)
+  return {
+      'config': 'configs/stdlib_mtp.py',
+      'batch_size': config.data.batch_size, 'seq_len': config.data.seq_len,
+      'model_flops_per_step': step.flops, 'xla_cost_analysis_flops_per_step': step.xla_flops,
+      'probe_gflops_best': probe.flops / best_probe / 1e9,
+      'step_time_best_s': best_step, 'step_time_median_s': statistics.median(steps),
+      'tokens_per_sec_best': step.tokens / best_step,
+      'mfu_per_round_wall': _summary(wall),
+      'mfu_per_round_cpu_time': _summary(cpu),
+      'mfu_best_step_over_best_probe': (step.flops / best_step) / (probe.flops / best_probe),
+      'mfu_full_attention_count_median': statistics.median(wall) * step.flops_full_attention / step.flops,
+      'compile_s': step.compile_s,
+  }
+
+
+def bench_overhead(rounds: int) -> dict:
+  steps = {}
+  for depth in (0, 1, 2, 3):
+    c = load_config('stdlib_mtp')
+    c.model.mtp.depth = depth
+    c.model.mtp.lambda_values, c.model.mtp.lambda_boundaries = (0.3,), ()
+    steps[depth] = Step(c)
+  times = {d: [] for d in steps}
+  ratios = {d: [] for d in steps if d}
+  for _ in range(rounds):  # round robin: every depth sees the same background load
+    t = {d: s.run()[0] for d, s in steps.items()}
+    for d in steps:
+      times[d].append(t[d])
+      if d:
+        ratios[d].append(t[d] / t[0])
+  out = {'config': 'configs/stdlib_mtp.py with model.mtp.depth = D', 'depths': {}}
+  for d in steps:
+    flop_ratio = steps[d].flops / steps[0].flops
+    row = {'step_time_best_s': min(times[d]), 'flop_ratio': flop_ratio}
+    if d:
+      r = statistics.median(ratios[d])
+      row.update({'time_ratio_median': r, 'time_ratio_of_best': min(times[d]) / min(times[0]),
+                  'time_ratio_over_flop_ratio': r / flop_ratio})
+    out['depths'][str(d)] = row
+  return out
+
+
+def memory_config(depth: int, loss_chunk: int = 0, remat: str = 'none', scan: bool = False,
+                  batch: int = 8):
+  c = load_config('stdlib_mtp')
+  c.model.vocab_size = 32768
+  c.model.mtp.depth = depth
+  c.model.mtp.lambda_values, c.model.mtp.lambda_boundaries = (0.3,), ()
+  c.model.loss_chunk = loss_chunk
+  c.model.remat = remat
+  c.model.scan_layers = scan
+  c.data.seq_len = 1024
+  c.data.batch_size = batch
+  return c
+
+
+def compiled_memory(config) -> dict:
+  """XLA's memory analysis of the compiled train step (compiled, never run)."""
+  ts, state = train.setup(config, jax.devices()[:1])
+  args = ModelArgs.from_config(config)
+  with sharding.use_mesh(ts.mesh, ts.rules):
+    batch = sharding.host_batch_to_global(
+        synthetic_batch(config.data.batch_size, config.data.seq_len, args.vocab_size), ts.mesh)
+    mem = ts.train_step.lower(state, batch).compile().memory_analysis()
+  return {'temp_bytes': int(mem.temp_size_in_bytes),
+          'argument_bytes': int(mem.argument_size_in_bytes)}
+
+
+# (loss_chunk, remat, scan_layers) rows; the last two are the memory-lean settings.
+MEMORY_ROWS = [(0, 'none', False), (256, 'none', False), (256, 'full', False),
+               (256, 'block', True), (256, 'full', True)]
+MEMORY_AWARE_FLAG = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
+
+
+def bench_memory(rows=MEMORY_ROWS) -> dict:
+  b, t, v = 8, 1024, 32768
+  out = {'setup': f'stdlib_mtp model (d=256, 4 layers, 2x128 heads), vocab {v}, T={t}, '
+                  f'batch {b}, float32; one depth of logits = {4 * b * t * v / 2**30:.2f} GiB',
+         'xla_flags': os.environ.get('XLA_FLAGS', ''), 'runs': []}
+  for loss_chunk, remat, scan in rows:
+    row = {'loss_chunk': loss_chunk, 'remat': remat, 'scan_layers': scan}
+    for depth in (1, 4):
+      row[f'D{depth}_temp_MiB'] = compiled_memory(
+          memory_config(depth, loss_chunk, remat, scan))['temp_bytes'] / 2**20
+    row['temp_ratio_D4_over_D1'] = row['D4_temp_MiB'] / row['D1_temp_MiB']
+    out['runs'].append(row)
+    print(json.dumps(row), flush=True)
+  return out
+
+
+def bench_memory_both_schedulers() -> dict:
+  """XLA:CPU's default (concurrency-optimised) scheduler, then its memory-aware one.
+
+  The scheduler is a process-wide XLA flag, so the second pass runs in a subprocess.
+  """
+  import subprocess
+  out = {'default_cpu_scheduler': bench_memory()}
+  env = dict(os.environ, XLA_FLAGS=MEMORY_AWARE_FLAG)
+  code = ('import sys, json; sys.argv = sys.argv[:1]; sys.path.insert(0, %r); '
+          'import train_throughput as tt; '
+          'print("RESULT", json.dumps(tt.bench_memory(tt.MEMORY_ROWS[-2:])))'
+          % os.path.join(REPO, 'benchmarks'))
+  proc = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]
+  out['memory_aware_cpu_scheduler'] = (json.loads(lines[-1][7:]) if lines
+                                       else {'error': proc.stderr[-2000:]})
+  return out
+
+
+def bench_compile() -> dict:
+  out = {}
+  tiny = load_config('tiny')
+  tiny.model.vocab_size = 320  # no tokenizer needed
+  out['tiny'] = Step(tiny).compile_s
+  for scan in (False, True):
+    c = load_config('stdlib_mtp')
+    c.model.n_layers = 12
+    c.model.scan_layers = scan
+    s = Step(c)
+    out[f'12_layers_scan_{scan}'] = s.compile_s
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--out', default=os.path.join(REPO, 'benchmarks', 'train_throughput.json'))
+  parser.add_argument('--only', default='mfu,overhead,memory,compile')
+  parser.add_argument('--rounds', type=int, default=10)
+  a = parser.parse_args()
+  cpu_model = ''
+  if os.path.exists('/proc/cpuinfo'):
+    cpu_model = next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo')
+                      if l.startswith('model name')), '')
+  result = {'machine': {'platform': platform.platform(), 'processor': cpu_model or platform.processor(),
+                        'cpu_count': os.cpu_count(), 'jax': jax.__version__,
+                        'devices': [d.device_kind for d in jax.devices()[:1]],
+                        'date': datetime.datetime.now().isoformat(timespec='seconds'),
+                        'load_average_at_start': os.getloadavg()}}
+  for name in a.only.split(','):
+    t0 = time.time()
+    result[name] = {'mfu': lambda: bench_mfu(a.rounds), 'overhead': lambda: bench_overhead(a.rounds),
+                    'memory': bench_memory_both_schedulers, 'compile': bench_compile}[name]()
+    result[name]['bench_seconds'] = time.time() - t0
+    print(name, json.dumps(result[name], indent=1), flush=True)
+  result['machine']['load_average_at_end'] = os.getloadavg()
+  with open(a.out, 'w') as f:
+    json.dump(result, f, indent=1)
+  print('wrote', a.out)
+
+
+if __name__ == '__main__':
+  main()

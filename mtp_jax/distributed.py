@@ -1,0 +1,78 @@
+"""Joining a multi-process (multi-host) JAX job before anything touches a device.
+
+One process per host (TPU VM worker, GPU node) runs the same `scripts/train.py`. Each
+reads its own shard of the data (`pipeline.make_train_iter(..., process_index,
+process_count)`); `jax.make_array_from_process_local_data` assembles the global batch;
+only process 0 writes metrics; orbax checkpoints are written and restored by all
+processes together. Where the coordinator comes from:
+
+  explicit   --coordinator_address / --num_processes / --process_id (or the environment
+             variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)
+  automatic  Cloud TPU pod slices, SLURM and Open MPI jobs: JAX finds the coordinator
+             itself (`jax.distributed.initialize()` with no arguments)
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+MODES = ('auto', 'on', 'off')
+
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  return int(value) if value not in (None, '') else None
+
+
+def managed_cluster() -> str | None:
+  """The name of a multi-process launcher JAX detects by itself, if this is one."""
+  hosts = os.environ.get('TPU_WORKER_HOSTNAMES') or os.environ.get('TPU_PROCESS_ADDRESSES')
+  if hosts and ',' in hosts:
+    return 'cloud_tpu'
+  if (_env_int('SLURM_STEP_NUM_TASKS') or _env_int('SLURM_NTASKS') or 1) > 1:
+    return 'slurm'
+  if (_env_int('OMPI_COMM_WORLD_SIZE') or 1) > 1:
+    return 'ompi'
+  return None
+
+
+def initialize(mode: str = 'auto', coordinator_address: str | None = None,
+               num_processes: int | None = None, process_id: int | None = None,
+               cpu_devices: int | None = None) -> bool:
+  """Joins the job's other processes if there are any; True when it did.
+
+  mode: 'auto' joins when a coordinator is given or a managed cluster is detected,
+  'on' always calls jax.distributed.initialize (auto-detection, e.g. TPU pods),
+  'off' never does. cpu_devices: local CPU devices of this process (tests, CPU jobs).
+  Must run before the first JAX computation.
+  """
+  if mode not in MODES:
+    raise ValueError(f'distributed mode must be one of {MODES}, got {mode!r}')
+  if cpu_devices:
+    jax.config.update('jax_num_cpu_devices', int(cpu_devices))
+  if mode == 'off':
+    return False
+  coordinator_address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS') or None
+  num_processes = num_processes or _env_int('JAX_NUM_PROCESSES')
+  process_id = process_id if process_id is not None else _env_int('JAX_PROCESS_ID')
+  if coordinator_address or (num_processes or 1) > 1:
+    missing = [name for name, v in [('coordinator_address', coordinator_address),
+                                    ('num_processes', num_processes),
+                                    ('process_id', process_id)] if v is None]
+    if missing and not managed_cluster():
+      raise ValueError(f'a multi-process job needs {", ".join(missing)} '
+                       '(flags, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)')
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    return True
+  if mode == 'on' or managed_cluster():
+    jax.distributed.initialize()
+    return True
+  return False
+
+
+def describe() -> str:
+  """One line about this process's place in the job (for the console)."""
+  return (f'process {jax.process_index()} of {jax.process_count()}: '
+          f'{jax.local_device_count()} local / {jax.device_count()} global '
+          f'{jax.devices()[0].platform} devices')

@@ -1,0 +1,166 @@
+"""Model FLOPs per token and the peak FLOP/s they are divided by (MFU).
+
+Counts matmul FLOPs only (2 per multiply-add): norms, RoPE, softmax and the optimizer
+are left out, as in PaLM's MFU. Unlike MaxText's count, every MTP depth contributes
+its `eh_proj`, its block **and** its vocab projection (the shared OutHead is applied
+once per depth). A training token costs 3x the forward pass (backward = 2x forward);
+rematerialisation is not counted (this is MFU, not hardware FLOPs utilisation).
+
+Attention scores and values are counted causally: query i attends i + 1 keys, so a
+sequence of T tokens averages (T + 1) / 2 keys per query (what a causal kernel has to
+compute; `causal=False` counts the full T x T as PaLM's appendix does).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopsPerToken:
+  """Forward FLOPs per token by part; `train` = 3 x `forward`."""
+  trunk_matmul: float  # L blocks: q, k, v, o projections and the SwiGLU MLP
+  trunk_attention: float  # L blocks: scores (q k^T) and weighted values
+  mtp_eh_proj: float  # D sequential depths: M_k, 2d -> d
+  mtp_block: float  # D depths: their block's projections, MLP and attention
+  vocab: float  # (D + 1) OutHead projections: the main head and one per depth
+
+  @property
+  def forward(self) -> float:
+    return (self.trunk_matmul + self.trunk_attention + self.mtp_eh_proj + self.mtp_block
+            + self.vocab)
+
+  @property
+  def train(self) -> float:
+    return 3.0 * self.forward
+
+  def as_dict(self) -> dict:
+    return {'trunk_matmul': self.trunk_matmul, 'trunk_attention': self.trunk_attention,
+            'mtp_eh_proj': self.mtp_eh_proj, 'mtp_block': self.mtp_block, 'vocab': self.vocab,
+            'forward': self.forward, 'train': self.train}
+
+
+def block_flops(d: int, n_heads: int, n_kv_heads: int, head_dim: int, mlp_dim: int,
+                seq_len: int, causal: bool = True) -> tuple[float, float]:
+  """(projection + MLP, attention) forward FLOPs per token of one decoder block."""
+  q = 2 * d * n_heads * head_dim
+  kv = 2 * 2 * d * n_kv_heads * head_dim
+  o = 2 * n_heads * head_dim * d
+  mlp = 3 * 2 * d * mlp_dim  # gate, up, down
+  keys = (seq_len + 1) / 2 if causal else seq_len
+  attn = 2 * 2 * n_heads * head_dim * keys  # q k^T and p v, per query head
+  return float(q + kv + o + mlp), float(attn)
+
+
+def flops_per_token(args, seq_len: int, causal: bool = True) -> FlopsPerToken:
+  """FLOPs per token of `args` (a model.ModelArgs) on sequences of seq_len tokens."""
+  proj, attn = block_flops(args.d_model, args.n_heads, args.n_kv_heads, args.head_dim,
+                           args.mlp_dim, seq_len, causal)
+  depth = args.mtp_depth
+  eh = 2 * (2 * args.d_model) * args.d_model if args.mtp_kind == 'sequential' else 0
+  return FlopsPerToken(
+      trunk_matmul=args.n_layers * proj,
+      trunk_attention=args.n_layers * attn,
+      mtp_eh_proj=float(depth * eh),
+      mtp_block=depth * (proj + attn),
+      vocab=float((depth + 1) * 2 * args.d_model * args.vocab_size))
+
+
+def config_flops_per_token(config, causal: bool = True) -> FlopsPerToken:
+  from mtp_jax.model import ModelArgs  # model imports flax; keep this module light
+  return flops_per_token(ModelArgs.from_config(config), config.data.seq_len, causal)
+
+
+# -- peak FLOP/s -------------------------------------------------------------------------
+# Dense peak per chip, FLOP/s, from the vendors' data sheets: (bfloat16, float32 matmuls).
+# float32 on TPU runs the MXU at bf16 rate with default precision; on GPUs JAX's default
+# float32 matmul precision uses TF32 tensor cores.
+PEAK_FLOPS = {
+    'TPU v4': (275e12, 275e12),
+    'TPU v5 lite': (197e12, 197e12),  # v5e
+    'TPU v5': (459e12, 459e12),  # v5p
+    'TPU v5p': (459e12, 459e12),
+    'TPU v6 lite': (918e12, 918e12),  # v6e Trillium
+    'NVIDIA H100 80GB HBM3': (989e12, 494e12),
+    'NVIDIA H100': (989e12, 494e12),
+    'NVIDIA H200': (989e12, 494e12),
+    'NVIDIA A100-SXM4-80GB': (312e12, 156e12),
+    'NVIDIA A100-SXM4-40GB': (312e12, 156e12),
+    'NVIDIA L4': (121e12, 60e12),
+}
+
+
+def table_peak(device_kind: str, dtype) -> float | None:
+  """The table's per-chip peak for a device kind (longest matching prefix), or None."""
+  is_bf16 = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  best = None
+  for kind, peaks in PEAK_FLOPS.items():
+    if device_kind == kind or device_kind.startswith(kind):
+      if best is None or len(kind) > len(best[0]):
+        best = (kind, peaks)
+  if best is None:
+    return None
+  return best[1][0] if is_bf16 else best[1][1]
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_fn():
+  return jax.jit(lambda a, b: a @ b)
+
+
+def matmul_probe(device=None, n: int = 2048, dtype=jnp.float32, reps: int = 5) -> float:
+  """Measured FLOP/s of an n x n matmul on `device` (the best of `reps` runs).
+
+  On CPU the result is the whole process's rate: XLA:CPU runs every (fake) device's
+  matmuls on the same intra-op thread pool.
+  """
+  device = device or jax.local_devices()[0]
+  a = jax.device_put(jnp.ones((n, n), dtype), device)
+  b = jax.device_put(jnp.ones((n, n), dtype), device)
+  fn = _probe_fn()
+  fn(a, b).block_until_ready()
+  best = float('inf')
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2.0 * n ** 3 / best
+
+
+def peak_flops(dtype=jnp.float32, devices=None) -> tuple[float, str]:
+  """(peak FLOP/s of the whole job, where the number came from).
+
+  Accelerators: the table's per-chip peak x the number of chips. CPU (or a chip the
+  table lacks): a matmul probe on this process's devices, x the number of processes.
+  """
+  devices = jax.devices() if devices is None else devices
+  kind = devices[0].device_kind
+  if devices[0].platform != 'cpu':
+    per_chip = table_peak(kind, dtype)
+    if per_chip is not None:
+      return per_chip * len(devices), f'table: {kind} x {len(devices)}'
+    n, probe_dtype = 8192, jnp.bfloat16 if jnp.dtype(dtype).itemsize < 4 else dtype
+    per_chip = matmul_probe(jax.local_devices()[0], n=n, dtype=probe_dtype)
+    return per_chip * len(devices), f'probe: {kind} {n}^2 matmul x {len(devices)}'
+  processes = len({d.process_index for d in devices})
+  probe = matmul_probe(jax.local_devices()[0], dtype=dtype)
+  return probe * processes, f'probe: cpu 2048^2 {jnp.dtype(dtype).name} matmul x {processes} process(es)'
+
+
+class MFU:
+  """perf/mfu of a run: model FLOPs per token x tokens/s over the job's peak FLOP/s."""
+
+  def __init__(self, config, devices=None):
+    self.flops_per_token = config_flops_per_token(config).train
+    self.peak, self.source = peak_flops(jnp.dtype(config.model.dtype), devices)
+
+  def metrics(self, tokens_per_sec: float) -> dict:
+    return {'perf/mfu': self.flops_per_token * tokens_per_sec / self.peak}
+
+  def describe(self) -> str:
+    return (f'MFU counts {self.flops_per_token / 1e6:.1f} MFLOP per training token against '
+            f'{self.peak / 1e12:.3g} TFLOP/s ({self.source}).')

@@ -1,0 +1,27 @@
+"""One process of test_multihost.py's two-process CPU job (4 devices each, gloo).
+
+  python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR DATA_DIR STOP_AFTER
+"""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def main(process_id, num_processes, port, workdir, data_dir, stop_after):
+  from mtp_jax import distributed
+  distributed.initialize('auto', f'127.0.0.1:{port}', int(num_processes), int(process_id),
+                         cpu_devices=4)
+  import jax
+  from mtp_jax import train
+  sys.path.insert(0, HERE)
+  from test_multihost import job_config
+  assert jax.process_count() == int(num_processes) and jax.device_count() == 8
+  print(distributed.describe(), flush=True)
+  train.train_and_evaluate(job_config(data_dir), workdir,
+                           stop_after=int(stop_after) if int(stop_after) > 0 else None)
+
+
+if __name__ == '__main__':
+  main(*sys.argv[1:])
