@@ -235,8 +235,21 @@ def data_state_hash(data_iter) -> str | None:
   return hashlib.sha256(blob).hexdigest()
 
 
+def _per_process_hashes(digest: str | None) -> list[str] | None:
+  """Every process's data-state digest, in process order (meta is written by process 0)."""
+  if digest is None:
+    return None
+  if jax.process_count() == 1:
+    return [digest]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  mine = np.frombuffer(bytes.fromhex(digest), np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(mine))
+  return [bytes(row).hex() for row in every.reshape(jax.process_count(), -1)]
+
+
 def integrity_meta(state, data_iter=None) -> dict:
-  return {'fingerprint': fingerprint(state), 'data_sha256': data_state_hash(data_iter)}
+  return {'fingerprint': fingerprint(state),
+          'data_sha256': _per_process_hashes(data_state_hash(data_iter))}
 
 
 def verify(step: int, state, meta: dict, data_iter=None) -> None:
@@ -251,6 +264,8 @@ def verify(step: int, state, meta: dict, data_iter=None) -> None:
       raise ValueError(f'step {step}: restored arrays differ from the saved ones '
                        f'({len(bad) or "all"} corrupted, e.g. {names})')
   want_data = meta.get('data_sha256')
+  if isinstance(want_data, list):  # one digest per process
+    want_data = want_data[jax.process_index()] if len(want_data) == jax.process_count() else None
   if want_data is not None and data_iter is not None and data_state_hash(data_iter) != want_data:
     raise ValueError(f'step {step}: restored data-iterator state differs from the saved one')
 
