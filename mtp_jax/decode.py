@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax import layers
 from mtp_jax.model import MTPModel
 
 Array = jax.Array
@@ -163,14 +164,131 @@ def _window(prog: Program, start_B, width: int):
 
 
 def _empty_cache(model: MTPModel, batch: int, slots: int):
+  """(k [B*K, S, H], v [B*K, H, S]): the layouts XLA:CPU's attention dots read as they are."""
   a = model.args
-  shape = (batch, slots, a.n_kv_heads, a.head_dim)
-  return (jnp.zeros(shape, a.dtype), jnp.zeros(shape, a.dtype))
+  return (jnp.zeros((batch * a.n_kv_heads, slots, a.head_dim), a.dtype),
+          jnp.zeros((batch * a.n_kv_heads, a.head_dim, slots), a.dtype))
+
+
+# -- the model's blocks, run for decoding ----------------------------------------------------
+# The same parameters and the same math as layers.Block (test_decode checks it against
+# the model's own forward), arranged for few-token steps on XLA:CPU, where each of these
+# made a measured difference to the time of a decode step:
+#  * KV caches as K [B*K, S, H] and V [B*K, H, S]: the attention dots (matrix-vector
+#    products for one query) read them as they are; the [B, S, K, H] cache of
+#    layers.Attention is transposed (a copy of the whole cache) on every call;
+#  * matmuls of at most SPLIT_ROWS rows run as one matrix-vector product per row:
+#    XLA:CPU's GEMM for 2-6 rows costs several times its GEMV per row, and the weights
+#    stay in L2 from one row to the next (8 rows and more: the GEMM is faster).
+SPLIT_ROWS = 6  # covers the verify (D+1) and MTP (D+k) windows of D = 3 at batch 1
+
+
+def _dot(x_MxI, w_IxO):
+  m = x_MxI.shape[0]
+  if m == 1 or m > SPLIT_ROWS:
+    return jnp.dot(x_MxI, w_IxO)
+  return jnp.concatenate([jnp.dot(x_MxI[i:i + 1], w_IxO) for i in range(m)], 0)
+
+
+def _dot_t(x_MxI, w_OxI):
+  """x @ w.T without transposing w (the tied output head: the embedding table)."""
+  m = x_MxI.shape[0]
+  if m > SPLIT_ROWS:
+    return jax.lax.dot_general(x_MxI, w_OxI, (((1,), (1,)), ((), ())))
+  return jnp.stack([jnp.dot(w_OxI, x_MxI[i]) for i in range(m)], 0)
+
+
+def _write(cache_BKx, new_BxKx, index_B, axis):
+  """Row b's T new entries go to slots index_B[b].. along `axis` (1 or 2) of its K heads."""
+  b, kv = new_BxKx.shape[:2]
+  new_BxKx = new_BxKx.astype(cache_BKx.dtype)
+  if b > SPLIT_ROWS:
+    cache = cache_BKx.reshape((b, kv) + cache_BKx.shape[1:])
+    cache = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis))(
+        cache, new_BxKx, index_B)
+    return cache.reshape(cache_BKx.shape)
+  zero = jnp.zeros((), jnp.int32)  # few rows: one in-place update each, no scatter
+  for row in range(b):
+    start = [jnp.int32(row * kv), zero, zero]
+    start[axis] = index_B[row]
+    cache_BKx = jax.lax.dynamic_update_slice(cache_BKx, new_BxKx[row], start)
+  return cache_BKx
+
+
+_MASKED = -0.7 * float(np.finfo(np.float32).max)  # as jax.nn.dot_product_attention
+
+
+def _block(block: layers.Block, x_BxTxD, pos_BxT, mask_Bx1xTxS, cache, index_B):
+  """layers.Block.__call__ over a cache of _empty_cache's layout; (x, new cache).
+
+  The batch and KV-head axes are merged into the dots' one batch axis, so the updated
+  cache feeds them without a reshape (with one, XLA:CPU fused the reshape with the
+  cache update, duplicated the update and copied the whole cache every step).
+  """
+  b, t, d = x_BxTxD.shape
+  attn, mlp = block.self_attn, block.mlp
+  dt = x_BxTxD.dtype
+  kernel = lambda m, shape: m.kernel[...].astype(dt).reshape(shape)  # noqa: E731
+  h = block.input_layernorm(x_BxTxD).reshape(b * t, d)
+  n, hd = attn.q_proj.kernel.shape[1:]
+  kv = attn.k_proj.kernel.shape[1]
+  g = n // kv
+  q = _dot(h, kernel(attn.q_proj, (d, -1))).reshape(b, t, n, hd)
+  k = _dot(h, kernel(attn.k_proj, (d, -1))).reshape(b, t, kv, hd)
+  v = _dot(h, kernel(attn.v_proj, (d, -1))).reshape(b, t, kv, hd)
+  q = layers.apply_rope(q, pos_BxT, attn.rope_theta)
+  k = layers.apply_rope(k, pos_BxT, attn.rope_theta)
+  k_cache = _write(cache[0], k.transpose(0, 2, 1, 3), index_B, axis=1)  # [B*K, S, H]
+  v_cache = _write(cache[1], v.transpose(0, 2, 3, 1), index_B, axis=2)  # [B*K, H, S]
+  # queries of one KV head: [B*K, G*T, H] (query head n = kv_head * G + g, as in GQA)
+  q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
+  scores = jnp.einsum('xqh,xsh->xqs', q, k_cache.astype(dt),
+                      preferred_element_type=jnp.float32) * np.float32(1 / np.sqrt(hd))
+  mask = jnp.broadcast_to(mask_Bx1xTxS[:, None], (b, kv, g, t, scores.shape[-1]))
+  # Masked scores get a large finite negative: a query that sees nothing (a position
+  # before 0 in an MTP window) averages finite values, never NaN.
+  scores = jnp.where(mask.reshape(scores.shape), scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  out = jnp.einsum('xqs,xhs->xqh', probs, v_cache.astype(dt))  # [B*K, G*T, H]
+  out = out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b * t, n * hd)
+  x_BxTxD = x_BxTxD + _dot(out, kernel(attn.o_proj, (n * hd, d))).reshape(b, t, d)
+  h = block.post_attention_layernorm(x_BxTxD).reshape(b * t, d)
+  h = (jax.nn.silu(_dot(h, kernel(mlp.gate_proj, (d, -1))))
+       * _dot(h, kernel(mlp.up_proj, (d, -1))))
+  x_BxTxD = x_BxTxD + _dot(h, kernel(mlp.down_proj, (-1, d))).reshape(b, t, d)
+  return x_BxTxD, (k_cache, v_cache)
+
+
+def _logits(model: MTPModel, h_BxD, depth: int):
+  """model.logits for one position per row, in float32."""
+  x = model.head_norm(depth)(h_BxD)
+  if model.args.tie_embeddings:
+    return _dot_t(x, model.embed.embedding[...].astype(x.dtype)).astype(jnp.float32)
+  return _dot(x, model.lm_head.kernel[...].astype(x.dtype)).astype(jnp.float32)
 
 
 def _main_pass(prog, model, tokens_BxW, start_B, caches):
+  """h^0 over a window of tokens at positions start.., through the main KV caches."""
   pos, mask = _window(prog, start_B, tokens_BxW.shape[1])
-  return model.trunk_cached(tokens_BxW, pos, mask, caches, start_B + prog.offset)
+  x = model.embed_tokens(tokens_BxW)
+  new_caches = []
+  for block, cache in zip(model.layers, caches):
+    x, cache = _block(block, x, pos, mask, cache, start_B + prog.offset)
+    new_caches.append(cache)
+  return x, tuple(new_caches)
+
+
+def _mtp_step(model, depth, h_prev_BxTxD, tokens_BxT, pos, mask, cache, index_B):
+  """MTPModel.mtp_step through a cache of _empty_cache's layout."""
+  module = model.mtp[depth - 1]
+  if model.args.mtp_kind == 'sequential':
+    b, t, d = h_prev_BxTxD.shape
+    x = jnp.concatenate([module.enorm(model.embed_tokens(tokens_BxT)),
+                         module.hnorm(h_prev_BxTxD)], axis=-1).reshape(b * t, 2 * d)
+    x = _dot(x, module.eh_proj.kernel[...].astype(x.dtype)).reshape(b, t, d)
+  else:
+    x = h_prev_BxTxD
+  return _block(module.block, x, pos, mask, cache, index_B)
 
 
 def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampling, keys_B):
@@ -193,9 +311,9 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
     else:
       h_in, w, s, tokens, query = h0_BxWxD, width, start_B, None, a_B
     pos, mask = _window(prog, s, w)
-    h_k, cache = model.mtp_step(k, h_in, tokens, pos, mask, caches[k - 1], s + prog.offset)
+    h_k, cache = _mtp_step(model, k, h_in, tokens, pos, mask, caches[k - 1], s + prog.offset)
     new_caches.append(cache)
-    logits = model.logits(_rows(h_k, query)[:, None], k)[:, 0]
+    logits = _logits(model, _rows(h_k, query), k)
     d, q = _draw(prog, logits, sampling, _row_keys(keys_B, k))
     drafts.append(d)
     probs.append(q)
@@ -216,7 +334,7 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
   zero_B = jnp.zeros((b,), jnp.int32)
   main_cache = tuple(_empty_cache(model, b, prog.cache_len) for _ in model.layers)
   h0, main_cache = _main_pass(prog, model, prompts_BxP, zero_B, main_cache)
-  logits = model.logits(_rows(h0, prompt_len_B - 1)[:, None], 0)[:, 0]
+  logits = _logits(model, _rows(h0, prompt_len_B - 1), 0)
   pkeys = _row_keys(keys_B, 0)  # iteration i uses salt i + 1
   x, _ = _draw(dataclasses.replace(prog, draft_argmax=False), logits, sampling,
                _row_keys(pkeys, 0))
@@ -277,7 +395,9 @@ def _iteration(prog, model, st: DecodeState, eos, sampling) -> DecodeState:
   x = _rows(st.tokens, start)
   h0, main_cache = _main_pass(prog, model, jnp.concatenate([x[:, None], st.drafts], 1),
                               start, st.main_cache)
-  a, cand = _accept(prog, model.logits(h0, 0), st.drafts, st.draft_probs, sampling,
+  b, w, d = h0.shape
+  logits = _logits(model, h0.reshape(b * w, d), 0).reshape(b, w, -1)
+  a, cand = _accept(prog, logits, st.drafts, st.draft_probs, sampling,
                     _row_keys(keys, 0))
 
   # Stop inside the block at EOS or max_new_tokens.
@@ -310,9 +430,14 @@ def _iteration(prog, model, st: DecodeState, eos, sampling) -> DecodeState:
       history_length=hl)
 
 
-def _decode(prog: Program, graphdef, params, prompts_BxP, prompt_len_B, max_new_B, eos,
+def _decode(prog: Program, graphdef, treedef, leaves, prompts_BxP, prompt_len_B, max_new_B, eos,
             sampling, seed):
-  """Prefill, then the while loop until every row is done. Returns the final DecodeState."""
+  """Prefill, then the while loop until every row is done. Returns the final DecodeState.
+
+  The parameters come as a flat list of arrays (flattening an nnx.State on every call
+  costs milliseconds of host time).
+  """
+  params = jax.tree.unflatten(treedef, leaves)
   keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(
       jnp.arange(prog.batch))
   st = _prefill(prog, nnx.merge(graphdef, params), prompts_BxP, prompt_len_B, max_new_B, eos,
@@ -384,6 +509,8 @@ class Decoder:
     # Programs are compiled for the default device; a restored or trained state may
     # carry a mesh sharding.
     self.params = jax.device_put(params, jax.devices()[0])
+    self._leaves, self._treedef = jax.tree.flatten(self.params)
+    self._programs = {}  # this Decoder's view of _COMPILED (hashing a graphdef is slow)
 
   def program(self, batch: int, prompt_len: int, max_new: int, *, num_drafts: int | None = None,
               temperature: float = 0.0, draft_argmax: bool = False,
@@ -405,18 +532,21 @@ class Decoder:
     max_new = np.broadcast_to(np.asarray(max_new, np.int32), (b,)).copy()
     sampling = Sampling(np.float32(temperature if temperature > 0 else 1.0),
                         np.int32(top_k), np.float32(top_p))
-    return (self.params, padded, lens, max_new, np.int32(-1 if eos_id is None else eos_id),
+    return (self._leaves, padded, lens, max_new, np.int32(-1 if eos_id is None else eos_id),
             sampling, np.int32(seed))
 
   def compile(self, prog: Program):
     """The ahead-of-time compiled program (cached), so timings exclude compilation."""
+    if prog in self._programs:
+      return self._programs[prog]
     key = (self.graphdef, prog)
     if key not in _COMPILED:
       example = self._inputs(prog, [[0]] * prog.batch, 1, 1, 0.0, 0, 1.0, 0)
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
                               example)
-      fn = jax.jit(functools.partial(_decode, prog, self.graphdef))
+      fn = jax.jit(functools.partial(_decode, prog, self.graphdef, self._treedef))
       _COMPILED[key] = fn.lower(*abstract).compile()
+    self._programs[prog] = _COMPILED[key]
     return _COMPILED[key]
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,

@@ -153,15 +153,6 @@ class MTPModel(nnx.Module):
       x, _ = block(x, positions_BxT, mask_Bx1xTxT)
     return x
 
-  def trunk_cached(self, tokens_BxT, positions_BxT, mask_Bx1xTxS, caches, cache_index_B):
-    """h^0 of T new tokens through per-layer KV caches (decoding): (h0, new caches)."""
-    x = self.embed_tokens(tokens_BxT)
-    new_caches = []
-    for block, cache in zip(self.layers, caches):
-      x, cache = block(x, positions_BxT, mask_Bx1xTxS, cache, cache_index_B)
-      new_caches.append(cache)
-    return x, tuple(new_caches)
-
   def mtp_step(self, depth: int, h_prev_BxTxD, tokens_BxT, positions_BxT, mask, cache=None,
                cache_index_B=None):
     """h^k from h^{k-1} (sequential) or h^0 (parallel); tokens_BxT are t_{i+k} at i."""
