@@ -17,18 +17,26 @@ import platform
 import sys
 import time
 
+import jax
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse(argv):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--workdir', required=True, help='training workdir of configs/stdlib_mtp.py')
-  p.add_argument('--num_prompts', type=int, default=8, help='validation prompts per batch size')
+  p.add_argument('--num_prompts', type=int, default=8,
+                 help='validation prompts (each batch size decodes all of them)')
   p.add_argument('--prompt_len', type=int, default=128, help='prompt tokens')
   p.add_argument('--max_new_tokens', type=int, default=128)
   p.add_argument('--batch_sizes', default='1,8')
   p.add_argument('--drafts', default='', help='numbers of drafts to try (default: the depth)')
   p.add_argument('--repeats', type=int, default=3, help='timed runs per prompt; the fastest counts')
+  p.add_argument('--cost_probe', default='',
+                 help='d_model:n_layers,... random-init models of other sizes: time one AR step '
+                      'and one verify iteration (shapes are static, so the cost of an iteration '
+                      'does not depend on the weights) and predict the speedup at the measured tau')
   return p.parse_args(argv)
 
 
@@ -53,8 +61,6 @@ def validation_prompts(config, tokenizer, n: int, length: int) -> list[list[int]
 
 def main(argv=None):
   args = parse(argv)
-  import jax
-  import numpy as np
   from mtp_jax import decode
   from mtp_jax.data import tokenizers
 
@@ -69,11 +75,12 @@ def main(argv=None):
       'model': {k: config.model[k] for k in ('d_model', 'n_layers', 'n_heads', 'mlp_dim')}
       | {'mtp_depth': depth, 'mtp_kind': config.model.mtp.kind},
       'machine': f'{platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} '
-                 f'({jax.devices()[0].platform})',
+                 f'({jax.devices()[0].platform}), load average at start {os.getloadavg()[0]:.1f}',
       'prompt_len': args.prompt_len, 'max_new_tokens': args.max_new_tokens, 'greedy': True,
       'results': []}
   for batch in [int(b) for b in args.batch_sizes.split(',')]:
-    prompts = validation_prompts(config, tokenizer, args.num_prompts * batch, args.prompt_len)
+    n = -(-args.num_prompts // batch) * batch  # whole batches
+    prompts = validation_prompts(config, tokenizer, n, args.prompt_len)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     kw = dict(eos_id=None, pad_to=(args.prompt_len, args.max_new_tokens))
     for nd in drafts:
@@ -119,7 +126,48 @@ def main(argv=None):
           'compile_seconds': compile_s,
       })
       print(json.dumps(report['results'][-1]), file=sys.stderr)
+  if args.cost_probe:
+    taus = {r['num_drafts']: r['mean_accepted_length'] for r in report['results']
+            if r['batch_size'] == 1}
+    report['cost_probe'] = cost_probe(config, args, taus)
   print(json.dumps(report, indent=1))
+
+
+def cost_probe(config, args, taus: dict) -> list:
+  """ms per AR step and per speculative iteration for random models of other sizes."""
+  import copy
+  from flax import nnx
+  from mtp_jax import decode
+  from mtp_jax.model import MTPModel, ModelArgs
+  out = []
+  for item in args.cost_probe.split(','):
+    d, layers = (int(x) for x in item.split(':'))
+    c = copy.deepcopy(config)
+    c.model.d_model, c.model.n_layers, c.model.mlp_dim = d, layers, 3 * d
+    c.model.head_dim = 128
+    c.model.n_heads = c.model.n_kv_heads = max(1, d // 128)
+    dec = decode.Decoder(MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0)))
+    prompt = [[7] * args.prompt_len]
+    row = {'d_model': d, 'n_layers': layers, 'mtp_depth': c.model.mtp.depth,
+           'params_M': sum(x.size for x in jax.tree.leaves(dec.params)) / 1e6}
+    # Two lengths, one program: the difference is loop iterations only (no prefill).
+    # Random weights accept ~no draft, which does not matter: shapes are static.
+    t, steps = {}, {}
+    for _ in range(max(args.repeats, 3)):
+      for n in [0] + sorted(taus):
+        for m in (16, 48):
+          r = dec.generate(prompt, m, num_drafts=n, eos_id=None, pad_to=(args.prompt_len, 64))
+          t[n, m] = min(t.get((n, m), np.inf), r.seconds)
+          steps[n, m] = r.steps
+    best = {n: (t[n, 48] - t[n, 16]) / (steps[n, 48] - steps[n, 16]) for n in [0] + list(taus)}
+    row['ar_ms_per_step'] = 1e3 * best[0]
+    for n, tau in sorted(taus.items()):
+      ratio = best[n] / best[0]
+      row[f'drafts_{n}'] = {'spec_ms_per_iteration': 1e3 * best[n], 'iteration_cost_ratio': ratio,
+                            'speedup_at_measured_tau': tau / ratio}
+    print(json.dumps(row), file=sys.stderr)
+    out.append(row)
+  return out
 
 
 if __name__ == '__main__':

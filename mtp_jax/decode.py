@@ -181,19 +181,23 @@ def _empty_cache(model: MTPModel, batch: int, slots: int):
 #    XLA:CPU's GEMM for 2-6 rows costs several times its GEMV per row, and the weights
 #    stay in L2 from one row to the next (8 rows and more: the GEMM is faster).
 SPLIT_ROWS = 6  # covers the verify (D+1) and MTP (D+k) windows of D = 3 at batch 1
+SPLIT_MAX_BYTES = 1 << 20  # only weights that stay in a core's L2 between rows
+
+
+def _split(m: int, w) -> bool:
+  return 1 < m <= SPLIT_ROWS and w.size * w.dtype.itemsize <= SPLIT_MAX_BYTES
 
 
 def _dot(x_MxI, w_IxO):
-  m = x_MxI.shape[0]
-  if m == 1 or m > SPLIT_ROWS:
+  if not _split(x_MxI.shape[0], w_IxO):
     return jnp.dot(x_MxI, w_IxO)
-  return jnp.concatenate([jnp.dot(x_MxI[i:i + 1], w_IxO) for i in range(m)], 0)
+  return jnp.concatenate([jnp.dot(x_MxI[i:i + 1], w_IxO) for i in range(x_MxI.shape[0])], 0)
 
 
 def _dot_t(x_MxI, w_OxI):
   """x @ w.T without transposing w (the tied output head: the embedding table)."""
   m = x_MxI.shape[0]
-  if m > SPLIT_ROWS:
+  if m > 1 and not _split(m, w_OxI):
     return jax.lax.dot_general(x_MxI, w_OxI, (((1,), (1,)), ((), ())))
   return jnp.stack([jnp.dot(w_OxI, x_MxI[i]) for i in range(m)], 0)
 
