@@ -92,8 +92,8 @@ class DecodeState:
   prompt_len: Array  # [B]
   max_new: Array  # [B] tokens to generate at most
   done: Array  # [B] bool: hit EOS or max_new
-  main_cache: tuple  # per trunk layer (k, v), each [B, S, K, H]
-  mtp_cache: tuple  # per drafting depth (k, v)
+  main_cache: tuple  # per trunk layer (k [B*K, S, H], v [B*K, H, S]); see _empty_cache
+  mtp_cache: tuple  # per drafting depth, the same
   hidden: tuple  # sequential: h^k at position n-1-k, k = 1..D-1, each [B, d]
   drafts: Array  # [B, D] proposals for positions n..n+D-1
   draft_probs: Array  # [B, D, V] q each draft was sampled from ([B, D, 0] when greedy)
@@ -308,11 +308,12 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
   drafts, probs, new_hidden, new_caches = [], [], [], []
   h_prev = h0_BxWxD
   for k in range(1, prog.num_drafts + 1):
-    if sequential:
-      # h^{k-1} at n-k is the stored one; the rest is depth k-1's output of this pass.
+    if sequential:  # window: positions start-k+1 .. start+W-1, query at n'-2
+      # h^{k-1} at start-k+1 is the stored one; the rest is depth k-1's output of this pass.
       h_in = h0_BxWxD if k == 1 else jnp.concatenate([hidden[k - 2][:, None], h_prev], 1)
-      w, s, tokens, query = width + k - 1, start_B - (k - 1), u_BxU[:, :width + k - 1], a_B + k - 1
-    else:
+      w, s, query = width + k - 1, start_B - (k - 1), a_B + k - 1
+      tokens = u_BxU[:, :w]
+    else:  # parallel heads read h^0 only: the verify window itself
       h_in, w, s, tokens, query = h0_BxWxD, width, start_B, None, a_B
     pos, mask = _window(prog, s, w)
     h_k, cache = _mtp_step(model, k, h_in, tokens, pos, mask, caches[k - 1], s + prog.offset)
