@@ -182,6 +182,7 @@ def _empty_cache(model: MTPModel, batch: int, slots: int):
 #    stay in L2 from one row to the next (8 rows and more: the GEMM is faster).
 SPLIT_ROWS = 6  # covers the verify (D+1) and MTP (D+k) windows of D = 3 at batch 1
 SPLIT_MAX_BYTES = 1 << 20  # only weights that stay in a core's L2 between rows
+WRITE_LOOP_ROWS = 6  # cache updates: one in-place update per row up to here, else a scatter
 
 
 def _split(m: int, w) -> bool:
@@ -206,7 +207,7 @@ def _write(cache_BKx, new_BxKx, index_B, axis):
   """Row b's T new entries go to slots index_B[b].. along `axis` (1 or 2) of its K heads."""
   b, kv = new_BxKx.shape[:2]
   new_BxKx = new_BxKx.astype(cache_BKx.dtype)
-  if b > SPLIT_ROWS:
+  if b > WRITE_LOOP_ROWS:
     cache = cache_BKx.reshape((b, kv) + cache_BKx.shape[1:])
     cache = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis))(
         cache, new_BxKx, index_B)
