@@ -517,3 +517,20 @@ def test_cli_exit_code_in_a_fresh_process(depth0_workdir):
   assert proc.stdout == ''
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('error: ') and 'depth = 0' in lines[0], lines
+
+
+def test_read_prompts(tmp_path):
+  plain = tmp_path / 'p.txt'
+  plain.write_text('def f(\nclass A:\n')
+  assert decode.read_prompts(None, str(plain)) == ['def f(', 'class A:']
+  lines = tmp_path / 'p.jsonl'
+  lines.write_text('"def f(x):\\n    return"\n\n{"prompt": "import os\\n"}\n')
+  assert decode.read_prompts(None, str(lines)) == ['def f(x):\n    return', 'import os\n']
+  assert decode.read_prompts('x = 1', None) == ['x = 1']
+  for text, message in [('[1, 2]\n', 'expected a string'), ('{"a": 1}\n', 'expected a string'),
+                        ('nope\n', 'not JSON'), ('\n', 'holds no prompts')]:
+    lines.write_text(text)
+    with pytest.raises(decode.RequestError, match=message):
+      decode.read_prompts(None, str(lines))
+  with pytest.raises(decode.RequestError, match='cannot be read'):
+    decode.read_prompts(None, str(tmp_path / 'missing.txt'))
