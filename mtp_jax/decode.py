@@ -58,7 +58,6 @@ class Program:
   max_new: int  # bucket of max_new_tokens Nb: sizes the buffers and bounds the loop
   num_drafts: int  # D used for drafting; 0 = plain autoregressive decoding
   greedy: bool  # argmax everywhere; else sampling with the speculative rule
-  draft_argmax: bool = False  # sampling: drafts are argmax (q = one-hot), not sampled from q
   record: bool = False  # keep the drafts of every iteration (tests)
 
   @property
@@ -81,6 +80,7 @@ class Sampling:
   temperature: Array  # > 0 when sampling
   top_k: Array  # 0: off
   top_p: Array  # 1.0: off
+  draft_argmax: Array | bool = False  # drafts are argmax (q = one-hot), not sampled from q
 
 
 @jax.tree_util.register_dataclass
@@ -129,15 +129,22 @@ def _categorical(keys_B, logp_BxV):
   return jax.vmap(jax.random.categorical)(keys_B, logp_BxV).astype(jnp.int32)
 
 
-def _draw(prog: Program, logits_BxV, sampling, keys_B):
-  """(token [B], q [B, V] the distribution it was drawn from; [B, 0] when greedy)."""
+def _draw(prog: Program, logits_BxV, sampling, keys_B, may_argmax=True):
+  """(token [B], q [B, V] the distribution it was drawn from; [B, 0] when greedy).
+
+  Sampling with sampling.draft_argmax (and may_argmax): the argmax, drawn from the
+  one-hot q; else a sample of the adjusted distribution q.
+  """
   if prog.greedy:
     return jnp.argmax(logits_BxV, -1).astype(jnp.int32), jnp.zeros(logits_BxV.shape[:1] + (0,))
   logp = adjusted_logprobs(logits_BxV, sampling)
-  if prog.draft_argmax:
-    tok = jnp.argmax(logp, -1).astype(jnp.int32)
-    return tok, jax.nn.one_hot(tok, logp.shape[-1], dtype=jnp.float32)
-  return _categorical(keys_B, logp), jnp.exp(logp)
+  tok, q = _categorical(keys_B, logp), jnp.exp(logp)
+  if not may_argmax:
+    return tok, q
+  top = jnp.argmax(logp, -1).astype(jnp.int32)
+  one_hot = jax.nn.one_hot(top, logp.shape[-1], dtype=jnp.float32)
+  return (jnp.where(sampling.draft_argmax, top, tok),
+          jnp.where(sampling.draft_argmax, one_hot, q))
 
 
 def _row_keys(keys_B, salt):
@@ -342,8 +349,7 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
   h0, main_cache = _main_pass(prog, model, prompts_BxP, zero_B, main_cache)
   logits = _logits(model, _rows(h0, prompt_len_B - 1), 0)
   pkeys = _row_keys(keys_B, 0)  # iteration i uses salt i + 1
-  x, _ = _draw(dataclasses.replace(prog, draft_argmax=False), logits, sampling,
-               _row_keys(pkeys, 0))
+  x, _ = _draw(prog, logits, sampling, _row_keys(pkeys, 0), may_argmax=False)
   tokens = jnp.zeros((b, prog.buffer_len), jnp.int32).at[:, :p].set(prompts_BxP)
   tokens = tokens.at[jnp.arange(b), prompt_len_B].set(x)
   dn = prog.num_drafts
@@ -519,17 +525,16 @@ class Decoder:
     self._programs = {}  # this Decoder's view of _COMPILED (hashing a graphdef is slow)
 
   def program(self, batch: int, prompt_len: int, max_new: int, *, num_drafts: int | None = None,
-              temperature: float = 0.0, draft_argmax: bool = False,
-              record: bool = False) -> Program:
+              temperature: float = 0.0, record: bool = False) -> Program:
     num_drafts = self.args.mtp_depth if num_drafts is None else num_drafts
     if not 0 <= num_drafts <= self.args.mtp_depth:
       raise RequestError(f'num_drafts must be in [0, {self.args.mtp_depth}] (the model\'s '
                        f'model.mtp.depth), got {num_drafts}')
     return Program(batch, bucket(prompt_len), bucket(max_new), num_drafts,
-                   greedy=temperature == 0, draft_argmax=draft_argmax and temperature > 0,
-                   record=record)
+                   greedy=temperature == 0, record=record)
 
-  def _inputs(self, prog, prompts, max_new, eos_id, temperature, top_k, top_p, seed):
+  def _inputs(self, prog, prompts, max_new, eos_id, temperature, top_k, top_p, seed,
+              draft_argmax=False):
     b = len(prompts)
     padded = np.zeros((b, prog.prompt_len), np.int32)
     for i, p in enumerate(prompts):
@@ -537,7 +542,7 @@ class Decoder:
     lens = np.array([len(p) for p in prompts], np.int32)
     max_new = np.broadcast_to(np.asarray(max_new, np.int32), (b,)).copy()
     sampling = Sampling(np.float32(temperature if temperature > 0 else 1.0),
-                        np.int32(top_k), np.float32(top_p))
+                        np.int32(top_k), np.float32(top_p), np.bool_(draft_argmax))
     return (self._leaves, padded, lens, max_new, np.int32(-1 if eos_id is None else eos_id),
             sampling, np.int32(seed))
 
@@ -575,10 +580,10 @@ class Decoder:
     mn = np.broadcast_to(np.asarray(max_new_tokens), (len(prompts),))
     prog = self.program(len(prompts), max(pad_to[0], *(len(p) for p in prompts)),
                         max(pad_to[1], int(mn.max())),
-                        num_drafts=num_drafts, temperature=temperature,
-                        draft_argmax=draft_argmax, record=record)
+                        num_drafts=num_drafts, temperature=temperature, record=record)
     fn = self.compile(prog)
-    inputs = self._inputs(prog, prompts, mn, eos_id, temperature, top_k, top_p, seed)
+    inputs = self._inputs(prog, prompts, mn, eos_id, temperature, top_k, top_p, seed,
+                          draft_argmax)
     t0 = time.perf_counter()
     st = jax.block_until_ready(fn(*inputs))
     seconds = time.perf_counter() - t0
