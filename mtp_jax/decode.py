@@ -529,7 +529,7 @@ class Decoder:
     num_drafts = self.args.mtp_depth if num_drafts is None else num_drafts
     if not 0 <= num_drafts <= self.args.mtp_depth:
       raise RequestError(f'num_drafts must be in [0, {self.args.mtp_depth}] (the model\'s '
-                       f'model.mtp.depth), got {num_drafts}')
+                         f'model.mtp.depth), got {num_drafts}')
     return Program(batch, bucket(prompt_len), bucket(max_new), num_drafts,
                    greedy=temperature == 0, record=record)
 
@@ -623,10 +623,10 @@ def check_request(prompts, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, 
       n_new = int(mn if mn.ndim == 0 else mn[i])
       if len(p) >= max_len:
         raise RequestError(f'prompt {i} has {len(p)} tokens: longer than the cache '
-                         f'({max_len} positions, --max_len)')
+                           f'({max_len} positions, --max_len)')
       if len(p) + n_new > max_len:
-        raise RequestError(f'prompt {i} ({len(p)} tokens) + max_new_tokens ({n_new}) exceeds the '
-                         f'cache ({max_len} positions, --max_len)')
+        raise RequestError(f'prompt {i} ({len(p)} tokens) + max_new_tokens ({n_new}) exceeds '
+                           f'the cache ({max_len} positions, --max_len)')
   if not temperature >= 0:
     raise RequestError(f'temperature must be >= 0, got {temperature}')
   if top_k < 0:

@@ -106,7 +106,8 @@ def trained(devices, tmp_path_factory):
     batch = {'tokens': tokens, 'segment_ids': np.ones_like(tokens), 'positions': pos}
     state, metrics = train.run_step(ts, state, batch)
   # Entropy floor: log(8) at each word start (1 position in 4.6), 0 elsewhere: 0.45 per depth.
-  assert np.all(metrics['loss_sum'] / metrics['count'] < 0.6), metrics['loss_sum'] / metrics['count']
+  per_depth = metrics['loss_sum'] / metrics['count']
+  assert np.all(per_depth < 0.6), per_depth
   workdir = str(tmp_path_factory.mktemp('decode_workdir'))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
   meta = {'step': config.train.steps, 'config': json.loads(config.to_json_best_effort())}
