@@ -1,0 +1,174 @@
+"""AR vs self-speculative decoding speed, in one run, on held-out standard-library code.
+
+  python benchmarks/decode_speed.py --workdir /work/runs/stdlib_mtp_decode
+
+Restores the latest checkpoint of a model trained with configs/stdlib_mtp.py, takes
+prompts from validation-split files (never trained on), and decodes them greedily
+with plain AR and with speculative decoding, alternating the two per prompt so load
+from other processes hits both alike. Prints one JSON object: per batch size and
+number of drafts, tokens/s of both, the speedup, tau, per-depth acceptance, the
+speedup tau alone would predict, and the cost of one verify iteration relative to
+one AR step (speedup = tau / cost ratio, up to prefill).
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse(argv):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--workdir', required=True, help='training workdir of configs/stdlib_mtp.py')
+  p.add_argument('--num_prompts', type=int, default=8,
+                 help='validation prompts (each batch size decodes all of them)')
+  p.add_argument('--prompt_len', type=int, default=128, help='prompt tokens')
+  p.add_argument('--max_new_tokens', type=int, default=128)
+  p.add_argument('--batch_sizes', default='1,8')
+  p.add_argument('--drafts', default='', help='numbers of drafts to try (default: the depth)')
+  p.add_argument('--repeats', type=int, default=3, help='timed runs per prompt; the fastest counts')
+  p.add_argument('--cost_probe', default='',
+                 help='d_model:n_layers,... random-init models of other sizes: time one AR step '
+                      'and one verify iteration (shapes are static, so the cost of an iteration '
+                      'does not depend on the weights) and predict the speedup at the measured tau')
+  return p.parse_args(argv)
+
+
+def validation_prompts(config, tokenizer, n: int, length: int) -> list[list[int]]:
+  """n prompts of `length` tokens from different validation files, starting at a line."""
+  from mtp_jax.data import corpus
+  docs = [text for _, text in corpus.split_documents(
+      'validation', corpus_dir=config.data.corpus_dir,
+      validation_percent=config.data.validation_percent)]
+  docs = [d for d in docs if len(tokenizer.encode(d)) >= 4 * length]
+  step = max(1, len(docs) // n)
+  prompts = []
+  for doc in docs[::step][:n]:
+    lines = doc.splitlines(keepends=True)
+    start = sum(len(line) for line in lines[:len(lines) // 3])  # a third in: past the header
+    ids = tokenizer.encode(doc[start:])
+    prompts.append(ids[:length])
+  if len(prompts) < n:
+    raise SystemExit(f'only {len(prompts)} validation files are long enough')
+  return prompts
+
+
+def main(argv=None):
+  args = parse(argv)
+  from mtp_jax import decode
+  from mtp_jax.data import tokenizers
+
+  config, step = decode.load_workdir(args.workdir)
+  depth = int(config.model.mtp.depth)
+  model = decode.restore_model(config, args.workdir, step)
+  dec = decode.Decoder(model)
+  tokenizer = tokenizers.get_tokenizer(config.data)
+  drafts = [int(d) for d in args.drafts.split(',')] if args.drafts else [depth]
+  report = {
+      'workdir': os.path.abspath(args.workdir), 'step': step,
+      'model': {k: config.model[k] for k in ('d_model', 'n_layers', 'n_heads', 'mlp_dim')}
+      | {'mtp_depth': depth, 'mtp_kind': config.model.mtp.kind},
+      'machine': f'{platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} '
+                 f'({jax.devices()[0].platform}), load average at start {os.getloadavg()[0]:.1f}',
+      'prompt_len': args.prompt_len, 'max_new_tokens': args.max_new_tokens, 'greedy': True,
+      'results': []}
+  for batch in [int(b) for b in args.batch_sizes.split(',')]:
+    n = -(-args.num_prompts // batch) * batch  # whole batches
+    prompts = validation_prompts(config, tokenizer, n, args.prompt_len)
+    batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    kw = dict(eos_id=None, pad_to=(args.prompt_len, args.max_new_tokens))
+    for nd in drafts:
+      t0 = time.perf_counter()
+      for n in (0, nd):
+        dec.compile(dec.program(batch, args.prompt_len, args.max_new_tokens, num_drafts=n))
+      compile_s = time.perf_counter() - t0
+      best = {0: [np.inf] * len(batches), nd: [np.inf] * len(batches)}
+      runs = {}
+      for _ in range(args.repeats):
+        for i, b in enumerate(batches):
+          for n in (0, nd):  # alternate: both see the same background load
+            r = dec.generate(b, args.max_new_tokens, num_drafts=n, **kw)
+            best[n][i] = min(best[n][i], r.seconds)
+            runs[(n, i)] = r
+      ar = [runs[(0, i)] for i in range(len(batches))]
+      sp = [runs[(nd, i)] for i in range(len(batches))]
+      identical = all(np.array_equal(a, s) for x, y in zip(ar, sp)
+                      for a, s in zip(x.tokens, y.tokens))
+      new = sum(r.new_tokens for r in sp)
+      ar_s, sp_s = sum(best[0]), sum(best[nd])
+      ar_steps = sum(r.steps for r in ar)
+      sp_steps = sum(r.steps for r in sp)
+      verify = sum(int(r.verify_steps.sum()) for r in sp)
+      committed = sum(int(r.committed.sum()) for r in sp)
+      hist = sum(r.accepted.sum(0) for r in sp)
+      tau = committed / verify
+      at_least = [float(hist[k:].sum() / verify) for k in range(1, nd + 1)]
+      report['results'].append({
+          'batch_size': batch, 'num_drafts': nd, 'prompts': len(prompts),
+          'identical': identical, 'new_tokens': new,
+          'ar_tokens_per_sec': new / ar_s, 'spec_tokens_per_sec': new / sp_s,
+          'speedup': ar_s / sp_s,
+          'mean_accepted_length': tau,
+          'acceptance_per_depth': at_least,
+          'conditional_acceptance': [a / b for a, b in zip(at_least, [1.0] + at_least[:-1])],
+          # Main-model passes: AR one per token; spec one prefill + one per iteration.
+          'speedup_predicted_by_tau': tau,
+          'speedup_predicted_by_loop_iterations': ar_steps / sp_steps,
+          'ar_ms_per_iteration': 1e3 * ar_s / ar_steps,
+          'spec_ms_per_iteration': 1e3 * sp_s / sp_steps,
+          'iteration_cost_ratio': (sp_s / sp_steps) / (ar_s / ar_steps),
+          'compile_seconds': compile_s,
+      })
+      print(json.dumps(report['results'][-1]), file=sys.stderr)
+  if args.cost_probe:
+    taus = {r['num_drafts']: r['mean_accepted_length'] for r in report['results']
+            if r['batch_size'] == 1}
+    report['cost_probe'] = cost_probe(config, args, taus)
+  print(json.dumps(report, indent=1))
+
+
+def cost_probe(config, args, taus: dict) -> list:
+  """ms per AR step and per speculative iteration for random models of other sizes."""
+  import copy
+  from flax import nnx
+  from mtp_jax import decode
+  from mtp_jax.model import MTPModel, ModelArgs
+  out = []
+  for item in args.cost_probe.split(','):
+    d, layers = (int(x) for x in item.split(':'))
+    c = copy.deepcopy(config)
+    c.model.d_model, c.model.n_layers, c.model.mlp_dim = d, layers, 3 * d
+    c.model.head_dim = 128
+    c.model.n_heads = c.model.n_kv_heads = max(1, d // 128)
+    dec = decode.Decoder(MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0)))
+    prompt = [[7] * args.prompt_len]
+    row = {'d_model': d, 'n_layers': layers, 'mtp_depth': c.model.mtp.depth,
+           'params_M': sum(x.size for x in jax.tree.leaves(dec.params)) / 1e6}
+    # Two lengths, one program: the difference is loop iterations only (no prefill).
+    # Random weights accept ~no draft, which does not matter: shapes are static.
+    t, steps = {}, {}
+    for _ in range(max(args.repeats, 3)):
+      for n in [0] + sorted(taus):
+        for m in (16, 48):
+          r = dec.generate(prompt, m, num_drafts=n, eos_id=None, pad_to=(args.prompt_len, 64))
+          t[n, m] = min(t.get((n, m), np.inf), r.seconds)
+          steps[n, m] = r.steps
+    best = {n: (t[n, 48] - t[n, 16]) / (steps[n, 48] - steps[n, 16]) for n in [0] + list(taus)}
+    row['ar_ms_per_step'] = 1e3 * best[0]
+    for n, tau in sorted(taus.items()):
+      ratio = best[n] / best[0]
+      row[f'drafts_{n}'] = {'spec_ms_per_iteration': 1e3 * best[n], 'iteration_cost_ratio': ratio,
+                            'speedup_at_measured_tau': tau / ratio}
+    print(json.dumps(row), file=sys.stderr)
+    out.append(row)
+  return out
+
+
+if __name__ == '__main__':
+  main()

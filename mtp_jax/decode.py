@@ -1,0 +1,793 @@
+"""Self-speculative decoding: the MTP modules draft, the main model verifies (DESIGN.md §5).
+
+One `jax.jit`-compiled program per static shape runs the prefill and then a
+`lax.while_loop` over a `DecodeState`. Plain autoregressive decoding is the same
+program with zero drafts, so both decoders share every line of cache code.
+
+Positions are 0-based. Row b holds n committed tokens c_0..c_{n-1} (prompt, then
+generated); the last one, x = c_{n-1}, is decided but not yet in the main KV cache.
+KV slot s of every cache holds position s - off (off = number of drafts), so MTP
+windows may start before position 0; slots at negative positions are masked out.
+
+One iteration (D drafts d_1..d_D, made at the end of the previous one):
+  verify  the main model over [x, d_1..d_D] at positions n-1..n-1+D (one pass);
+  accept  a leading drafts (greedy: d_j == argmax; sampling: speculative rule) plus the
+          bonus token, then cut at EOS / max_new_tokens: n' = n + a + 1 at most;
+  MTP     depth k runs ONE block call over positions n-k .. n-1+D (D+k of them): the
+          catch-up of the positions that became true, then the free-running draft.
+Depth k at position p reads h^{k-1}_p and t_{p+k}. After the pass, depth k's cache is
+true (computed from committed tokens and verified hidden states only) for p <= n'-1-k;
+its entries n'-k..n'-2 come from the new drafts (d_1..d_{k-1}) exactly as in an
+uncached forward of the chain over [committed ; drafts], and the next window, which
+starts at n'-k, rewrites them before anything reads them. Stale slots to the right of
+a window are never read: a query at position p sees only slots <= p, all of them
+either true or written by the same call. `hidden[k-1]` keeps h^k at n'-1-k, the one
+input of depth k+1's next window that is not produced in that iteration.
+Parallel heads read only h^0, so their window is the verify window.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtp_jax import layers
+from mtp_jax.model import MTPModel
+
+Array = jax.Array
+PAD_ID = 0
+MIN_BUCKET = 16
+_COMPILED = {}  # (graphdef, Program) -> compiled executable, shared by every Decoder
+
+
+# -- static program and traced state -------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """Everything that changes the compiled program (the compile-cache key)."""
+  batch: int
+  prompt_len: int  # prompt bucket Pb: prompts are right-padded to it
+  max_new: int  # bucket of max_new_tokens Nb: sizes the buffers and bounds the loop
+  num_drafts: int  # D used for drafting; 0 = plain autoregressive decoding
+  greedy: bool  # argmax everywhere; else sampling with the speculative rule
+  record: bool = False  # keep the drafts of every iteration (tests)
+
+  @property
+  def offset(self) -> int:  # cache slot of position 0
+    return self.num_drafts
+
+  @property
+  def cache_len(self) -> int:
+    return self.offset + self.prompt_len + self.max_new + self.num_drafts
+
+  @property
+  def buffer_len(self) -> int:
+    return self.prompt_len + self.max_new + self.num_drafts + 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Sampling:
+  """Traced sampling parameters (changing them does not recompile)."""
+  temperature: Array  # > 0 when sampling
+  top_k: Array  # 0: off
+  top_p: Array  # 1.0: off
+  draft_argmax: Array | bool = False  # drafts are argmax (q = one-hot), not sampled from q
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+  """The while-loop carry; per-row fields lead with the batch axis."""
+  tokens: Array  # [B, Lt] committed tokens by position; PAD after `length`
+  length: Array  # [B] n: committed tokens (the last, x, is not in the main cache yet)
+  prompt_len: Array  # [B]
+  max_new: Array  # [B] tokens to generate at most
+  done: Array  # [B] bool: hit EOS or max_new
+  main_cache: tuple  # per trunk layer (k [B*K, S, H], v [B*K, H, S]); see _empty_cache
+  mtp_cache: tuple  # per drafting depth, the same
+  hidden: tuple  # sequential: h^k at position n-1-k, k = 1..D-1, each [B, d]
+  drafts: Array  # [B, D] proposals for positions n..n+D-1
+  draft_probs: Array  # [B, D, V] q each draft was sampled from ([B, D, 0] when greedy)
+  keys: Array  # [B] per-row PRNG keys
+  step: Array  # loop iterations so far
+  verify_steps: Array  # [B] iterations in which the row was active
+  committed: Array  # [B] tokens committed by verify steps (the prefill's first one excluded)
+  accepted: Array  # [B, D+1] how many verify steps accepted exactly j drafts
+  dropped: Array  # [B] accepted tokens discarded because the row stopped inside the block
+  history_drafts: Array  # [Nb or 0, B, D] drafts verified at each iteration (record)
+  history_length: Array  # [Nb or 0, B] n at that iteration, -1 when the row was done
+
+
+# -- sampling ----------------------------------------------------------------------------------
+def adjusted_logprobs(logits: Array, sampling: Sampling) -> Array:
+  """log of the distribution plain sampling draws from: temperature, then top-k, then top-p."""
+  x = logits.astype(jnp.float32) / sampling.temperature
+  v = x.shape[-1]
+  neg = jnp.array(-jnp.inf, x.dtype)
+  desc = -jnp.sort(-x, axis=-1)
+  kth = jnp.take(desc, jnp.clip(sampling.top_k - 1, 0, v - 1), axis=-1)[..., None]
+  x = jnp.where((sampling.top_k > 0) & (x < kth), neg, x)
+  probs = jax.nn.softmax(x, axis=-1)
+  desc_p = -jnp.sort(-probs, axis=-1)
+  before = jnp.cumsum(desc_p, axis=-1) - desc_p  # mass strictly above each sorted entry
+  kept = jnp.sum(before < sampling.top_p, axis=-1, keepdims=True)  # >= 1
+  threshold = jnp.take_along_axis(desc_p, kept - 1, axis=-1)
+  x = jnp.where((sampling.top_p < 1.0) & (probs < threshold), neg, x)
+  return jax.nn.log_softmax(x, axis=-1)
+
+
+def _categorical(keys_B, logp_BxV):
+  return jax.vmap(jax.random.categorical)(keys_B, logp_BxV).astype(jnp.int32)
+
+
+def _draw(prog: Program, logits_BxV, sampling, keys_B, may_argmax=True):
+  """(token [B], q [B, V] the distribution it was drawn from; [B, 0] when greedy).
+
+  Sampling with sampling.draft_argmax (and may_argmax): the argmax, drawn from the
+  one-hot q; else a sample of the adjusted distribution q.
+  """
+  if prog.greedy:
+    return jnp.argmax(logits_BxV, -1).astype(jnp.int32), jnp.zeros(logits_BxV.shape[:1] + (0,))
+  logp = adjusted_logprobs(logits_BxV, sampling)
+  tok, q = _categorical(keys_B, logp), jnp.exp(logp)
+  if not may_argmax:
+    return tok, q
+  top = jnp.argmax(logp, -1).astype(jnp.int32)
+  one_hot = jax.nn.one_hot(top, logp.shape[-1], dtype=jnp.float32)
+  return (jnp.where(sampling.draft_argmax, top, tok),
+          jnp.where(sampling.draft_argmax, one_hot, q))
+
+
+def _row_keys(keys_B, salt):
+  return jax.vmap(lambda k: jax.random.fold_in(k, salt))(keys_B)
+
+
+# -- windows over the caches -----------------------------------------------------------------
+def _rows(x, idx_B):
+  """x[b, idx_B[b]] for x of shape [B, T, ...]."""
+  return x[jnp.arange(x.shape[0]), idx_B]
+
+
+def _write_rows(buf_BxL, new_BxW, index_B):
+  return jax.vmap(lambda b, n, i: jax.lax.dynamic_update_slice_in_dim(b, n, i, 0))(
+      buf_BxL, new_BxW.astype(buf_BxL.dtype), index_B)
+
+
+def _window(prog: Program, start_B, width: int):
+  """Positions [B, W] of a window and its mask [B, 1, W, S] over the cache slots."""
+  pos_BxW = start_B[:, None] + jnp.arange(width, dtype=jnp.int32)
+  slot_pos_S = jnp.arange(prog.cache_len, dtype=jnp.int32) - prog.offset
+  mask = (slot_pos_S >= 0) & (slot_pos_S[None, None, :] <= pos_BxW[:, :, None])
+  return pos_BxW, mask[:, None]
+
+
+def _empty_cache(model: MTPModel, batch: int, slots: int):
+  """(k [B*K, S, H], v [B*K, H, S]): the layouts XLA:CPU's attention dots read as they are."""
+  a = model.args
+  return (jnp.zeros((batch * a.n_kv_heads, slots, a.head_dim), a.dtype),
+          jnp.zeros((batch * a.n_kv_heads, a.head_dim, slots), a.dtype))
+
+
+# -- the model's blocks, run for decoding ----------------------------------------------------
+# The same parameters and the same math as layers.Block (test_decode checks it against
+# the model's own forward), arranged for few-token steps on XLA:CPU, where each of these
+# made a measured difference to the time of a decode step:
+#  * KV caches as K [B*K, S, H] and V [B*K, H, S]: the attention dots (matrix-vector
+#    products for one query) read them as they are; the [B, S, K, H] cache of
+#    layers.Attention is transposed (a copy of the whole cache) on every call;
+#  * matmuls of at most SPLIT_ROWS rows run as one matrix-vector product per row:
+#    XLA:CPU's GEMM for 2-6 rows costs several times its GEMV per row, and the weights
+#    stay in L2 from one row to the next (8 rows and more: the GEMM is faster).
+SPLIT_ROWS = 6  # covers the verify (D+1) and MTP (D+k) windows of D = 3 at batch 1
+SPLIT_MAX_BYTES = 1 << 20  # only weights that stay in a core's L2 between rows
+WRITE_LOOP_ROWS = 6  # cache updates: one in-place update per row up to here, else a scatter
+
+
+def _split(m: int, w) -> bool:
+  return 1 < m <= SPLIT_ROWS and w.size * w.dtype.itemsize <= SPLIT_MAX_BYTES
+
+
+def _dot(x_MxI, w_IxO):
+  if not _split(x_MxI.shape[0], w_IxO):
+    return jnp.dot(x_MxI, w_IxO)
+  return jnp.concatenate([jnp.dot(x_MxI[i:i + 1], w_IxO) for i in range(x_MxI.shape[0])], 0)
+
+
+def _dot_t(x_MxI, w_OxI):
+  """x @ w.T without transposing w (the tied output head: the embedding table)."""
+  m = x_MxI.shape[0]
+  if m > 1 and not _split(m, w_OxI):
+    return jax.lax.dot_general(x_MxI, w_OxI, (((1,), (1,)), ((), ())))
+  return jnp.stack([jnp.dot(w_OxI, x_MxI[i]) for i in range(m)], 0)
+
+
+def _write(cache_BKx, new_BxKx, index_B, axis):
+  """Row b's T new entries go to slots index_B[b].. along `axis` (1 or 2) of its K heads."""
+  b, kv = new_BxKx.shape[:2]
+  new_BxKx = new_BxKx.astype(cache_BKx.dtype)
+  if b > WRITE_LOOP_ROWS:
+    cache = cache_BKx.reshape((b, kv) + cache_BKx.shape[1:])
+    cache = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis))(
+        cache, new_BxKx, index_B)
+    return cache.reshape(cache_BKx.shape)
+  zero = jnp.zeros((), jnp.int32)  # few rows: one in-place update each, no scatter
+  for row in range(b):
+    start = [jnp.int32(row * kv), zero, zero]
+    start[axis] = index_B[row]
+    cache_BKx = jax.lax.dynamic_update_slice(cache_BKx, new_BxKx[row], start)
+  return cache_BKx
+
+
+_MASKED = -0.7 * float(np.finfo(np.float32).max)  # as jax.nn.dot_product_attention
+
+
+def _block(block: layers.Block, x_BxTxD, pos_BxT, mask_Bx1xTxS, cache, index_B):
+  """layers.Block.__call__ over a cache of _empty_cache's layout; (x, new cache).
+
+  The batch and KV-head axes are merged into the dots' one batch axis, so the updated
+  cache feeds them without a reshape (with one, XLA:CPU fused the reshape with the
+  cache update, duplicated the update and copied the whole cache every step).
+  """
+  b, t, d = x_BxTxD.shape
+  attn, mlp = block.self_attn, block.mlp
+  dt = x_BxTxD.dtype
+  kernel = lambda m, shape: m.kernel[...].astype(dt).reshape(shape)  # noqa: E731
+  h = block.input_layernorm(x_BxTxD).reshape(b * t, d)
+  n, hd = attn.q_proj.kernel.shape[1:]
+  kv = attn.k_proj.kernel.shape[1]
+  g = n // kv
+  q = _dot(h, kernel(attn.q_proj, (d, -1))).reshape(b, t, n, hd)
+  k = _dot(h, kernel(attn.k_proj, (d, -1))).reshape(b, t, kv, hd)
+  v = _dot(h, kernel(attn.v_proj, (d, -1))).reshape(b, t, kv, hd)
+  q = layers.apply_rope(q, pos_BxT, attn.rope_theta)
+  k = layers.apply_rope(k, pos_BxT, attn.rope_theta)
+  k_cache = _write(cache[0], k.transpose(0, 2, 1, 3), index_B, axis=1)  # [B*K, S, H]
+  v_cache = _write(cache[1], v.transpose(0, 2, 3, 1), index_B, axis=2)  # [B*K, H, S]
+  # queries of one KV head: [B*K, G*T, H] (query head n = kv_head * G + g, as in GQA)
+  q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
+  scores = jnp.einsum('xqh,xsh->xqs', q, k_cache.astype(dt),
+                      preferred_element_type=jnp.float32) * np.float32(1 / np.sqrt(hd))
+  mask = jnp.broadcast_to(mask_Bx1xTxS[:, None], (b, kv, g, t, scores.shape[-1]))
+  # Masked scores get a large finite negative: a query that sees nothing (a position
+  # before 0 in an MTP window) averages finite values, never NaN.
+  scores = jnp.where(mask.reshape(scores.shape), scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  out = jnp.einsum('xqs,xhs->xqh', probs, v_cache.astype(dt))  # [B*K, G*T, H]
+  out = out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b * t, n * hd)
+  x_BxTxD = x_BxTxD + _dot(out, kernel(attn.o_proj, (n * hd, d))).reshape(b, t, d)
+  h = block.post_attention_layernorm(x_BxTxD).reshape(b * t, d)
+  h = (jax.nn.silu(_dot(h, kernel(mlp.gate_proj, (d, -1))))
+       * _dot(h, kernel(mlp.up_proj, (d, -1))))
+  x_BxTxD = x_BxTxD + _dot(h, kernel(mlp.down_proj, (-1, d))).reshape(b, t, d)
+  return x_BxTxD, (k_cache, v_cache)
+
+
+def _logits(model: MTPModel, h_BxD, depth: int):
+  """model.logits for one position per row, in float32."""
+  x = model.head_norm(depth)(h_BxD)
+  if model.args.tie_embeddings:
+    return _dot_t(x, model.embed.embedding[...].astype(x.dtype)).astype(jnp.float32)
+  return _dot(x, model.lm_head.kernel[...].astype(x.dtype)).astype(jnp.float32)
+
+
+def _main_pass(prog, model, tokens_BxW, start_B, caches):
+  """h^0 over a window of tokens at positions start.., through the main KV caches."""
+  pos, mask = _window(prog, start_B, tokens_BxW.shape[1])
+  x = model.embed_tokens(tokens_BxW)
+  new_caches = []
+  for block, cache in zip(model.layers, caches):
+    x, cache = _block(block, x, pos, mask, cache, start_B + prog.offset)
+    new_caches.append(cache)
+  return x, tuple(new_caches)
+
+
+def _mtp_step(model, depth, h_prev_BxTxD, tokens_BxT, pos, mask, cache, index_B):
+  """MTPModel.mtp_step through a cache of _empty_cache's layout."""
+  module = model.mtp[depth - 1]
+  if model.args.mtp_kind == 'sequential':
+    b, t, d = h_prev_BxTxD.shape
+    x = jnp.concatenate([module.enorm(model.embed_tokens(tokens_BxT)),
+                         module.hnorm(h_prev_BxTxD)], axis=-1).reshape(b * t, 2 * d)
+    x = _dot(x, module.eh_proj.kernel[...].astype(x.dtype)).reshape(b, t, d)
+  else:
+    x = h_prev_BxTxD
+  return _block(module.block, x, pos, mask, cache, index_B)
+
+
+def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampling, keys_B):
+  """Catch-up and drafting, one block call per depth.
+
+  h0_BxWxD: verified h^0 at positions start..start+W-1, true for the first a+1 of them;
+  u_BxU: t_{start+1}, t_{start+2}, ...: a+1 committed tokens, then room for drafts.
+  Returns (drafts [B, D], q [B, D, V or 0], hidden, caches).
+  """
+  sequential = model.args.mtp_kind == 'sequential'
+  width = h0_BxWxD.shape[1]
+  rows = jnp.arange(h0_BxWxD.shape[0])
+  drafts, probs, new_hidden, new_caches = [], [], [], []
+  h_prev = h0_BxWxD
+  for k in range(1, prog.num_drafts + 1):
+    if sequential:  # window: positions start-k+1 .. start+W-1, query at n'-2
+      # h^{k-1} at start-k+1 is the stored one; the rest is depth k-1's output of this pass.
+      h_in = h0_BxWxD if k == 1 else jnp.concatenate([hidden[k - 2][:, None], h_prev], 1)
+      w, s, query = width + k - 1, start_B - (k - 1), a_B + k - 1
+      tokens = u_BxU[:, :w]
+    else:  # parallel heads read h^0 only: the verify window itself
+      h_in, w, s, tokens, query = h0_BxWxD, width, start_B, None, a_B
+    pos, mask = _window(prog, s, w)
+    h_k, cache = _mtp_step(model, k, h_in, tokens, pos, mask, caches[k - 1], s + prog.offset)
+    new_caches.append(cache)
+    logits = _logits(model, _rows(h_k, query), k)
+    d, q = _draw(prog, logits, sampling, _row_keys(keys_B, k))
+    drafts.append(d)
+    probs.append(q)
+    if sequential and k < prog.num_drafts:
+      u_BxU = u_BxU.at[rows, a_B + k].set(d)
+      new_hidden.append(_rows(h_k, a_B))
+    h_prev = h_k
+  b = h0_BxWxD.shape[0]
+  if not drafts:
+    v = 0 if prog.greedy else model.args.vocab_size
+    return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v)), (), ()
+  return jnp.stack(drafts, 1), jnp.stack(probs, 1), tuple(new_hidden), tuple(new_caches)
+
+
+# -- prefill and one iteration ---------------------------------------------------------------
+def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, keys_B):
+  b, p = prompts_BxP.shape
+  zero_B = jnp.zeros((b,), jnp.int32)
+  main_cache = tuple(_empty_cache(model, b, prog.cache_len) for _ in model.layers)
+  h0, main_cache = _main_pass(prog, model, prompts_BxP, zero_B, main_cache)
+  logits = _logits(model, _rows(h0, prompt_len_B - 1), 0)
+  pkeys = _row_keys(keys_B, 0)  # iteration i uses salt i + 1
+  x, _ = _draw(prog, logits, sampling, _row_keys(pkeys, 0), may_argmax=False)
+  tokens = jnp.zeros((b, prog.buffer_len), jnp.int32).at[:, :p].set(prompts_BxP)
+  tokens = tokens.at[jnp.arange(b), prompt_len_B].set(x)
+  dn = prog.num_drafts
+  mtp_cache = tuple(_empty_cache(model, b, prog.cache_len) for _ in range(dn))
+  hidden = tuple(jnp.zeros((b, model.args.d_model), model.args.dtype) for _ in range(dn - 1)
+                 if model.args.mtp_kind == 'sequential')
+  # u = t_1..t_P (prompt[1:] then x), then room for drafts.
+  u = jnp.concatenate([prompts_BxP[:, 1:], jnp.zeros((b, max(dn, 1)), jnp.int32)], 1)
+  u = u.at[jnp.arange(b), prompt_len_B - 1].set(x)
+  drafts, probs, hidden, mtp_cache = _mtp_pass(
+      prog, model, h0, zero_B, u, prompt_len_B - 1, hidden, mtp_cache, sampling,
+      _row_keys(pkeys, 1))
+  if prog.greedy:
+    probs = jnp.zeros((b, dn, 0))
+  nb = prog.max_new if prog.record else 0
+  return DecodeState(
+      tokens=tokens, length=prompt_len_B + 1, prompt_len=prompt_len_B, max_new=max_new_B,
+      done=(x == eos) | (max_new_B <= 1), main_cache=main_cache, mtp_cache=mtp_cache,
+      hidden=hidden, drafts=drafts, draft_probs=probs.astype(jnp.float32), keys=keys_B,
+      step=jnp.zeros((), jnp.int32), verify_steps=zero_B, committed=zero_B,
+      accepted=jnp.zeros((b, dn + 1), jnp.int32), dropped=zero_B,
+      history_drafts=jnp.zeros((nb, b, dn), jnp.int32),
+      history_length=jnp.zeros((nb, b), jnp.int32))
+
+
+def _accept(prog, logits_BxTxV, drafts_BxD, q_BxDxV, sampling, keys_B):
+  """(a [B] accepted drafts, candidates [B, D+1]: d_1..d_a, the bonus, then PAD)."""
+  dn = prog.num_drafts
+  j = jnp.arange(dn + 1)
+  if prog.greedy:
+    g = jnp.argmax(logits_BxTxV, -1).astype(jnp.int32)
+    ok = (drafts_BxD == g[:, :dn]).astype(jnp.int32)
+    a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
+    return a, jnp.where(j <= a[:, None], g, PAD_ID)  # d_j == g_{j-1} for j <= a
+  p = jnp.exp(adjusted_logprobs(logits_BxTxV, sampling))  # [B, D+1, V]
+  p_d = jnp.take_along_axis(p[:, :dn], drafts_BxD[..., None], -1)[..., 0]
+  q_d = jnp.take_along_axis(q_BxDxV, drafts_BxD[..., None], -1)[..., 0]
+  u = jax.vmap(lambda k: jax.random.uniform(k, (dn,)))(_row_keys(keys_B, 2))
+  ok = (u * q_d < p_d).astype(jnp.int32)  # probability min(1, p/q)
+  a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
+  # First rejection at j: sample normalize(max(0, p_j - q_{j+1})); all accepted: p_D.
+  residual = jnp.concatenate([jnp.maximum(p[:, :dn] - q_BxDxV, 0.0), p[:, dn:]], 1)
+  r = _rows(residual, a)
+  r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, _rows(p, a))  # p == q: never rejected
+  bonus = _categorical(_row_keys(keys_B, 3), jnp.log(r))
+  cand = jnp.concatenate([drafts_BxD, jnp.zeros_like(bonus)[:, None]], 1)
+  cand = jnp.where(j < a[:, None], cand, jnp.where(j == a[:, None], bonus[:, None], PAD_ID))
+  return a, cand
+
+
+def _iteration(prog, model, st: DecodeState, eos, sampling) -> DecodeState:
+  dn = prog.num_drafts
+  keys = _row_keys(st.keys, st.step + 1)
+  start = st.length - 1
+  x = _rows(st.tokens, start)
+  h0, main_cache = _main_pass(prog, model, jnp.concatenate([x[:, None], st.drafts], 1),
+                              start, st.main_cache)
+  b, w, d = h0.shape
+  logits = _logits(model, h0.reshape(b * w, d), 0).reshape(b, w, -1)
+  a, cand = _accept(prog, logits, st.drafts, st.draft_probs, sampling,
+                    _row_keys(keys, 0))
+
+  # Stop inside the block at EOS or max_new_tokens.
+  j = jnp.arange(dn + 1)
+  active = ~st.done
+  room = st.max_new - (st.length - st.prompt_len)
+  is_eos = (cand == eos) & (j <= a[:, None])
+  eos_at = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1), dn + 1)
+  m = jnp.where(active, jnp.minimum(jnp.minimum(a + 1, room), eos_at + 1), 0)
+  done = st.done | (active & ((eos_at < m) | (m >= room)))
+  tokens = _write_rows(st.tokens, jnp.where(j < m[:, None], cand, PAD_ID), st.length)
+
+  u = jnp.concatenate([cand, jnp.zeros((cand.shape[0], max(dn - 1, 0)), jnp.int32)], 1)
+  drafts, probs, hidden, mtp_cache = _mtp_pass(
+      prog, model, h0, start, u, a, st.hidden, st.mtp_cache, sampling, _row_keys(keys, 1))
+  if prog.greedy:
+    probs = st.draft_probs
+  act = active.astype(jnp.int32)
+  hd, hl = st.history_drafts, st.history_length
+  if prog.record:
+    hd = hd.at[st.step].set(st.drafts)
+    hl = hl.at[st.step].set(jnp.where(active, st.length, -1))
+  return DecodeState(
+      tokens=tokens, length=st.length + m, prompt_len=st.prompt_len, max_new=st.max_new,
+      done=done, main_cache=main_cache, mtp_cache=mtp_cache, hidden=hidden, drafts=drafts,
+      draft_probs=probs.astype(jnp.float32), keys=st.keys, step=st.step + 1,
+      verify_steps=st.verify_steps + act, committed=st.committed + m,
+      accepted=st.accepted + act[:, None] * (j == a[:, None]),
+      dropped=st.dropped + jnp.where(active, a + 1 - m, 0), history_drafts=hd,
+      history_length=hl)
+
+
+def _decode(prog: Program, graphdef, treedef, leaves, prompts_BxP, prompt_len_B, max_new_B, eos,
+            sampling, seed):
+  """Prefill, then the while loop until every row is done. Returns the final DecodeState.
+
+  The parameters come as a flat list of arrays (flattening an nnx.State on every call
+  costs milliseconds of host time).
+  """
+  params = jax.tree.unflatten(treedef, leaves)
+  keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(
+      jnp.arange(prog.batch))
+  st = _prefill(prog, nnx.merge(graphdef, params), prompts_BxP, prompt_len_B, max_new_B, eos,
+                sampling, keys)
+
+  def cond(st):
+    return (st.step < prog.max_new) & jnp.any(~st.done)
+
+  def body(st):
+    return _iteration(prog, nnx.merge(graphdef, params), st, eos, sampling)
+
+  return jax.lax.while_loop(cond, body, st)
+
+
+# -- host side -----------------------------------------------------------------------------------
+def bucket(n: int) -> int:
+  """Static size for n: the next power of two, at least MIN_BUCKET."""
+  return max(MIN_BUCKET, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+@dataclasses.dataclass
+class DecodeResult:
+  """Generated tokens per row (ending with EOS if it was hit) and loop statistics."""
+  tokens: list[np.ndarray]
+  num_drafts: int
+  steps: int  # loop iterations (the longest row's verify steps)
+  verify_steps: np.ndarray  # [B]
+  committed: np.ndarray  # [B] tokens committed by verify steps
+  accepted: np.ndarray  # [B, D+1] histogram of accepted drafts per verify step
+  dropped: np.ndarray  # [B]
+  seconds: float = 0.0  # wall time of the compiled call (compilation excluded)
+  history_drafts: np.ndarray | None = None  # record: [iterations, B, D]
+  history_length: np.ndarray | None = None  # record: [iterations, B], -1 once done
+
+  @property
+  def new_tokens(self) -> int:
+    return int(sum(len(t) for t in self.tokens))
+
+  def stats(self) -> dict:
+    """tau = committed / verify steps; acceptance_per_depth[k-1] = P(first k drafts accepted)."""
+    steps = int(self.verify_steps.sum())
+    hist = self.accepted.sum(0)
+    at_least = [int(hist[k:].sum()) for k in range(1, self.num_drafts + 1)]
+    return {
+        'num_drafts': self.num_drafts,
+        'new_tokens': self.new_tokens,
+        'verify_steps': steps,
+        'committed': int(self.committed.sum()),
+        'mean_accepted_length': float(self.committed.sum() / max(steps, 1)),
+        'acceptance_per_depth': [c / max(steps, 1) for c in at_least],
+        'conditional_acceptance': [c / max(prev, 1) for c, prev in
+                                   zip(at_least, [steps] + at_least[:-1])],
+        'dropped_at_stop': int(self.dropped.sum()),
+        'seconds': self.seconds,
+        'tokens_per_sec': self.new_tokens / self.seconds if self.seconds else None,
+    }
+
+
+class Decoder:
+  """Speculative and autoregressive decoding of one model; compiled programs are cached.
+
+  The model is split once; its parameters are an argument of the compiled program, so
+  every Decoder of a model of the same structure shares the same compiled programs.
+  """
+
+  def __init__(self, model: MTPModel):
+    self.args = model.args
+    self.graphdef, params = nnx.split(model)
+    # Programs are compiled for the default device; a restored or trained state may
+    # carry a mesh sharding.
+    self.params = jax.device_put(params, jax.devices()[0])
+    self._leaves, self._treedef = jax.tree.flatten(self.params)
+    self._programs = {}  # this Decoder's view of _COMPILED (hashing a graphdef is slow)
+
+  def program(self, batch: int, prompt_len: int, max_new: int, *, num_drafts: int | None = None,
+              temperature: float = 0.0, record: bool = False) -> Program:
+    num_drafts = self.args.mtp_depth if num_drafts is None else num_drafts
+    if not 0 <= num_drafts <= self.args.mtp_depth:
+      raise RequestError(f'num_drafts must be in [0, {self.args.mtp_depth}] (the model\'s '
+                         f'model.mtp.depth), got {num_drafts}')
+    return Program(batch, bucket(prompt_len), bucket(max_new), num_drafts,
+                   greedy=temperature == 0, record=record)
+
+  def _inputs(self, prog, prompts, max_new, eos_id, temperature, top_k, top_p, seed,
+              draft_argmax=False):
+    b = len(prompts)
+    padded = np.zeros((b, prog.prompt_len), np.int32)
+    for i, p in enumerate(prompts):
+      padded[i, :len(p)] = p
+    lens = np.array([len(p) for p in prompts], np.int32)
+    max_new = np.broadcast_to(np.asarray(max_new, np.int32), (b,)).copy()
+    sampling = Sampling(np.float32(temperature if temperature > 0 else 1.0),
+                        np.int32(top_k), np.float32(top_p), np.bool_(draft_argmax))
+    return (self._leaves, padded, lens, max_new, np.int32(-1 if eos_id is None else eos_id),
+            sampling, np.int32(seed))
+
+  def compile(self, prog: Program):
+    """The ahead-of-time compiled program (cached), so timings exclude compilation."""
+    if prog in self._programs:
+      return self._programs[prog]
+    key = (self.graphdef, prog)
+    if key not in _COMPILED:
+      example = self._inputs(prog, [[0]] * prog.batch, 1, 1, 0.0, 0, 1.0, 0)
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
+                              example)
+      fn = jax.jit(functools.partial(_decode, prog, self.graphdef, self._treedef))
+      _COMPILED[key] = fn.lower(*abstract).compile()
+    self._programs[prog] = _COMPILED[key]
+    return _COMPILED[key]
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+               num_drafts: int | None = None, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, eos_id: int | None = 1, seed: int = 0,
+               draft_argmax: bool = False, max_len: int | None = None,
+               pad_to: tuple[int, int] = (1, 1), record: bool = False) -> DecodeResult:
+    """Decodes a batch of token-id prompts (different lengths allowed).
+
+    max_new_tokens: one int or one per row. num_drafts: drafting depths to use (default
+    all of the model's; 0 = plain autoregressive decoding). temperature 0 is greedy;
+    otherwise drafts are sampled from the MTP heads' adjusted distributions (or taken
+    by argmax with draft_argmax) and accepted by the speculative sampling rule.
+    eos_id None: never stop early. max_len: limit on prompt + new tokens per row.
+    pad_to: (prompt length, max_new_tokens) to size the program for at least, so calls
+    with different requests can share one compiled program.
+    """
+    check_request(prompts, max_new_tokens, temperature, top_k, top_p,
+                  vocab_size=self.args.vocab_size, max_len=max_len)
+    mn = np.broadcast_to(np.asarray(max_new_tokens), (len(prompts),))
+    prog = self.program(len(prompts), max(pad_to[0], *(len(p) for p in prompts)),
+                        max(pad_to[1], int(mn.max())),
+                        num_drafts=num_drafts, temperature=temperature, record=record)
+    fn = self.compile(prog)
+    inputs = self._inputs(prog, prompts, mn, eos_id, temperature, top_k, top_p, seed,
+                          draft_argmax)
+    t0 = time.perf_counter()
+    st = jax.block_until_ready(fn(*inputs))
+    seconds = time.perf_counter() - t0
+    h = {k: np.asarray(getattr(st, k)) for k in (
+        'tokens', 'length', 'prompt_len', 'step', 'verify_steps', 'committed', 'accepted',
+        'dropped', 'history_drafts', 'history_length')}
+    steps = int(h['step'])
+    return DecodeResult(
+        tokens=[h['tokens'][i, h['prompt_len'][i]:h['length'][i]] for i in range(len(prompts))],
+        num_drafts=prog.num_drafts, steps=steps, verify_steps=h['verify_steps'],
+        committed=h['committed'], accepted=h['accepted'], dropped=h['dropped'],
+        seconds=seconds,
+        history_drafts=h['history_drafts'][:steps] if record else None,
+        history_length=h['history_length'][:steps] if record else None)
+
+
+class RequestError(ValueError):
+  """A decoding request that cannot run; the message names the problem (CLI exit code 2)."""
+
+
+def check_request(prompts, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, *,
+                  vocab_size: int | None = None, max_len: int | None = None) -> None:
+  """RequestError naming the problem, for a request that cannot be decoded."""
+  if len(prompts) == 0:
+    raise RequestError('no prompts given')
+  mn = np.asarray(max_new_tokens)
+  if mn.ndim > 1 or (mn.ndim == 1 and mn.shape[0] != len(prompts)):
+    raise RequestError('max_new_tokens must be one int or one per prompt')
+  if np.any(mn <= 0):
+    raise RequestError(f'max_new_tokens must be > 0, got {max_new_tokens}')
+  for i, p in enumerate(prompts):
+    if len(p) == 0:
+      raise RequestError(f'prompt {i} is empty')
+    if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
+      raise RequestError(f'prompt {i} has token ids outside [0, {vocab_size})')
+    if max_len is not None:
+      n_new = int(mn if mn.ndim == 0 else mn[i])
+      if len(p) >= max_len:
+        raise RequestError(f'prompt {i} has {len(p)} tokens: longer than the cache '
+                           f'({max_len} positions, --max_len)')
+      if len(p) + n_new > max_len:
+        raise RequestError(f'prompt {i} ({len(p)} tokens) + max_new_tokens ({n_new}) exceeds '
+                           f'the cache ({max_len} positions, --max_len)')
+  if not temperature >= 0:
+    raise RequestError(f'temperature must be >= 0, got {temperature}')
+  if top_k < 0:
+    raise RequestError(f'top_k must be >= 0, got {top_k}')
+  if not 0 < top_p <= 1:
+    raise RequestError(f'top_p must be in (0, 1], got {top_p}')
+
+
+# -- checkpoints and the command line -------------------------------------------------------
+def load_workdir(workdir: str):
+  """(config, step) of the latest checkpoint in a training workdir; RequestError if none."""
+  import ml_collections
+  from mtp_jax import checkpoint as ckpt_lib
+  directory = os.path.join(workdir, 'checkpoints')
+  if not os.path.isdir(workdir):
+    raise RequestError(f'--workdir {workdir!r} does not exist')
+  if not os.path.isdir(directory):
+    raise RequestError(f'--workdir {workdir!r} has no checkpoints/ directory (train it first)')
+  ckpt = ckpt_lib.Checkpointer(directory, async_save=False)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise RequestError(f'--workdir {workdir!r} holds no checkpoint (train it first)')
+    saved = ckpt.read_meta(step).get('config')
+  finally:
+    ckpt.close()
+  if not saved:
+    path = os.path.join(workdir, 'config.json')
+    if not os.path.isfile(path):
+      raise RequestError(f'checkpoint {step} in {workdir!r} has no saved config')
+    with open(path) as f:
+      saved = json.load(f)
+  return ml_collections.ConfigDict(saved), step
+
+
+def restore_model(config, workdir: str, step: int) -> MTPModel:
+  """The model of checkpoint `step` (its optimizer state is read and dropped), on one device."""
+  from mtp_jax import checkpoint as ckpt_lib
+  from mtp_jax import train
+  abstract = nnx.eval_shape(lambda: train.create_model_and_optimizer(config))
+  graphdef, abstract_state = nnx.split(abstract)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                        abstract_state)
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
+  try:
+    state, _ = ckpt.restore(step, target)
+  finally:
+    ckpt.close()
+  model, _ = nnx.merge(graphdef, state)
+  return model
+
+
+def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
+  """--prompt, or --prompts_file: one prompt per line, or per JSON line in a .jsonl file."""
+  if (prompt is None) == (prompts_file is None):
+    raise RequestError('give exactly one of --prompt and --prompts_file')
+  if prompt is not None:
+    if not prompt:
+      raise RequestError('--prompt is empty')
+    return [prompt]
+  try:
+    with open(prompts_file, encoding='utf-8') as f:
+      lines = f.read().splitlines()
+  except (OSError, UnicodeDecodeError) as e:
+    raise RequestError(f'--prompts_file {prompts_file!r} cannot be read: {e}') from e
+  prompts = []
+  for i, line in enumerate(lines, 1):
+    if prompts_file.endswith('.jsonl'):
+      if not line.strip():
+        continue
+      try:
+        item = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise RequestError(f'--prompts_file line {i} is not JSON: {e}') from e
+      line = item.get('prompt') if isinstance(item, dict) else item
+      if not isinstance(line, str):
+        raise RequestError(f'--prompts_file line {i}: expected a string or {{"prompt": ...}}')
+    if not line:
+      raise RequestError(f'--prompts_file line {i}: empty prompt')
+    prompts.append(line)
+  if not prompts:
+    raise RequestError(f'--prompts_file {prompts_file!r} holds no prompts')
+  return prompts
+
+
+def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_tokens: int = 128,
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   batch_size: int = 1, seed: int = 0, max_len: int = 0,
+                   num_drafts: int = 0) -> dict:
+  """What scripts/decode.py does: checks everything, restores, decodes, reports.
+
+  mode: spec | ar | compare (both, on the same prompts). max_len: cache positions per
+  row (0: the training sequence length). num_drafts: 0 = every MTP depth.
+  """
+  from mtp_jax.data import tokenizers
+  if mode not in ('spec', 'ar', 'compare'):
+    raise RequestError(f'--mode must be spec, ar or compare, got {mode!r}')
+  if batch_size <= 0:
+    raise RequestError(f'--batch_size must be > 0, got {batch_size}')
+  if max_len < 0 or num_drafts < 0:
+    raise RequestError('--max_len and --num_drafts must be >= 0')
+  check_request([[0]], max_new_tokens, temperature, top_k, top_p)
+  config, step = load_workdir(workdir)
+  depth = int(config.model.mtp.depth)
+  if mode != 'ar' and depth == 0:
+    raise RequestError(f'--mode {mode} needs MTP modules, but the checkpoint in {workdir!r} has '
+                       'model.mtp.depth = 0 (use --mode ar)')
+  if num_drafts > depth:
+    raise RequestError(f'--num_drafts {num_drafts} exceeds the checkpoint\'s model.mtp.depth '
+                       f'({depth})')
+  tokenizer = tokenizers.get_tokenizer(config.data)
+  ids = [list(tokenizer.encode(p)) for p in prompts]
+  max_len = max_len or int(config.data.seq_len)
+  from mtp_jax.model import resolve_vocab_size
+  check_request(ids, max_new_tokens, temperature, top_k, top_p,
+                vocab_size=resolve_vocab_size(config), max_len=max_len)
+
+  decoder = Decoder(restore_model(config, workdir, step))
+  modes = ['ar', 'spec'] if mode == 'compare' else [mode]
+  drafts = {'ar': 0, 'spec': num_drafts or depth}
+  kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id,
+            seed=seed, pad_to=(max(map(len, ids)), max_new_tokens))
+  chunks = [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
+  results = {}
+  pad = lambda chunk: chunk + [chunk[0]] * (batch_size - len(chunk))  # noqa: E731 static batch
+  for m in modes:  # compile and run once first: timings exclude compilation and first-run costs
+    decoder.generate(pad(chunks[0]), min(2, max_new_tokens), num_drafts=drafts[m], **kw)
+  for m in modes:
+    parts = []
+    for chunk in chunks:
+      r = decoder.generate(pad(chunk), max_new_tokens, num_drafts=drafts[m], **kw)
+      parts.append((r, len(chunk)))
+    results[m] = _merge_results(parts)
+  out = {'workdir': os.path.abspath(workdir), 'step': step, 'mode': mode,
+         'num_drafts': drafts['spec'] if mode != 'ar' else 0, 'temperature': temperature,
+         'batch_size': batch_size}
+  for m, r in results.items():
+    texts = [tokenizer.decode(t) for t in r.tokens]
+    prefix = '' if mode != 'compare' else f'{m}_'
+    st = r.stats()
+    out.update({f'{prefix}outputs': texts, f'{prefix}tokens_per_sec': st['tokens_per_sec'],
+                f'{prefix}seconds': st['seconds']})
+    if m == 'spec' or mode == 'ar':
+      out.update({k: st[k] for k in ('new_tokens', 'verify_steps', 'mean_accepted_length',
+                                     'acceptance_per_depth', 'conditional_acceptance')})
+  if mode == 'compare':
+    same = all(np.array_equal(a, b) for a, b in zip(results['ar'].tokens, results['spec'].tokens))
+    out['identical'] = same if temperature == 0 else None  # sampled outputs differ by design
+    out['speedup'] = results['ar'].seconds / max(results['spec'].seconds, 1e-12)
+  return out
+
+
+def _merge_results(parts) -> DecodeResult:
+  """One DecodeResult from batches, keeping only the real (not padding) rows."""
+  r0 = parts[0][0]
+  return DecodeResult(
+      tokens=[t for r, n in parts for t in r.tokens[:n]], num_drafts=r0.num_drafts,
+      steps=sum(r.steps for r, _ in parts),
+      verify_steps=np.concatenate([r.verify_steps[:n] for r, n in parts]),
+      committed=np.concatenate([r.committed[:n] for r, n in parts]),
+      accepted=np.concatenate([r.accepted[:n] for r, n in parts]),
+      dropped=np.concatenate([r.dropped[:n] for r, n in parts]),
+      seconds=sum(r.seconds for r, _ in parts))

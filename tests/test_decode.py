@@ -1,0 +1,537 @@
+"""Self-speculative decoding (DESIGN.md §5): every property of the decoder is a test here.
+
+Models are tiny and share compiled programs (the compile cache is keyed by model
+structure, so the random-init and the trained model run the same executables).
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats as sps
+
+from conftest import REPO, tiny_model_config
+from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import decode
+from mtp_jax import train
+from mtp_jax.model import MTPModel, ModelArgs, shift_left
+
+WORDS = ['abc', 'defg', 'hij', 'klmno', 'pqr', 'stuv', 'wxyz', '0123']  # disjoint letters
+MAX_NEW = 24  # every greedy test uses this bucket, so programs are shared
+
+
+def byte_config(depth=3, kind='sequential'):
+  """A tiny model over the byte tokenizer's vocabulary (258 -> 320), so the CLI can run it."""
+  return tiny_model_config(depth, kind, vocab=0)
+
+
+def build(config, seed=0):
+  return MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(seed))
+
+
+def byte_ids(text):
+  return [b + 2 for b in text.encode()]
+
+
+def word_text(rng, n_chars):
+  """Random words separated by spaces: deterministic inside a word, random at its start."""
+  out = ''
+  while len(out) < n_chars:
+    out += WORDS[rng.integers(len(WORDS))] + ' '
+  return out
+
+
+def word_prompts(n, seed):
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    text = word_text(rng, 40)
+    start = int(rng.integers(0, 8))
+    out.append(byte_ids(text[start:start + 1 + i % 16]))
+  return out
+
+
+def random_prompts(n, seed):
+  rng = np.random.default_rng(seed)
+  return [list(rng.integers(2, 258, size=1 + (i * 7) % 16)) for i in range(n)]
+
+
+def check_stats(r: decode.DecodeResult, max_new):
+  """tau = committed / verify steps, in [1, D+1]; the counters agree with the tokens."""
+  s = r.stats()
+  d = r.num_drafts
+  assert 1.0 <= s['mean_accepted_length'] <= d + 1
+  assert s['committed'] / s['verify_steps'] == pytest.approx(s['mean_accepted_length'])
+  np.testing.assert_array_equal(r.accepted.sum(1), r.verify_steps)
+  for i, t in enumerate(r.tokens):
+    assert 1 <= len(t) <= np.broadcast_to(max_new, len(r.tokens))[i]
+    assert r.committed[i] == len(t) - 1  # the first token comes from the prefill
+    if r.verify_steps[i]:
+      assert 1 <= r.committed[i] / r.verify_steps[i] <= d + 1
+  at_least = [r.accepted[:, k:].sum() / max(r.verify_steps.sum(), 1) for k in range(1, d + 1)]
+  np.testing.assert_allclose(s['acceptance_per_depth'], at_least)
+  assert all(a >= b for a, b in zip(at_least, at_least[1:]))
+
+
+# -- models ----------------------------------------------------------------------------------
+@pytest.fixture(scope='session')
+def random_model():
+  return build(byte_config(3))
+
+
+@pytest.fixture(scope='session')
+def trained(devices, tmp_path_factory):
+  """A D = 3 model trained briefly on the word language (high acceptance), and its workdir.
+
+  The workdir holds a checkpoint written exactly as train_and_evaluate writes one
+  (model + optimizer state, meta with the config) and config.json.
+  """
+  config = byte_config(3)
+  config.data.seq_len, config.data.batch_size = 64, 16
+  config.train.steps, config.train.warmup_steps, config.train.lr = 100, 10, 1e-2
+  config.model.mtp.weights = (1.0, 1.0, 1.0)
+  config.mesh.shape = (1, 1, 1)
+  ts, state = train.setup(config, devices[:1])
+  rng = np.random.default_rng(0)
+  pos = np.broadcast_to(np.arange(64, dtype=np.int32), (16, 64))
+  for _ in range(config.train.steps):
+    tokens = np.array([byte_ids(word_text(rng, 80)[(s := rng.integers(8)):s + 64])
+                       for _ in range(16)], np.int32)
+    batch = {'tokens': tokens, 'segment_ids': np.ones_like(tokens), 'positions': pos}
+    state, metrics = train.run_step(ts, state, batch)
+  # Entropy floor: log(8) at each word start (1 position in 4.6), 0 elsewhere: 0.45 per depth.
+  per_depth = metrics['loss_sum'] / metrics['count']
+  assert np.all(per_depth < 0.6), per_depth
+  workdir = str(tmp_path_factory.mktemp('decode_workdir'))
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
+  meta = {'step': config.train.steps, 'config': json.loads(config.to_json_best_effort())}
+  ckpt.save(config.train.steps, state, meta=meta, force=True)
+  ckpt.close()
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json_best_effort(indent=2))
+  model, _ = nnx.merge(ts.graphdef, state)
+  return model, workdir
+
+
+@pytest.fixture(scope='session')
+def models(random_model, trained):
+  return {'random': random_model, 'trained': trained[0]}
+
+
+def _model_forward(model, tokens_NxT, query_N):
+  """Uncached teacher-forced forward: argmax of every depth at position query_N."""
+  hs = model(tokens_NxT)
+  rows = jnp.arange(tokens_NxT.shape[0])
+  return jnp.stack([jnp.argmax(model.logits(h[rows, query_N][:, None], k)[:, 0], -1)
+                    for k, h in enumerate(hs)], 1)
+
+
+_uncached = nnx.jit(_model_forward)
+
+
+def uncached_argmax(model, seqs, queries, width=64):
+  """_model_forward over token lists, padded to [multiple of 128, width] (few compiles)."""
+  n = len(seqs)
+  rows = -(-n // 128) * 128
+  assert max(map(len, seqs)) <= width
+  tokens = np.zeros((rows, width), np.int32)
+  for i, s in enumerate(seqs):
+    tokens[i, :len(s)] = s
+  q = np.zeros((rows,), np.int32)
+  q[:n] = queries
+  return np.asarray(_uncached(model, jnp.asarray(tokens), jnp.asarray(q)))[:n]
+
+
+def uncached_greedy(model, prompts, max_new):
+  """Greedy decoding by full forward passes, no cache at all."""
+  seqs = [list(p) for p in prompts]
+  for _ in range(max_new):
+    nxt = uncached_argmax(model, seqs, [len(s) - 1 for s in seqs])[:, 0]
+    for s, t in zip(seqs, nxt):
+      s.append(int(t))
+  return [np.array(s[len(p):]) for p, s in zip(prompts, seqs)]
+
+
+# -- the decoder's forward -----------------------------------------------------------------------
+@nnx.jit
+def _chunked_forward(model, tokens_BxT):
+  """The decoder's cached forward over chunks of 4 then 8 tokens, every depth."""
+  b, t = tokens_BxT.shape
+  prog = decode.Program(b, 16, 16, model.args.mtp_depth, True)
+  main = tuple(decode._empty_cache(model, b, prog.cache_len) for _ in model.layers)
+  mtp = [decode._empty_cache(model, b, prog.cache_len) for _ in model.mtp]
+  outs = [[] for _ in range(model.args.mtp_depth + 1)]
+  for start, width in [(0, 4), (4, 8)]:  # 4 rows (split matmuls) then 8b rows (one GEMM)
+    s = jnp.full((b,), start, jnp.int32)
+    h, main = decode._main_pass(prog, model, tokens_BxT[:, start:start + width], s, main)
+    outs[0].append(h)
+    pos, mask = decode._window(prog, s, width)
+    for k in range(1, model.args.mtp_depth + 1):
+      shifted = shift_left(tokens_BxT, k)[:, start:start + width]
+      h, mtp[k - 1] = decode._mtp_step(model, k, h, shifted, pos, mask, mtp[k - 1],
+                                       s + prog.offset)
+      outs[k].append(h)
+  return [jnp.concatenate(o, 1) for o in outs]
+
+
+@pytest.mark.parametrize('batch', [1, 2])
+def test_decode_forward_matches_the_model(models, batch):
+  """The decoder's block code (cache layouts, split matmuls) == the model's own forward."""
+  model = models['trained']
+  rng = np.random.default_rng(21)
+  tokens = jnp.asarray([byte_ids(word_text(rng, 12)[:12]) for _ in range(batch)], jnp.int32)
+  want = model(tokens)
+  got = _chunked_forward(model, tokens)
+  for k, (w, g) in enumerate(zip(want, got)):
+    n = 12 - k  # depth k reads t_{i+k}: the last k positions see padding
+    np.testing.assert_allclose(np.asarray(g)[:, :n], np.asarray(w)[:, :n], atol=2e-5, rtol=1e-4,
+                               err_msg=f'depth {k}')
+
+
+# -- lossless greedy -------------------------------------------------------------------------
+@pytest.mark.parametrize('name', ['random', 'trained'])
+@pytest.mark.parametrize('num_drafts', [1, 2, 3])
+def test_lossless_greedy(models, name, num_drafts):
+  """Speculative greedy == autoregressive greedy, token for token, on 16 prompts."""
+  dec = decode.Decoder(models[name])
+  make = word_prompts if name == 'trained' else random_prompts
+  for batch in range(2):
+    prompts = make(8, seed=batch)
+    ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
+    sp = dec.generate(prompts, MAX_NEW, num_drafts=num_drafts, eos_id=None)
+    for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
+      np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
+      assert len(a) == MAX_NEW
+    check_stats(sp, MAX_NEW)
+  tau = sp.stats()['mean_accepted_length']
+  if name == 'trained':  # the premise of the "high acceptance" half
+    assert tau > 1 + 0.5 * num_drafts, sp.stats()
+  else:
+    assert tau < 1.5, sp.stats()
+
+
+def test_eos_and_max_new_inside_accepted_blocks(models):
+  """Rows stop at EOS or their own max_new_tokens in the middle of an accepted block."""
+  dec = decode.Decoder(models['trained'])
+  prompts = word_prompts(8, seed=5)
+  max_new = [5, 7, 9, 11, 13, 17, 19, 23]
+  eos = byte_ids('j')[0]  # the last letter of 'hij': reached by accepted drafts
+  ar = dec.generate(prompts, max_new, num_drafts=0, eos_id=eos)
+  sp = dec.generate(prompts, max_new, eos_id=eos, pad_to=(1, MAX_NEW))
+  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
+    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
+  check_stats(sp, max_new)
+  ended_eos = np.array([len(t) > 0 and t[-1] == eos for t in sp.tokens])
+  ended_len = np.array([len(t) == m for t, m in zip(sp.tokens, max_new)]) & ~ended_eos
+  # dropped > 0: the stop came before the end of the block the verifier accepted.
+  assert np.any(ended_eos & (sp.dropped > 0)), (ended_eos, sp.dropped)
+  assert np.any(ended_len & (sp.dropped > 0)), (ended_len, sp.dropped)
+  assert ar.dropped.sum() == 0  # one token per step: nothing to drop
+
+
+def test_prompt_lengths_share_one_program(models):
+  """Prompt lengths inside one bucket (and max_new_tokens inside one) reuse the program."""
+  dec = decode.Decoder(models['random'])
+  dec.generate(random_prompts(8, seed=0), MAX_NEW, eos_id=None)
+  before = len(decode._COMPILED)
+  for n in (1, 5, 16):
+    dec.generate([[7] * n] * 8, MAX_NEW - 3, eos_id=None)
+  assert len(decode._COMPILED) == before
+  assert decode.bucket(16) == 16 and decode.bucket(17) == 32
+
+
+# -- drafts, batches, other model kinds --------------------------------------------------------
+def check_drafts(model, prompts, result):
+  """Every recorded draft == argmax of an uncached forward of the MTP chain.
+
+  The reference runs the teacher-forced model over [committed prefix ; d_1..d_{D-1}]:
+  depth k at position n-2 reads t_{n-2+k}, i.e. x for k = 1 and the drafts after it.
+  """
+  d = result.num_drafts
+  seqs, queries, want = [], [], []
+  for it in range(result.steps):
+    for row, n in enumerate(result.history_length[it]):
+      if n < 0:
+        continue
+      full = list(prompts[row]) + list(result.tokens[row])
+      seqs.append(full[:n] + list(result.history_drafts[it, row, :d - 1]))
+      queries.append(n - 2)  # n >= 2: a prompt token and x
+      want.append(result.history_drafts[it, row])
+  got = uncached_argmax(model, seqs, queries)[:, 1:d + 1]
+  np.testing.assert_array_equal(got, np.array(want))
+  return len(seqs)
+
+
+@pytest.mark.parametrize('name', ['random', 'trained'])
+def test_draft_consistency(models, name):
+  """In-loop drafts equal the uncached chain's, across rejections (no stale MTP caches)."""
+  dec = decode.Decoder(models[name])
+  prompts = (word_prompts if name == 'trained' else random_prompts)(8, seed=3)
+  r = dec.generate(prompts, MAX_NEW, eos_id=None, record=True)
+  hist = r.accepted.sum(0)
+  assert hist[0] > 0, hist  # rejections happened
+  if name == 'trained':
+    assert hist[1:].sum() > 0 and hist[-1] > 0, hist  # partial and full acceptances too
+  assert check_drafts(dec_model(dec), prompts, r) > 50
+
+
+def dec_model(dec):
+  return nnx.merge(dec.graphdef, dec.params)
+
+
+def test_batch_independence(models):
+  """Each row of a batched call equals decoding that row alone (tokens and counts)."""
+  dec = decode.Decoder(models['trained'])
+  prompts = word_prompts(8, seed=7)
+  batched = dec.generate(prompts, MAX_NEW, eos_id=byte_ids('z')[0])
+  for i, p in enumerate(prompts):
+    alone = dec.generate([p], MAX_NEW, eos_id=byte_ids('z')[0])
+    np.testing.assert_array_equal(alone.tokens[0], batched.tokens[i])
+    assert alone.verify_steps[0] == batched.verify_steps[i]
+    np.testing.assert_array_equal(alone.accepted[0], batched.accepted[i])
+  assert len({int(v) for v in batched.verify_steps}) > 1  # rows really differ
+
+
+def test_parallel_heads_decode():
+  """Parallel heads draft from h^0 without the chain: lossless and consistent too.
+
+  Lossless is checked against uncached greedy decoding (== AR, see the next test).
+  """
+  model = build(byte_config(2, 'parallel'))
+  prompts = random_prompts(8, seed=11)
+  sp = decode.Decoder(model).generate(prompts, MAX_NEW, eos_id=None, record=True)
+  for a, s in zip(uncached_greedy(model, prompts, MAX_NEW), sp.tokens):
+    np.testing.assert_array_equal(s, a)
+  check_stats(sp, MAX_NEW)
+  check_drafts(model, prompts, sp)
+
+
+def test_autoregressive_matches_uncached_greedy_and_depth_zero():
+  """The cache code itself: AR decoding of a D = 0 model == argmax of full forwards."""
+  model = build(byte_config(0))
+  dec = decode.Decoder(model)
+  prompts = random_prompts(8, seed=13)
+  r = dec.generate(prompts, MAX_NEW, eos_id=None)
+  assert r.num_drafts == 0 and r.stats()['mean_accepted_length'] == 1.0
+  for want, got in zip(uncached_greedy(model, prompts, MAX_NEW), r.tokens):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(decode.RequestError, match='num_drafts'):
+    dec.program(1, 4, 4, num_drafts=1)
+
+
+# -- lossless sampling -----------------------------------------------------------------------
+VOCAB = 8
+SAMPLE_PROMPT = [3, 5, 2, 7]
+N_SAMPLES = 8192
+
+
+@pytest.fixture(scope='session')
+def small_vocab_models():
+  """D = 3 models over 8 tokens with random weights of a given scale (q far from p)."""
+  cache = {}
+
+  def get(scale):
+    if scale not in cache:
+      model = build(tiny_model_config(3, vocab=VOCAB))
+      state = nnx.state(model, nnx.Param)
+      rng = np.random.default_rng(1)
+      params = jax.tree.map(lambda x: (rng.normal(size=x.shape) * (scale if x.ndim > 1 else 0.5)
+                                       + (1.0 if x.ndim == 1 else 0.0)).astype(np.float32),
+                            nnx.to_pure_dict(state))
+      nnx.replace_by_pure_dict(state, params)
+      nnx.update(model, state)
+      cache[scale] = model
+    return cache[scale]
+  return get
+
+
+@nnx.jit
+def _continuation_logprobs(model, tokens, sampling):
+  """Main model's adjusted log-probs of t_1..t_4, and heads 1..3's at the prompt's end."""
+  p, m = len(SAMPLE_PROMPT), 4
+  hs = model(tokens)
+  main = decode.adjusted_logprobs(model.logits(hs[0][:, p - 1:p - 1 + m], 0), sampling)
+  heads = [decode.adjusted_logprobs(model.logits(hs[k][:, p - 1:p], k)[:, 0], sampling)
+           for k in range(1, m)]
+  return main, jnp.stack(heads, 1)
+
+
+def exact_joint(model, sampling, m=4):
+  """P(t_1..t_m) under plain sampling, and under the drafts' chain without verification."""
+  conts = np.stack(np.meshgrid(*[np.arange(VOCAB)] * m, indexing='ij'), -1).reshape(-1, m)
+  tokens = np.concatenate([np.tile(SAMPLE_PROMPT, (len(conts), 1)), conts], 1).astype(np.int32)
+  main, heads = (np.asarray(x, np.float64)
+                 for x in _continuation_logprobs(model, jnp.asarray(tokens), sampling))
+  rows = np.arange(len(conts))
+  lp = sum(main[rows, j, conts[:, j]] for j in range(m))
+  lq = main[rows, 0, conts[:, 0]] + sum(heads[rows, j - 1, conts[:, j]] for j in range(1, m))
+  norm = lambda l: np.exp(l) / np.exp(l).sum()  # noqa: E731
+  return norm(lp), norm(lq)
+
+
+def chi2_pvalue(samples_NxM, probs):
+  """Pearson chi-square goodness of fit; cells expecting < 5 counts are pooled."""
+  idx = np.ravel_multi_index(samples_NxM.T, (VOCAB,) * samples_NxM.shape[1])
+  counts = np.bincount(idx, minlength=len(probs))
+  expected = probs * len(idx)
+  big = expected >= 5
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  return sps.chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize('setting', [
+    dict(scale=0.15, temperature=1.0),
+    dict(scale=0.15, temperature=0.8, top_k=5, top_p=0.9),
+    dict(scale=0.1, temperature=1.0, draft_argmax=True),
+], ids=['sampled-drafts', 'sampled-drafts-topk-topp', 'argmax-drafts'])
+def test_lossless_sampling(small_vocab_models, setting):
+  """Chi-square: the first 4 sampled tokens (one full D = 3 block) follow plain sampling.
+
+  Compared with the exact joint law (enumerated over all 8^4 continuations), for
+  speculative decoding and, as a check of the harness, for plain AR sampling.
+  """
+  setting = dict(setting)
+  model = small_vocab_models(setting.pop('scale'))
+  draft_argmax = setting.pop('draft_argmax', False)
+  dec = decode.Decoder(model)
+  sampling = decode.Sampling(jnp.float32(setting['temperature']),
+                             jnp.int32(setting.get('top_k', 0)),
+                             jnp.float32(setting.get('top_p', 1.0)))
+  exact, unverified = exact_joint(model, sampling)
+  prompts = [SAMPLE_PROMPT] * N_SAMPLES
+  spec = dec.generate(prompts, 4, eos_id=None, seed=1, draft_argmax=draft_argmax, **setting)
+  ar = dec.generate(prompts, 4, num_drafts=0, eos_id=None, seed=2, **setting)
+  spec_x, ar_x = np.stack(spec.tokens), np.stack(ar.tokens)
+  assert spec_x.shape == ar_x.shape == (N_SAMPLES, 4)
+  acc = spec.stats()['acceptance_per_depth']
+  assert 0.05 < acc[0] < 0.95 and acc[1] > 0.002, acc  # accept and reject paths both taken
+  assert chi2_pvalue(ar_x, exact) > 1e-3  # the harness: plain sampling fits its own law
+  assert chi2_pvalue(spec_x, exact) > 1e-3
+  # Power: the same test rejects the drafts' own (unverified) law by a wide margin.
+  assert chi2_pvalue(spec_x, unverified) < 1e-9
+
+
+def test_adjusted_logprobs_top_k_top_p():
+  logits = jnp.log(jnp.array([0.4, 0.3, 0.2, 0.1]))
+  s = lambda t, k, p: decode.Sampling(jnp.float32(t), jnp.int32(k), jnp.float32(p))  # noqa: E731
+  probs = lambda *a: np.asarray(jnp.exp(decode.adjusted_logprobs(logits, s(*a))))  # noqa: E731
+  np.testing.assert_allclose(probs(1, 0, 1.0), [0.4, 0.3, 0.2, 0.1], rtol=1e-6)
+  np.testing.assert_allclose(probs(1, 2, 1.0), [4 / 7, 3 / 7, 0, 0], rtol=1e-6)
+  np.testing.assert_allclose(probs(1, 0, 0.65), [4 / 7, 3 / 7, 0, 0], rtol=1e-6)
+  np.testing.assert_allclose(probs(1, 0, 0.75), [4 / 9, 3 / 9, 2 / 9, 0], rtol=1e-6)
+  np.testing.assert_allclose(probs(1, 0, 0.1), [1, 0, 0, 0], rtol=1e-6)
+  hot = probs(0.5, 0, 1.0)
+  np.testing.assert_allclose(hot, np.array([16, 9, 4, 1]) / 30, rtol=1e-5)
+
+
+# -- the command line ----------------------------------------------------------------------------
+SCRIPT = os.path.join(REPO, 'scripts', 'decode.py')
+
+
+def _script():
+  spec = importlib.util.spec_from_file_location('decode_script', SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope='session')
+def depth0_workdir(tmp_path_factory):
+  """A workdir with a genuine checkpoint of a D = 0 model."""
+  config = byte_config(0)
+  model, optimizer = train.create_model_and_optimizer(config)
+  workdir = str(tmp_path_factory.mktemp('depth0'))
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
+  ckpt.save(1, nnx.state((model, optimizer)),
+            meta={'step': 1, 'config': json.loads(config.to_json_best_effort())}, force=True)
+  ckpt.close()
+  return workdir
+
+
+def test_cli_bad_input_exits_2(trained, depth0_workdir, tmp_path, capsys):
+  """Each bad input: one line naming the problem, exit code 2, nothing compiled."""
+  workdir = trained[1]
+  empty = tmp_path / 'empty_run'
+  (empty / 'checkpoints').mkdir(parents=True)
+  blank = tmp_path / 'prompts.txt'
+  blank.write_text('abc\n\ndef\n')
+  base = ['--workdir', workdir, '--mode', 'spec']
+  cases = [
+      (base + ['--prompt', ''], 'empty'),
+      (base + ['--prompts_file', str(blank)], 'line 2: empty prompt'),
+      (base + ['--prompt', 'x' * 100], 'longer than the cache'),
+      (base + ['--prompt', 'abc', '--max_new_tokens', '0'], 'max_new_tokens must be > 0'),
+      (base + ['--prompt', 'abc', '--max_new_tokens', '-3'], 'max_new_tokens must be > 0'),
+      (base + ['--prompt', 'abc', '--temperature', '-0.5'], 'temperature must be >= 0'),
+      (base + ['--prompt', 'abc', '--top_p', '0'], 'top_p must be in'),
+      (base + ['--prompt', 'abc', '--top_p', '1.5'], 'top_p must be in'),
+      (['--workdir', depth0_workdir, '--mode', 'spec', '--prompt', 'abc'], 'depth = 0'),
+      (['--workdir', str(empty), '--mode', 'ar', '--prompt', 'abc'], 'no checkpoint'),
+      (['--workdir', str(tmp_path / 'nope'), '--mode', 'ar', '--prompt', 'abc'],
+       'does not exist'),
+      (base + ['--prompt', 'abc', '--prompts_file', str(blank)], 'exactly one of'),
+      (['--workdir', workdir, '--prompt', 'abc'], '--mode'),
+  ]
+  script = _script()
+  compiled = len(decode._COMPILED)
+  for argv, message in cases:
+    try:
+      code = script.main(argv)
+    except SystemExit as e:  # argparse's own errors
+      code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, (argv, err)
+    assert len(err) == 1 and err[0].startswith('error: ') and message in err[0], (argv, err)
+  assert len(decode._COMPILED) == compiled
+
+
+def test_cli_compare_json(trained, capsys):
+  """scripts/decode.py --mode compare --json on the trained checkpoint (in-process)."""
+  code = _script().main(['--workdir', trained[1], '--prompt', 'abc hij pq', '--max_new_tokens',
+                         str(MAX_NEW), '--mode', 'compare', '--json'])
+  assert code == 0
+  out = json.loads(capsys.readouterr().out)
+  for key in ('identical', 'ar_tokens_per_sec', 'spec_tokens_per_sec', 'speedup',
+              'mean_accepted_length', 'acceptance_per_depth', 'verify_steps', 'new_tokens'):
+    assert key in out, key
+  assert out['identical'] is True
+  assert out['new_tokens'] == MAX_NEW and len(out['acceptance_per_depth']) == 3
+  assert out['mean_accepted_length'] > 1.5
+  assert out['spec_outputs'] == out['ar_outputs']
+  assert out['spec_outputs'][0].startswith('r ')  # 'pq' -> 'pqr ' in the word language
+
+
+def test_cli_exit_code_in_a_fresh_process(depth0_workdir):
+  """The real entry point: exit status 2 and exactly one stderr line (no logging noise)."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  proc = subprocess.run(
+      [sys.executable, SCRIPT, '--workdir', depth0_workdir, '--prompt', 'abc', '--mode', 'spec'],
+      capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stdout == ''
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: ') and 'depth = 0' in lines[0], lines
+
+
+def test_read_prompts(tmp_path):
+  plain = tmp_path / 'p.txt'
+  plain.write_text('def f(\nclass A:\n')
+  assert decode.read_prompts(None, str(plain)) == ['def f(', 'class A:']
+  lines = tmp_path / 'p.jsonl'
+  lines.write_text('"def f(x):\\n    return"\n\n{"prompt": "import os\\n"}\n')
+  assert decode.read_prompts(None, str(lines)) == ['def f(x):\n    return', 'import os\n']
+  assert decode.read_prompts('x = 1', None) == ['x = 1']
+  for text, message in [('[1, 2]\n', 'expected a string'), ('{"a": 1}\n', 'expected a string'),
+                        ('nope\n', 'not JSON'), ('\n', 'holds no prompts')]:
+    lines.write_text(text)
+    with pytest.raises(decode.RequestError, match=message):
+      decode.read_prompts(None, str(lines))
+  with pytest.raises(decode.RequestError, match='cannot be read'):
+    decode.read_prompts(None, str(tmp_path / 'missing.txt'))
