@@ -104,3 +104,20 @@ def test_sources_need_record():
                           accepted=np.array([[1, 0]]), dropped=np.array([0]))
   with pytest.raises(ValueError, match='record=True'):
     decode.token_sources(r)
+
+
+def test_pieces_html_and_chart(tmp_path):
+  """The notebook's views: one piece per token (a split character on its last byte)."""
+  from mtp_jax import plotting
+  from mtp_jax.data import tokenizers
+  tok = tokenizers.ByteTokenizer()
+  ids = tok.encode('é<b>\n')
+  pieces = plotting.token_pieces(tok, tok.encode('x = '), ids)
+  assert pieces == ['', 'é', '<', 'b', '>', '\n']
+  page = plotting.sources_html('x = ', pieces, [0, 1, 2, 0, 1, 0], num_drafts=2)
+  assert '&lt;' in page and '<b>' not in page and 'draft depth 2' in page
+  assert page.count(plotting.source_color(1)) == 3  # legend + two depth-1 tokens
+  stats = {'num_drafts': 2, 'verify_steps': 4, 'new_tokens': 9, 'mean_accepted_length': 2.0,
+           'acceptance_per_depth': [0.75, 0.25], 'conditional_acceptance': [0.75, 1 / 3]}
+  path = plotting.plot_decode_acceptance(stats, [1, 2, 1], str(tmp_path / 'a.png'))
+  assert open(path, 'rb').read(8) == b'\x89PNG\r\n\x1a\n'
