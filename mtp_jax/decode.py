@@ -791,3 +791,36 @@ def _merge_results(parts) -> DecodeResult:
       accepted=np.concatenate([r.accepted[:n] for r, n in parts]),
       dropped=np.concatenate([r.dropped[:n] for r, n in parts]),
       seconds=sum(r.seconds for r, _ in parts))
+
+
+# -- provenance of generated tokens ----------------------------------------------------------
+def token_sources(result: DecodeResult) -> list[np.ndarray]:
+  """Per row, per generated token: 0 = the main model's own token, k = accepted draft of depth k.
+
+  The prefill's token and each verify step's bonus are 0; a verify step that accepted a
+  drafts commits [1, 2, .., a, 0], cut short where the row stopped (EOS, max_new_tokens).
+  Needs a result of generate(..., record=True).
+
+  The accepted count of each step is read back from what was recorded: the step's
+  committed block (history_length to the next step, or the row's end) begins with
+  exactly the accepted drafts, because the bonus never equals the draft it replaces
+  (greedy: a stops at the first d_{j+1} != g_j; sampling: the rejected draft has
+  probability 0 under normalize(max(0, p - q))).
+  """
+  if result.history_length is None:
+    raise ValueError('token_sources needs a DecodeResult of generate(..., record=True)')
+  out = []
+  for row, toks in enumerate(result.tokens):
+    src = np.zeros(len(toks), np.int32)
+    lengths = result.history_length[:, row]
+    steps = np.flatnonzero(lengths >= 0)
+    if len(steps):  # active from step 0 (only the prefill can finish a row earlier)
+      start = int(lengths[steps[0]]) - 1  # position of the first generated token
+      ends = np.append(lengths[steps[1:]], start + len(toks))
+      for it, n, end in zip(steps, lengths[steps], ends):
+        block = toks[n - start:end - start]
+        drafts = result.history_drafts[it, row, :len(block)]
+        a = int(np.cumprod(block[:len(drafts)] == drafts).sum())
+        src[n - start:n - start + a] = np.arange(1, a + 1)
+    out.append(src)
+  return out

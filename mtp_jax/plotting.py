@@ -1,6 +1,10 @@
-"""Figures from a run's metrics.jsonl: per-depth loss, accuracy / agreement, acceptance."""
+"""Figures from a run's metrics.jsonl: per-depth loss, accuracy / agreement, acceptance.
+
+Also the views of one speculative decode: text coloured by token source, acceptance.
+"""
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -100,3 +104,82 @@ def plot_run(workdir: str, out_dir: str | None = None) -> list[str]:
            plot_accuracy(rows, os.path.join(out_dir, 'accuracy_agreement.png'))]
   acc = plot_acceptance(rows, os.path.join(out_dir, 'acceptance.png'))
   return paths + ([acc] if acc else [])
+
+
+# -- one speculative decode ------------------------------------------------------------------
+# Background per token source (decode.token_sources): 0 = the main model's own token.
+SOURCE_COLORS = ('#e0e0e0', '#ffe082', '#a5d6a7', '#90caf9', '#ce93d8', '#f48fb1', '#80cbc4')
+
+
+def source_color(k: int) -> str:
+  return SOURCE_COLORS[k] if k < len(SOURCE_COLORS) else SOURCE_COLORS[1 + (k - 1) % 6]
+
+
+def token_pieces(tokenizer, prompt_ids, ids) -> list[str]:
+  """The text each of `ids` adds after the prompt, one string per token.
+
+  Decodes growing prefixes (SentencePiece spaces depend on context); a character split
+  over several byte tokens goes to its last one, the others get ''.
+  """
+  ids = [int(i) for i in ids]
+  done = tokenizer.decode(list(prompt_ids))
+  pieces = []
+  for i in range(len(ids)):
+    text = tokenizer.decode(list(prompt_ids) + ids[:i + 1])
+    if text.endswith('\ufffd') and i + 1 < len(ids):  # maybe a character still incomplete
+      pieces.append('')
+      continue
+    pieces.append(text[len(done):])
+    done = text
+  return pieces
+
+
+def _span(text: str, k: int, title: str, edge: bool = False) -> str:
+  shown = html.escape(text.replace('\n', '\u21b5\n'))  # a visible mark for newlines
+  border = '; border-right:1px solid #666' if edge else ''
+  return f'<span style="background:{source_color(k)}{border}" title="{title}">{shown}</span>'
+
+
+def sources_html(prompt: str, pieces, sources, num_drafts: int, legend: bool = True) -> str:
+  """The prompt (grey), then each generated piece on its source's colour; a legend first.
+
+  A bar follows each main-model token: the end of the prefill or of a verify step.
+  """
+  names = ['main model (prefill / bonus)'] + [f'draft depth {k}' for k in range(1, num_drafts + 1)]
+  head = ' '.join(_span(name, k, name) for k, name in enumerate(names)) + '\n\n' if legend else ''
+  body = ''.join(_span(p, int(k), names[int(k)], edge=k == 0) for p, k in zip(pieces, sources))
+  style = 'white-space:pre-wrap; font-family:monospace; line-height:1.5'
+  return (f'<div style="{style}">{head}<span style="color:#888">{html.escape(prompt)}</span>'
+          f'{body}</div>')
+
+
+def plot_decode_acceptance(stats: dict, accepted_hist, path: str) -> str:
+  """P(first k drafts accepted) per depth with tau, and accepted drafts per verify step.
+
+  stats: DecodeResult.stats(); accepted_hist: [D+1] verify steps that accepted exactly
+  j drafts (DecodeResult.accepted summed over rows).
+  """
+  d = stats['num_drafts']
+  steps = max(stats['verify_steps'], 1)
+  fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+  ks_i = range(1, d + 1)
+  ks = [str(k) for k in ks_i]
+  bars = a1.bar(ks, stats['acceptance_per_depth'], color=[source_color(k) for k in ks_i],
+                edgecolor='k', label='P(first k drafts accepted)')
+  a1.bar_label(bars, fmt='%.2f', label_type='center')
+  a1.plot(ks, stats['conditional_acceptance'], 'ko--', label='P(draft k | drafts < k accepted)')
+  a1.set_ylim(0, 1.3)  # room for the legend above bars that may reach 1
+  a1.set_xlabel('draft depth k')
+  a1.set_title(f"tau = {stats['mean_accepted_length']:.2f}   "
+                f"(1 + sum_k P(first k accepted) = {1 + sum(stats['acceptance_per_depth']):.2f})")
+  a1.legend(fontsize=8, loc='upper right')
+  hist = list(accepted_hist)
+  js = [str(j) for j in range(d + 1)]
+  bars = a2.bar(js, [h / steps for h in hist], color='#90a4ae', edgecolor='k')
+  a2.bar_label(bars, labels=[str(int(h)) for h in hist])
+  a2.set_xlabel('drafts accepted in a verify step (commits that + 1 tokens)')
+  a2.set_ylabel('fraction of verify steps')
+  a2.set_title(f"{stats['verify_steps']} verify steps, {stats['new_tokens']} new tokens")
+  for a in (a1, a2):
+    a.grid(alpha=0.3, axis='y')
+  return _save(fig, path)
