@@ -178,17 +178,19 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
   from mtp_jax import train
   from mtp_jax.data import pipeline, tokenizers
   _check_options(split, eval_batches, num_prompts, prompt_len, max_new_tokens, batch_size, step)
-  config, step = decode.load_workdir(workdir, step)
+  saved, step = decode.load_workdir(workdir, step)
+  config = config_lib.base_config()
+  config.update(saved.to_dict())  # a run saved before a field existed has its default
   devices = jax.local_devices() if devices is None else devices
   t, d = config.train, config.data
   split = split or d.eval_split
   d.eval_split = split
   eval_batches = eval_batches or t.eval_batches
   if num_prompts is None:
-    num_prompts = t.get('eval_decode_prompts', 0) or 8
+    num_prompts = t.eval_decode_prompts or 8
   prompt_len = prompt_len or config_lib.decode_prompt_len(config)
   if max_new_tokens is None:
-    max_new_tokens = min(t.get('eval_decode_tokens', 32), d.seq_len - prompt_len)
+    max_new_tokens = min(t.eval_decode_tokens, d.seq_len - prompt_len)
   if num_prompts and prompt_len + max_new_tokens > d.seq_len:
     raise decode.RequestError(f'--prompt_len ({prompt_len}) + --max_new_tokens ({max_new_tokens}) '
                               f'exceeds the training sequence length data.seq_len ({d.seq_len})')

@@ -109,15 +109,18 @@ def test_table_of_an_earlier_step(tiny_run, capsys):
 
 @pytest.fixture(scope='module')
 def depth0_run(stdlib_data_dir, tmp_path_factory):
-  """A workdir holding a checkpoint of a D = 0 model over the byte vocabulary."""
+  """A workdir holding a checkpoint of a D = 0 model over the byte vocabulary, saved
+  before the train.eval_decode_* fields existed."""
   config = tiny_model_config(0, vocab=0)
   config.data.data_dir = stdlib_data_dir
   model, optimizer = train.create_model_and_optimizer(config)
   workdir = str(tmp_path_factory.mktemp('eval_depth0'))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
   state = nnx.state((model, optimizer))
-  ckpt.save(1, state, meta={'step': 1, 'config': json.loads(config.to_json_best_effort()),
-                            **ckpt_lib.integrity_meta(state)}, force=True)
+  saved = json.loads(config.to_json_best_effort())
+  del saved['train']['eval_decode_prompts'], saved['train']['eval_decode_tokens']
+  ckpt.save(1, state, meta={'step': 1, 'config': saved, **ckpt_lib.integrity_meta(state)},
+            force=True)
   ckpt.close()
   return workdir
 
