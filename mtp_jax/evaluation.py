@@ -86,6 +86,10 @@ def training_prompts(config, tokenizer) -> list[list[int]]:
 
 
 # -- decoding ------------------------------------------------------------------------------------
+def _identity(tree):
+  return tree
+
+
 def local_decoder(graphdef, state, mesh) -> decode.Decoder:
   """A Decoder of a train state's model, each parameter whole on this process's first device.
 
@@ -95,7 +99,7 @@ def local_decoder(graphdef, state, mesh) -> decode.Decoder:
   model, _ = nnx.merge(graphdef, state)
   gdef, params = nnx.split(model)
   if not all(x.is_fully_addressable for x in jax.tree.leaves(params)):
-    params = jax.jit(lambda p: p, out_shardings=sharding.replicated(mesh))(params)
+    params = jax.jit(_identity, out_shardings=sharding.replicated(mesh))(params)
     params = jax.tree.map(lambda x: x.addressable_data(0), params)
   return decode.Decoder(nnx.merge(gdef, params))
 
@@ -138,7 +142,8 @@ def decode_metrics(decoder: decode.Decoder, prompts: Sequence[Sequence[int]],
       sp = results[depth]
       out['eval/decode_spec_tokens_per_sec'] = sp.new_tokens / max(sp.seconds, 1e-12)
       out['eval/decode_speedup'] = ar.seconds / max(sp.seconds, 1e-12)
-      out['eval/decode_identical'] = all(np.array_equal(a, s) for a, s in zip(ar.tokens, sp.tokens))
+      out['eval/decode_identical'] = all(np.array_equal(a, s)
+                                         for a, s in zip(ar.tokens, sp.tokens))
   return out
 
 

@@ -3,7 +3,9 @@
 Runs in-process on the session's trained tiny workdir (conftest.tiny_run, whose evals
 decode TINY_DECODE prompts), so compiled programs are shared between the tests.
 """
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -47,13 +49,9 @@ def _eval_rows(workdir):
 @pytest.fixture(scope='module')
 def report(tiny_run):
   """scripts/eval.py --json with the trainer's own settings, on the latest checkpoint."""
-  workdir = str(tiny_run[0])
-  script = _script()
-  import contextlib
-  import io
   buf = io.StringIO()
   with contextlib.redirect_stdout(buf):
-    assert script.main(['--workdir', workdir, '--json']) == 0
+    assert _main(['--workdir', str(tiny_run[0]), '--json']) == 0
   return json.loads(buf.getvalue())
 
 
@@ -126,7 +124,8 @@ def depth0_run(stdlib_data_dir, tmp_path_factory):
 
 
 def test_depth_zero_decodes_autoregressively_only(depth0_run, capsys):
-  assert _main(['--workdir', depth0_run, '--json', '--num_prompts', '2', '--eval_batches', '1']) == 0
+  argv = ['--workdir', depth0_run, '--json', '--num_prompts', '2', '--eval_batches', '1']
+  assert _main(argv) == 0
   r = json.loads(capsys.readouterr().out)
   assert r['mtp_depth'] == 0 and 'depth = 0' in r['decode_note']
   assert np.isfinite(r['eval/loss_main']) and 'eval/loss_mtp_1' not in r
