@@ -40,28 +40,9 @@ def parse(argv):
   return p.parse_args(argv)
 
 
-def validation_prompts(config, tokenizer, n: int, length: int) -> list[list[int]]:
-  """n prompts of `length` tokens from different validation files, starting at a line."""
-  from mtp_jax.data import corpus
-  docs = [text for _, text in corpus.split_documents(
-      'validation', corpus_dir=config.data.corpus_dir,
-      validation_percent=config.data.validation_percent)]
-  docs = [d for d in docs if len(tokenizer.encode(d)) >= 4 * length]
-  step = max(1, len(docs) // n)
-  prompts = []
-  for doc in docs[::step][:n]:
-    lines = doc.splitlines(keepends=True)
-    start = sum(len(line) for line in lines[:len(lines) // 3])  # a third in: past the header
-    ids = tokenizer.encode(doc[start:])
-    prompts.append(ids[:length])
-  if len(prompts) < n:
-    raise SystemExit(f'only {len(prompts)} validation files are long enough')
-  return prompts
-
-
 def main(argv=None):
   args = parse(argv)
-  from mtp_jax import decode
+  from mtp_jax import decode, evaluation
   from mtp_jax.data import tokenizers
 
   config, step = decode.load_workdir(args.workdir)
@@ -80,7 +61,7 @@ def main(argv=None):
       'results': []}
   for batch in [int(b) for b in args.batch_sizes.split(',')]:
     n = -(-args.num_prompts // batch) * batch  # whole batches
-    prompts = validation_prompts(config, tokenizer, n, args.prompt_len)
+    prompts = evaluation.validation_prompts(config, tokenizer, n, args.prompt_len)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     kw = dict(eos_id=None, pad_to=(args.prompt_len, args.max_new_tokens))
     for nd in drafts:

@@ -25,5 +25,7 @@ def get_config():
   c.train.log_every = 10
   c.train.eval_every = 100
   c.train.eval_batches = 8
+  c.train.eval_decode_prompts = 8  # tau + acceptance per eval: ~1.5 s (+ ~20 s compile once), 2 cores
+  c.train.eval_decode_tokens = 64
   c.train.checkpoint_every = 100
   return c

@@ -95,6 +95,8 @@ def base_config() -> ml_collections.ConfigDict:
   t.log_every = 10  # steps between metric lines
   t.eval_every = 200  # steps between evaluations (0: only at the end)
   t.eval_batches = 8  # validation batches per evaluation
+  t.eval_decode_prompts = 0  # validation prompts decoded (greedy) per eval -> eval/decode_* (0 or mtp.depth 0: off)
+  t.eval_decode_tokens = 32  # tokens generated per such prompt; prompts are data.seq_len // 2 tokens
   t.checkpoint_every = 200  # steps between checkpoints (0: only at the end)
   t.max_to_keep = 3  # checkpoints kept
   t.async_checkpoint = True  # save in a background thread
@@ -106,6 +108,11 @@ def base_config() -> ml_collections.ConfigDict:
   mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); one -1 takes the remaining devices
   mesh.rules = DEFAULT_RULES  # logical axis -> mesh axis table
   return c
+
+
+def decode_prompt_len(config) -> int:
+  """Prompt tokens of the decode evaluation: half a training sequence."""
+  return config.data.seq_len // 2
 
 
 def resolved_mesh_shape(shape, num_devices: int) -> tuple[int, ...]:
@@ -229,6 +236,14 @@ def validate(config, num_devices: int | None = None) -> None:
   _require(t.grad_clip >= 0, f'train.grad_clip must be >= 0, got {t.grad_clip}')
   _require(t.eval_every >= 0 and t.checkpoint_every >= 0,
            'train.eval_every and train.checkpoint_every must be >= 0')
+  for name in ('eval_decode_prompts', 'eval_decode_tokens'):
+    _require(isinstance(t[name], int) and not isinstance(t[name], bool) and t[name] >= 0,
+             f'train.{name} must be a non-negative integer, got {t[name]!r}')
+  if t.eval_decode_prompts:  # prompt + generated tokens stay inside the trained positions
+    room = d.seq_len - decode_prompt_len(config)
+    _require(0 < t.eval_decode_tokens <= room,
+             f'train.eval_decode_tokens must be in [1, {room}] (data.seq_len minus the '
+             f'{decode_prompt_len(config)}-token prompts), got {t.eval_decode_tokens}')
   _require(t.max_to_keep >= 1, f'train.max_to_keep must be >= 1, got {t.max_to_keep}')
   _require(t.nonfinite in ('halt', 'skip'),
            f"train.nonfinite must be 'halt' or 'skip', got {t.nonfinite!r}")

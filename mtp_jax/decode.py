@@ -518,9 +518,9 @@ class Decoder:
   def __init__(self, model: MTPModel):
     self.args = model.args
     self.graphdef, params = nnx.split(model)
-    # Programs are compiled for the default device; a restored or trained state may
-    # carry a mesh sharding.
-    self.params = jax.device_put(params, jax.devices()[0])
+    # Programs are compiled for the default device, this process's first; a restored or
+    # trained state may carry a mesh sharding.
+    self.params = jax.device_put(params, jax.local_devices()[0])
     self._leaves, self._treedef = jax.tree.flatten(self.params)
     self._programs = {}  # this Decoder's view of _COMPILED (hashing a graphdef is slow)
 
@@ -636,8 +636,11 @@ def check_request(prompts, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, 
 
 
 # -- checkpoints and the command line -------------------------------------------------------
-def load_workdir(workdir: str):
-  """(config, step) of the latest checkpoint in a training workdir; RequestError if none."""
+def load_workdir(workdir: str, step: int | None = None):
+  """(config, step) of checkpoint `step` (default: the latest) of a training workdir.
+
+  RequestError if there is none.
+  """
   import ml_collections
   from mtp_jax import checkpoint as ckpt_lib
   directory = os.path.join(workdir, 'checkpoints')
@@ -647,9 +650,13 @@ def load_workdir(workdir: str):
     raise RequestError(f'--workdir {workdir!r} has no checkpoints/ directory (train it first)')
   ckpt = ckpt_lib.Checkpointer(directory, async_save=False)
   try:
-    step = ckpt.latest_step()
-    if step is None:
+    steps = ckpt.all_steps()
+    if not steps:
       raise RequestError(f'--workdir {workdir!r} holds no checkpoint (train it first)')
+    if step is not None and step not in steps:
+      raise RequestError(f'--step {step}: --workdir {workdir!r} has checkpoints of steps '
+                         f'{sorted(steps)} only')
+    step = max(steps) if step is None else step
     saved = ckpt.read_meta(step).get('config')
   finally:
     ckpt.close()

@@ -23,6 +23,7 @@ from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
+from mtp_jax import evaluation
 from mtp_jax import flops as flops_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax import metrics as metrics_lib
@@ -166,6 +167,13 @@ def run_step(ts: TrainSetup, state, batch):
     return ts.train_step(state, gbatch)
 
 
+def padded_token_bytes(config, tokenizer) -> np.ndarray:
+  """UTF-8 bytes of each token id, padded to the model's vocabulary (bits per byte)."""
+  token_bytes = tokenizer.token_bytes()
+  vocab = ModelArgs.from_config(config).vocab_size
+  return np.pad(token_bytes, (0, vocab - len(token_bytes)), constant_values=1)
+
+
 def evaluate(ts: TrainSetup, state, batches, token_bytes_V) -> dict:
   """eval/... per-depth loss, accuracy, agreement and bits per byte over `batches`."""
   total = None
@@ -273,6 +281,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
                                 resilience.checkpoint_bytes_estimate(abstract))
     if is_main:  # the only writer of metrics.jsonl
       resilience.repair_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+    decode_prompts = evaluation.training_prompts(config, tokenizer)  # [] when off
   except BaseException:
     checkpointer.close()
     raise
@@ -306,9 +315,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   progress.message(mfu.describe())
 
   eval_batches = None
-  token_bytes = tokenizer.token_bytes()
-  vocab = ModelArgs.from_config(config).vocab_size
-  token_bytes = np.pad(token_bytes, (0, vocab - len(token_bytes)), constant_values=1)
+  token_bytes = padded_token_bytes(config, tokenizer)
 
   def run_eval(step):
     nonlocal eval_batches
@@ -317,9 +324,14 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
           config, num_batches=config.train.eval_batches, process_index=jax.process_index(),
           process_count=jax.process_count()))
     out = evaluate(ts, state, eval_batches, token_bytes)
+    if decode_prompts:  # every process decodes the same prompts alike; process 0 writes
+      decoder = evaluation.local_decoder(ts.graphdef, state, ts.mesh)
+      out.update(evaluation.decode_metrics(decoder, decode_prompts,
+                                           config.train.eval_decode_tokens))
     writer.write(step, out)
     progress.message(f'eval @ {step}: ' + '  '.join(
-        f'{k[5:]}={v:.4f}' for k, v in out.items() if 'bpb' in k or 'loss' in k))
+        f'{k[5:]}={v:.4f}' for k, v in out.items()
+        if 'bpb' in k or 'loss' in k or k == evaluation.TAU_KEY))
     return out
 
   last_saved = start_step if has_checkpoints else None

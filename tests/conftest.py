@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 from mtp_jax import config_lib  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_DECODE = (4, 16)  # tiny_run's decode eval: prompts, new tokens each
 
 # Many tests compile the same tiny programs (init, train step) in separate setups and
 # subprocesses; a persistent cache shared by the session compiles each once.
@@ -68,7 +69,9 @@ def stdlib_data_dir(tmp_path_factory):
 def tiny_run(stdlib_data_dir, tmp_path_factory):
   """scripts/train.py on configs/tiny.py for 40 steps, run once per session.
 
-  Returns (workdir, CompletedProcess); tests of outputs, notebooks and decoding share it.
+  Its evals also decode 4 validation prompts (eval/decode_*), which test_eval.py checks
+  against scripts/eval.py. Returns (workdir, CompletedProcess); tests of outputs,
+  notebooks, plots, evaluation and decoding share it.
   """
   import subprocess
   import sys
@@ -78,7 +81,9 @@ def tiny_run(stdlib_data_dir, tmp_path_factory):
       [sys.executable, os.path.join(REPO, 'scripts', 'train.py'),
        '--config', os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', str(workdir),
        f'--config.data.data_dir={stdlib_data_dir}', '--config.train.steps=40',
-       '--config.train.eval_every=20', '--config.train.checkpoint_every=20'],
+       '--config.train.eval_every=20', '--config.train.checkpoint_every=20',
+       f'--config.train.eval_decode_prompts={TINY_DECODE[0]}',
+       f'--config.train.eval_decode_tokens={TINY_DECODE[1]}'],
       capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return workdir, proc

@@ -14,7 +14,8 @@ def test_plot_script_writes_pngs(tiny_run, tmp_path):
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   files = sorted(os.listdir(out))
-  assert {'loss_per_depth.png', 'accuracy_agreement.png'} <= set(files)
+  # acceptance.png: plotting reads the eval/decode_* keys tiny_run's evals write
+  assert {'loss_per_depth.png', 'accuracy_agreement.png', 'acceptance.png'} <= set(files)
   for f in files:
     data = (out / f).read_bytes()
     assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 10_000

@@ -1,0 +1,265 @@
+"""Evaluation of a checkpoint: teacher-forced per-depth figures and free-running decoding.
+
+Shared by scripts/eval.py and the trainer's periodic evaluation, so both report the
+same `eval/...` keys: train.evaluate's loss, accuracy, agreement and bits per byte
+per depth, plus the decoder's (DESIGN.md §5) on fixed validation prompts:
+  eval/decode_tau               mean accepted length, committed tokens / verify steps
+  eval/decode_accept_mtp_<k>    P(the first k drafts of a verify step are accepted)
+Decoding here is greedy and never stops at EOS (every row generates the same number
+of tokens), so with the same parameters, prompts and batch the figures are the same
+bit for bit: a resumed run logs what an uninterrupted one does, and scripts/eval.py
+on a checkpoint reproduces the trainer's line of that step.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mtp_jax import config_lib
+from mtp_jax import decode
+from mtp_jax import sharding
+from mtp_jax.config_lib import ConfigError
+
+TAU_KEY = 'eval/decode_tau'
+MAX_PLAIN_DOCS = 4096  # documents read from a split without a 'path' feature to order by
+
+
+def accept_key(k: int) -> str:
+  return f'eval/decode_accept_mtp_{k}'
+
+
+# -- prompts -----------------------------------------------------------------------------------
+def split_texts(data_config, split: str) -> list[str]:
+  """The documents of a split in a fixed order: by path when the data set has one.
+
+  TFDS stores records in hashed order; python_stdlib's sorted paths are the corpus's own
+  file order (corpus.split_documents), the same on every machine and every call.
+  """
+  from mtp_jax.data import stdlib_dataset, tokenizers
+  source = stdlib_dataset.data_source(data_config, split)
+  first = source[0]
+  if data_config.text_key not in first:
+    raise ConfigError(f'data.text_key {data_config.text_key!r} is not a feature of '
+                      f'data.dataset {data_config.dataset!r} (features: {sorted(first)})')
+  as_text = tokenizers.as_text
+  if 'path' in first:
+    records = sorted((as_text(r['path']), as_text(r[data_config.text_key]))
+                     for r in (source[i] for i in range(len(source))))
+    return [text for _, text in records]
+  return [as_text(source[i][data_config.text_key])
+          for i in range(min(len(source), MAX_PLAIN_DOCS))]
+
+
+def validation_prompts(config, tokenizer, n: int, length: int,
+                       split: str | None = None) -> list[list[int]]:
+  """n prompts of at most `length` tokens from n different held-out documents.
+
+  Documents of at least 4 * length tokens, evenly spaced through the split (default
+  data.eval_split); each prompt starts at a line a third into its document, past the
+  license header and imports. ConfigError when too few documents are that long.
+  """
+  split = split or config.data.eval_split
+  docs = [d for d in split_texts(config.data, split) if len(tokenizer.encode(d)) >= 4 * length]
+  step = max(1, len(docs) // n)
+  prompts = []
+  for doc in docs[::step][:n]:
+    lines = doc.splitlines(keepends=True)
+    start = sum(len(line) for line in lines[:len(lines) // 3])
+    prompts.append(list(tokenizer.encode(doc[start:]))[:length])
+  if len(prompts) < n:
+    raise ConfigError(f'split {split!r} of data.dataset {config.data.dataset!r} has only '
+                      f'{len(prompts)} documents of {4 * length}+ tokens, too few for {n} '
+                      f'decode prompts of {length} tokens (ask for fewer or shorter prompts)')
+  return prompts
+
+
+def training_prompts(config, tokenizer) -> list[list[int]]:
+  """The trainer's decode-evaluation prompts ([] when train.eval_decode_prompts or D is 0)."""
+  n = config.train.eval_decode_prompts
+  if not n or not config.model.mtp.depth:
+    return []
+  return validation_prompts(config, tokenizer, n, config_lib.decode_prompt_len(config))
+
+
+# -- decoding ------------------------------------------------------------------------------------
+def _identity(tree):
+  return tree
+
+
+def local_decoder(graphdef, state, mesh) -> decode.Decoder:
+  """A Decoder of a train state's model, each parameter whole on this process's first device.
+
+  With several processes a parameter is sharded over devices this process cannot
+  read; a replicating jit, which every process must join, gathers it first.
+  """
+  model, _ = nnx.merge(graphdef, state)
+  gdef, params = nnx.split(model)
+  if not all(x.is_fully_addressable for x in jax.tree.leaves(params)):
+    params = jax.jit(_identity, out_shardings=sharding.replicated(mesh))(params)
+    params = jax.tree.map(lambda x: x.addressable_data(0), params)
+  return decode.Decoder(nnx.merge(gdef, params))
+
+
+def decode_metrics(decoder: decode.Decoder, prompts: Sequence[Sequence[int]],
+                   max_new_tokens: int, *, batch_size: int = 0, compare: bool = False) -> dict:
+  """eval/decode_... figures of greedy speculative decoding with every MTP depth.
+
+  All prompts form one batch unless batch_size says otherwise (the trainer uses one).
+  compare: also decode autoregressively, after one untimed run of each program, and
+  add the speedup, tokens/s of both and `identical` (spec tokens == AR tokens). A
+  model without MTP modules decodes autoregressively only (compare) or not at all.
+  """
+  depth = decoder.args.mtp_depth
+  batch = batch_size or len(prompts)
+  chunks = [list(prompts[i:i + batch]) for i in range(0, len(prompts), batch)]
+  pad = lambda c: c + [c[0]] * (batch - len(c))  # noqa: E731 one static batch shape
+  kw = dict(eos_id=None, pad_to=(max(map(len, prompts)), max_new_tokens))
+  modes = ([0] if compare else []) + ([depth] if depth else [])
+
+  def run(num_drafts):
+    parts = [(decoder.generate(pad(c), max_new_tokens, num_drafts=num_drafts, **kw), len(c))
+             for c in chunks]
+    return decode._merge_results(parts)  # pylint: disable=protected-access
+
+  if compare:
+    for n in modes:  # first runs of a compiled program are slower: keep them out of timings
+      decoder.generate(pad(chunks[0]), min(2, max_new_tokens), num_drafts=n, **kw)
+  results = {n: run(n) for n in modes}
+  out = {}
+  if depth:
+    st = results[depth].stats()
+    out[TAU_KEY] = st['mean_accepted_length']
+    for k, a in enumerate(st['acceptance_per_depth'], 1):
+      out[accept_key(k)] = a
+  if compare:
+    ar = results[0]
+    out['eval/decode_ar_tokens_per_sec'] = ar.new_tokens / max(ar.seconds, 1e-12)
+    if depth:
+      sp = results[depth]
+      out['eval/decode_spec_tokens_per_sec'] = sp.new_tokens / max(sp.seconds, 1e-12)
+      out['eval/decode_speedup'] = ar.seconds / max(sp.seconds, 1e-12)
+      out['eval/decode_identical'] = all(np.array_equal(a, s)
+                                         for a, s in zip(ar.tokens, sp.tokens))
+  return out
+
+
+# -- a checkpoint, end to end (scripts/eval.py) --------------------------------------------------
+def _check_options(split, eval_batches, num_prompts, prompt_len, max_new_tokens, batch_size,
+                   step):
+  for name, v, low in [('--eval_batches', eval_batches, 1), ('--num_prompts', num_prompts, 0),
+                       ('--prompt_len', prompt_len, 1), ('--max_new_tokens', max_new_tokens, 1),
+                       ('--batch_size', batch_size, 1), ('--step', step, 0)]:
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+      raise decode.RequestError(f'{name} must be an integer >= {low}, got {v!r}')
+  if split is not None and not split.strip():
+    raise decode.RequestError('--split is empty')
+
+
+def _mesh_for(config, num_devices: int):
+  """The saved mesh shape if it fits these devices, else all of them on the data axis."""
+  try:
+    config_lib.resolved_mesh_shape(config.mesh.shape, num_devices)
+  except ConfigError:
+    config.mesh.shape = (-1, 1, 1)
+
+
+def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: int | None = None,
+                     num_prompts: int | None = None, prompt_len: int | None = None,
+                     max_new_tokens: int | None = None, batch_size: int | None = None,
+                     step: int | None = None, devices=None) -> dict:
+  """What scripts/eval.py does: checks, restores, evaluates, decodes; one flat dict.
+
+  None picks the trainer's own setting: data.eval_split, train.eval_batches,
+  train.eval_decode_prompts (8 when off) and train.eval_decode_tokens, prompts of
+  data.seq_len // 2 tokens, one batch of every prompt. num_prompts 0: no decoding.
+  RequestError / ConfigError for bad input, before anything compiles.
+  """
+  from mtp_jax import checkpoint as ckpt_lib
+  from mtp_jax import resilience
+  from mtp_jax import train
+  from mtp_jax.data import pipeline, tokenizers
+  _check_options(split, eval_batches, num_prompts, prompt_len, max_new_tokens, batch_size, step)
+  saved, step = decode.load_workdir(workdir, step)
+  config = config_lib.base_config()
+  config.update(saved.to_dict())  # a run saved before a field existed has its default
+  devices = jax.local_devices() if devices is None else devices
+  t, d = config.train, config.data
+  split = split or d.eval_split
+  d.eval_split = split
+  eval_batches = eval_batches or t.eval_batches
+  if num_prompts is None:
+    num_prompts = t.eval_decode_prompts or 8
+  prompt_len = prompt_len or config_lib.decode_prompt_len(config)
+  if max_new_tokens is None:
+    max_new_tokens = min(t.eval_decode_tokens, d.seq_len - prompt_len)
+  if num_prompts and prompt_len + max_new_tokens > d.seq_len:
+    raise decode.RequestError(f'--prompt_len ({prompt_len}) + --max_new_tokens ({max_new_tokens}) '
+                              f'exceeds the training sequence length data.seq_len ({d.seq_len})')
+  _mesh_for(config, len(devices))
+  config_lib.validate(config, len(devices))
+  resilience.validate_data(config, 1)  # the split exists and is readable
+  tokenizer = tokenizers.get_tokenizer(d)
+  prompts = validation_prompts(config, tokenizer, num_prompts, prompt_len) if num_prompts else []
+
+  ts, state = train.setup(config, devices)
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
+  try:
+    state, meta = ckpt.restore(step, ts.abstract_state)
+  finally:
+    ckpt.close()
+  try:
+    ckpt_lib.verify(step, state, meta)
+  except Exception as e:  # pylint: disable=broad-except
+    raise decode.RequestError(f'checkpoint {step} in {workdir!r} is broken: '
+                              f'{ckpt_lib.short(e)}') from e
+
+  batches = pipeline.make_eval_batches(config, num_batches=eval_batches)
+  out = {'workdir': os.path.abspath(workdir), 'step': step, 'split': split,
+         'eval_batches': eval_batches, 'mtp_depth': int(config.model.mtp.depth)}
+  out.update(train.evaluate(ts, state, batches, train.padded_token_bytes(config, tokenizer)))
+  out.update(decode_prompts=num_prompts, decode_prompt_len=prompt_len,
+             decode_max_new_tokens=max_new_tokens)
+  if not num_prompts:
+    out['decode_note'] = 'decoding skipped (--num_prompts 0)'
+    return out
+  if not config.model.mtp.depth:
+    out['decode_note'] = ('model.mtp.depth = 0: no MTP modules to draft with; '
+                          'plain autoregressive decoding only')
+  decoder = local_decoder(ts.graphdef, state, ts.mesh)
+  out.update(decode_metrics(decoder, prompts, max_new_tokens, batch_size=batch_size or 0,
+                            compare=True))
+  return out
+
+
+def format_table(r: dict) -> str:
+  """A readable report of evaluate_workdir's dict."""
+  depth = r['mtp_depth']
+  lines = [f"{r['workdir']}  step {r['step']}  split {r['split']}  "
+           f"({r['eval_batches']} batches, {int(r['eval/tokens'])} tokens)", '',
+           f"{'depth':<8}{'loss':>9}{'acc':>9}{'agree':>9}{'bpb':>9}"]
+  for k in range(depth + 1):
+    name = 'main' if k == 0 else f'mtp_{k}'
+    agree = f"{r[f'eval/agree_{name}']:9.4f}" if k else f"{'-':>9}"
+    lines.append(f"{'main' if k == 0 else f'mtp {k}':<8}{r[f'eval/loss_{name}']:9.4f}"
+                 f"{r[f'eval/acc_{name}']:9.4f}{agree}{r[f'eval/bpb_{name}']:9.4f}")
+  lines.append('')
+  if r.get('decode_note'):
+    lines.append(r['decode_note'])
+  if r['decode_prompts']:
+    lines.append(f"greedy decoding: {r['decode_prompts']} validation prompts of "
+                 f"{r['decode_prompt_len']} tokens, {r['decode_max_new_tokens']} new tokens each")
+  if TAU_KEY in r:
+    accept = '  '.join(f'{r[accept_key(k)]:.3f}' for k in range(1, depth + 1))
+    lines.append(f'tau (mean accepted length) {r[TAU_KEY]:.3f} of at most {depth + 1}; '
+                 f'acceptance per depth {accept}')
+  if 'eval/decode_ar_tokens_per_sec' in r:
+    text = f"AR {r['eval/decode_ar_tokens_per_sec']:.1f} tok/s"
+    if 'eval/decode_speedup' in r:
+      text += (f"   spec {r['eval/decode_spec_tokens_per_sec']:.1f} tok/s   speedup "
+               f"{r['eval/decode_speedup']:.2f}x   identical {r['eval/decode_identical']}")
+    lines.append(text)
+  return '\n'.join(lines)
