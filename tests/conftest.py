@@ -87,3 +87,14 @@ def tiny_run(stdlib_data_dir, tmp_path_factory):
       capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return workdir, proc
+
+
+@pytest.fixture(scope='session')
+def trained(devices, tmp_path_factory):
+  """A D = 3 model trained briefly on test_decode's word language, and its workdir.
+
+  Defined here, not in a test module, so the decode and token-source tests share one
+  training run.
+  """
+  import test_decode  # pylint: disable=g-import-not-at-top
+  return test_decode.train_word_model(devices, tmp_path_factory)

@@ -85,8 +85,7 @@ def random_model():
   return build(byte_config(3))
 
 
-@pytest.fixture(scope='session')
-def trained(devices, tmp_path_factory):
+def train_word_model(devices, tmp_path_factory):
   """A D = 3 model trained briefly on the word language (high acceptance), and its workdir.
 
   The workdir holds a checkpoint written exactly as train_and_evaluate writes one

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mtp_jax import decode
-from test_decode import MAX_NEW, byte_ids, trained, word_prompts  # noqa: F401 (fixture)
+from test_decode import MAX_NEW, byte_ids, word_prompts
 
 
 def blocks(src):
@@ -62,7 +62,7 @@ def check_sources(r: decode.DecodeResult, sources, eos=None):
       assert toks[-1] == eos and list(toks).index(eos) == len(toks) - 1
 
 
-def test_sources_greedy_eos_and_max_new_inside_blocks(trained):  # noqa: F811
+def test_sources_greedy_eos_and_max_new_inside_blocks(trained):
   """Greedy on the word model: long accepted blocks, rows cut by EOS and by max_new."""
   model, _ = trained
   dec = decode.Decoder(model)
@@ -89,7 +89,7 @@ def test_sources_greedy_eos_and_max_new_inside_blocks(trained):  # noqa: F811
   assert all(np.all(s == 0) for s in ar_src)
 
 
-def test_sources_sampling(trained):  # noqa: F811
+def test_sources_sampling(trained):
   """Sampled drafts with the speculative rule: the same accounting holds."""
   dec = decode.Decoder(trained[0])
   r = dec.generate(word_prompts(8, seed=6), MAX_NEW, temperature=1.0, eos_id=None, seed=3,
