@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from mtp_jax import config_lib
 from mtp_jax.config_lib import ConfigError
 
 # Fields whose change makes an old checkpoint unusable for this run.
@@ -281,7 +282,11 @@ def _lookup(d: dict, dotted: str):
 
 # Training-only model switches that may change between runs of the same model.
 _TRAINING_ONLY = {'remat', 'scan_layers', 'loss_chunk', 'dtype', 'mtp.lambda_values',
-                  'mtp.lambda_boundaries', 'mtp.weights', 'mtp.detach_trunk'}
+                  'mtp.lambda_boundaries', 'mtp.weights', 'mtp.detach_trunk',
+                  'mtp.stop_gradient'}
+# Not here: mtp.freeze_trunk changes the optimizer state's tree, so resuming with it
+# switched is an incompatible config (a clear error, not a failed restore that would
+# send good checkpoints to corrupt_checkpoints/).
 
 
 def config_diffs(saved_config: dict, config_dict: dict, ignore=()) -> list[str]:
@@ -290,7 +295,9 @@ def config_diffs(saved_config: dict, config_dict: dict, ignore=()) -> list[str]:
   for field in _SHAPE_FIELDS:
     old, new = _lookup(saved_config, field), _lookup(config_dict, field)
     if field == 'model' and isinstance(old, dict) and isinstance(new, dict):
-      fo, fn = _flatten(old), _flatten(new)
+      # A field added after the checkpoint was written holds its default there.
+      default = _flatten(_norm(config_lib.base_config().model.to_dict()))
+      fo, fn = {**default, **_flatten(old)}, {**default, **_flatten(new)}
       skip = _TRAINING_ONLY | set(ignore)
       diffs += [f'model.{k}: checkpoint {fo.get(k)!r} vs config {fn.get(k)!r}'
                 for k in sorted(set(fo) | set(fn))

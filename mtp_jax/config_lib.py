@@ -65,7 +65,25 @@ def base_config() -> ml_collections.ConfigDict:
   mtp.lambda_values = (0.3,)  # piecewise-constant lambda; w_k = lambda / D
   mtp.lambda_boundaries = ()  # steps where lambda moves to the next value
   mtp.weights = ()  # explicit per-depth weights w_1..w_D, override lambda / D
-  mtp.detach_trunk = False  # stop_gradient from the MTP modules into the trunk
+  mtp.detach_trunk = False  # stop_gradient on h^0 only where it enters depth 1 (Emb, OutHead still shared)
+  # MTP as a pure add-on during joint training: the MTP losses send no gradient into the
+  # trunk's hidden state h^0, the shared Emb (the MTP inputs t_(i+k)) or the shared OutHead;
+  # the trunk, Emb and OutHead learn from L_main alone, the MTP modules from their L^k.
+  # Forward values (losses, metrics) are unchanged.
+  mtp.stop_gradient = False
+  # Train only the MTP modules on a trained model (--init_from or this run's checkpoint):
+  # trunk, final norm, Emb and OutHead are not in the optimizer (no update, no decay, no Adam
+  # moments, no gradient computed) and stay bit-identical. Changes the optimizer state, so
+  # a workdir cannot switch it on resume (start a new one with --init_from).
+  mtp.freeze_trunk = False
+
+  lo = c.loss = ml_collections.ConfigDict()
+  # What MTP depth k at position i is trained to predict: 'data' = the true t_(i+k+1);
+  # 'self' = the main model's greedy argmax at position i+k (the token the verifier picks
+  # given the true prefix; self-distillation, no gradient through it), on the same valid
+  # positions. train/loss_mtp_k is then the loss against those targets; acc_mtp_k and
+  # every eval/ figure stay measured against the data.
+  lo.mtp_targets = 'data'
 
   d = c.data = ml_collections.ConfigDict()
   d.dataset = 'python_stdlib'  # TFDS name; python_stdlib is built from this interpreter
@@ -223,6 +241,16 @@ def validate(config, num_devices: int | None = None) -> None:
   _require(all(v >= 0 for v in lv), f'model.mtp.lambda_values must be >= 0, got {lv}')
   _require(all(b2 > b1 for b1, b2 in zip(lb, lb[1:])) and all(b > 0 for b in lb),
            f'model.mtp.lambda_boundaries must be positive and increasing, got {lb}')
+  for name in ('detach_trunk', 'stop_gradient', 'freeze_trunk'):
+    _require(isinstance(mtp[name], bool),
+             f'model.mtp.{name} must be True or False, got {mtp[name]!r}')
+  _require(not mtp.freeze_trunk or mtp.depth > 0,
+           'model.mtp.freeze_trunk trains only the MTP modules, but model.mtp.depth is 0: '
+           'set model.mtp.depth >= 1')
+  _require(config.loss.mtp_targets in ('data', 'self'),
+           f"loss.mtp_targets must be 'data' or 'self', got {config.loss.mtp_targets!r}")
+  _require(config.loss.mtp_targets == 'data' or mtp.depth > 0,
+           "loss.mtp_targets='self' sets the targets of MTP depths, but model.mtp.depth is 0")
   if mtp.weights:
     _require(len(mtp.weights) == mtp.depth,
              f'model.mtp.weights has {len(mtp.weights)} entries but model.mtp.depth is {mtp.depth}')
@@ -275,3 +303,14 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(m.n_kv_heads % shape[2] == 0 and m.n_heads % shape[2] == 0,
              f'model.n_heads ({m.n_heads}) and n_kv_heads ({m.n_kv_heads}) must be divisible '
              f'by the tensor axis ({shape[2]})')
+
+
+def optional(config, dotted: str, default):
+  """config's `dotted` field, or `default` in a config saved before the field existed
+  (decoding and --init_from read the configs of older runs)."""
+  node = config
+  for part in dotted.split('.'):
+    if part not in node:
+      return default
+    node = node[part]
+  return node

@@ -29,6 +29,18 @@ def targets(tokens_BxT: Array, depth: int) -> Array:
   return shift_left(tokens_BxT, depth + 1, fill=0)
 
 
+def self_targets(pred0_BxT: Array, num_mtp: int) -> Array:
+  """[D, B, T] self-distillation targets: depth k at i gets the main model's argmax at i + k.
+
+  pred0[i + k] is the main model's choice for token i+k+1 after the true prefix up to token
+  i+k (0-based): what the verifier picks, so what depth k's draft must match. valid_mask(seg,
+  k) keeps i..i+k+1 in one document, so the same positions are valid as for the data
+  targets. No gradient flows through an argmax.
+  """
+  pred0_BxT = jax.lax.stop_gradient(pred0_BxT)
+  return jnp.stack([shift_left(pred0_BxT, k, fill=0) for k in range(1, num_mtp + 1)])
+
+
 def valid_counts(segment_ids_BxT: Array, num_depths: int) -> Array:
   """[D+1] number of valid positions per depth (the loss normalisers)."""
   return jnp.stack([valid_mask(segment_ids_BxT, k).sum() for k in range(num_depths)])
@@ -53,8 +65,12 @@ def depth_weights(config, step) -> Array:
   return jnp.concatenate([jnp.ones((1,), jnp.float32), w])
 
 
-def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk: int):
+def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk: int,
+               first: int = 0):
   """Per-depth (sum of -log p over valid positions [K], number correct [K], argmax [K, B, T]).
+
+  hiddens are depths first, first + 1, ...; OutHead is detached for MTP depths (first > 0)
+  under model.args.stop_gradient.
 
   One lax.scan over the depths, and inside it one over sequence chunks whose body
   (head norm, vocab projection, cross-entropy) runs under jax.checkpoint: a single
@@ -67,10 +83,12 @@ def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk:
   chunk = t if chunk in (0, None) else chunk
   n = t // chunk
   h_KxBxTxD = jnp.stack(hiddens)
-  norms = [model.head_norm(k) for k in range(num)]
+  norms = [model.head_norm(k) for k in range(first, first + num)]
   norm_def, _ = nnx.split(norms[0])
   norm_K = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in norms])
   w_DxV = model.output_kernel()
+  if first > 0 and model.args.stop_gradient:
+    w_DxV = jax.lax.stop_gradient(w_DxV)
 
   def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
     return jnp.moveaxis(x.reshape((b, n, chunk) + x.shape[2:]), 1, 0)
@@ -100,8 +118,11 @@ def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk:
 
 
 def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: Array | None = None,
-                     chunk: int = 0):
+                     chunk: int = 0, mtp_targets: str = 'data'):
   """The weighted loss and summed per-depth statistics of one (micro)batch.
+
+  mtp_targets: 'data' (the true tokens) or 'self' (self_targets: the main model's
+  argmax, config.loss.mtp_targets); 'correct' counts the true tokens either way.
 
   counts_K: the valid-position counts that normalise each depth's mean; pass the full
   batch's counts when this is one microbatch of an accumulated step, so the summed
@@ -114,7 +135,19 @@ def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: A
   num = len(hiddens)
   mask_KxBxT = jnp.stack([valid_mask(seg, k) for k in range(num)])
   targets_KxBxT = jnp.stack([targets(tokens, k) for k in range(num)])
-  loss_K, correct_K, pred_KxBxT = _head_sums(model, hiddens, targets_KxBxT, mask_KxBxT, chunk)
+  if num == 1 or (mtp_targets == 'data' and not model.args.stop_gradient):
+    loss_K, correct_K, pred_KxBxT = _head_sums(model, hiddens, targets_KxBxT, mask_KxBxT, chunk)
+  else:  # depth 0 first: its argmax gives the 'self' targets; OutHead differs under stop_gradient
+    loss_0, correct_0, pred_0 = _head_sums(model, hiddens[:1], targets_KxBxT[:1],
+                                           mask_KxBxT[:1], chunk)
+    mtp_tgt = targets_KxBxT[1:]
+    if mtp_targets == 'self':
+      mtp_tgt = self_targets(pred_0[0], num - 1)
+    loss_k, _, pred_k = _head_sums(model, hiddens[1:], mtp_tgt, mask_KxBxT[1:], chunk, first=1)
+    correct_k = jnp.sum((pred_k == targets_KxBxT[1:]) & mask_KxBxT[1:], axis=(1, 2))
+    loss_K = jnp.concatenate([loss_0, loss_k])
+    correct_K = jnp.concatenate([correct_0, correct_k.astype(correct_0.dtype)])
+    pred_KxBxT = jnp.concatenate([pred_0, pred_k])
   # does depth k's argmax at i equal the main model's argmax at i + k?
   agree = [jnp.zeros((), jnp.float32)] + [
       jnp.sum((pred_KxBxT[k] == shift_left(pred_KxBxT[0], k, fill=-1)) & mask_KxBxT[k])

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtp_jax import config_lib
 from mtp_jax import layers
 from mtp_jax.sharding import constrain
 
@@ -41,6 +42,7 @@ class ModelArgs:
   mtp_depth: int = 1
   mtp_kind: str = 'sequential'
   detach_trunk: bool = False
+  stop_gradient: bool = False  # MTP losses reach neither h^0 nor Emb nor OutHead (config_lib)
   remat: str = 'none'  # none | block | full (see remat_policy); never changes parameters
   scan_layers: bool = False  # lax.scan over trunk blocks and MTP depths; never changes parameters
 
@@ -52,6 +54,7 @@ class ModelArgs:
                mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
                tie_embeddings=m.tie_embeddings, dtype=jnp.dtype(m.dtype), init_std=m.init_std,
                mtp_depth=m.mtp.depth, mtp_kind=m.mtp.kind, detach_trunk=m.mtp.detach_trunk,
+               stop_gradient=config_lib.optional(config, 'model.mtp.stop_gradient', False),
                remat=m.remat, scan_layers=m.scan_layers)
 
 
@@ -214,6 +217,11 @@ class MTPModel(nnx.Module):
     return run_blocks(self.layers, x, positions_BxT, mask_Bx1xTxT, self.args.remat,
                       self.args.scan_layers)
 
+  def mtp_embed(self, tokens_BxT: Array) -> Array:
+    """Emb(t_(i+k)) as an MTP input: detached from the shared table under stop_gradient."""
+    x = self.embed_tokens(tokens_BxT)
+    return jax.lax.stop_gradient(x) if self.args.stop_gradient else x
+
   def mtp_step(self, depth: int, h_prev_BxTxD, tokens_BxT, positions_BxT, mask, cache=None,
                cache_index_B=None):
     """h^k from h^{k-1} (sequential) or h^0 (parallel); tokens_BxT are t_{i+k} at i."""
@@ -239,13 +247,14 @@ class MTPModel(nnx.Module):
     mask = layers.attention_mask(segment_ids_BxT)
     h0 = self.trunk(tokens_BxT, positions_BxT, mask)
     hiddens = [h0]
-    h = jax.lax.stop_gradient(h0) if self.args.detach_trunk else h0
+    detach = self.args.detach_trunk or self.args.stop_gradient
+    h = jax.lax.stop_gradient(h0) if detach else h0
     if self.args.scan_layers and self.args.mtp_depth > 1:
       return hiddens + self._scan_depths(h, tokens_BxT, positions_BxT, mask)
     for k in range(1, self.args.mtp_depth + 1):
       module = self.mtp[k - 1]
       if self.args.mtp_kind == 'sequential':
-        x = module.combine(h, self.embed_tokens(shift_left(tokens_BxT, k)))
+        x = module.combine(h, self.mtp_embed(shift_left(tokens_BxT, k)))
         h = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
         hiddens.append(h)
       else:
@@ -268,7 +277,7 @@ class MTPModel(nnx.Module):
     def body(h, xs):
       state, tokens = xs
       module = nnx.merge(graphdef, state)
-      x = module.combine(h, self.embed_tokens(tokens)) if sequential else h
+      x = module.combine(h, self.mtp_embed(tokens)) if sequential else h
       hk = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
       return (hk if sequential else h), hk
 

@@ -51,9 +51,21 @@ def build_optimizer(config) -> optax.GradientTransformation:
   return adamw
 
 
+def trainable(config):
+  """The nnx filter of the parameters the optimizer updates (model.mtp.freeze_trunk: MTP only).
+
+  Frozen parameters are left out of the optimizer rather than given zero updates
+  (optax.set_to_zero): no gradient is computed for them, they hold no Adam moments, and
+  they are never written, so they stay bit-identical (p + 0.0 would turn -0.0 into 0.0).
+  """
+  if config_lib.optional(config, 'model.mtp.freeze_trunk', False):
+    return nnx.All(nnx.Param, nnx.PathContains('mtp'))
+  return nnx.Param
+
+
 def create_model_and_optimizer(config) -> tuple[MTPModel, nnx.Optimizer]:
   model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(config.seed))
-  return model, nnx.Optimizer(model, build_optimizer(config), wrt=nnx.Param)
+  return model, nnx.Optimizer(model, build_optimizer(config), wrt=trainable(config))
 
 
 # -- state on the mesh -------------------------------------------------------------------
@@ -100,11 +112,13 @@ def train_step(config, graphdef, state, batch):
   weights = loss_lib.depth_weights(config, step)
   # Normalisers from the whole batch: microbatch gradients then sum to the big-batch one.
   counts = loss_lib.valid_counts(batch['segment_ids'], num_depths)
-  model_graph, params, rest = nnx.split(model, nnx.Param, ...)
+  model_graph, params, rest = nnx.split(model, trainable(config), ...)  # frozen params in rest
+  mtp_targets = config_lib.optional(config, 'loss.mtp_targets', 'data')
 
   def loss_fn(p, mb):
     m = nnx.merge(model_graph, p, rest)
-    return loss_lib.loss_and_metrics(m, mb, weights, counts, config.model.loss_chunk)
+    return loss_lib.loss_and_metrics(m, mb, weights, counts, config.model.loss_chunk,
+                                     mtp_targets)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   accum = config.train.grad_accum
@@ -276,6 +290,10 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
       break
     if init_from and not has_checkpoints:
       resilience.check_init_from(init_from, config, config_dict)
+    if config.model.mtp.freeze_trunk and not (init_from or has_checkpoints):
+      raise config_lib.ConfigError(
+          'model.mtp.freeze_trunk would train MTP modules on a randomly initialised, frozen '
+          'trunk: give --init_from=<a trained workdir or checkpoint>')
     abstract = nnx.eval_shape(lambda: nnx.split(create_model_and_optimizer(config))[1])
     resilience.check_disk_space(checkpointer.directory,
                                 resilience.checkpoint_bytes_estimate(abstract))
