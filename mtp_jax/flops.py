@@ -19,6 +19,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from mtp_jax import config_lib
+
 
 @dataclasses.dataclass(frozen=True)
 class FlopsPerToken:
@@ -37,6 +39,12 @@ class FlopsPerToken:
   @property
   def train(self) -> float:
     return 3.0 * self.forward
+
+  def train_frozen_trunk(self, depth: int) -> float:
+    """model.mtp.freeze_trunk: the trunk and the main head run forward only; the MTP
+    eh_proj and blocks 3x; the D MTP vocab projections 2x (input gradient, frozen OutHead)."""
+    mtp_vocab = self.vocab * depth / (depth + 1)
+    return self.forward + 2.0 * (self.mtp_eh_proj + self.mtp_block) + mtp_vocab
 
   def as_dict(self) -> dict:
     return {'trunk_matmul': self.trunk_matmul, 'trunk_attention': self.trunk_attention,
@@ -155,7 +163,10 @@ class MFU:
   """perf/mfu of a run: model FLOPs per token x tokens/s over the job's peak FLOP/s."""
 
   def __init__(self, config, devices=None):
-    self.flops_per_token = config_flops_per_token(config).train
+    per_token = config_flops_per_token(config)
+    self.flops_per_token = (per_token.train_frozen_trunk(config.model.mtp.depth)
+                            if config_lib.optional(config, 'model.mtp.freeze_trunk', False)
+                            else per_token.train)
     self.peak, self.source = peak_flops(jnp.dtype(config.model.dtype), devices)
 
   def metrics(self, tokens_per_sec: float) -> dict:

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from conftest import load_config, tiny_model_config
-from mtp_jax import config_lib, train
+from mtp_jax import config_lib, flops, train
 from mtp_jax import loss as loss_lib
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.model import MTPModel, ModelArgs
@@ -122,6 +122,14 @@ def test_bad_combinations_name_their_field(mutate, words):
   mutate(c)
   with pytest.raises(ConfigError, match=words):
     config_lib.validate(c)
+
+
+def test_mfu_counts_no_trunk_backward_when_frozen():
+  c = tiny_model_config(depth=2)
+  f = flops.config_flops_per_token(c)
+  c.model.mtp.freeze_trunk = True
+  got = flops.MFU(c).flops_per_token
+  assert got == f.forward + 2 * (f.mtp_eh_proj + f.mtp_block) + f.vocab * 2 / 3 < f.train
 
 
 # ------------------------------------------------------------------------ in-process model
