@@ -96,7 +96,8 @@ def tabulate_variant(args, variant: str) -> dict:
       'variant': variant, 'finished': True, 'depth': depth, 'kind': kind if depth else None,
       'steps': int(config.train.steps), 'tokens_per_step': tokens,
       'train_flops': per_step * config.train.steps, 'flops_per_step': per_step,
-      # Each log line's step_time covers the steps since the previous one.
+      # Wall time of the training steps (compilation, evaluation and saves excluded):
+      # each log line's step_time covers the steps since the previous line.
       'train_seconds': _train_seconds(train_rows),
       'val_loss_main': ev['eval/loss_main'], 'val_bpb_main': ev['eval/bpb_main'],
       'val_loss_per_depth': [ev[f'eval/loss_mtp_{k}'] for k in range(1, depth + 1)],
@@ -134,18 +135,18 @@ def markdown(rows: list[dict]) -> str:
   def seq(xs, fmt='{:.3f}'):
     return ' / '.join(fmt.format(x) for x in xs) if xs else 'n.a.'
 
-  out = ['| variant | D | steps | train TFLOP | val loss main (nats) | val bpb main | '
-         'val loss per depth | tau | acceptance per depth | spec == AR |',
-         '|---|---|---|---|---|---|---|---|---|---|']
+  out = ['| variant | D | steps | train TFLOP | train wall (min) | val loss main (nats) | '
+         'val bpb main | val loss per depth | tau | acceptance per depth | spec == AR |',
+         '|---|---|---|---|---|---|---|---|---|---|---|']
   for r in rows:
     if not r['finished']:
-      out.append(f'| {r["variant"]} | not finished |' + ' |' * 8)
+      out.append(f'| {r["variant"]} | not finished |' + ' |' * 9)
       continue
     ident = 'n.a.' if r['identical_to_ar'] is None else ('yes' if r['identical_to_ar'] else 'NO')
     tau = '1 (n.a.)' if not r['depth'] else f'{r["tau"]:.2f}'
     out.append(
         f'| {r["variant"]} | {r["depth"]} | {r["steps"]} | {r["train_flops"] / 1e12:.2f} | '
-        f'{r["val_loss_main"]:.4f} | {r["val_bpb_main"]:.4f} | {seq(r["val_loss_per_depth"])} | '
+        f'{r["train_seconds"] / 60:.1f} | {r["val_loss_main"]:.4f} | {r["val_bpb_main"]:.4f} | {seq(r["val_loss_per_depth"])} | '
         f'{tau} | {seq(r["acceptance_per_depth"], "{:.2f}")} | {ident} |')
   return '\n'.join(out)
 
