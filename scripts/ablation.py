@@ -8,7 +8,8 @@ one after the other; a finished variant is not retrained, an interrupted one res
 The table, per variant: training FLOPs and steps, the last evaluation's validation loss
 and bits per byte of the main head and loss per MTP depth (metrics.jsonl), and greedy
 self-speculative decoding of held-out validation prompts (the prompts of
-benchmarks/decode_speed.py): tau (tokens per verify step), the acceptance per depth and
+benchmarks/decode_speed.py and scripts/eval.py, decoded by the same
+evaluation.decode_metrics): tau (tokens per verify step), the acceptance per depth and
 whether the output equals plain autoregressive decoding.
 """
 import argparse
@@ -80,14 +81,15 @@ def train(args, variant: str) -> None:
 
 def tabulate_variant(args, variant: str) -> dict:
   """Training FLOPs, validation figures and decode statistics of one finished variant."""
-  import numpy as np
-  from mtp_jax import decode, evaluation, flops
+  from mtp_jax import config_lib, decode, evaluation, flops
   from mtp_jax.data import tokenizers
   workdir = os.path.join(args.workdir, variant)
   ev = final_eval(workdir)
   if ev is None:
     return {'variant': variant, 'finished': False}
-  config, step = decode.load_workdir(workdir)
+  saved, step = decode.load_workdir(workdir)
+  config = config_lib.base_config()
+  config.update(saved.to_dict())  # a run saved before a field existed has its default
   depth, kind = int(config.model.mtp.depth), config.model.mtp.kind
   tokens = config.data.batch_size * config.data.seq_len
   per_step = flops.config_flops_per_token(config).train * tokens
@@ -107,16 +109,17 @@ def tabulate_variant(args, variant: str) -> dict:
   tokenizer = tokenizers.get_tokenizer(config.data)
   prompts = evaluation.validation_prompts(config, tokenizer, args.num_prompts, args.prompt_len)
   dec = decode.Decoder(decode.restore_model(config, workdir, step))
-  kw = dict(eos_id=None)  # fixed length: every row decodes max_new_tokens tokens
-  ar = dec.generate(prompts, args.max_new_tokens, num_drafts=0, **kw)
+  # The trainer's and scripts/eval.py's decode figures: greedy, no EOS, spec vs AR.
+  dm = evaluation.decode_metrics(dec, prompts, args.max_new_tokens, compare=True)
+  row['ar_tokens_per_sec'] = dm['eval/decode_ar_tokens_per_sec']
   if depth:
-    sp = dec.generate(prompts, args.max_new_tokens, num_drafts=depth, **kw)
-    st = sp.stats()
-    row.update(tau=st['mean_accepted_length'], acceptance_per_depth=st['acceptance_per_depth'],
-               conditional_acceptance=st['conditional_acceptance'],
-               identical_to_ar=all(np.array_equal(a, s) for a, s in zip(ar.tokens, sp.tokens)))
-  else:  # no drafts: every verify step commits exactly one token
-    row.update(tau=1.0, acceptance_per_depth=[], conditional_acceptance=[], identical_to_ar=None)
+    row.update(tau=dm[evaluation.TAU_KEY],
+               acceptance_per_depth=[dm[evaluation.accept_key(k)] for k in range(1, depth + 1)],
+               identical_to_ar=dm['eval/decode_identical'],
+               spec_tokens_per_sec=dm['eval/decode_spec_tokens_per_sec'],
+               speedup=dm['eval/decode_speedup'])
+  else:  # no drafts: every main-model pass commits exactly one token
+    row.update(tau=1.0, acceptance_per_depth=[], identical_to_ar=None)
   row['decode'] = {'prompts': len(prompts), 'prompt_len': args.prompt_len,
                    'max_new_tokens': args.max_new_tokens, 'greedy': True}
   return row
