@@ -6,7 +6,8 @@
 --run trains each variant in ROOT/<variant> with scripts/train.py (one subprocess each,
 one after the other; a finished variant is not retrained, an interrupted one resumes).
 The table, per variant: training FLOPs and steps, the last evaluation's validation loss
-and bits per byte of the main head and loss per MTP depth (metrics.jsonl), and greedy
+and bits per byte of the main head, loss and teacher-forced agreement with the main head
+per MTP depth (metrics.jsonl), and greedy
 self-speculative decoding of held-out validation prompts (the prompts of
 benchmarks/decode_speed.py and scripts/eval.py, decoded by the same
 evaluation.decode_metrics): tau (tokens per verify step), the acceptance per depth and
@@ -139,18 +140,20 @@ def markdown(rows: list[dict]) -> str:
     return ' / '.join(fmt.format(x) for x in xs) if xs else 'n.a.'
 
   out = ['| variant | D | steps | train TFLOP | train wall (min) | val loss main (nats) | '
-         'val bpb main | val loss per depth | tau | acceptance per depth | spec == AR |',
-         '|---|---|---|---|---|---|---|---|---|---|---|']
+         'val bpb main | val loss per depth | val agreement per depth | tau | '
+         'acceptance per depth | spec == AR |',
+         '|---|---|---|---|---|---|---|---|---|---|---|---|']
   for r in rows:
     if not r['finished']:
-      out.append(f'| {r["variant"]} | not finished |' + ' |' * 9)
+      out.append(f'| {r["variant"]} | not finished |' + ' |' * 10)
       continue
     ident = 'n.a.' if r['identical_to_ar'] is None else ('yes' if r['identical_to_ar'] else 'NO')
     tau = '1 (n.a.)' if not r['depth'] else f'{r["tau"]:.2f}'
     out.append(
         f'| {r["variant"]} | {r["depth"]} | {r["steps"]} | {r["train_flops"] / 1e12:.2f} | '
-        f'{r["train_seconds"] / 60:.1f} | {r["val_loss_main"]:.4f} | {r["val_bpb_main"]:.4f} | {seq(r["val_loss_per_depth"])} | '
-        f'{tau} | {seq(r["acceptance_per_depth"], "{:.2f}")} | {ident} |')
+        f'{r["train_seconds"] / 60:.1f} | {r["val_loss_main"]:.4f} | {r["val_bpb_main"]:.4f} | '
+        f'{seq(r["val_loss_per_depth"])} | {seq(r["val_agree_per_depth"], "{:.2f}")} | {tau} | '
+        f'{seq(r["acceptance_per_depth"], "{:.2f}")} | {ident} |')
   return '\n'.join(out)
 
 
