@@ -8,10 +8,11 @@ steps are the training-FLOP budget over the variant's FLOPs per step (mtp_jax/fl
 3 x forward matmul FLOPs), rounded down, so D = 0 gets proportionally more steps.
 
 Budget: BUDGET_FLOPS = 10 TFLOP per variant (d 128, 4 layers, 2,048 tokens per step:
-794 / 489 / 509 steps for none / sequential / parallel), sized so the three variants
-together train in about 25-30 minutes on 2 CPU cores shared with other jobs (README,
-Research recipes, has the measured figures). `:<variant>,smoke` is the same ablation on
-a tiny model with a tiny budget (tests, a seconds-long end-to-end check).
+794 / 489 / 509 steps for none / sequential / parallel), sized for about 25-30 minutes
+of training for all three on 2 shared CPU cores; measured 15-32 min of training steps
+(18-41 min for the whole run) at load 4-8 (README, research recipe on head kinds).
+`:<variant>,smoke` is the same ablation on a tiny model with a tiny budget (tests: the
+whole script end to end in about a minute).
 `scripts/ablation.py` trains all three and tabulates them.
 """
 from mtp_jax import config_lib
