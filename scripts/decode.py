@@ -7,7 +7,6 @@
 Intentionally thin: parse flags, call mtp_jax.decode.decode_workdir. Bad input exits
 with code 2 and a one-line error, before anything is compiled.
 """
-import argparse
 import json
 import os
 import sys
@@ -15,14 +14,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # one line, exit code 2 (argparse's default prints the usage too)
-    print(f'error: {message}', file=sys.stderr)
-    sys.exit(2)
+from mtp_jax import cli  # noqa: E402  (argparse only; JAX starts after the flags)
 
 
 def parse(argv):
-  p = _Parser(description=__doc__.splitlines()[0])
+  p = cli.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--workdir', required=True, help='training workdir (latest checkpoint is used)')
   p.add_argument('--prompt', help='one prompt')
   p.add_argument('--prompts_file', help='one prompt per line (.jsonl: one JSON string per line)')

@@ -13,7 +13,6 @@ trainer's own eval settings, so a checkpoint's figures repeat its metrics.jsonl 
 Intentionally thin: parse flags, call mtp_jax.evaluation.evaluate_workdir. Bad input
 exits with code 2 and a one-line error, before anything is compiled.
 """
-import argparse
 import json
 import os
 import sys
@@ -21,14 +20,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # one line, exit code 2 (argparse's default prints the usage too)
-    print(f'error: {message}', file=sys.stderr)
-    sys.exit(2)
+from mtp_jax import cli  # noqa: E402  (argparse only; JAX starts after the flags)
 
 
 def parse(argv):
-  p = _Parser(description=__doc__.splitlines()[0])
+  p = cli.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--workdir', required=True, help='training workdir')
   p.add_argument('--split', help='data split to evaluate on (default: data.eval_split)')
   p.add_argument('--step', type=int, help='checkpoint step (default: the latest)')
