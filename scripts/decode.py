@@ -12,8 +12,6 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 from mtp_jax import cli  # noqa: E402  (argparse only; JAX starts after the flags)
 
 
