@@ -599,6 +599,22 @@ class Decoder:
         history_drafts=h['history_drafts'][:steps] if record else None,
         history_length=h['history_length'][:steps] if record else None)
 
+  def generate_batched(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                       batch_size: int, warm_up: bool = False, **kw) -> DecodeResult:
+    """generate() over consecutive batches of batch_size prompts, as one result.
+
+    The last batch is filled up with copies of its first prompt, so every call runs the
+    same compiled program; those rows are left out of the result. warm_up: first run
+    one short untimed call (a program's first runs are slower), so `seconds` measures
+    decoding only. kw: generate()'s keyword arguments.
+    """
+    chunks = [list(prompts[i:i + batch_size]) for i in range(0, len(prompts), batch_size)]
+    fill = lambda c: c + [c[0]] * (batch_size - len(c))  # noqa: E731 one static batch shape
+    if warm_up:
+      self.generate(fill(chunks[0]), min(2, max_new_tokens), **kw)
+    return _merge_results([(self.generate(fill(c), max_new_tokens, **kw), len(c))
+                           for c in chunks])
+
 
 class RequestError(ValueError):
   """A decoding request that cannot run; the message names the problem (CLI exit code 2)."""
@@ -757,17 +773,9 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   drafts = {'ar': 0, 'spec': num_drafts or depth}
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id,
             seed=seed, pad_to=(max(map(len, ids)), max_new_tokens))
-  chunks = [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
-  results = {}
-  pad = lambda chunk: chunk + [chunk[0]] * (batch_size - len(chunk))  # noqa: E731 static batch
-  for m in modes:  # compile and run once first: timings exclude compilation and first-run costs
-    decoder.generate(pad(chunks[0]), min(2, max_new_tokens), num_drafts=drafts[m], **kw)
-  for m in modes:
-    parts = []
-    for chunk in chunks:
-      r = decoder.generate(pad(chunk), max_new_tokens, num_drafts=drafts[m], **kw)
-      parts.append((r, len(chunk)))
-    results[m] = _merge_results(parts)
+  results = {m: decoder.generate_batched(ids, max_new_tokens, batch_size=batch_size,
+                                         warm_up=True, num_drafts=drafts[m], **kw)
+             for m in modes}
   out = {'workdir': os.path.abspath(workdir), 'step': step, 'mode': mode,
          'num_drafts': drafts['spec'] if mode != 'ar' else 0, 'temperature': temperature,
          'batch_size': batch_size}

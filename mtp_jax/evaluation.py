@@ -114,21 +114,11 @@ def decode_metrics(decoder: decode.Decoder, prompts: Sequence[Sequence[int]],
   model without MTP modules decodes autoregressively only (compare) or not at all.
   """
   depth = decoder.args.mtp_depth
-  batch = batch_size or len(prompts)
-  chunks = [list(prompts[i:i + batch]) for i in range(0, len(prompts), batch)]
-  pad = lambda c: c + [c[0]] * (batch - len(c))  # noqa: E731 one static batch shape
-  kw = dict(eos_id=None, pad_to=(max(map(len, prompts)), max_new_tokens))
+  kw = dict(batch_size=batch_size or len(prompts), warm_up=compare, eos_id=None,
+            pad_to=(max(map(len, prompts)), max_new_tokens))
   modes = ([0] if compare else []) + ([depth] if depth else [])
-
-  def run(num_drafts):
-    parts = [(decoder.generate(pad(c), max_new_tokens, num_drafts=num_drafts, **kw), len(c))
-             for c in chunks]
-    return decode._merge_results(parts)  # pylint: disable=protected-access
-
-  if compare:
-    for n in modes:  # first runs of a compiled program are slower: keep them out of timings
-      decoder.generate(pad(chunks[0]), min(2, max_new_tokens), num_drafts=n, **kw)
-  results = {n: run(n) for n in modes}
+  results = {n: decoder.generate_batched(prompts, max_new_tokens, num_drafts=n, **kw)
+             for n in modes}
   out = {}
   if depth:
     st = results[depth].stats()
