@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from mtp_jax.model import MTPModel, shift_left
+from mtp_jax.model import MTPModel, shift_left, vocab_logits
 
 Array = jax.Array
 
@@ -79,7 +79,7 @@ def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk:
   temporaries in XLA's buffer assignment: peak memory then grows with D.)
   """
   num = len(hiddens)
-  b, t, d = hiddens[0].shape
+  b, t, _ = hiddens[0].shape
   chunk = t if chunk in (0, None) else chunk
   n = t // chunk
   h_KxBxTxD = jnp.stack(hiddens)
@@ -99,9 +99,7 @@ def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk:
 
     def chunk_body(carry, cxs):
       hc, tc, mc = cxs
-      x_NxD = norm(hc).reshape(b * chunk, d)  # 2-D: see layers.project
-      logits = jnp.dot(x_NxD, w_DxV.astype(x_NxD.dtype),
-                       preferred_element_type=jnp.float32).reshape(b, chunk, -1)
+      logits = vocab_logits(norm, hc, w_DxV)
       nll = optax.softmax_cross_entropy_with_integer_labels(logits, tc)
       pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       mf = mc.astype(jnp.float32)

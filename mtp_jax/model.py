@@ -76,6 +76,14 @@ def shift_left(x_BxT: Array, k: int, fill=0) -> Array:
   return jnp.concatenate([x_BxT[:, k:], pad], axis=1)
 
 
+def vocab_logits(norm, h_BxTxD: Array, w_DxV: Array) -> Array:
+  """float32 logits [B, T, V] of norm(h) @ w as one 2-D matmul (see layers.project)."""
+  b, t, d = h_BxTxD.shape
+  x_NxD = norm(h_BxTxD).reshape(b * t, d)
+  return jnp.dot(x_NxD, w_DxV.astype(x_NxD.dtype),
+                 preferred_element_type=jnp.float32).reshape(b, t, -1)
+
+
 def remat_policy(name: str):
   """The jax.checkpoint policy of config.model.remat (None: no rematerialisation).
 
@@ -206,10 +214,7 @@ class MTPModel(nnx.Module):
 
   def logits(self, h_BxTxD: Array, depth: int = 0) -> Array:
     """OutHead(norm_depth(h)) in float32."""
-    b, t, d = h_BxTxD.shape
-    x_NxD = self.head_norm(depth)(h_BxTxD).reshape(b * t, d)  # 2-D: see layers.project
-    w = self.output_kernel().astype(x_NxD.dtype)
-    return jnp.dot(x_NxD, w, preferred_element_type=jnp.float32).reshape(b, t, -1)
+    return vocab_logits(self.head_norm(depth), h_BxTxD, self.output_kernel())
 
   def trunk(self, tokens_BxT, positions_BxT, mask_Bx1xTxT) -> Array:
     """h^0: the last block's output, before the final norm."""
