@@ -655,10 +655,11 @@ def check_request(prompts, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, 
 def load_workdir(workdir: str, step: int | None = None):
   """(config, step) of checkpoint `step` (default: the latest) of a training workdir.
 
-  RequestError if there is none.
+  The saved config over base_config(): a run saved before a field existed reads as
+  having that field's default. RequestError if there is no checkpoint.
   """
-  import ml_collections
   from mtp_jax import checkpoint as ckpt_lib
+  from mtp_jax import config_lib
   directory = os.path.join(workdir, 'checkpoints')
   if not os.path.isdir(workdir):
     raise RequestError(f'--workdir {workdir!r} does not exist')
@@ -682,7 +683,9 @@ def load_workdir(workdir: str, step: int | None = None):
       raise RequestError(f'checkpoint {step} in {workdir!r} has no saved config')
     with open(path) as f:
       saved = json.load(f)
-  return ml_collections.ConfigDict(saved), step
+  config = config_lib.base_config()
+  config.update(saved)
+  return config, step
 
 
 def restore_model(config, workdir: str, step: int) -> MTPModel:

@@ -173,9 +173,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
   from mtp_jax import train
   from mtp_jax.data import pipeline, tokenizers
   _check_options(split, eval_batches, num_prompts, prompt_len, max_new_tokens, batch_size, step)
-  saved, step = decode.load_workdir(workdir, step)
-  config = config_lib.base_config()
-  config.update(saved.to_dict())  # a run saved before a field existed has its default
+  config, step = decode.load_workdir(workdir, step)
   devices = jax.local_devices() if devices is None else devices
   t, d = config.train, config.data
   split = split or d.eval_split

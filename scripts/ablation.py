@@ -82,15 +82,13 @@ def train(args, variant: str) -> None:
 
 def tabulate_variant(args, variant: str) -> dict:
   """Training FLOPs, validation figures and decode statistics of one finished variant."""
-  from mtp_jax import config_lib, decode, evaluation, flops
+  from mtp_jax import decode, evaluation, flops
   from mtp_jax.data import tokenizers
   workdir = os.path.join(args.workdir, variant)
   ev = final_eval(workdir)
   if ev is None:
     return {'variant': variant, 'finished': False}
-  saved, step = decode.load_workdir(workdir)
-  config = config_lib.base_config()
-  config.update(saved.to_dict())  # a run saved before a field existed has its default
+  config, step = decode.load_workdir(workdir)
   depth, kind = int(config.model.mtp.depth), config.model.mtp.kind
   tokens = config.data.batch_size * config.data.seq_len
   per_step = flops.config_flops_per_token(config).train * tokens
