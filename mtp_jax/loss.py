@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from mtp_jax.metrics import metric_key
 from mtp_jax.model import MTPModel, shift_left, vocab_logits
 
 Array = jax.Array
@@ -163,9 +164,9 @@ def summarize(sums: dict, prefix: str = 'train') -> dict:
   count = jnp.maximum(sums['count'], 1.0)
   loss_k = sums['loss_sum'] / count
   acc_k = sums['correct'] / count
-  out = {f'{prefix}/loss_main': loss_k[0], f'{prefix}/acc_main': acc_k[0]}
+  out = {metric_key(prefix, 'loss', 0): loss_k[0], metric_key(prefix, 'acc', 0): acc_k[0]}
   for k in range(1, loss_k.shape[0]):
-    out[f'{prefix}/loss_mtp_{k}'] = loss_k[k]
-    out[f'{prefix}/acc_mtp_{k}'] = acc_k[k]
-    out[f'{prefix}/agree_mtp_{k}'] = sums['agree'][k] / count[k]
+    out[metric_key(prefix, 'loss', k)] = loss_k[k]
+    out[metric_key(prefix, 'acc', k)] = acc_k[k]
+    out[metric_key(prefix, 'agree', k)] = sums['agree'][k] / count[k]
   return out

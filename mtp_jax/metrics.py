@@ -1,13 +1,55 @@
-"""Where metrics go: metrics.jsonl, TensorBoard event files, a live console line."""
+"""Metric names and where metrics go: metrics.jsonl, TensorBoard event files, a live console line.
+
+Every per-depth key is `metric_key(split, stat, depth)`: 'train/loss_main',
+'eval/acc_mtp_2', 'eval/decode_accept_mtp_1'; depth None is a key without a depth
+('eval/decode_tau'). Readers find the depths a log holds with `parse_key`.
+"""
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import sys
 import time
 
 import numpy as np
+
+_KEY_RE = re.compile(r'^(\w+)/(\w+?)_(main|mtp_(\d+))$')
+
+
+def depth_name(depth: int) -> str:
+  """'main' for the main model (depth 0), 'mtp_k' for MTP depth k."""
+  return 'main' if depth == 0 else f'mtp_{depth}'
+
+
+def depth_names(num_depths: int) -> list[str]:
+  return [depth_name(k) for k in range(num_depths)]
+
+
+def metric_key(split: str, stat: str, depth: int | None = None) -> str:
+  """'split/stat_main', 'split/stat_mtp_k', or 'split/stat' when depth is None."""
+  return f'{split}/{stat}' if depth is None else f'{split}/{stat}_{depth_name(depth)}'
+
+
+# Free-running decoding (evaluation.decode_metrics): mean accepted length, and per depth k
+# metric_key('eval', 'decode_accept', k), P(the first k drafts of a verify step are accepted).
+TAU_KEY = metric_key('eval', 'decode_tau')
+
+
+def parse_key(key: str) -> tuple[str, str, int] | None:
+  """(split, stat, depth) of a per-depth metric_key, else None."""
+  m = _KEY_RE.match(key)
+  if m is None:
+    return None
+  return m.group(1), m.group(2), 0 if m.group(3) == 'main' else int(m.group(4))
+
+
+def key_depths(keys, split: str | tuple[str, ...], stat: str) -> list[int]:
+  """The sorted depths k >= 1 for which metric_key(split, stat, k) is among `keys`."""
+  splits = (split,) if isinstance(split, str) else split
+  return sorted({p[2] for p in map(parse_key, keys)
+                 if p is not None and p[0] in splits and p[1] == stat and p[2] > 0})
 
 
 def _to_py(v):
@@ -30,7 +72,8 @@ class MetricWriter:
     os.makedirs(workdir, exist_ok=True)
     self._file = open(os.path.join(workdir, 'metrics.jsonl'), 'a', buffering=1)
     if tensorboard:
-      from tensorboardX import SummaryWriter
+      # Deferred: tensorboardX pulls in protobuf; only a writing process needs it.
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
 
   def write(self, step: int, metrics: dict):
@@ -97,3 +140,15 @@ def _fmt_time(s: float) -> str:
     return '--:--'
   s = int(s)
   return f'{s // 3600:d}:{s // 60 % 60:02d}:{s % 60:02d}' if s >= 3600 else f'{s // 60:02d}:{s % 60:02d}'
+
+
+def repair_jsonl(path: str) -> None:
+  """Drops a last line cut short by a kill, so metrics.jsonl stays one JSON object a line."""
+  try:
+    with open(path, 'rb+') as f:
+      data = f.read()
+      if not data or data.endswith(b'\n'):
+        return
+      f.truncate(data.rfind(b'\n') + 1)
+  except FileNotFoundError:
+    return

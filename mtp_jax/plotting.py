@@ -7,12 +7,13 @@ from __future__ import annotations
 import html
 import json
 import os
-import re
 
 import matplotlib
 
 matplotlib.use('Agg')  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+
+from mtp_jax.metrics import TAU_KEY, key_depths, metric_key  # noqa: E402
 
 
 def load_metrics(workdir: str) -> list[dict]:
@@ -29,9 +30,7 @@ def _series(rows: list[dict], key: str):
 
 
 def depths(rows: list[dict]) -> list[int]:
-  found = {int(m.group(1)) for r in rows for k in r
-           for m in [re.match(r'(?:train|eval)/loss_mtp_(\d+)$', k)] if m}
-  return sorted(found)
+  return key_depths({k for r in rows for k in r}, ('train', 'eval'), 'loss')
 
 
 def _label(k: int) -> str:
@@ -41,9 +40,8 @@ def _label(k: int) -> str:
 def plot_losses(rows: list[dict], path: str) -> str:
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for k in [0] + depths(rows):
-    name = 'loss_main' if k == 0 else f'loss_mtp_{k}'
-    (line,) = ax.plot(*_series(rows, f'train/{name}'), label=f'train {_label(k)}')
-    xs, ys = _series(rows, f'eval/{name}')
+    (line,) = ax.plot(*_series(rows, metric_key('train', 'loss', k)), label=f'train {_label(k)}')
+    xs, ys = _series(rows, metric_key('eval', 'loss', k))
     if xs:
       ax.plot(xs, ys, 'o--', color=line.get_color(), label=f'eval {_label(k)}')
   ax.set_xlabel('step')
@@ -57,9 +55,9 @@ def plot_losses(rows: list[dict], path: str) -> str:
 def plot_accuracy(rows: list[dict], path: str) -> str:
   fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
   for k in [0] + depths(rows):
-    a1.plot(*_series(rows, 'train/acc_main' if k == 0 else f'train/acc_mtp_{k}'), label=_label(k))
+    a1.plot(*_series(rows, metric_key('train', 'acc', k)), label=_label(k))
     if k:
-      a2.plot(*_series(rows, f'train/agree_mtp_{k}'), label=_label(k))
+      a2.plot(*_series(rows, metric_key('train', 'agree', k)), label=_label(k))
   a1.set_title('Top-1 accuracy vs the true token (train)')
   a2.set_title("Agreement with the main model's argmax (train)")
   for a in (a1, a2):
@@ -72,18 +70,17 @@ def plot_accuracy(rows: list[dict], path: str) -> str:
 
 def plot_acceptance(rows: list[dict], path: str) -> str | None:
   """Free-running acceptance per depth and tau from the last eval that measured them."""
-  evals = [r for r in rows if 'eval/decode_tau' in r]
+  evals = [r for r in rows if TAU_KEY in r]
   if not evals:
     return None
   last = evals[-1]
-  ks = sorted(int(m.group(1)) for key in last
-              for m in [re.match(r'eval/decode_accept_mtp_(\d+)$', key)] if m)
+  ks = key_depths(last, 'eval', 'decode_accept')
   fig, ax = plt.subplots(figsize=(6, 4.5))
-  ax.bar([str(k) for k in ks], [last[f'eval/decode_accept_mtp_{k}'] for k in ks])
+  ax.bar([str(k) for k in ks], [last[metric_key('eval', 'decode_accept', k)] for k in ks])
   ax.set_xlabel('draft depth k')
   ax.set_ylabel('acceptance rate')
   ax.set_ylim(0, 1)
-  ax.set_title(f'Free-running acceptance at step {last["step"]}: tau = {last["eval/decode_tau"]:.2f}')
+  ax.set_title(f'Free-running acceptance at step {last["step"]}: tau = {last[TAU_KEY]:.2f}')
   ax.grid(alpha=0.3, axis='y')
   return _save(fig, path)
 
@@ -107,7 +104,7 @@ def plot_run(workdir: str, out_dir: str | None = None) -> list[str]:
 
 
 # -- one speculative decode ------------------------------------------------------------------
-# Background per token source (decode.token_sources): 0 = the main model's own token.
+# Background per token source (generate.token_sources): 0 = the main model's own token.
 SOURCE_COLORS = ('#e0e0e0', '#ffe082', '#a5d6a7', '#90caf9', '#ce93d8', '#f48fb1', '#80cbc4')
 
 

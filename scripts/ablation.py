@@ -21,6 +21,9 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from mtp_jax.metrics import TAU_KEY, metric_key  # noqa: E402  (numpy only; JAX starts later)
+
 VARIANTS = ('none', 'sequential', 'parallel')
 
 
@@ -62,7 +65,8 @@ def final_eval(workdir: str) -> dict | None:
     return None
   with open(path) as f:
     steps = json.load(f)['train']['steps']
-  evals = [m for m in read_metrics(workdir) if m.get('step') == steps and 'eval/loss_main' in m]
+  key = metric_key('eval', 'loss', 0)
+  evals = [m for m in read_metrics(workdir) if m.get('step') == steps and key in m]
   return evals[-1] if evals else None
 
 
@@ -82,13 +86,13 @@ def train(args, variant: str) -> None:
 
 def tabulate_variant(args, variant: str) -> dict:
   """Training FLOPs, validation figures and decode statistics of one finished variant."""
-  from mtp_jax import decode, evaluation, flops
+  from mtp_jax import checkpoint, decode, evaluation, flops, state
   from mtp_jax.data import tokenizers
   workdir = os.path.join(args.workdir, variant)
   ev = final_eval(workdir)
   if ev is None:
     return {'variant': variant, 'finished': False}
-  config, step = decode.load_workdir(workdir)
+  config, step = checkpoint.load_workdir(workdir)
   depth, kind = int(config.model.mtp.depth), config.model.mtp.kind
   tokens = config.data.batch_size * config.data.seq_len
   per_step = flops.config_flops_per_token(config).train * tokens
@@ -100,20 +104,23 @@ def tabulate_variant(args, variant: str) -> dict:
       # Wall time of the training steps (compilation, evaluation and saves excluded):
       # each log line's step_time covers the steps since the previous line.
       'train_seconds': _train_seconds(train_rows),
-      'val_loss_main': ev['eval/loss_main'], 'val_bpb_main': ev['eval/bpb_main'],
-      'val_loss_per_depth': [ev[f'eval/loss_mtp_{k}'] for k in range(1, depth + 1)],
-      'val_acc_per_depth': [ev.get(f'eval/acc_mtp_{k}') for k in range(1, depth + 1)],
-      'val_agree_per_depth': [ev.get(f'eval/agree_mtp_{k}') for k in range(1, depth + 1)],
+      'val_loss_main': ev[metric_key('eval', 'loss', 0)],
+      'val_bpb_main': ev[metric_key('eval', 'bpb', 0)],
+      'val_loss_per_depth': [ev[metric_key('eval', 'loss', k)] for k in range(1, depth + 1)],
+      'val_acc_per_depth': [ev.get(metric_key('eval', 'acc', k)) for k in range(1, depth + 1)],
+      'val_agree_per_depth': [ev.get(metric_key('eval', 'agree', k))
+                              for k in range(1, depth + 1)],
   }
   tokenizer = tokenizers.get_tokenizer(config.data)
   prompts = evaluation.validation_prompts(config, tokenizer, args.num_prompts, args.prompt_len)
-  dec = decode.Decoder(decode.restore_model(config, workdir, step))
+  dec = decode.Decoder(state.restore_model(config, workdir, step))
   # The trainer's and scripts/eval.py's decode figures: greedy, no EOS, spec vs AR.
   dm = evaluation.decode_metrics(dec, prompts, args.max_new_tokens, compare=True)
   row['ar_tokens_per_sec'] = dm['eval/decode_ar_tokens_per_sec']
   if depth:
-    row.update(tau=dm[evaluation.TAU_KEY],
-               acceptance_per_depth=[dm[evaluation.accept_key(k)] for k in range(1, depth + 1)],
+    row.update(tau=dm[TAU_KEY],
+               acceptance_per_depth=[dm[metric_key('eval', 'decode_accept', k)]
+                                     for k in range(1, depth + 1)],
                identical_to_ar=dm['eval/decode_identical'],
                spec_tokens_per_sec=dm['eval/decode_spec_tokens_per_sec'],
                speedup=dm['eval/decode_speedup'])
