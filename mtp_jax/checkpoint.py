@@ -8,6 +8,10 @@ Failure model (issue 5):
   complaint (compressed chunks are not checksummed), so `restore_latest_good` checks both
   and falls back to the newest checkpoint that is intact, moving broken ones aside.
 - Nothing here unpickles: arrays come from TensorStore, everything else from JSON.
+
+Every checkpoint the package opens is opened here: the trainer's Checkpointer,
+`init_from`'s partial restore of another run's trunk, `load_workdir` (a run's config),
+and `read_state_arrays` (raw arrays, no model built).
 """
 from __future__ import annotations
 
@@ -23,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from mtp_jax import config_lib
+from mtp_jax.cli import RequestError
 from mtp_jax.config_lib import ConfigError
 
 # Fields whose change makes an old checkpoint unusable for this run.
@@ -164,7 +170,6 @@ class Checkpointer:
         if os.path.exists(src):
           shutil.move(src, os.path.join(dest, f'{step}-{stamp}'))
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices('mtp_jax_checkpoint_quarantine')
     self.manager.reload()
     return dest
@@ -242,7 +247,6 @@ def _per_process_hashes(digest: str | None) -> list[str] | None:
     return None
   if jax.process_count() == 1:
     return [digest]
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   mine = np.frombuffer(bytes.fromhex(digest), np.uint8)
   every = np.asarray(multihost_utils.process_allgather(mine))
   return [bytes(row).hex() for row in every.reshape(jax.process_count(), -1)]
@@ -336,3 +340,168 @@ def abstract_like(state, shardings):
   """ShapeDtypeStructs with target shardings: the restore template."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       state, shardings)
+
+
+# -- reading a finished run ------------------------------------------------------------------
+def load_workdir(workdir: str, step: int | None = None):
+  """(config, step) of checkpoint `step` (default: the latest) of a training workdir.
+
+  The saved config over base_config(): a run saved before a field existed reads as
+  having that field's default. RequestError if there is no checkpoint.
+  """
+  directory = os.path.join(workdir, 'checkpoints')
+  if not os.path.isdir(workdir):
+    raise RequestError(f'--workdir {workdir!r} does not exist')
+  if not os.path.isdir(directory):
+    raise RequestError(f'--workdir {workdir!r} has no checkpoints/ directory (train it first)')
+  ckpt = Checkpointer(directory, async_save=False)
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise RequestError(f'--workdir {workdir!r} holds no checkpoint (train it first)')
+    if step is not None and step not in steps:
+      raise RequestError(f'--step {step}: --workdir {workdir!r} has checkpoints of steps '
+                         f'{sorted(steps)} only')
+    step = max(steps) if step is None else step
+    saved = ckpt.read_meta(step).get('config')
+  finally:
+    ckpt.close()
+  if not saved:
+    path = os.path.join(workdir, 'config.json')
+    if not os.path.isfile(path):
+      raise RequestError(f'checkpoint {step} in {workdir!r} has no saved config')
+    with open(path) as f:
+      saved = json.load(f)
+  config = config_lib.base_config()
+  config.update(saved)
+  return config, step
+
+
+def restore_state(workdir: str, step: int, abstract_state):
+  """(state, meta) of checkpoint `step` of a workdir onto `abstract_state`'s shardings."""
+  ckpt = Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
+  try:
+    return ckpt.restore(step, abstract_state)
+  finally:
+    ckpt.close()
+
+
+def read_state_arrays(directory: str, step: int) -> list[np.ndarray]:
+  """Every array of checkpoint `step` in a checkpoints directory, in tree order, as saved.
+
+  Needs no template (no model is built): for comparing two runs bit for bit.
+  """
+  with ocp.PyTreeCheckpointer() as ckptr:
+    tree = ckptr.restore(os.path.join(directory, str(step), 'state'))
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+# -- partial restore: init from another run ------------------------------------------------
+def resolve_checkpoint(path: str) -> tuple[str, int | None]:
+  """(checkpoints directory, step or None for its latest) from a workdir, a checkpoints
+  directory or one step directory."""
+  path = os.path.abspath(os.path.expanduser(path))
+  if not os.path.isdir(path):
+    raise ConfigError(f'--init_from {path!r} is not a directory (give a workdir, its '
+                      'checkpoints/ directory or one step directory)')
+  if os.path.isdir(os.path.join(path, 'checkpoints')):
+    return os.path.join(path, 'checkpoints'), None
+  base = os.path.basename(path)
+  if base.isdigit() and os.path.isdir(os.path.join(path, 'state')):
+    return os.path.dirname(path), int(base)
+  if any(n.isdigit() for n in os.listdir(path)):
+    return path, None
+  raise ConfigError(f'--init_from {path!r} holds no checkpoint')
+
+
+def _key_str(k) -> str:
+  for attr in ('key', 'idx', 'name'):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def _paths(tree) -> dict:
+  """{('0', 'embed', 'embedding', 'value'): leaf, ...}: the names orbax saves under."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {tuple(_key_str(k) for k in p): x for p, x in flat}
+
+
+def _nested(paths: dict) -> dict:
+  out = {}
+  for path, leaf in paths.items():
+    node = out
+    for part in path[:-1]:
+      node = node.setdefault(part, {})
+    node[path[-1]] = leaf
+  return out
+
+
+def check_init_from(source: str, config, config_dict: dict) -> tuple[str, int, int]:
+  """(checkpoints directory, step, MTP depths to load) once the source's trunk is known to
+  fit this config; ConfigError / CheckpointError otherwise. Compiles nothing."""
+  directory, step = resolve_checkpoint(source)
+  ckpt = Checkpointer(directory, max_to_keep=1 << 30, async_save=False)
+  try:
+    steps = sorted(ckpt.all_steps(), reverse=True)
+    if not steps:
+      raise ConfigError(f'--init_from {source!r}: no checkpoint in {directory}')
+    step = steps[0] if step is None else step
+    if step not in steps:
+      raise ConfigError(f'--init_from {source!r}: no step {step} in {directory} (has {steps})')
+    try:
+      meta = ckpt.read_meta(step)
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f'--init_from {directory}/{step}: meta unreadable '
+                            f'({short(e)})') from e
+  finally:
+    ckpt.close()
+  saved = meta.get('config', {})
+  # Only the optimizer differs with freeze_trunk, and it starts fresh here anyway.
+  diffs = config_diffs(saved, config_dict,
+                                ignore={'mtp.depth', 'mtp.kind', 'mtp.freeze_trunk'})
+  if diffs:
+    raise ConfigError(f'--init_from {directory}/{step}: the trunk differs from this config: '
+                      + '; '.join(diffs))
+  same_kind = saved['model']['mtp']['kind'] == config.model.mtp.kind
+  keep = min(int(saved['model']['mtp']['depth']), config.model.mtp.depth) if same_kind else 0
+  return directory, step, keep
+
+
+def init_from(source: str, config, config_dict: dict, state, abstract_state, notify=print):
+  """`state` with trunk, embedding/head and matching MTP depths loaded from `source`.
+
+  The model must agree with the source in everything except model.mtp (depth, kind,
+  weights); depths 1..min(D_old, D_new) are loaded when the kind is the same, deeper
+  ones keep their fresh initialisation. Optimizer state, step and data position start
+  fresh: this begins a new run. Returns (state, description).
+  """
+  directory, step, keep = check_init_from(source, config, config_dict)
+
+  def wanted(path):  # the model half; MTP depths only up to `keep`
+    return path[0] == '0' and (path[1] != 'mtp' or int(path[2]) < keep)
+
+  target = _nested({p: x for p, x in _paths(abstract_state).items() if wanted(p)})
+  state_dir = os.path.join(directory, str(step), 'state')
+  restore_args = jax.tree.map(
+      lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype),
+      target)
+  try:
+    with ocp.PyTreeCheckpointer() as ckptr:
+      restored = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
+          item=target, restore_args=restore_args, partial_restore=True))
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f'--init_from {state_dir}: cannot load the trunk '
+                          f'({short(e)})') from e
+  loaded = _paths(restored)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  state = jax.tree_util.tree_unflatten(treedef, [
+      loaded.get(tuple(_key_str(k) for k in p), x) for p, x in flat])
+  fresh = config.model.mtp.depth - keep
+  desc = (f'Initialised from {directory}/{step}: trunk, embedding and head'
+          + (f' + MTP depths 1..{keep}' if keep else '')
+          + f' loaded ({len(loaded)} arrays); '
+          + (f'{fresh} new MTP depth(s) freshly initialised; ' if fresh else '')
+          + 'optimizer, step and data start fresh.')
+  notify(desc)
+  return state, desc

@@ -1,5 +1,7 @@
 """Fault tolerance around the training loop (issue 5).
 
+Partial restores (--init_from) live in checkpoint.py, exit codes in cli.py.
+
 - Preflight checks that fail before anything compiles, with one-line messages:
   the workdir, free disk space for a checkpoint, documents long enough for depth D.
 - `PreemptionGuard`: SIGTERM / SIGINT ask the loop to stop after the current step,
@@ -8,12 +10,9 @@
 - Non-finite steps: `keep_finite_update` drops a NaN/Inf update inside the jitted
   step (no bad state ever exists, in either policy); `NonFiniteMonitor` applies
   train.nonfinite on the host (skip and count, or halt naming step and depth).
-- `init_from`: trunk, shared embedding/head and matching MTP depths from another
-  run's checkpoint; new MTP modules keep their fresh initialisation.
 """
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import tempfile
@@ -22,11 +21,12 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax.cli import one_line
 from mtp_jax.config_lib import ConfigError
-
-CheckpointError = ckpt_lib.CheckpointError
+from mtp_jax.data import tokenizers
+from mtp_jax.metrics import depth_names
 
 
 class WorkdirError(ConfigError):
@@ -36,25 +36,6 @@ class WorkdirError(ConfigError):
 class NonFiniteError(FloatingPointError):
   """train.nonfinite='halt' (or too many skips in a row): the message names step and depths."""
   exit_code = 1
-
-
-def exit_code_of(e: BaseException) -> int | None:
-  """The CLI exit code for an expected failure (2: bad input / environment), else None."""
-  if isinstance(e, ConfigError):
-    return 2
-  code = getattr(e, 'exit_code', None)
-  if code is not None:
-    return code
-  if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
-                                            errno.EACCES, errno.EPERM, errno.ENOTDIR):
-    return 2  # e.g. metrics.jsonl on a full disk: the environment, not a bug
-  return None
-
-
-def one_line(e: BaseException) -> str:
-  text = ' '.join(str(e).split())
-  return text if isinstance(e, (ConfigError, CheckpointError, NonFiniteError)) else (
-      f'{type(e).__name__}: {text}')
 
 
 def close_all(error, notify, *closers) -> None:
@@ -128,6 +109,7 @@ def checkpoint_bytes_estimate(abstract_state) -> int:
 def validate_data(config, process_count: int = 1) -> None:
   """pipeline.validate_data_config, with TFDS's failure on a split left without any readable
   document (every file binary or empty) turned into a ConfigError naming the corpus."""
+  # Deferred, as in train: the data pipeline imports tensorflow_datasets (seconds).
   from mtp_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   try:
     pipeline.validate_data_config(config, process_count)
@@ -150,7 +132,8 @@ def check_document_lengths(config) -> None:
   eos) needs D + 2 tokens to give depth D one target; a corpus of shorter ones would
   train depth D on a loss that is always empty (0), silently.
   """
-  from mtp_jax.data import stdlib_dataset, tokenizers  # pylint: disable=g-import-not-at-top
+  # Deferred: stdlib_dataset imports tensorflow_datasets (seconds), needed only to train.
+  from mtp_jax.data import stdlib_dataset  # pylint: disable=g-import-not-at-top
   depth = config.model.mtp.depth
   need = depth + 2
   d = config.data
@@ -232,7 +215,6 @@ class PreemptionGuard:
   def should_stop(self, step: int) -> bool:
     """Called once per step by every process with the same step numbers."""
     if self._multihost:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       if multihost_utils.reached_preemption_sync_point(step):
         self.signal_name = self.signal_name or 'SIGTERM'
         return True
@@ -242,6 +224,7 @@ class PreemptionGuard:
 
 def _preemption_service_running() -> bool:
   try:
+    # Deferred into the try: a private module, which a JAX release may move or drop.
     from jax._src import distributed  # pylint: disable=g-import-not-at-top
     return distributed.global_state.preemption_sync_manager is not None
   except Exception:  # pylint: disable=broad-except
@@ -259,10 +242,6 @@ def keep_finite_update(old_state, new_state, metrics: dict):
         & jnp.all(jnp.isfinite(metrics['loss_sum'])))
   state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, old_state)
   return state, {**metrics, 'skipped': (~ok).astype(jnp.int32)}
-
-
-def depth_names(num_depths: int) -> list[str]:
-  return ['main'] + [f'mtp_{k}' for k in range(1, num_depths)]
 
 
 def nonfinite_report(m: dict) -> str:
@@ -311,127 +290,3 @@ class NonFiniteMonitor:
     self.notify(f'step {step}: non-finite, update skipped ({self.skipped_total} so far): '
                 f'{nonfinite_report(m)}')
     return False
-
-
-# -- init from another run -----------------------------------------------------------------
-def resolve_checkpoint(path: str) -> tuple[str, int | None]:
-  """(checkpoints directory, step or None for its latest) from a workdir, a checkpoints
-  directory or one step directory."""
-  path = os.path.abspath(os.path.expanduser(path))
-  if not os.path.isdir(path):
-    raise ConfigError(f'--init_from {path!r} is not a directory (give a workdir, its '
-                      'checkpoints/ directory or one step directory)')
-  if os.path.isdir(os.path.join(path, 'checkpoints')):
-    return os.path.join(path, 'checkpoints'), None
-  base = os.path.basename(path)
-  if base.isdigit() and os.path.isdir(os.path.join(path, 'state')):
-    return os.path.dirname(path), int(base)
-  if any(n.isdigit() for n in os.listdir(path)):
-    return path, None
-  raise ConfigError(f'--init_from {path!r} holds no checkpoint')
-
-
-def _key_str(k) -> str:
-  for attr in ('key', 'idx', 'name'):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
-def _paths(tree) -> dict:
-  """{('0', 'embed', 'embedding', 'value'): leaf, ...}: the names orbax saves under."""
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {tuple(_key_str(k) for k in p): x for p, x in flat}
-
-
-def _nested(paths: dict) -> dict:
-  out = {}
-  for path, leaf in paths.items():
-    node = out
-    for part in path[:-1]:
-      node = node.setdefault(part, {})
-    node[path[-1]] = leaf
-  return out
-
-
-def check_init_from(source: str, config, config_dict: dict) -> tuple[str, int, int]:
-  """(checkpoints directory, step, MTP depths to load) once the source's trunk is known to
-  fit this config; ConfigError / CheckpointError otherwise. Compiles nothing."""
-  directory, step = resolve_checkpoint(source)
-  ckpt = ckpt_lib.Checkpointer(directory, max_to_keep=1 << 30, async_save=False)
-  try:
-    steps = sorted(ckpt.all_steps(), reverse=True)
-    if not steps:
-      raise ConfigError(f'--init_from {source!r}: no checkpoint in {directory}')
-    step = steps[0] if step is None else step
-    if step not in steps:
-      raise ConfigError(f'--init_from {source!r}: no step {step} in {directory} (has {steps})')
-    try:
-      meta = ckpt.read_meta(step)
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'--init_from {directory}/{step}: meta unreadable '
-                            f'({ckpt_lib.short(e)})') from e
-  finally:
-    ckpt.close()
-  saved = meta.get('config', {})
-  # Only the optimizer differs with freeze_trunk, and it starts fresh here anyway.
-  diffs = ckpt_lib.config_diffs(saved, config_dict,
-                                ignore={'mtp.depth', 'mtp.kind', 'mtp.freeze_trunk'})
-  if diffs:
-    raise ConfigError(f'--init_from {directory}/{step}: the trunk differs from this config: '
-                      + '; '.join(diffs))
-  same_kind = saved['model']['mtp']['kind'] == config.model.mtp.kind
-  keep = min(int(saved['model']['mtp']['depth']), config.model.mtp.depth) if same_kind else 0
-  return directory, step, keep
-
-
-def init_from(source: str, config, config_dict: dict, state, abstract_state, notify=print):
-  """`state` with trunk, embedding/head and matching MTP depths loaded from `source`.
-
-  The model must agree with the source in everything except model.mtp (depth, kind,
-  weights); depths 1..min(D_old, D_new) are loaded when the kind is the same, deeper
-  ones keep their fresh initialisation. Optimizer state, step and data position start
-  fresh: this begins a new run. Returns (state, description).
-  """
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  directory, step, keep = check_init_from(source, config, config_dict)
-
-  def wanted(path):  # the model half; MTP depths only up to `keep`
-    return path[0] == '0' and (path[1] != 'mtp' or int(path[2]) < keep)
-
-  target = _nested({p: x for p, x in _paths(abstract_state).items() if wanted(p)})
-  state_dir = os.path.join(directory, str(step), 'state')
-  restore_args = jax.tree.map(
-      lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype),
-      target)
-  try:
-    with ocp.PyTreeCheckpointer() as ckptr:
-      restored = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
-          item=target, restore_args=restore_args, partial_restore=True))
-  except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointError(f'--init_from {state_dir}: cannot load the trunk '
-                          f'({ckpt_lib.short(e)})') from e
-  loaded = _paths(restored)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-  state = jax.tree_util.tree_unflatten(treedef, [
-      loaded.get(tuple(_key_str(k) for k in p), x) for p, x in flat])
-  fresh = config.model.mtp.depth - keep
-  desc = (f'Initialised from {directory}/{step}: trunk, embedding and head'
-          + (f' + MTP depths 1..{keep}' if keep else '')
-          + f' loaded ({len(loaded)} arrays); '
-          + (f'{fresh} new MTP depth(s) freshly initialised; ' if fresh else '')
-          + 'optimizer, step and data start fresh.')
-  notify(desc)
-  return state, desc
-
-
-def repair_jsonl(path: str) -> None:
-  """Drops a last line cut short by a kill, so metrics.jsonl stays one JSON object a line."""
-  try:
-    with open(path, 'rb+') as f:
-      data = f.read()
-      if not data or data.endswith(b'\n'):
-        return
-      f.truncate(data.rfind(b'\n') + 1)
-  except FileNotFoundError:
-    return

@@ -26,6 +26,7 @@ import time
 import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # final_params reads checkpoints through mtp_jax.checkpoint
 TMP_MARKER = '.orbax-checkpoint-tmp'
 
 
@@ -111,16 +112,13 @@ def latest_checkpoint(ckpt_dir) -> int:
 
 
 def final_params(workdir):
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  # JAX starts only here: the chaos loop itself only runs and kills subprocesses.
+  from mtp_jax import checkpoint  # pylint: disable=g-import-not-at-top
   ckpt_dir = os.path.join(workdir, 'checkpoints')
   step = max(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
   with warnings.catch_warnings():
     warnings.simplefilter('ignore')
-    with ocp.PyTreeCheckpointer() as c:
-      tree = c.restore(os.path.join(ckpt_dir, str(step), 'state'))
-  return step, [np.asarray(x) for x in jax.tree.leaves(tree)]
+    return step, checkpoint.read_state_arrays(ckpt_dir, step)
 
 
 def chaos(args, workdir, env):
