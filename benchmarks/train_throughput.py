@@ -34,7 +34,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtp_jax import flops as flops_lib  # noqa: E402
-from mtp_jax import sharding, train  # noqa: E402
+from mtp_jax import sharding  # noqa: E402
+from mtp_jax import steps as steps_lib  # noqa: E402
 from mtp_jax.model import ModelArgs  # noqa: E402
 
 jax.config.update('jax_enable_compilation_cache', False)  # compile times must be real
@@ -67,7 +68,7 @@ class Step:
 
   def __init__(self, config):
     t0 = time.perf_counter()
-    self.ts, self.state = train.setup(config, jax.devices()[:1])
+    self.ts, self.state = steps_lib.setup(config, jax.devices()[:1])
     self.config = config
     args = ModelArgs.from_config(config)
     b, t = config.data.batch_size, config.data.seq_len
@@ -185,7 +186,7 @@ def memory_config(depth: int, loss_chunk: int = 0, remat: str = 'none', scan: bo
 
 def compiled_memory(config) -> dict:
   """XLA's memory analysis of the compiled train step (compiled, never run)."""
-  ts, state = train.setup(config, jax.devices()[:1])
+  ts, state = steps_lib.setup(config, jax.devices()[:1])
   args = ModelArgs.from_config(config)
   with sharding.use_mesh(ts.mesh, ts.rules):
     batch = sharding.host_batch_to_global(

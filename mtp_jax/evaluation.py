@@ -1,7 +1,7 @@
 """Evaluation of a checkpoint: teacher-forced per-depth figures and free-running decoding.
 
 Shared by scripts/eval.py and the trainer's periodic evaluation, so both report the
-same `eval/...` keys: train.evaluate's loss, accuracy, agreement and bits per byte
+same `eval/...` keys: `evaluate`'s loss, accuracy, agreement and bits per byte
 per depth, plus the decoder's (DESIGN.md §5) on fixed validation prompts:
   eval/decode_tau               mean accepted length, committed tokens / verify steps
   eval/decode_accept_mtp_<k>    P(the first k drafts of a verify step are accepted)
@@ -12,24 +12,54 @@ on a checkpoint reproduces the trainer's line of that step.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax import decode
+from mtp_jax import loss as loss_lib
+from mtp_jax import resilience
 from mtp_jax import sharding
+from mtp_jax import steps
+from mtp_jax.cli import RequestError
 from mtp_jax.config_lib import ConfigError
+from mtp_jax.data import tokenizers
+from mtp_jax.metrics import TAU_KEY, depth_name, metric_key
+from mtp_jax.model import ModelArgs
 
-TAU_KEY = 'eval/decode_tau'
 MAX_PLAIN_DOCS = 4096  # documents read from a split without a 'path' feature to order by
 
 
-def accept_key(k: int) -> str:
-  return f'eval/decode_accept_mtp_{k}'
+# -- teacher-forced ----------------------------------------------------------------------------
+def padded_token_bytes(config, tokenizer) -> np.ndarray:
+  """UTF-8 bytes of each token id, padded to the model's vocabulary (bits per byte)."""
+  token_bytes = tokenizer.token_bytes()
+  vocab = ModelArgs.from_config(config).vocab_size
+  return np.pad(token_bytes, (0, vocab - len(token_bytes)), constant_values=1)
+
+
+def evaluate(ts: steps.TrainSetup, state, batches, token_bytes_V) -> dict:
+  """eval/... per-depth loss, accuracy, agreement and bits per byte over `batches`."""
+  total = None
+  with sharding.use_mesh(ts.mesh, ts.rules):
+    tb = jax.device_put(jnp.asarray(token_bytes_V, jnp.int32), sharding.replicated(ts.mesh))
+    for batch in batches:
+      sums = ts.eval_step(state, sharding.host_batch_to_global(batch, ts.mesh), tb)
+      total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+  total = jax.device_get(total)
+  out = {k: float(v) for k, v in loss_lib.summarize(total, 'eval').items()}
+  bpb = total['loss_sum'] / (math.log(2) * np.maximum(total['bytes'], 1.0))
+  for k in range(len(bpb)):
+    out[metric_key('eval', 'bpb', k)] = float(bpb[k])
+  out[metric_key('eval', 'tokens')] = float(total['count'][0])
+  return out
 
 
 # -- prompts -----------------------------------------------------------------------------------
@@ -39,12 +69,12 @@ def split_texts(data_config, split: str) -> list[str]:
   TFDS stores records in hashed order; python_stdlib's sorted paths are the corpus's own
   file order (corpus.split_documents), the same on every machine and every call.
   """
-  from mtp_jax.data import stdlib_dataset, tokenizers
+  # Deferred: stdlib_dataset imports tensorflow_datasets (seconds); the trainer's and
+  # scripts/eval.py's decode prompts are the only readers of raw documents here.
+  from mtp_jax.data import stdlib_dataset  # pylint: disable=g-import-not-at-top
   source = stdlib_dataset.data_source(data_config, split)
   first = source[0]
-  if data_config.text_key not in first:
-    raise ConfigError(f'data.text_key {data_config.text_key!r} is not a feature of '
-                      f'data.dataset {data_config.dataset!r} (features: {sorted(first)})')
+  stdlib_dataset.check_text_key(data_config, first)
   as_text = tokenizers.as_text
   if 'path' in first:
     records = sorted((as_text(r['path']), as_text(r[data_config.text_key]))
@@ -124,7 +154,7 @@ def decode_metrics(decoder: decode.Decoder, prompts: Sequence[Sequence[int]],
     st = results[depth].stats()
     out[TAU_KEY] = st['mean_accepted_length']
     for k, a in enumerate(st['acceptance_per_depth'], 1):
-      out[accept_key(k)] = a
+      out[metric_key('eval', 'decode_accept', k)] = a
   if compare:
     ar = results[0]
     out['eval/decode_ar_tokens_per_sec'] = ar.new_tokens / max(ar.seconds, 1e-12)
@@ -144,9 +174,9 @@ def _check_options(split, eval_batches, num_prompts, prompt_len, max_new_tokens,
                        ('--prompt_len', prompt_len, 1), ('--max_new_tokens', max_new_tokens, 1),
                        ('--batch_size', batch_size, 1), ('--step', step, 0)]:
     if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
-      raise decode.RequestError(f'{name} must be an integer >= {low}, got {v!r}')
+      raise RequestError(f'{name} must be an integer >= {low}, got {v!r}')
   if split is not None and not split.strip():
-    raise decode.RequestError('--split is empty')
+    raise RequestError('--split is empty')
 
 
 def _mesh_for(config, num_devices: int):
@@ -168,12 +198,10 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
   data.seq_len // 2 tokens, one batch of every prompt. num_prompts 0: no decoding.
   RequestError / ConfigError for bad input, before anything compiles.
   """
-  from mtp_jax import checkpoint as ckpt_lib
-  from mtp_jax import resilience
-  from mtp_jax import train
-  from mtp_jax.data import pipeline, tokenizers
+  # Deferred: the data pipeline imports tensorflow_datasets (seconds).
+  from mtp_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   _check_options(split, eval_batches, num_prompts, prompt_len, max_new_tokens, batch_size, step)
-  config, step = decode.load_workdir(workdir, step)
+  config, step = ckpt_lib.load_workdir(workdir, step)
   devices = jax.local_devices() if devices is None else devices
   t, d = config.train, config.data
   split = split or d.eval_split
@@ -185,7 +213,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
   if max_new_tokens is None:
     max_new_tokens = min(t.eval_decode_tokens, d.seq_len - prompt_len)
   if num_prompts and prompt_len + max_new_tokens > d.seq_len:
-    raise decode.RequestError(f'--prompt_len ({prompt_len}) + --max_new_tokens ({max_new_tokens}) '
+    raise RequestError(f'--prompt_len ({prompt_len}) + --max_new_tokens ({max_new_tokens}) '
                               f'exceeds the training sequence length data.seq_len ({d.seq_len})')
   _mesh_for(config, len(devices))
   config_lib.validate(config, len(devices))
@@ -193,22 +221,18 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
   tokenizer = tokenizers.get_tokenizer(d)
   prompts = validation_prompts(config, tokenizer, num_prompts, prompt_len) if num_prompts else []
 
-  ts, state = train.setup(config, devices)
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
-  try:
-    state, meta = ckpt.restore(step, ts.abstract_state)
-  finally:
-    ckpt.close()
+  ts, state = steps.setup(config, devices)
+  state, meta = ckpt_lib.restore_state(workdir, step, ts.abstract_state)
   try:
     ckpt_lib.verify(step, state, meta)
   except Exception as e:  # pylint: disable=broad-except
-    raise decode.RequestError(f'checkpoint {step} in {workdir!r} is broken: '
+    raise RequestError(f'checkpoint {step} in {workdir!r} is broken: '
                               f'{ckpt_lib.short(e)}') from e
 
   batches = pipeline.make_eval_batches(config, num_batches=eval_batches)
   out = {'workdir': os.path.abspath(workdir), 'step': step, 'split': split,
          'eval_batches': eval_batches, 'mtp_depth': int(config.model.mtp.depth)}
-  out.update(train.evaluate(ts, state, batches, train.padded_token_bytes(config, tokenizer)))
+  out.update(evaluate(ts, state, batches, padded_token_bytes(config, tokenizer)))
   out.update(decode_prompts=num_prompts, decode_prompt_len=prompt_len,
              decode_max_new_tokens=max_new_tokens)
   if not num_prompts:
@@ -230,10 +254,10 @@ def format_table(r: dict) -> str:
            f"({r['eval_batches']} batches, {int(r['eval/tokens'])} tokens)", '',
            f"{'depth':<8}{'loss':>9}{'acc':>9}{'agree':>9}{'bpb':>9}"]
   for k in range(depth + 1):
-    name = 'main' if k == 0 else f'mtp_{k}'
-    agree = f"{r[f'eval/agree_{name}']:9.4f}" if k else f"{'-':>9}"
-    lines.append(f"{'main' if k == 0 else f'mtp {k}':<8}{r[f'eval/loss_{name}']:9.4f}"
-                 f"{r[f'eval/acc_{name}']:9.4f}{agree}{r[f'eval/bpb_{name}']:9.4f}")
+    stat = lambda s, k=k: r[metric_key('eval', s, k)]  # noqa: E731
+    agree = f"{stat('agree'):9.4f}" if k else f"{'-':>9}"
+    lines.append(f"{depth_name(k).replace('_', ' '):<8}{stat('loss'):9.4f}"
+                 f"{stat('acc'):9.4f}{agree}{stat('bpb'):9.4f}")
   lines.append('')
   if r.get('decode_note'):
     lines.append(r['decode_note'])
@@ -241,7 +265,8 @@ def format_table(r: dict) -> str:
     lines.append(f"greedy decoding: {r['decode_prompts']} validation prompts of "
                  f"{r['decode_prompt_len']} tokens, {r['decode_max_new_tokens']} new tokens each")
   if TAU_KEY in r:
-    accept = '  '.join(f'{r[accept_key(k)]:.3f}' for k in range(1, depth + 1))
+    accept = '  '.join(f"{r[metric_key('eval', 'decode_accept', k)]:.3f}"
+                       for k in range(1, depth + 1))
     lines.append(f'tau (mean accepted length) {r[TAU_KEY]:.3f} of at most {depth + 1}; '
                  f'acceptance per depth {accept}')
   if 'eval/decode_ar_tokens_per_sec' in r:

@@ -1,0 +1,123 @@
+"""The compiled steps: one train step and one eval step, pure functions of (state, batch).
+
+The model and optimizer are split once into a static graphdef and an nnx.State pytree,
+merged back inside `jax.jit`, which has explicit in/out shardings and donates the state.
+`setup` validates a config, builds the mesh and the sharded state, and jits both.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from mtp_jax import config_lib
+from mtp_jax import loss as loss_lib
+from mtp_jax import resilience
+from mtp_jax import sharding
+from mtp_jax import state as state_lib
+
+
+@dataclasses.dataclass
+class TrainSetup:
+  """Everything static about a run: mesh, graphdef, shardings, compiled steps."""
+  config: Any
+  mesh: jax.sharding.Mesh
+  rules: tuple
+  graphdef: Any
+  state_shardings: Any
+  abstract_state: Any
+  train_step: Callable
+  eval_step: Callable
+
+
+def _split_micro(x, accum: int):
+  """[B, ...] -> [A, B/A, ...] taking rows j*A + m into microbatch m (keeps shards local)."""
+  b = x.shape[0]
+  return x.reshape((b // accum, accum) + x.shape[1:]).swapaxes(0, 1)
+
+
+def train_step(config, graphdef, state, batch):
+  """One optimizer step: accumulated gradients of the weighted multi-depth loss.
+
+  A non-finite loss or gradient norm returns the input state unchanged (metric `skipped`).
+  """
+  old_state = jax.tree.map(lambda x: x, state)  # nnx.merge aliases `state`'s variables
+  model, optimizer = nnx.merge(graphdef, state)
+  num_depths = config.model.mtp.depth + 1
+  step = optimizer.step[...]
+  weights = loss_lib.depth_weights(config, step)
+  # Normalisers from the whole batch: microbatch gradients then sum to the big-batch one.
+  counts = loss_lib.valid_counts(batch['segment_ids'], num_depths)
+  # The frozen parameters (model.mtp.freeze_trunk) go to `rest`: no gradient for them.
+  model_graph, params, rest = nnx.split(model, state_lib.trainable(config), ...)
+  mtp_targets = config_lib.optional(config, 'loss.mtp_targets', 'data')
+
+  def loss_fn(p, mb):
+    m = nnx.merge(model_graph, p, rest)
+    return loss_lib.loss_and_metrics(m, mb, weights, counts, config.model.loss_chunk,
+                                     mtp_targets)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  accum = config.train.grad_accum
+  if accum == 1:
+    (loss, sums), grads = grad_fn(params, batch)
+  else:
+    micro = jax.tree.map(lambda x: _split_micro(x, accum), batch)
+
+    def body(carry, mb):
+      out = grad_fn(params, mb)
+      return jax.tree.map(jnp.add, carry, out), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params,
+                                                        jax.tree.map(lambda x: x[0], micro)))
+    ((loss, sums), grads), _ = jax.lax.scan(body, zeros, micro)
+  grad_norm = optax.global_norm(grads)
+  optimizer.update(model, grads)
+  metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': state_lib.lr_schedule(config)(step),
+             'lambda': weights[1:].sum() if num_depths > 1 else jnp.zeros(()), **sums}
+  return resilience.keep_finite_update(old_state, nnx.state((model, optimizer)), metrics)
+
+
+def eval_step(config, graphdef, state, batch, token_bytes_V):
+  """Summed per-depth statistics on one batch, plus target bytes for bits per byte."""
+  model, _ = nnx.merge(graphdef, state)
+  num_depths = config.model.mtp.depth + 1
+  weights = jnp.ones((num_depths,), jnp.float32)
+  _, sums = loss_lib.loss_and_metrics(model, batch, weights, None, config.model.loss_chunk)
+  seg = batch['segment_ids']
+  byte_sums = [jnp.sum(jnp.where(loss_lib.valid_mask(seg, k),
+                                 token_bytes_V[loss_lib.targets(batch['tokens'], k)], 0))
+               for k in range(num_depths)]
+  sums['bytes'] = jnp.stack(byte_sums).astype(jnp.float32)
+  return sums
+
+
+def setup(config, devices=None) -> tuple[TrainSetup, Any]:
+  """Validates, builds the mesh and the sharded state, and jits the steps."""
+  devices = jax.devices() if devices is None else devices
+  config_lib.validate(config, len(devices))
+  mesh = sharding.make_mesh(config, devices)
+  rules = sharding.rules_of(config)
+  graphdef, state, shardings, abstract = state_lib.init_state(config, mesh, rules)
+  with sharding.use_mesh(mesh, rules):
+    batch_sh = sharding.batch_sharding(mesh)
+  rep = sharding.replicated(mesh)
+  batch_shardings = {'tokens': batch_sh, 'segment_ids': batch_sh, 'positions': batch_sh}
+  step_fn = jax.jit(functools.partial(train_step, config, graphdef),
+                    in_shardings=(shardings, batch_shardings),
+                    out_shardings=(shardings, rep), donate_argnums=0)
+  eval_fn = jax.jit(functools.partial(eval_step, config, graphdef),
+                    in_shardings=(shardings, batch_shardings, rep), out_shardings=rep)
+  return TrainSetup(config, mesh, rules, graphdef, shardings, abstract, step_fn, eval_fn), state
+
+
+def run_step(ts: TrainSetup, state, batch):
+  """Calls the compiled step under the mesh and logical-axis rules (host numpy in)."""
+  with sharding.use_mesh(ts.mesh, ts.rules):
+    gbatch = sharding.host_batch_to_global(batch, ts.mesh)
+    return ts.train_step(state, gbatch)
