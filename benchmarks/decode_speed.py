@@ -42,12 +42,12 @@ def parse(argv):
 
 def main(argv=None):
   args = parse(argv)
-  from mtp_jax import decode, evaluation
+  from mtp_jax import checkpoint, decode, evaluation, state
   from mtp_jax.data import tokenizers
 
-  config, step = decode.load_workdir(args.workdir)
+  config, step = checkpoint.load_workdir(args.workdir)
   depth = int(config.model.mtp.depth)
-  model = decode.restore_model(config, args.workdir, step)
+  model = state.restore_model(config, args.workdir, step)
   dec = decode.Decoder(model)
   tokenizer = tokenizers.get_tokenizer(config.data)
   drafts = [int(d) for d in args.drafts.split(',')] if args.drafts else [depth]

@@ -24,14 +24,16 @@ a window are never read: a query at position p sees only slots <= p, all of them
 either true or written by the same call. `hidden[k-1]` keeps h^k at n'-1-k, the one
 input of depth k+1's next window that is not produced in that iteration.
 Parallel heads read only h^0, so their window is the verify window.
+
+Here: the program, its state, the while loop and the host-side `Decoder`. The sampling
+math and the acceptance rule are in sampling.py; prompts from text, decoding a training
+workdir and token provenance in generate.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
 import time
 from collections.abc import Sequence
 
@@ -41,10 +43,12 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax import layers
+from mtp_jax import sampling as sampling_lib
+from mtp_jax.cli import RequestError
 from mtp_jax.model import MTPModel
+from mtp_jax.sampling import PAD_ID, Sampling, row_keys, take_rows
 
 Array = jax.Array
-PAD_ID = 0
 MIN_BUCKET = 16
 _COMPILED = {}  # (graphdef, Program) -> compiled executable, shared by every Decoder
 
@@ -75,16 +79,6 @@ class Program:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Sampling:
-  """Traced sampling parameters (changing them does not recompile)."""
-  temperature: Array  # > 0 when sampling
-  top_k: Array  # 0: off
-  top_p: Array  # 1.0: off
-  draft_argmax: Array | bool = False  # drafts are argmax (q = one-hot), not sampled from q
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
 class DecodeState:
   """The while-loop carry; per-row fields lead with the batch axis."""
   tokens: Array  # [B, Lt] committed tokens by position; PAD after `length`
@@ -107,56 +101,7 @@ class DecodeState:
   history_length: Array  # [Nb or 0, B] n at that iteration, -1 when the row was done
 
 
-# -- sampling ----------------------------------------------------------------------------------
-def adjusted_logprobs(logits: Array, sampling: Sampling) -> Array:
-  """log of the distribution plain sampling draws from: temperature, then top-k, then top-p."""
-  x = logits.astype(jnp.float32) / sampling.temperature
-  v = x.shape[-1]
-  neg = jnp.array(-jnp.inf, x.dtype)
-  desc = -jnp.sort(-x, axis=-1)
-  kth = jnp.take(desc, jnp.clip(sampling.top_k - 1, 0, v - 1), axis=-1)[..., None]
-  x = jnp.where((sampling.top_k > 0) & (x < kth), neg, x)
-  probs = jax.nn.softmax(x, axis=-1)
-  desc_p = -jnp.sort(-probs, axis=-1)
-  before = jnp.cumsum(desc_p, axis=-1) - desc_p  # mass strictly above each sorted entry
-  kept = jnp.sum(before < sampling.top_p, axis=-1, keepdims=True)  # >= 1
-  threshold = jnp.take_along_axis(desc_p, kept - 1, axis=-1)
-  x = jnp.where((sampling.top_p < 1.0) & (probs < threshold), neg, x)
-  return jax.nn.log_softmax(x, axis=-1)
-
-
-def _categorical(keys_B, logp_BxV):
-  return jax.vmap(jax.random.categorical)(keys_B, logp_BxV).astype(jnp.int32)
-
-
-def _draw(prog: Program, logits_BxV, sampling, keys_B, may_argmax=True):
-  """(token [B], q [B, V] the distribution it was drawn from; [B, 0] when greedy).
-
-  Sampling with sampling.draft_argmax (and may_argmax): the argmax, drawn from the
-  one-hot q; else a sample of the adjusted distribution q.
-  """
-  if prog.greedy:
-    return jnp.argmax(logits_BxV, -1).astype(jnp.int32), jnp.zeros(logits_BxV.shape[:1] + (0,))
-  logp = adjusted_logprobs(logits_BxV, sampling)
-  tok, q = _categorical(keys_B, logp), jnp.exp(logp)
-  if not may_argmax:
-    return tok, q
-  top = jnp.argmax(logp, -1).astype(jnp.int32)
-  one_hot = jax.nn.one_hot(top, logp.shape[-1], dtype=jnp.float32)
-  return (jnp.where(sampling.draft_argmax, top, tok),
-          jnp.where(sampling.draft_argmax, one_hot, q))
-
-
-def _row_keys(keys_B, salt):
-  return jax.vmap(lambda k: jax.random.fold_in(k, salt))(keys_B)
-
-
 # -- windows over the caches -----------------------------------------------------------------
-def _rows(x, idx_B):
-  """x[b, idx_B[b]] for x of shape [B, T, ...]."""
-  return x[jnp.arange(x.shape[0]), idx_B]
-
-
 def _write_rows(buf_BxL, new_BxW, index_B):
   return jax.vmap(lambda b, n, i: jax.lax.dynamic_update_slice_in_dim(b, n, i, 0))(
       buf_BxL, new_BxW.astype(buf_BxL.dtype), index_B)
@@ -326,13 +271,13 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
     pos, mask = _window(prog, s, w)
     h_k, cache = _mtp_step(model, k, h_in, tokens, pos, mask, caches[k - 1], s + prog.offset)
     new_caches.append(cache)
-    logits = _logits(model, _rows(h_k, query), k)
-    d, q = _draw(prog, logits, sampling, _row_keys(keys_B, k))
+    logits = _logits(model, take_rows(h_k, query), k)
+    d, q = sampling_lib.draw(prog.greedy, logits, sampling, row_keys(keys_B, k))
     drafts.append(d)
     probs.append(q)
     if sequential and k < prog.num_drafts:
       u_BxU = u_BxU.at[rows, a_B + k].set(d)
-      new_hidden.append(_rows(h_k, a_B))
+      new_hidden.append(take_rows(h_k, a_B))
     h_prev = h_k
   b = h0_BxWxD.shape[0]
   if not drafts:
@@ -347,9 +292,9 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
   zero_B = jnp.zeros((b,), jnp.int32)
   main_cache = tuple(_empty_cache(model, b, prog.cache_len) for _ in model.layers)
   h0, main_cache = _main_pass(prog, model, prompts_BxP, zero_B, main_cache)
-  logits = _logits(model, _rows(h0, prompt_len_B - 1), 0)
-  pkeys = _row_keys(keys_B, 0)  # iteration i uses salt i + 1
-  x, _ = _draw(prog, logits, sampling, _row_keys(pkeys, 0), may_argmax=False)
+  logits = _logits(model, take_rows(h0, prompt_len_B - 1), 0)
+  pkeys = row_keys(keys_B, 0)  # iteration i uses salt i + 1
+  x, _ = sampling_lib.draw(prog.greedy, logits, sampling, row_keys(pkeys, 0), may_argmax=False)
   tokens = jnp.zeros((b, prog.buffer_len), jnp.int32).at[:, :p].set(prompts_BxP)
   tokens = tokens.at[jnp.arange(b), prompt_len_B].set(x)
   dn = prog.num_drafts
@@ -361,7 +306,7 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
   u = u.at[jnp.arange(b), prompt_len_B - 1].set(x)
   drafts, probs, hidden, mtp_cache = _mtp_pass(
       prog, model, h0, zero_B, u, prompt_len_B - 1, hidden, mtp_cache, sampling,
-      _row_keys(pkeys, 1))
+      row_keys(pkeys, 1))
   if prog.greedy:
     probs = jnp.zeros((b, dn, 0))
   nb = prog.max_new if prog.record else 0
@@ -375,42 +320,17 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
       history_length=jnp.zeros((nb, b), jnp.int32))
 
 
-def _accept(prog, logits_BxTxV, drafts_BxD, q_BxDxV, sampling, keys_B):
-  """(a [B] accepted drafts, candidates [B, D+1]: d_1..d_a, the bonus, then PAD)."""
-  dn = prog.num_drafts
-  j = jnp.arange(dn + 1)
-  if prog.greedy:
-    g = jnp.argmax(logits_BxTxV, -1).astype(jnp.int32)
-    ok = (drafts_BxD == g[:, :dn]).astype(jnp.int32)
-    a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
-    return a, jnp.where(j <= a[:, None], g, PAD_ID)  # d_j == g_{j-1} for j <= a
-  p = jnp.exp(adjusted_logprobs(logits_BxTxV, sampling))  # [B, D+1, V]
-  p_d = jnp.take_along_axis(p[:, :dn], drafts_BxD[..., None], -1)[..., 0]
-  q_d = jnp.take_along_axis(q_BxDxV, drafts_BxD[..., None], -1)[..., 0]
-  u = jax.vmap(lambda k: jax.random.uniform(k, (dn,)))(_row_keys(keys_B, 2))
-  ok = (u * q_d < p_d).astype(jnp.int32)  # probability min(1, p/q)
-  a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
-  # First rejection at j: sample normalize(max(0, p_j - q_{j+1})); all accepted: p_D.
-  residual = jnp.concatenate([jnp.maximum(p[:, :dn] - q_BxDxV, 0.0), p[:, dn:]], 1)
-  r = _rows(residual, a)
-  r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, _rows(p, a))  # p == q: never rejected
-  bonus = _categorical(_row_keys(keys_B, 3), jnp.log(r))
-  cand = jnp.concatenate([drafts_BxD, jnp.zeros_like(bonus)[:, None]], 1)
-  cand = jnp.where(j < a[:, None], cand, jnp.where(j == a[:, None], bonus[:, None], PAD_ID))
-  return a, cand
-
-
 def _iteration(prog, model, st: DecodeState, eos, sampling) -> DecodeState:
   dn = prog.num_drafts
-  keys = _row_keys(st.keys, st.step + 1)
+  keys = row_keys(st.keys, st.step + 1)
   start = st.length - 1
-  x = _rows(st.tokens, start)
+  x = take_rows(st.tokens, start)
   h0, main_cache = _main_pass(prog, model, jnp.concatenate([x[:, None], st.drafts], 1),
                               start, st.main_cache)
   b, w, d = h0.shape
   logits = _logits(model, h0.reshape(b * w, d), 0).reshape(b, w, -1)
-  a, cand = _accept(prog, logits, st.drafts, st.draft_probs, sampling,
-                    _row_keys(keys, 0))
+  a, cand = sampling_lib.accept(prog.greedy, logits, st.drafts, st.draft_probs, sampling,
+                                row_keys(keys, 0))
 
   # Stop inside the block at EOS or max_new_tokens.
   j = jnp.arange(dn + 1)
@@ -424,7 +344,7 @@ def _iteration(prog, model, st: DecodeState, eos, sampling) -> DecodeState:
 
   u = jnp.concatenate([cand, jnp.zeros((cand.shape[0], max(dn - 1, 0)), jnp.int32)], 1)
   drafts, probs, hidden, mtp_cache = _mtp_pass(
-      prog, model, h0, start, u, a, st.hidden, st.mtp_cache, sampling, _row_keys(keys, 1))
+      prog, model, h0, start, u, a, st.hidden, st.mtp_cache, sampling, row_keys(keys, 1))
   if prog.greedy:
     probs = st.draft_probs
   act = active.astype(jnp.int32)
@@ -616,10 +536,6 @@ class Decoder:
                            for c in chunks])
 
 
-class RequestError(ValueError):
-  """A decoding request that cannot run; the message names the problem (CLI exit code 2)."""
-
-
 def check_request(prompts, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, *,
                   vocab_size: int | None = None, max_len: int | None = None) -> None:
   """RequestError naming the problem, for a request that cannot be decoded."""
@@ -651,153 +567,6 @@ def check_request(prompts, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, 
     raise RequestError(f'top_p must be in (0, 1], got {top_p}')
 
 
-# -- checkpoints and the command line -------------------------------------------------------
-def load_workdir(workdir: str, step: int | None = None):
-  """(config, step) of checkpoint `step` (default: the latest) of a training workdir.
-
-  The saved config over base_config(): a run saved before a field existed reads as
-  having that field's default. RequestError if there is no checkpoint.
-  """
-  from mtp_jax import checkpoint as ckpt_lib
-  from mtp_jax import config_lib
-  directory = os.path.join(workdir, 'checkpoints')
-  if not os.path.isdir(workdir):
-    raise RequestError(f'--workdir {workdir!r} does not exist')
-  if not os.path.isdir(directory):
-    raise RequestError(f'--workdir {workdir!r} has no checkpoints/ directory (train it first)')
-  ckpt = ckpt_lib.Checkpointer(directory, async_save=False)
-  try:
-    steps = ckpt.all_steps()
-    if not steps:
-      raise RequestError(f'--workdir {workdir!r} holds no checkpoint (train it first)')
-    if step is not None and step not in steps:
-      raise RequestError(f'--step {step}: --workdir {workdir!r} has checkpoints of steps '
-                         f'{sorted(steps)} only')
-    step = max(steps) if step is None else step
-    saved = ckpt.read_meta(step).get('config')
-  finally:
-    ckpt.close()
-  if not saved:
-    path = os.path.join(workdir, 'config.json')
-    if not os.path.isfile(path):
-      raise RequestError(f'checkpoint {step} in {workdir!r} has no saved config')
-    with open(path) as f:
-      saved = json.load(f)
-  config = config_lib.base_config()
-  config.update(saved)
-  return config, step
-
-
-def restore_model(config, workdir: str, step: int) -> MTPModel:
-  """The model of checkpoint `step` (its optimizer state is read and dropped), on one device."""
-  from mtp_jax import checkpoint as ckpt_lib
-  from mtp_jax import train
-  abstract = nnx.eval_shape(lambda: train.create_model_and_optimizer(config))
-  graphdef, abstract_state = nnx.split(abstract)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                        abstract_state)
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
-  try:
-    state, _ = ckpt.restore(step, target)
-  finally:
-    ckpt.close()
-  model, _ = nnx.merge(graphdef, state)
-  return model
-
-
-def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
-  """--prompt, or --prompts_file: one prompt per line, or per JSON line in a .jsonl file."""
-  if (prompt is None) == (prompts_file is None):
-    raise RequestError('give exactly one of --prompt and --prompts_file')
-  if prompt is not None:
-    if not prompt:
-      raise RequestError('--prompt is empty')
-    return [prompt]
-  try:
-    with open(prompts_file, encoding='utf-8') as f:
-      lines = f.read().splitlines()
-  except (OSError, UnicodeDecodeError) as e:
-    raise RequestError(f'--prompts_file {prompts_file!r} cannot be read: {e}') from e
-  prompts = []
-  for i, line in enumerate(lines, 1):
-    if prompts_file.endswith('.jsonl'):
-      if not line.strip():
-        continue
-      try:
-        item = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise RequestError(f'--prompts_file line {i} is not JSON: {e}') from e
-      line = item.get('prompt') if isinstance(item, dict) else item
-      if not isinstance(line, str):
-        raise RequestError(f'--prompts_file line {i}: expected a string or {{"prompt": ...}}')
-    if not line:
-      raise RequestError(f'--prompts_file line {i}: empty prompt')
-    prompts.append(line)
-  if not prompts:
-    raise RequestError(f'--prompts_file {prompts_file!r} holds no prompts')
-  return prompts
-
-
-def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_tokens: int = 128,
-                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                   batch_size: int = 1, seed: int = 0, max_len: int = 0,
-                   num_drafts: int = 0) -> dict:
-  """What scripts/decode.py does: checks everything, restores, decodes, reports.
-
-  mode: spec | ar | compare (both, on the same prompts). max_len: cache positions per
-  row (0: the training sequence length). num_drafts: 0 = every MTP depth.
-  """
-  from mtp_jax.data import tokenizers
-  if mode not in ('spec', 'ar', 'compare'):
-    raise RequestError(f'--mode must be spec, ar or compare, got {mode!r}')
-  if batch_size <= 0:
-    raise RequestError(f'--batch_size must be > 0, got {batch_size}')
-  if max_len < 0 or num_drafts < 0:
-    raise RequestError('--max_len and --num_drafts must be >= 0')
-  check_request([[0]], max_new_tokens, temperature, top_k, top_p)
-  config, step = load_workdir(workdir)
-  depth = int(config.model.mtp.depth)
-  if mode != 'ar' and depth == 0:
-    raise RequestError(f'--mode {mode} needs MTP modules, but the checkpoint in {workdir!r} has '
-                       'model.mtp.depth = 0 (use --mode ar)')
-  if num_drafts > depth:
-    raise RequestError(f'--num_drafts {num_drafts} exceeds the checkpoint\'s model.mtp.depth '
-                       f'({depth})')
-  tokenizer = tokenizers.get_tokenizer(config.data)
-  ids = [list(tokenizer.encode(p)) for p in prompts]
-  max_len = max_len or int(config.data.seq_len)
-  from mtp_jax.model import resolve_vocab_size
-  check_request(ids, max_new_tokens, temperature, top_k, top_p,
-                vocab_size=resolve_vocab_size(config), max_len=max_len)
-
-  decoder = Decoder(restore_model(config, workdir, step))
-  modes = ['ar', 'spec'] if mode == 'compare' else [mode]
-  drafts = {'ar': 0, 'spec': num_drafts or depth}
-  kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id,
-            seed=seed, pad_to=(max(map(len, ids)), max_new_tokens))
-  results = {m: decoder.generate_batched(ids, max_new_tokens, batch_size=batch_size,
-                                         warm_up=True, num_drafts=drafts[m], **kw)
-             for m in modes}
-  out = {'workdir': os.path.abspath(workdir), 'step': step, 'mode': mode,
-         'num_drafts': drafts['spec'] if mode != 'ar' else 0, 'temperature': temperature,
-         'batch_size': batch_size}
-  for m, r in results.items():
-    texts = [tokenizer.decode(t) for t in r.tokens]
-    prefix = '' if mode != 'compare' else f'{m}_'
-    st = r.stats()
-    out.update({f'{prefix}outputs': texts, f'{prefix}tokens_per_sec': st['tokens_per_sec'],
-                f'{prefix}seconds': st['seconds']})
-    if m == 'spec' or mode == 'ar':
-      out.update({k: st[k] for k in ('new_tokens', 'verify_steps', 'mean_accepted_length',
-                                     'acceptance_per_depth', 'conditional_acceptance')})
-  if mode == 'compare':
-    same = all(np.array_equal(a, b) for a, b in zip(results['ar'].tokens, results['spec'].tokens))
-    out['identical'] = same if temperature == 0 else None  # sampled outputs differ by design
-    out['speedup'] = results['ar'].seconds / max(results['spec'].seconds, 1e-12)
-  return out
-
-
 def _merge_results(parts) -> DecodeResult:
   """One DecodeResult from batches, keeping only the real (not padding) rows."""
   r0 = parts[0][0]
@@ -809,36 +578,3 @@ def _merge_results(parts) -> DecodeResult:
       accepted=np.concatenate([r.accepted[:n] for r, n in parts]),
       dropped=np.concatenate([r.dropped[:n] for r, n in parts]),
       seconds=sum(r.seconds for r, _ in parts))
-
-
-# -- provenance of generated tokens ----------------------------------------------------------
-def token_sources(result: DecodeResult) -> list[np.ndarray]:
-  """Per row, per generated token: 0 = the main model's own token, k = accepted draft of depth k.
-
-  The prefill's token and each verify step's bonus are 0; a verify step that accepted a
-  drafts commits [1, 2, .., a, 0], cut short where the row stopped (EOS, max_new_tokens).
-  Needs a result of generate(..., record=True).
-
-  The accepted count of each step is read back from what was recorded: the step's
-  committed block (history_length to the next step, or the row's end) begins with
-  exactly the accepted drafts, because the bonus never equals the draft it replaces
-  (greedy: a stops at the first d_{j+1} != g_j; sampling: the rejected draft has
-  probability 0 under normalize(max(0, p - q))).
-  """
-  if result.history_length is None:
-    raise ValueError('token_sources needs a DecodeResult of generate(..., record=True)')
-  out = []
-  for row, toks in enumerate(result.tokens):
-    src = np.zeros(len(toks), np.int32)
-    lengths = result.history_length[:, row]
-    steps = np.flatnonzero(lengths >= 0)
-    if len(steps):  # active from step 0 (only the prefill can finish a row earlier)
-      start = int(lengths[steps[0]]) - 1  # position of the first generated token
-      ends = np.append(lengths[steps[1:]], start + len(toks))
-      for it, n, end in zip(steps, lengths[steps], ends):
-        block = toks[n - start:end - start]
-        drafts = result.history_drafts[it, row, :len(block)]
-        a = int(np.cumprod(block[:len(drafts)] == drafts).sum())
-        src[n - start:n - start + a] = np.arange(1, a + 1)
-    out.append(src)
-  return out

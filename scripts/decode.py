@@ -4,7 +4,7 @@
       [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--batch_size B]
       --mode {spec,ar,compare} [--json]
 
-Intentionally thin: parse flags, call mtp_jax.decode.decode_workdir. Bad input exits
+Intentionally thin: parse flags, call mtp_jax.generate.decode_workdir. Bad input exits
 with code 2 and a one-line error, before anything is compiled.
 """
 import json
@@ -36,16 +36,16 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  from mtp_jax import decode  # after flag parsing: JAX starts here
+  from mtp_jax import generate  # after flag parsing: JAX starts here
   from mtp_jax.config_lib import ConfigError
   try:
-    prompts = decode.read_prompts(args.prompt, args.prompts_file)
-    out = decode.decode_workdir(
+    prompts = generate.read_prompts(args.prompt, args.prompts_file)
+    out = generate.decode_workdir(
         args.workdir, prompts, mode=args.mode, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         batch_size=args.batch_size, seed=args.seed, max_len=args.max_len,
         num_drafts=args.num_drafts)
-  except (decode.RequestError, ConfigError) as e:
+  except (cli.RequestError, ConfigError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   if args.json:

@@ -40,7 +40,7 @@ def parse(argv):
 def main(argv=None) -> int:
   args = parse(argv)
   from absl import logging
-  from mtp_jax import decode, evaluation  # after flag parsing: JAX starts here
+  from mtp_jax import evaluation  # after flag parsing: JAX starts here
   from mtp_jax.config_lib import ConfigError
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         args.workdir, split=args.split, step=args.step, eval_batches=args.eval_batches,
         num_prompts=args.num_prompts, prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-  except (decode.RequestError, ConfigError) as e:
+  except (cli.RequestError, ConfigError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   print(json.dumps(out) if args.json else evaluation.format_table(out))

@@ -1,0 +1,143 @@
+"""Decoding a trained workdir from text: prompt files, `decode_workdir`, token provenance.
+
+What scripts/decode.py and the notebooks need around `decode.Decoder`: prompts read
+from flags or a file, a checkpoint restored and decoded in one call, and which depth
+proposed each generated token.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import decode
+from mtp_jax import state as state_lib
+from mtp_jax.cli import RequestError
+from mtp_jax.data import tokenizers
+from mtp_jax.model import resolve_vocab_size
+
+
+# -- prompts and a workdir, end to end (scripts/decode.py) --------------------------------------
+def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
+  """--prompt, or --prompts_file: one prompt per line, or per JSON line in a .jsonl file."""
+  if (prompt is None) == (prompts_file is None):
+    raise RequestError('give exactly one of --prompt and --prompts_file')
+  if prompt is not None:
+    if not prompt:
+      raise RequestError('--prompt is empty')
+    return [prompt]
+  try:
+    with open(prompts_file, encoding='utf-8') as f:
+      lines = f.read().splitlines()
+  except (OSError, UnicodeDecodeError) as e:
+    raise RequestError(f'--prompts_file {prompts_file!r} cannot be read: {e}') from e
+  prompts = []
+  for i, line in enumerate(lines, 1):
+    if prompts_file.endswith('.jsonl'):
+      if not line.strip():
+        continue
+      try:
+        item = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise RequestError(f'--prompts_file line {i} is not JSON: {e}') from e
+      line = item.get('prompt') if isinstance(item, dict) else item
+      if not isinstance(line, str):
+        raise RequestError(f'--prompts_file line {i}: expected a string or {{"prompt": ...}}')
+    if not line:
+      raise RequestError(f'--prompts_file line {i}: empty prompt')
+    prompts.append(line)
+  if not prompts:
+    raise RequestError(f'--prompts_file {prompts_file!r} holds no prompts')
+  return prompts
+
+
+def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_tokens: int = 128,
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   batch_size: int = 1, seed: int = 0, max_len: int = 0,
+                   num_drafts: int = 0) -> dict:
+  """What scripts/decode.py does: checks everything, restores, decodes, reports.
+
+  mode: spec | ar | compare (both, on the same prompts). max_len: cache positions per
+  row (0: the training sequence length). num_drafts: 0 = every MTP depth.
+  """
+  if mode not in ('spec', 'ar', 'compare'):
+    raise RequestError(f'--mode must be spec, ar or compare, got {mode!r}')
+  if batch_size <= 0:
+    raise RequestError(f'--batch_size must be > 0, got {batch_size}')
+  if max_len < 0 or num_drafts < 0:
+    raise RequestError('--max_len and --num_drafts must be >= 0')
+  decode.check_request([[0]], max_new_tokens, temperature, top_k, top_p)
+  config, step = ckpt_lib.load_workdir(workdir)
+  depth = int(config.model.mtp.depth)
+  if mode != 'ar' and depth == 0:
+    raise RequestError(f'--mode {mode} needs MTP modules, but the checkpoint in {workdir!r} has '
+                       'model.mtp.depth = 0 (use --mode ar)')
+  if num_drafts > depth:
+    raise RequestError(f'--num_drafts {num_drafts} exceeds the checkpoint\'s model.mtp.depth '
+                       f'({depth})')
+  tokenizer = tokenizers.get_tokenizer(config.data)
+  ids = [list(tokenizer.encode(p)) for p in prompts]
+  max_len = max_len or int(config.data.seq_len)
+  decode.check_request(ids, max_new_tokens, temperature, top_k, top_p,
+                vocab_size=resolve_vocab_size(config), max_len=max_len)
+
+  decoder = decode.Decoder(state_lib.restore_model(config, workdir, step))
+  modes = ['ar', 'spec'] if mode == 'compare' else [mode]
+  drafts = {'ar': 0, 'spec': num_drafts or depth}
+  kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id,
+            seed=seed, pad_to=(max(map(len, ids)), max_new_tokens))
+  results = {m: decoder.generate_batched(ids, max_new_tokens, batch_size=batch_size,
+                                         warm_up=True, num_drafts=drafts[m], **kw)
+             for m in modes}
+  out = {'workdir': os.path.abspath(workdir), 'step': step, 'mode': mode,
+         'num_drafts': drafts['spec'] if mode != 'ar' else 0, 'temperature': temperature,
+         'batch_size': batch_size}
+  for m, r in results.items():
+    texts = [tokenizer.decode(t) for t in r.tokens]
+    prefix = '' if mode != 'compare' else f'{m}_'
+    st = r.stats()
+    out.update({f'{prefix}outputs': texts, f'{prefix}tokens_per_sec': st['tokens_per_sec'],
+                f'{prefix}seconds': st['seconds']})
+    if m == 'spec' or mode == 'ar':
+      out.update({k: st[k] for k in ('new_tokens', 'verify_steps', 'mean_accepted_length',
+                                     'acceptance_per_depth', 'conditional_acceptance')})
+  if mode == 'compare':
+    same = all(np.array_equal(a, b) for a, b in zip(results['ar'].tokens, results['spec'].tokens))
+    out['identical'] = same if temperature == 0 else None  # sampled outputs differ by design
+    out['speedup'] = results['ar'].seconds / max(results['spec'].seconds, 1e-12)
+  return out
+
+
+# -- provenance of generated tokens ----------------------------------------------------------
+def token_sources(result: decode.DecodeResult) -> list[np.ndarray]:
+  """Per row, per generated token: 0 = the main model's own token, k = accepted draft of depth k.
+
+  The prefill's token and each verify step's bonus are 0; a verify step that accepted a
+  drafts commits [1, 2, .., a, 0], cut short where the row stopped (EOS, max_new_tokens).
+  Needs a result of generate(..., record=True).
+
+  The accepted count of each step is read back from what was recorded: the step's
+  committed block (history_length to the next step, or the row's end) begins with
+  exactly the accepted drafts, because the bonus never equals the draft it replaces
+  (greedy: a stops at the first d_{j+1} != g_j; sampling: the rejected draft has
+  probability 0 under normalize(max(0, p - q))).
+  """
+  if result.history_length is None:
+    raise ValueError('token_sources needs a DecodeResult of generate(..., record=True)')
+  out = []
+  for row, toks in enumerate(result.tokens):
+    src = np.zeros(len(toks), np.int32)
+    lengths = result.history_length[:, row]
+    steps = np.flatnonzero(lengths >= 0)
+    if len(steps):  # active from step 0 (only the prefill can finish a row earlier)
+      start = int(lengths[steps[0]]) - 1  # position of the first generated token
+      ends = np.append(lengths[steps[1:]], start + len(toks))
+      for it, n, end in zip(steps, lengths[steps], ends):
+        block = toks[n - start:end - start]
+        drafts = result.history_drafts[it, row, :len(block)]
+        a = int(np.cumprod(block[:len(drafts)] == drafts).sum())
+        src[n - start:n - start + a] = np.arange(1, a + 1)
+    out.append(src)
+  return out

@@ -1,0 +1,103 @@
+"""Sampling math of the decoder: temperature / top-k / top-p, and the speculative rule.
+
+All functions are traced inside the decode program; per-row PRNG keys lead with the
+batch axis. DESIGN.md §5 has the acceptance rule and why it is lossless.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+PAD_ID = 0  # fills candidate slots past the committed ones
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Sampling:
+  """Traced sampling parameters (changing them does not recompile)."""
+  temperature: Array  # > 0 when sampling
+  top_k: Array  # 0: off
+  top_p: Array  # 1.0: off
+  draft_argmax: Array | bool = False  # drafts are argmax (q = one-hot), not sampled from q
+
+
+def adjusted_logprobs(logits: Array, sampling: Sampling) -> Array:
+  """log of the distribution plain sampling draws from: temperature, then top-k, then top-p."""
+  x = logits.astype(jnp.float32) / sampling.temperature
+  v = x.shape[-1]
+  neg = jnp.array(-jnp.inf, x.dtype)
+  desc = -jnp.sort(-x, axis=-1)
+  kth = jnp.take(desc, jnp.clip(sampling.top_k - 1, 0, v - 1), axis=-1)[..., None]
+  x = jnp.where((sampling.top_k > 0) & (x < kth), neg, x)
+  probs = jax.nn.softmax(x, axis=-1)
+  desc_p = -jnp.sort(-probs, axis=-1)
+  before = jnp.cumsum(desc_p, axis=-1) - desc_p  # mass strictly above each sorted entry
+  kept = jnp.sum(before < sampling.top_p, axis=-1, keepdims=True)  # >= 1
+  threshold = jnp.take_along_axis(desc_p, kept - 1, axis=-1)
+  x = jnp.where((sampling.top_p < 1.0) & (probs < threshold), neg, x)
+  return jax.nn.log_softmax(x, axis=-1)
+
+
+def categorical(keys_B, logp_BxV):
+  return jax.vmap(jax.random.categorical)(keys_B, logp_BxV).astype(jnp.int32)
+
+
+def draw(greedy: bool, logits_BxV, sampling: Sampling, keys_B, may_argmax=True):
+  """(token [B], q [B, V] the distribution it was drawn from; [B, 0] when greedy).
+
+  Sampling with sampling.draft_argmax (and may_argmax): the argmax, drawn from the
+  one-hot q; else a sample of the adjusted distribution q.
+  """
+  if greedy:
+    return jnp.argmax(logits_BxV, -1).astype(jnp.int32), jnp.zeros(logits_BxV.shape[:1] + (0,))
+  logp = adjusted_logprobs(logits_BxV, sampling)
+  tok, q = categorical(keys_B, logp), jnp.exp(logp)
+  if not may_argmax:
+    return tok, q
+  top = jnp.argmax(logp, -1).astype(jnp.int32)
+  one_hot = jax.nn.one_hot(top, logp.shape[-1], dtype=jnp.float32)
+  return (jnp.where(sampling.draft_argmax, top, tok),
+          jnp.where(sampling.draft_argmax, one_hot, q))
+
+
+def row_keys(keys_B, salt):
+  """Per row, the row's key folded with `salt`: independent streams per use."""
+  return jax.vmap(lambda k: jax.random.fold_in(k, salt))(keys_B)
+
+
+def take_rows(x, idx_B):
+  """x[b, idx_B[b]] for x of shape [B, T, ...]."""
+  return x[jnp.arange(x.shape[0]), idx_B]
+
+
+def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, keys_B):
+  """(a [B] accepted drafts, candidates [B, D+1]: d_1..d_a, the bonus, then PAD_ID).
+
+  Greedy: a draft is accepted while it equals the main model's argmax. Sampling: the
+  speculative rule, draft d_j accepted with probability min(1, p(d_j) / q(d_j)), which
+  leaves the committed tokens distributed exactly as plain sampling from p.
+  """
+  dn = drafts_BxD.shape[1]
+  j = jnp.arange(dn + 1)
+  if greedy:
+    g = jnp.argmax(logits_BxTxV, -1).astype(jnp.int32)
+    ok = (drafts_BxD == g[:, :dn]).astype(jnp.int32)
+    a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
+    return a, jnp.where(j <= a[:, None], g, PAD_ID)  # d_j == g_{j-1} for j <= a
+  p = jnp.exp(adjusted_logprobs(logits_BxTxV, sampling))  # [B, D+1, V]
+  p_d = jnp.take_along_axis(p[:, :dn], drafts_BxD[..., None], -1)[..., 0]
+  q_d = jnp.take_along_axis(q_BxDxV, drafts_BxD[..., None], -1)[..., 0]
+  u = jax.vmap(lambda k: jax.random.uniform(k, (dn,)))(row_keys(keys_B, 2))
+  ok = (u * q_d < p_d).astype(jnp.int32)  # probability min(1, p/q)
+  a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
+  # First rejection at j: sample normalize(max(0, p_j - q_{j+1})); all accepted: p_D.
+  residual = jnp.concatenate([jnp.maximum(p[:, :dn] - q_BxDxV, 0.0), p[:, dn:]], 1)
+  r = take_rows(residual, a)
+  r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, take_rows(p, a))  # p == q: never rejected
+  bonus = categorical(row_keys(keys_B, 3), jnp.log(r))
+  cand = jnp.concatenate([drafts_BxD, jnp.zeros_like(bonus)[:, None]], 1)
+  cand = jnp.where(j < a[:, None], cand, jnp.where(j == a[:, None], bonus[:, None], PAD_ID))
+  return a, cand
