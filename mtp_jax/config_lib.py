@@ -157,6 +157,12 @@ def _require(cond: bool, msg: str):
     raise ConfigError(msg)
 
 
+def require_positive_int(name: str, value) -> None:
+  """ConfigError unless `value` is an int (not a bool) > 0; `name` is the dotted field."""
+  _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+           f'{name} must be a positive integer, got {value!r}')
+
+
 def _type_name(v) -> str:
   return {bool: 'a boolean', int: 'an integer', float: 'a number', str: 'a string',
           tuple: 'a tuple', list: 'a tuple'}.get(type(v), type(v).__name__)
@@ -210,8 +216,7 @@ def validate(config, num_devices: int | None = None) -> None:
                     ('train.steps', t.steps), ('train.grad_accum', t.grad_accum),
                     ('train.log_every', t.log_every), ('train.eval_batches', t.eval_batches),
                     ('model.vocab_multiple', m.vocab_multiple)]:
-    _require(isinstance(val, int) and not isinstance(val, bool) and val > 0,
-             f'{name} must be a positive integer, got {val!r}')
+    require_positive_int(name, val)
   _require(m.vocab_size >= 0, f'model.vocab_size must be >= 0, got {m.vocab_size}')
   _require(m.n_heads % m.n_kv_heads == 0,
            f'model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})')

@@ -18,6 +18,7 @@ from absl import flags
 import grain
 import numpy as np
 
+from mtp_jax import config_lib
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import stdlib_dataset, tokenizers
 
@@ -137,14 +138,9 @@ def validate_data_config(config, process_count: int = 1) -> None:
   """
   d = config.data
   for name in ('seq_len', 'batch_size'):
-    v = d[name]
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-      raise ConfigError(f'data.{name} must be a positive integer, got {v!r}')
+    config_lib.require_positive_int(f'data.{name}', d[name])
   per_process_batch_size(config, process_count)
   tokenizers.get_tokenizer(d)  # unknown tokenizer, missing / invalid spm model
   for split_field in ('train_split', 'eval_split'):
     source = stdlib_dataset.data_source(d, d[split_field])  # unknown / unprepared dataset
-    record = source[0]
-    if d.text_key not in record:
-      raise ConfigError(f'data.text_key {d.text_key!r} is not a feature of data.dataset '
-                        f'{d.dataset!r} (features: {sorted(record)})')
+    stdlib_dataset.check_text_key(d, source[0])

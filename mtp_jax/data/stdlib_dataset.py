@@ -152,6 +152,13 @@ def resolve_dataset_name(data_config) -> str:
   return data_config.dataset
 
 
+def check_text_key(data_config, record: dict) -> None:
+  """ConfigError when data.text_key is not a feature of a record of the data set."""
+  if data_config.text_key not in record:
+    raise ConfigError(f'data.text_key {data_config.text_key!r} is not a feature of '
+                      f'data.dataset {data_config.dataset!r} (features: {sorted(record)})')
+
+
 def data_source(data_config, split: str) -> Any:
   """A random-access source (len, [i]) of dicts for one split; ConfigError if unavailable.
 
