@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax import config_lib
+from mtp_jax.model import ModelArgs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,6 @@ def flops_per_token(args, seq_len: int, causal: bool = True) -> FlopsPerToken:
 
 
 def config_flops_per_token(config, causal: bool = True) -> FlopsPerToken:
-  from mtp_jax.model import ModelArgs  # model imports flax; keep this module light
   return flops_per_token(ModelArgs.from_config(config), config.data.seq_len, causal)
 
 

@@ -19,6 +19,7 @@ from flax import nnx
 
 from mtp_jax import config_lib
 from mtp_jax import layers
+from mtp_jax.data import tokenizers
 from mtp_jax.sharding import constrain
 
 Array = jax.Array
@@ -62,7 +63,6 @@ def resolve_vocab_size(config) -> int:
   """config.model.vocab_size, or the tokenizer's size rounded up to vocab_multiple."""
   if config.model.vocab_size:
     return int(config.model.vocab_size)
-  from mtp_jax.data import tokenizers  # the data layer is only needed to size the vocab
   n = tokenizers.vocab_size_for(config.data)
   mult = config.model.vocab_multiple
   return int(math.ceil(n / mult) * mult)

@@ -78,6 +78,7 @@ class SentencePieceTokenizer:
   """
 
   def __init__(self, model_proto: bytes, path: str = ''):
+    # Deferred: sentencepiece is needed only by data.tokenizer='spm' runs.
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
     self.path = path
     self._proto = model_proto
@@ -189,6 +190,7 @@ def train_sentencepiece(texts: Iterable[str], *, vocab_size: int = 8192,
   stay inside the sentences, so pieces such as ':\\n' are learned; byte_fallback
   means nothing is ever unknown.
   """
+  # Deferred: sentencepiece is needed only to train an 'spm' tokenizer.
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(
@@ -214,6 +216,8 @@ def train_sentencepiece(texts: Iterable[str], *, vocab_size: int = 8192,
 
 def sample_texts(data_config, split: str, max_bytes: int, seed: int = 0) -> list[str]:
   """Documents of a split in a seeded random order, until max_bytes of UTF-8 text."""
+  # Deferred: stdlib_dataset imports tensorflow_datasets (seconds); the byte and spm
+  # tokenizers themselves need no data set.
   from mtp_jax.data import stdlib_dataset  # pylint: disable=g-import-not-at-top
   source = stdlib_dataset.data_source(data_config, split)
   texts, total = [], 0
