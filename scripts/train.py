@@ -66,16 +66,16 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   workdir = _WORKDIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
-  from mtp_jax import distributed, resilience, train  # after flag parsing: JAX starts here
+  from mtp_jax import cli, distributed, train  # after flag parsing: JAX starts here
   distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
                          _PROCESS_ID.value, _CPU_DEVICES.value)
   try:
     train.train_and_evaluate(config, workdir, init_from=_INIT_FROM.value)
   except Exception as e:  # pylint: disable=broad-except
-    code = resilience.exit_code_of(e)
+    code = cli.exit_code_of(e)
     if code is None:
       raise
-    print(f'error: {resilience.one_line(e)}', file=sys.stderr)
+    print(f'error: {cli.one_line(e)}', file=sys.stderr)
     sys.exit(code)
 
 
