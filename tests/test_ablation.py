@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from mtp_jax import config_lib, decode, train
+from conftest import byte_config, byte_ids
+from mtp_jax import config_lib, decode
+from mtp_jax import steps as steps_lib
 from flax import nnx
-from test_decode import byte_config, byte_ids
 
 _spec = importlib.util.spec_from_file_location('configs_ablation',
                                                os.path.join(REPO, 'configs', 'ablation.py'))
@@ -131,14 +132,14 @@ def test_parallel_heads_train_and_decode_losslessly_after_training(devices):
   config.train.steps, config.train.warmup_steps, config.train.lr = 80, 4, 1e-2
   config.model.mtp.weights = (1.0, 1.0)
   config.mesh.shape = (1, 1, 1)
-  ts, state = train.setup(config, devices[:1])
+  ts, state = steps_lib.setup(config, devices[:1])
   rng = np.random.default_rng(0)
   pos = np.broadcast_to(np.arange(64, dtype=np.int32), (16, 64))
   losses = []
   for _ in range(config.train.steps):
     tokens = np.array([alphabet_ids(int(rng.integers(26)), 64) for _ in range(16)], np.int32)
     batch = {'tokens': tokens, 'segment_ids': np.ones_like(tokens), 'positions': pos}
-    state, m = train.run_step(ts, state, batch)
+    state, m = steps_lib.run_step(ts, state, batch)
     losses.append(np.asarray(m['loss_sum']) / np.asarray(m['count']))  # [D + 1] per depth
   first, last = losses[0], np.mean(losses[-5:], axis=0)
   assert np.all(last < 0.3 * first), (first, last)  # every depth, the heads included

@@ -1,6 +1,6 @@
 """The bad-input catalogue: every case fails before anything compiles, with one line, exit 2.
 
-In-process cases call train.train_and_evaluate with train.setup (the first compile)
+In-process cases call train.train_and_evaluate with steps.setup (the first compile)
 replaced by a tripwire; the CLI cases run scripts/train.py and check the exit code and
 the single `error: ...` line. Inputs that are not errors (undecodable bytes, binary
 files, one enormous line) are handled, and tested as such at the end.
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, load_config
-from mtp_jax import resilience, train
+from mtp_jax import cli, resilience, train
+from mtp_jax import steps as steps_lib
 from mtp_jax.data import corpus, pipeline, stdlib_dataset
 
 
@@ -29,15 +30,15 @@ def tiny(data_dir):
 def no_compile(monkeypatch):
   def tripwire(*a, **k):
     raise AssertionError('reached compilation: the input error was not caught before it')
-  monkeypatch.setattr(train, 'setup', tripwire)
+  monkeypatch.setattr(steps_lib, 'setup', tripwire)
 
 
 def expect_error(config, workdir, devices, *words, **kw):
   """The run fails with an exit-2 error whose single line contains `words`."""
   with pytest.raises(Exception) as e:
     train.train_and_evaluate(config, str(workdir), devices=devices[:1], **kw)
-  assert resilience.exit_code_of(e.value) == 2, repr(e.value)
-  line = resilience.one_line(e.value)
+  assert cli.exit_code_of(e.value) == 2, repr(e.value)
+  line = cli.one_line(e.value)
   assert '\n' not in line and len(line) < 800
   for w in words:
     assert w in line, (w, line)

@@ -16,35 +16,19 @@ import pytest
 from flax import nnx
 from scipy import stats as sps
 
-from conftest import REPO, tiny_model_config
-from mtp_jax import checkpoint as ckpt_lib
+from conftest import REPO, byte_config, byte_ids, word_text
+from mtp_jax import cli
 from mtp_jax import decode
-from mtp_jax import train
+from mtp_jax import generate
+from mtp_jax import sampling as sampling_lib
+from mtp_jax import state as state_lib
 from mtp_jax.model import MTPModel, ModelArgs, shift_left
 
-WORDS = ['abc', 'defg', 'hij', 'klmno', 'pqr', 'stuv', 'wxyz', '0123']  # disjoint letters
 MAX_NEW = 24  # every greedy test uses this bucket, so programs are shared
-
-
-def byte_config(depth=3, kind='sequential'):
-  """A tiny model over the byte tokenizer's vocabulary (258 -> 320), so the CLI can run it."""
-  return tiny_model_config(depth, kind, vocab=0)
 
 
 def build(config, seed=0):
   return MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(seed))
-
-
-def byte_ids(text):
-  return [b + 2 for b in text.encode()]
-
-
-def word_text(rng, n_chars):
-  """Random words separated by spaces: deterministic inside a word, random at its start."""
-  out = ''
-  while len(out) < n_chars:
-    out += WORDS[rng.integers(len(WORDS))] + ' '
-  return out
 
 
 def word_prompts(n, seed):
@@ -83,39 +67,6 @@ def check_stats(r: decode.DecodeResult, max_new):
 @pytest.fixture(scope='session')
 def random_model():
   return build(byte_config(3))
-
-
-def train_word_model(devices, tmp_path_factory):
-  """A D = 3 model trained briefly on the word language (high acceptance), and its workdir.
-
-  The workdir holds a checkpoint written exactly as train_and_evaluate writes one
-  (model + optimizer state, meta with the config) and config.json.
-  """
-  config = byte_config(3)
-  config.data.seq_len, config.data.batch_size = 64, 16
-  config.train.steps, config.train.warmup_steps, config.train.lr = 100, 10, 1e-2
-  config.model.mtp.weights = (1.0, 1.0, 1.0)
-  config.mesh.shape = (1, 1, 1)
-  ts, state = train.setup(config, devices[:1])
-  rng = np.random.default_rng(0)
-  pos = np.broadcast_to(np.arange(64, dtype=np.int32), (16, 64))
-  for _ in range(config.train.steps):
-    tokens = np.array([byte_ids(word_text(rng, 80)[(s := rng.integers(8)):s + 64])
-                       for _ in range(16)], np.int32)
-    batch = {'tokens': tokens, 'segment_ids': np.ones_like(tokens), 'positions': pos}
-    state, metrics = train.run_step(ts, state, batch)
-  # Entropy floor: log(8) at each word start (1 position in 4.6), 0 elsewhere: 0.45 per depth.
-  per_depth = metrics['loss_sum'] / metrics['count']
-  assert np.all(per_depth < 0.6), per_depth
-  workdir = str(tmp_path_factory.mktemp('decode_workdir'))
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
-  meta = {'step': config.train.steps, 'config': json.loads(config.to_json_best_effort())}
-  ckpt.save(config.train.steps, state, meta=meta, force=True)
-  ckpt.close()
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
-    f.write(config.to_json_best_effort(indent=2))
-  model, _ = nnx.merge(ts.graphdef, state)
-  return model, workdir
 
 
 @pytest.fixture(scope='session')
@@ -320,7 +271,7 @@ def test_autoregressive_matches_uncached_greedy_and_depth_zero():
   assert r.num_drafts == 0 and r.stats()['mean_accepted_length'] == 1.0
   for want, got in zip(uncached_greedy(model, prompts, MAX_NEW), r.tokens):
     np.testing.assert_array_equal(got, want)
-  with pytest.raises(decode.RequestError, match='num_drafts'):
+  with pytest.raises(cli.RequestError, match='num_drafts'):
     dec.program(1, 4, 4, num_drafts=1)
 
 
@@ -355,8 +306,8 @@ def _continuation_logprobs(model, tokens, sampling):
   """Main model's adjusted log-probs of t_1..t_4, and heads 1..3's at the prompt's end."""
   p, m = len(SAMPLE_PROMPT), 4
   hs = model(tokens)
-  main = decode.adjusted_logprobs(model.logits(hs[0][:, p - 1:p - 1 + m], 0), sampling)
-  heads = [decode.adjusted_logprobs(model.logits(hs[k][:, p - 1:p], k)[:, 0], sampling)
+  main = sampling_lib.adjusted_logprobs(model.logits(hs[0][:, p - 1:p - 1 + m], 0), sampling)
+  heads = [sampling_lib.adjusted_logprobs(model.logits(hs[k][:, p - 1:p], k)[:, 0], sampling)
            for k in range(1, m)]
   return main, jnp.stack(heads, 1)
 
@@ -400,7 +351,7 @@ def test_lossless_sampling(small_vocab_models, setting):
   model = small_vocab_models(setting.pop('scale'))
   draft_argmax = setting.pop('draft_argmax', False)
   dec = decode.Decoder(model)
-  sampling = decode.Sampling(jnp.float32(setting['temperature']),
+  sampling = sampling_lib.Sampling(jnp.float32(setting['temperature']),
                              jnp.int32(setting.get('top_k', 0)),
                              jnp.float32(setting.get('top_p', 1.0)))
   exact, unverified = exact_joint(model, sampling)
@@ -419,8 +370,8 @@ def test_lossless_sampling(small_vocab_models, setting):
 
 def test_adjusted_logprobs_top_k_top_p():
   logits = jnp.log(jnp.array([0.4, 0.3, 0.2, 0.1]))
-  s = lambda t, k, p: decode.Sampling(jnp.float32(t), jnp.int32(k), jnp.float32(p))  # noqa: E731
-  probs = lambda *a: np.asarray(jnp.exp(decode.adjusted_logprobs(logits, s(*a))))  # noqa: E731
+  s = lambda t, k, p: sampling_lib.Sampling(jnp.float32(t), jnp.int32(k), jnp.float32(p))  # noqa: E731
+  probs = lambda *a: np.asarray(jnp.exp(sampling_lib.adjusted_logprobs(logits, s(*a))))  # noqa: E731
   np.testing.assert_allclose(probs(1, 0, 1.0), [0.4, 0.3, 0.2, 0.1], rtol=1e-6)
   np.testing.assert_allclose(probs(1, 2, 1.0), [4 / 7, 3 / 7, 0, 0], rtol=1e-6)
   np.testing.assert_allclose(probs(1, 0, 0.65), [4 / 7, 3 / 7, 0, 0], rtol=1e-6)
@@ -445,7 +396,7 @@ def _script():
 def depth0_workdir(tmp_path_factory):
   """A workdir with a genuine checkpoint of a D = 0 model."""
   config = byte_config(0)
-  model, optimizer = train.create_model_and_optimizer(config)
+  model, optimizer = state_lib.create_model_and_optimizer(config)
   workdir = str(tmp_path_factory.mktemp('depth0'))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
   ckpt.save(1, nnx.state((model, optimizer)),
@@ -522,15 +473,15 @@ def test_cli_exit_code_in_a_fresh_process(depth0_workdir):
 def test_read_prompts(tmp_path):
   plain = tmp_path / 'p.txt'
   plain.write_text('def f(\nclass A:\n')
-  assert decode.read_prompts(None, str(plain)) == ['def f(', 'class A:']
+  assert generate.read_prompts(None, str(plain)) == ['def f(', 'class A:']
   lines = tmp_path / 'p.jsonl'
   lines.write_text('"def f(x):\\n    return"\n\n{"prompt": "import os\\n"}\n')
-  assert decode.read_prompts(None, str(lines)) == ['def f(x):\n    return', 'import os\n']
-  assert decode.read_prompts('x = 1', None) == ['x = 1']
+  assert generate.read_prompts(None, str(lines)) == ['def f(x):\n    return', 'import os\n']
+  assert generate.read_prompts('x = 1', None) == ['x = 1']
   for text, message in [('[1, 2]\n', 'expected a string'), ('{"a": 1}\n', 'expected a string'),
                         ('nope\n', 'not JSON'), ('\n', 'holds no prompts')]:
     lines.write_text(text)
-    with pytest.raises(decode.RequestError, match=message):
-      decode.read_prompts(None, str(lines))
-  with pytest.raises(decode.RequestError, match='cannot be read'):
-    decode.read_prompts(None, str(tmp_path / 'missing.txt'))
+    with pytest.raises(cli.RequestError, match=message):
+      generate.read_prompts(None, str(lines))
+  with pytest.raises(cli.RequestError, match='cannot be read'):
+    generate.read_prompts(None, str(tmp_path / 'missing.txt'))

@@ -21,7 +21,8 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax import decode
 from mtp_jax import evaluation
-from mtp_jax import train
+from mtp_jax import state as state_lib
+from mtp_jax import steps as steps_lib
 
 SCRIPT = os.path.join(REPO, 'scripts', 'eval.py')
 DEPTH = 2  # configs/tiny.py
@@ -111,7 +112,7 @@ def depth0_run(stdlib_data_dir, tmp_path_factory):
   before the train.eval_decode_* fields existed."""
   config = tiny_model_config(0, vocab=0)
   config.data.data_dir = stdlib_data_dir
-  model, optimizer = train.create_model_and_optimizer(config)
+  model, optimizer = state_lib.create_model_and_optimizer(config)
   workdir = str(tmp_path_factory.mktemp('eval_depth0'))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
   state = nnx.state((model, optimizer))
@@ -174,7 +175,7 @@ def test_local_decoder_gathers_sharded_parameters(devices):
   """The trainer's state is sharded over the mesh; the decoder gets whole copies."""
   config = tiny_model_config(2, vocab=0)
   config.mesh.shape = (2, 2, 2)
-  ts, state = train.setup(config, devices)
+  ts, state = steps_lib.setup(config, devices)
   decoder = evaluation.local_decoder(ts.graphdef, state, ts.mesh)
   model, _ = nnx.merge(ts.graphdef, state)
   want = jax.tree.leaves(nnx.state(model))

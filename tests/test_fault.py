@@ -21,7 +21,9 @@ import pytest
 
 from conftest import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import resilience, train
+from mtp_jax import cli, resilience, train
+from mtp_jax import metrics as metrics_lib
+from mtp_jax import steps as steps_lib
 from mtp_jax.config_lib import ConfigError
 
 FIELDS = dict(steps=6, log_every=2, eval_every=0, checkpoint_every=2, eval_batches=1)
@@ -167,9 +169,9 @@ def test_two_processes_stop_at_the_same_step(sig):
 def test_metrics_log_cut_by_a_kill_is_repaired(tmp_path):
   path = tmp_path / 'metrics.jsonl'
   path.write_text('{"step": 1}\n{"step": 2, "train/lo')
-  resilience.repair_jsonl(str(path))
+  metrics_lib.repair_jsonl(str(path))
   assert path.read_text() == '{"step": 1}\n'
-  resilience.repair_jsonl(str(tmp_path / 'missing.jsonl'))  # nothing to do
+  metrics_lib.repair_jsonl(str(tmp_path / 'missing.jsonl'))  # nothing to do
 
 
 # ----------------------------------------------------------------------------- broken checkpoints
@@ -241,7 +243,7 @@ def test_no_restorable_checkpoint_is_an_error_and_changes_nothing(devices, stdli
     run(tiny(stdlib_data_dir), workdir, devices)
   msg = str(e.value)
   assert 'no checkpoint' in msg and all(f'step {s}:' in msg for s in (2, 4, 6)) and '\n' not in msg
-  assert resilience.exit_code_of(e.value) == 2
+  assert cli.exit_code_of(e.value) == 2
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['2', '4', '6']  # never a silent restart
   assert not (workdir / ckpt_lib.QUARANTINE_DIR).exists()
 
@@ -251,7 +253,7 @@ def test_no_restorable_checkpoint_is_an_error_and_changes_nothing(devices, stdli
 def test_nonfinite_update_is_dropped_inside_the_step(devices, stdlib_data_dir):
   """Depth 2's head norm poisoned with NaN: the jitted step returns its input state bit for
   bit, flags the step, and the halt message names the step and depth mtp_2 only."""
-  ts, state = train.setup(tiny(stdlib_data_dir), devices[:1])
+  ts, state = steps_lib.setup(tiny(stdlib_data_dir), devices[:1])
   from flax import nnx  # pylint: disable=g-import-not-at-top
   model, opt = nnx.merge(ts.graphdef, state)
   model.mtp[1].shared_head.norm.scale[...] = jnp.full_like(model.mtp[1].shared_head.norm.scale[...],
@@ -259,7 +261,7 @@ def test_nonfinite_update_is_dropped_inside_the_step(devices, stdlib_data_dir):
   state = nnx.state((model, opt))
   before = [np.asarray(x) for x in jax.tree.leaves(state)]
   batch = {k: np.asarray(v) for k, v in _batch(stdlib_data_dir).items()}
-  new_state, m = train.run_step(ts, state, batch)
+  new_state, m = steps_lib.run_step(ts, state, batch)
   m = jax.device_get(m)
   assert int(m['skipped']) == 1
   per_depth = m['loss_sum'] / m['count']
@@ -268,7 +270,7 @@ def test_nonfinite_update_is_dropped_inside_the_step(devices, stdlib_data_dir):
   with pytest.raises(resilience.NonFiniteError, match=r'step 7: .*non-finite: mtp_2\)') as e:
     resilience.NonFiniteMonitor('halt', 10).check(7, m, last_checkpoint=6)
   assert 'last checkpoint is step 6' in str(e.value)
-  assert resilience.exit_code_of(e.value) == 1
+  assert cli.exit_code_of(e.value) == 1
 
 
 def _batch(data_dir):
@@ -343,7 +345,7 @@ def test_init_from_adds_an_mtp_depth(devices, stdlib_data_dir, reference, tmp_pa
   for k in ('0', '1'):
     for a, b in zip(jax.tree.leaves(new['0']['mtp'][k]), jax.tree.leaves(old['mtp'][k])):
       np.testing.assert_array_equal(a, b)
-  _, fresh = train.setup(deeper, devices[:1])  # depth 3 keeps the fresh init of this config
+  _, fresh = steps_lib.setup(deeper, devices[:1])  # depth 3 keeps the fresh init of this config
   fresh_mtp3 = jax.tree.leaves(fresh[0]['mtp'][2])
   for a, b in zip(jax.tree.leaves(new['0']['mtp']['2']), fresh_mtp3):
     np.testing.assert_array_equal(a, np.asarray(b))
@@ -396,7 +398,7 @@ def test_disk_full_during_save_is_reported_and_the_last_checkpoint_survives(
     run(config, workdir, devices, batch_hook=fill_disk)
   msg = str(e.value)
   assert msg.startswith('disk full: could not save the checkpoint of step 4') and '\n' not in msg
-  assert resilience.exit_code_of(e.value) == 2
+  assert cli.exit_code_of(e.value) == 2
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['2', '4.orbax-checkpoint-tmp']
 
   os.remove(ballast)  # space freed: the same command resumes at 2 and ends where it should

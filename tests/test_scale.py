@@ -11,7 +11,8 @@ from flax import nnx
 
 import test_loss
 from conftest import REPO, load_config, tiny_model_config
-from mtp_jax import config_lib, distributed, flops, sharding, train
+from mtp_jax import config_lib, distributed, flops, sharding
+from mtp_jax import steps as steps_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax.model import MTPModel, ModelArgs, count_params
 
@@ -152,10 +153,10 @@ def test_scanned_rematerialised_step_on_eight_devices(devices):
                                          ('scan', devices, (2, 2, 2), 'full', True)]:
     config = tiny_model_config(2, remat=remat, scan_layers=scan)
     config.mesh.shape = shape
-    ts, state = train.setup(config, devs)
+    ts, state = steps_lib.setup(config, devs)
     run = []
     for batch in batches:
-      state, m = train.run_step(ts, state, batch)
+      state, m = steps_lib.run_step(ts, state, batch)
       run.append(float(m['loss']))
     losses[name] = run
   np.testing.assert_allclose(losses['plain'], losses['scan'], rtol=2e-5)

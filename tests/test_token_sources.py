@@ -1,4 +1,4 @@
-"""decode.token_sources: which tokens were the main model's own and which accepted drafts.
+"""generate.token_sources: which tokens were the main model's own and which accepted drafts.
 
 Uses test_decode's models (the word-language model accepts long blocks and rejects at
 word starts), so the compiled programs are shared when both files run in one session.
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from mtp_jax import decode
+from mtp_jax import generate
 from test_decode import MAX_NEW, byte_ids, word_prompts
 
 
@@ -70,7 +71,7 @@ def test_sources_greedy_eos_and_max_new_inside_blocks(trained):
   max_new = [1, 7, 9, 11, 13, 17, 19, MAX_NEW]  # row 0: the prefill's token only
   eos = byte_ids('j')[0]  # the last letter of 'hij': reached by accepted drafts
   r = dec.generate(prompts, max_new, eos_id=eos, pad_to=(1, MAX_NEW), record=True)
-  src = decode.token_sources(r)
+  src = generate.token_sources(r)
   check_sources(r, src, eos)
   np.testing.assert_array_equal(src[0], [0])
   cut = [s[-1] > 0 for s in src]  # rows whose last token is an accepted draft
@@ -84,7 +85,7 @@ def test_sources_greedy_eos_and_max_new_inside_blocks(trained):
                     record=True)
   for a, s in zip(ar.tokens, r.tokens):
     np.testing.assert_array_equal(a, s)
-  ar_src = decode.token_sources(ar)
+  ar_src = generate.token_sources(ar)
   check_sources(ar, ar_src, eos)
   assert all(np.all(s == 0) for s in ar_src)
 
@@ -94,7 +95,7 @@ def test_sources_sampling(trained):
   dec = decode.Decoder(trained[0])
   r = dec.generate(word_prompts(8, seed=6), MAX_NEW, temperature=1.0, eos_id=None, seed=3,
                    record=True)
-  check_sources(r, decode.token_sources(r))
+  check_sources(r, generate.token_sources(r))
   assert r.accepted.sum(0)[1:].sum() > 0
 
 
@@ -103,7 +104,7 @@ def test_sources_need_record():
                           verify_steps=np.array([1]), committed=np.array([1]),
                           accepted=np.array([[1, 0]]), dropped=np.array([0]))
   with pytest.raises(ValueError, match='record=True'):
-    decode.token_sources(r)
+    generate.token_sources(r)
 
 
 def test_pieces_html_and_chart(tmp_path):

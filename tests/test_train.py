@@ -12,6 +12,7 @@ import pytest
 
 from conftest import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import steps as steps_lib
 from mtp_jax import train
 from mtp_jax.config_lib import ConfigError
 
@@ -53,14 +54,14 @@ def params_of(state):
 
 def test_grad_accumulation_equals_one_big_batch(devices, stdlib_data_dir):
   config = tiny_config(stdlib_data_dir)
-  ts, state = train.setup(config, devices[:1])
+  ts, state = steps_lib.setup(config, devices[:1])
   copy = jax.tree.map(jnp.copy, state)
   batch = synthetic_batches(1, 8, 64)[0]
-  new_big, m_big = train.run_step(ts, state, batch)
+  new_big, m_big = steps_lib.run_step(ts, state, batch)
   config.train.grad_accum = 2
-  step2 = jax.jit(functools.partial(train.train_step, config, ts.graphdef), donate_argnums=0)
-  ts2 = train.TrainSetup(**{**ts.__dict__, 'config': config, 'train_step': step2})
-  new_acc, m_acc = train.run_step(ts2, copy, batch)
+  step2 = jax.jit(functools.partial(steps_lib.train_step, config, ts.graphdef), donate_argnums=0)
+  ts2 = steps_lib.TrainSetup(**{**ts.__dict__, 'config': config, 'train_step': step2})
+  new_acc, m_acc = steps_lib.run_step(ts2, copy, batch)
   np.testing.assert_allclose(float(m_big['loss']), float(m_acc['loss']), rtol=1e-6)
   np.testing.assert_allclose(float(m_big['grad_norm']), float(m_acc['grad_norm']), rtol=1e-5)
   for key in ('count', 'correct', 'agree'):
@@ -76,11 +77,11 @@ def test_one_device_equals_eight_devices(devices, stdlib_data_dir):
   for name, devs, shape in [('one', devices[:1], (1, 1, 1)), ('eight', devices, (2, 2, 2))]:
     config = tiny_config(stdlib_data_dir)
     config.mesh.shape = shape
-    ts, state = train.setup(config, devs)
+    ts, state = steps_lib.setup(config, devs)
     assert ts.mesh.devices.size == len(devs)
     run = []
     for b in batches:
-      state, m = train.run_step(ts, state, b)
+      state, m = steps_lib.run_step(ts, state, b)
       run.append(float(m['loss']))
     losses[name], finals[name] = run, params_of(state)
   assert losses['one'][-1] < losses['one'][0]
@@ -95,7 +96,7 @@ def _train_losses(workdir):
 
 
 def _final_params(workdir, config, devices):
-  ts, state = train.setup(config, devices)
+  ts, state = steps_lib.setup(config, devices)
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'))
   restored, meta = ckpt.restore(ckpt.latest_step(), ts.abstract_state)
   ckpt.close()
