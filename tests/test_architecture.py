@@ -1,0 +1,115 @@
+"""The package's import graph: one way, no cycles, imports at the top of each module.
+
+Read from the source with `ast` (nothing is imported), counting imports inside
+functions too: a cycle hidden by a function-level import is still a cycle.
+"""
+import ast
+import os
+
+import pytest
+
+from conftest import REPO
+
+PACKAGE = os.path.join(REPO, 'mtp_jax')
+# Imports run this way only: no module may reach one to its left.
+LAYERS = ('mtp_jax.train', 'mtp_jax.evaluation', 'mtp_jax.decode', 'mtp_jax.model',
+          'mtp_jax.layers', 'mtp_jax.sharding', 'mtp_jax.config_lib')
+# (module, imported module): deliberately deferred heavy or optional imports, each with a
+# `# Deferred: <why>` comment right above it.
+DEFERRED = {
+    ('mtp_jax.metrics', 'tensorboardX'),
+    ('mtp_jax.data.tokenizers', 'sentencepiece'),
+    ('mtp_jax.data.tokenizers', 'mtp_jax.data.stdlib_dataset'),
+    ('mtp_jax.resilience', 'mtp_jax.data.pipeline'),
+    ('mtp_jax.resilience', 'mtp_jax.data.stdlib_dataset'),
+    ('mtp_jax.resilience', 'jax._src'),  # its distributed module, private
+    ('mtp_jax.evaluation', 'mtp_jax.data.stdlib_dataset'),
+    ('mtp_jax.evaluation', 'mtp_jax.data.pipeline'),
+}
+
+
+def _modules() -> dict:
+  """{'mtp_jax.decode': path, 'mtp_jax.data': .../data/__init__.py, ...}."""
+  out = {}
+  for root, _, files in os.walk(PACKAGE):
+    for f in files:
+      if f.endswith('.py'):
+        rel = os.path.relpath(os.path.join(root, f), REPO)[:-3].split(os.sep)
+        out['.'.join(rel[:-1] if rel[-1] == '__init__' else rel)] = os.path.join(root, f)
+  return out
+
+
+MODULES = _modules()
+
+
+def _imported(node, modules) -> list[str]:
+  """The modules an Import / ImportFrom node names: 'from mtp_jax import decode' ->
+  mtp_jax.decode, 'from mtp_jax.model import MTPModel' -> mtp_jax.model, 'from flax import
+  nnx' -> flax."""
+  if isinstance(node, ast.Import):
+    return [a.name for a in node.names]
+  assert node.level == 0, 'relative imports are not used in mtp_jax'
+  if node.module.split('.')[0] != 'mtp_jax':
+    return [node.module]
+  names = [f'{node.module}.{a.name}' for a in node.names]
+  return [n if n in modules else node.module for n in names]
+
+
+def _imports(path):
+  """[(imported module, line, inside a function)] of one file."""
+  tree = ast.parse(open(path, encoding='utf-8').read())
+  inner = set()
+  for fn in ast.walk(tree):
+    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      inner.update(id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
+  return [(m, n.lineno, id(n) in inner) for n in ast.walk(tree)
+          if isinstance(n, (ast.Import, ast.ImportFrom)) for m in _imported(n, MODULES)]
+
+
+def _graph() -> dict:
+  """Module -> the package modules it imports (at any level)."""
+  return {mod: sorted({m for m, _, _ in _imports(path) if m in MODULES and m != mod})
+          for mod, path in MODULES.items()}
+
+
+def _reachable(graph, start) -> set:
+  seen, todo = set(), [start]
+  while todo:
+    for nxt in graph[todo.pop()]:
+      if nxt not in seen:
+        seen.add(nxt)
+        todo.append(nxt)
+  return seen
+
+
+def test_the_modules_are_found():
+  assert set(LAYERS) <= set(MODULES)
+  assert 'mtp_jax.data.pipeline' in MODULES
+
+
+def test_import_graph_is_acyclic():
+  graph = _graph()
+  cycles = [m for m in graph if m in _reachable(graph, m)]
+  assert not cycles, f'modules on an import cycle: {cycles}'
+
+
+@pytest.mark.parametrize('low', range(1, len(LAYERS)))
+def test_imports_run_one_way(low):
+  reach = _reachable(_graph(), LAYERS[low])
+  upward = [m for m in LAYERS[:low] if m in reach]
+  assert not upward, f'{LAYERS[low]} imports (maybe indirectly) {upward}'
+
+
+def test_function_level_imports_are_the_deferred_ones():
+  found = set()
+  for mod, path in MODULES.items():
+    lines = open(path, encoding='utf-8').read().splitlines()
+    for imported, line, inside in _imports(path):
+      if not inside:
+        continue
+      found.add((mod, imported))
+      assert (mod, imported) in DEFERRED, f'{path}:{line}: import of {imported} inside a function'
+      comment = [t.strip() for t in lines[max(0, line - 4):line - 1]]
+      assert any(t.startswith('# Deferred') for t in comment), (
+          f'{path}:{line}: a deferred import says why in a `# Deferred: ...` comment above it')
+  assert found == DEFERRED, f'allowed but no longer deferred: {sorted(DEFERRED - found)}'
