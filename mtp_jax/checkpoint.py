@@ -459,7 +459,7 @@ def check_init_from(source: str, config, config_dict: dict) -> tuple[str, int, i
   saved = meta.get('config', {})
   # Only the optimizer differs with freeze_trunk, and it starts fresh here anyway.
   diffs = config_diffs(saved, config_dict,
-                                ignore={'mtp.depth', 'mtp.kind', 'mtp.freeze_trunk'})
+                       ignore={'mtp.depth', 'mtp.kind', 'mtp.freeze_trunk'})
   if diffs:
     raise ConfigError(f'--init_from {directory}/{step}: the trunk differs from this config: '
                       + '; '.join(diffs))

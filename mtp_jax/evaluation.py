@@ -214,7 +214,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
     max_new_tokens = min(t.eval_decode_tokens, d.seq_len - prompt_len)
   if num_prompts and prompt_len + max_new_tokens > d.seq_len:
     raise RequestError(f'--prompt_len ({prompt_len}) + --max_new_tokens ({max_new_tokens}) '
-                              f'exceeds the training sequence length data.seq_len ({d.seq_len})')
+                       f'exceeds the training sequence length data.seq_len ({d.seq_len})')
   _mesh_for(config, len(devices))
   config_lib.validate(config, len(devices))
   resilience.validate_data(config, 1)  # the split exists and is readable
@@ -227,7 +227,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
     ckpt_lib.verify(step, state, meta)
   except Exception as e:  # pylint: disable=broad-except
     raise RequestError(f'checkpoint {step} in {workdir!r} is broken: '
-                              f'{ckpt_lib.short(e)}') from e
+                       f'{ckpt_lib.short(e)}') from e
 
   batches = pipeline.make_eval_batches(config, num_batches=eval_batches)
   out = {'workdir': os.path.abspath(workdir), 'step': step, 'split': split,
