@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 from scipy import stats as sps
 
-from conftest import REPO, byte_config, byte_ids, word_text
+from conftest import REPO, byte_config, byte_ids, tiny_model_config, word_text
+from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
 from mtp_jax import decode
 from mtp_jax import generate
