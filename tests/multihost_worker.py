@@ -16,7 +16,7 @@ def main(process_id, num_processes, port, workdir, data_dir, stop_after):
   import jax
   from mtp_jax import train
   sys.path.insert(0, HERE)
-  from test_multihost import job_config
+  from helpers import job_config
   assert jax.process_count() == int(num_processes) and jax.device_count() == 8
   print(distributed.describe(), flush=True)
   train.train_and_evaluate(job_config(data_dir), workdir,

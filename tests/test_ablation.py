@@ -9,8 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO
-from conftest import byte_config, byte_ids
+from helpers import REPO, byte_config, byte_ids
 from mtp_jax import config_lib, decode
 from mtp_jax import steps as steps_lib
 from flax import nnx

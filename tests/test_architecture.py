@@ -1,4 +1,4 @@
-"""The package's import graph: one way, no cycles, imports at the top of each module.
+"""The import graph: one way, no cycles, imports at the top; tests never import each other.
 
 Read from the source with `ast` (nothing is imported), counting imports inside
 functions too: a cycle hidden by a function-level import is still a cycle.
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 PACKAGE = os.path.join(REPO, 'mtp_jax')
 # Imports run this way only: no module may reach one to its left.
@@ -113,3 +113,16 @@ def test_function_level_imports_are_the_deferred_ones():
       assert any(t.startswith('# Deferred') for t in comment), (
           f'{path}:{line}: a deferred import says why in a `# Deferred: ...` comment above it')
   assert found == DEFERRED, f'allowed but no longer deferred: {sorted(DEFERRED - found)}'
+
+
+def test_no_test_file_imports_another():
+  """Shared code lives in helpers.py (or conftest.py's fixtures), never in a test module."""
+  tests = os.path.join(REPO, 'tests')
+  for name in sorted(os.listdir(tests)):
+    if not name.endswith('.py'):
+      continue
+    path = os.path.join(tests, name)
+    for imported, line, _ in _imports(path):
+      root = imported.split('.')[0]
+      assert not (root.startswith('test_') or root == 'conftest'), (
+          f'{path}:{line} imports {imported}: move what it needs to tests/helpers.py')

@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from conftest import REPO, load_config
+from helpers import REPO, load_config
 from mtp_jax import cli, resilience, train
 from mtp_jax import steps as steps_lib
 from mtp_jax.data import corpus, pipeline, stdlib_dataset

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, load_config
+from helpers import REPO, load_config
 from mtp_jax import config_lib
 from mtp_jax.config_lib import ConfigError
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_model_config
+from helpers import tiny_model_config
 from mtp_jax import convert
 from mtp_jax.model import MTPModel, ModelArgs
 

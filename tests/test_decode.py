@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 from scipy import stats as sps
 
-from conftest import REPO, byte_config, byte_ids, tiny_model_config, word_text
+from helpers import (MAX_NEW, REPO, byte_config, byte_ids, tiny_model_config, word_prompts,
+                     word_text)
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
 from mtp_jax import decode
@@ -25,21 +26,10 @@ from mtp_jax import sampling as sampling_lib
 from mtp_jax import state as state_lib
 from mtp_jax.model import MTPModel, ModelArgs, shift_left
 
-MAX_NEW = 24  # every greedy test uses this bucket, so programs are shared
 
 
 def build(config, seed=0):
   return MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(seed))
-
-
-def word_prompts(n, seed):
-  rng = np.random.default_rng(seed)
-  out = []
-  for i in range(n):
-    text = word_text(rng, 40)
-    start = int(rng.integers(0, 8))
-    out.append(byte_ids(text[start:start + 1 + i % 16]))
-  return out
 
 
 def random_prompts(n, seed):

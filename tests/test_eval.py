@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO, TINY_DECODE, tiny_model_config
+from helpers import REPO, TINY_DECODE, tiny_model_config
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax import decode

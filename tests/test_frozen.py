@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import load_config, tiny_model_config
+from helpers import load_config, tiny_model_config
 from mtp_jax import config_lib, flops, train
 from mtp_jax import loss as loss_lib
 from mtp_jax.config_lib import ConfigError

@@ -6,24 +6,12 @@ import pytest
 from flax import nnx
 
 import numpy_reference as ref
-from conftest import tiny_model_config
+from helpers import POS, SEG, loss_batch, loss_grads, randomize, tiny_model_config
 from mtp_jax import loss as loss_lib
 from mtp_jax.model import MTPModel, ModelArgs
-from test_model import randomize
 
 # Row 0 packs documents of 5, 6 and 3 tokens and 2 padding slots; row 1 is one document.
-SEG = np.array([[1] * 5 + [2] * 6 + [3] * 3 + [0] * 2, [1] * 16])
-POS = np.array([list(range(5)) + list(range(6)) + list(range(3)) + [0, 0], list(range(16))])
-# A document of n tokens has max(n - k - 1, 0) valid positions at depth k:
-# depth 0: (4 + 5 + 2) + 15, depth 1: (3 + 4 + 1) + 14, depth 2: (2 + 3 + 0) + 13.
 HAND_COUNTS = [26, 22, 18]
-
-
-def batch(seed=0):
-  tokens = np.random.default_rng(seed).integers(1, 64, size=SEG.shape)
-  tokens = np.where(SEG == 0, 0, tokens)
-  return {'tokens': jnp.asarray(tokens, jnp.int32), 'segment_ids': jnp.asarray(SEG, jnp.int32),
-          'positions': jnp.asarray(POS, jnp.int32)}
 
 
 @jax.jit
@@ -45,7 +33,7 @@ def test_loss_matches_numpy(kind):
   config.model.mtp.weights = (0.2, 0.05)  # explicit weights override lambda / D
   model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
   params = randomize(model, seed=2)
-  b = batch()
+  b = loss_batch()
   weights = loss_lib.depth_weights(config, 0)
   loss, sums = nnx.jit(lambda m, b: loss_lib.loss_and_metrics(m, b, weights, chunk=4))(model, b)
   want, want_sums, want_counts = ref.loss(params, np.asarray(b['tokens']), POS, SEG, 2,
@@ -66,19 +54,10 @@ def test_lambda_schedule_and_default_weights():
   np.testing.assert_allclose(np.asarray(loss_lib.depth_weights(config, 99)), w0)
 
 
-def _grads(model, b, weights, chunk=0):
-  graph, params, rest = nnx.split(model, nnx.Param, ...)
-
-  def f(p):
-    return loss_lib.loss_and_metrics(nnx.merge(graph, p, rest), b, weights, chunk=chunk)
-
-  return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
-
-
 def test_mtp_loss_present_positive_and_in_gradient():
   config = tiny_model_config(2)
   model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
-  (loss, sums), grads = _grads(model, batch(), loss_lib.depth_weights(config, 0))
+  (loss, sums), grads = loss_grads(model, loss_batch(), loss_lib.depth_weights(config, 0))
   per_depth = np.asarray(sums['loss_sum'] / sums['count'])
   assert np.all(per_depth[1:] > 0)
   main_only = per_depth[0]
@@ -94,8 +73,8 @@ def test_chunked_equals_unchunked():
   config = tiny_model_config(2)
   model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(1))
   w = loss_lib.depth_weights(config, 0)
-  (l1, s1), g1 = _grads(model, batch(3), w, chunk=0)
-  (l2, s2), g2 = _grads(model, batch(3), w, chunk=4)
+  (l1, s1), g1 = loss_grads(model, loss_batch(3), w, chunk=0)
+  (l2, s2), g2 = loss_grads(model, loss_batch(3), w, chunk=4)
   np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
@@ -107,7 +86,7 @@ def test_empty_mask_is_finite_zero():
   model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
   b = {'tokens': jnp.zeros((2, 16), jnp.int32), 'segment_ids': jnp.zeros((2, 16), jnp.int32),
        'positions': jnp.zeros((2, 16), jnp.int32)}
-  (loss, sums), grads = _grads(model, b, loss_lib.depth_weights(config, 0))
+  (loss, sums), grads = loss_grads(model, b, loss_lib.depth_weights(config, 0))
   assert float(loss) == 0.0 and np.all(np.asarray(sums['count']) == 0)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
 
@@ -117,7 +96,7 @@ def test_agreement_counts_match_numpy():
   config = tiny_model_config(2)
   model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
   params = randomize(model, seed=4)
-  b = batch(1)
+  b = loss_batch(1)
   w = loss_lib.depth_weights(config, 0)
   _, sums = nnx.jit(lambda m, b: loss_lib.loss_and_metrics(m, b, w))(model, b)
   tokens = np.asarray(b['tokens'])

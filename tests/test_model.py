@@ -6,8 +6,7 @@ import pytest
 from flax import nnx
 
 import numpy_reference as ref
-from conftest import tiny_model_config
-from mtp_jax import loss as loss_lib
+from helpers import randomize, tiny_model_config
 from mtp_jax.model import MTPModel, ModelArgs, count_params
 
 
@@ -21,18 +20,6 @@ def build(depth, kind='sequential', seed=0, **model):
 def forward(model, tokens, positions=None, segment_ids=None):
   hs = model(tokens, positions, segment_ids)
   return hs, [model.logits(h, k) for k, h in enumerate(hs)]
-
-
-def randomize(model, seed=1):
-  """Replaces every parameter (norm scales too) with seeded random values."""
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  rng = np.random.default_rng(seed)
-  params = jax.tree.map(lambda x: (rng.normal(size=x.shape) * (0.3 if x.ndim > 1 else 0.5)
-                                   + (1.0 if x.ndim == 1 else 0.0)).astype(np.float32), params)
-  state = nnx.state(model, nnx.Param)
-  nnx.replace_by_pure_dict(state, params)
-  nnx.update(model, state)
-  return jax.tree.map(np.float64, params)
 
 
 @pytest.mark.parametrize('depth', [0, 1, 3])

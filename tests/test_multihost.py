@@ -14,20 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, load_config
+from helpers import MULTIHOST_STEPS, REPO, job_config
 
-STEPS = 4
-
-
-def job_config(data_dir):
-  c = load_config('tiny')
-  c.data.data_dir = data_dir
-  c.train.steps = STEPS
-  c.train.log_every = 1
-  c.train.eval_every = 0
-  c.train.checkpoint_every = 0
-  c.train.eval_batches = 1
-  return c
 
 
 class _Concat:
@@ -95,7 +83,8 @@ def test_two_processes_equal_one_process_of_eight_devices(devices, stdlib_data_d
 
   # The second launch is the real entry script: flags, jax.distributed, resume.
   port = _free_port()
-  flags = [f'--config.data.data_dir={stdlib_data_dir}', f'--config.train.steps={STEPS}',
+  flags = [f'--config.data.data_dir={stdlib_data_dir}',
+           f'--config.train.steps={MULTIHOST_STEPS}',
            '--config.train.log_every=1', '--config.train.eval_every=0',
            '--config.train.checkpoint_every=0', '--config.train.eval_batches=1']
   second = _launch([[sys.executable, os.path.join(REPO, 'scripts', 'train.py'),
@@ -128,9 +117,9 @@ def test_two_processes_equal_one_process_of_eight_devices(devices, stdlib_data_d
 
   got, want = _rows(multi), _rows(single)
   loss = lambda rows: {r['step']: r['train/loss'] for r in rows if 'train/loss' in r}
-  assert sorted(loss(got)) == sorted(loss(want)) == list(range(1, STEPS + 1))
-  np.testing.assert_allclose([loss(got)[s] for s in range(1, STEPS + 1)],
-                             [loss(want)[s] for s in range(1, STEPS + 1)], rtol=2e-5)
+  assert sorted(loss(got)) == sorted(loss(want)) == list(range(1, MULTIHOST_STEPS + 1))
+  np.testing.assert_allclose([loss(got)[s] for s in range(1, MULTIHOST_STEPS + 1)],
+                             [loss(want)[s] for s in range(1, MULTIHOST_STEPS + 1)], rtol=2e-5)
   ev = lambda rows: [r for r in rows if 'eval/loss_main' in r][-1]
   for key in ('eval/loss_main', 'eval/loss_mtp_1', 'eval/loss_mtp_2', 'eval/bpb_main'):
     np.testing.assert_allclose(ev(got)[key], ev(want)[key], rtol=2e-5, err_msg=key)

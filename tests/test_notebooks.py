@@ -5,7 +5,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from conftest import REPO
+from helpers import REPO
 
 NOTEBOOKS = sorted(f for f in os.listdir(os.path.join(REPO, 'notebooks')) if f.endswith('.ipynb'))
 

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 
 def test_plot_script_writes_pngs(tiny_run, tmp_path):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import test_loss
-from conftest import REPO, load_config, tiny_model_config
+from helpers import (REPO, load_config, loss_batch, loss_grads, synthetic_batches,
+                     tiny_model_config)
 from mtp_jax import config_lib, distributed, flops, sharding
 from mtp_jax import steps as steps_lib
 from mtp_jax import loss as loss_lib
@@ -124,7 +124,7 @@ VARIANTS = [('sequential', 'none', False), ('sequential', 'block', False),
 
 def test_remat_and_scan_give_the_same_loss_and_gradients():
   """Scan covers the trunk layers and the MTP depths (sequential chain and parallel heads)."""
-  b = test_loss.batch(0)
+  b = loss_batch(0)
   results, trees = {}, {}
   for kind, remat, scan in VARIANTS:
     config = tiny_model_config(2, kind, remat=remat, scan_layers=scan)
@@ -132,7 +132,7 @@ def test_remat_and_scan_give_the_same_loss_and_gradients():
     model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
     trees.setdefault(kind, set()).add(
         str(jax.tree.structure(nnx.to_pure_dict(nnx.state(model, nnx.Param)))))
-    results[(kind, remat, scan)] = test_loss._grads(model, b, loss_lib.depth_weights(config, 0))
+    results[(kind, remat, scan)] = loss_grads(model, b, loss_lib.depth_weights(config, 0))
   assert all(len(t) == 1 for t in trees.values())  # checkpoints do not depend on remat / scan
   for key, ((l, s), g) in results.items():
     (l0, s0), g0 = results[(key[0], 'none', False)]
@@ -146,7 +146,6 @@ def test_remat_and_scan_give_the_same_loss_and_gradients():
 
 def test_scanned_rematerialised_step_on_eight_devices(devices):
   """Stacked layer params under FSDP + tensor sharding train exactly like the plain step."""
-  from test_train import synthetic_batches
   batches = synthetic_batches(2, 8, 16, vocab=64, seed=3)
   losses = {}
   for name, devs, shape, remat, scan in [('plain', devices[:1], (1, 1, 1), 'none', False),

@@ -8,7 +8,7 @@ import pytest
 
 from mtp_jax import decode
 from mtp_jax import generate
-from test_decode import MAX_NEW, byte_ids, word_prompts
+from helpers import MAX_NEW, byte_ids, word_prompts
 
 
 def blocks(src):

@@ -2,15 +2,13 @@
 import functools
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, load_config
+from helpers import load_config, synthetic_batches
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import steps as steps_lib
 from mtp_jax import train
@@ -24,26 +22,6 @@ def tiny_config(data_dir, **train_fields):
   for k, v in train_fields.items():
     c.train[k] = v
   return c
-
-
-def synthetic_batches(n, batch, seq_len, vocab=258, seed=0):
-  """Packed batches with document boundaries and padding, as numpy (host) arrays."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for _ in range(n):
-    seg = np.zeros((batch, seq_len), np.int32)
-    pos = np.zeros((batch, seq_len), np.int32)
-    for r in range(batch):
-      i, s = 0, 1
-      end = seq_len - rng.integers(0, 5)  # some rows end in padding
-      while i < end:
-        n_doc = min(int(rng.integers(2, seq_len)), end - i)
-        seg[r, i:i + n_doc] = s
-        pos[r, i:i + n_doc] = np.arange(n_doc)
-        i, s = i + n_doc, s + 1
-    tokens = np.where(seg > 0, rng.integers(2, vocab, size=seg.shape), 0).astype(np.int32)
-    out.append({'tokens': tokens, 'segment_ids': seg, 'positions': pos})
-  return out
 
 
 def params_of(state):

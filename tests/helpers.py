@@ -1,0 +1,184 @@
+"""Plain helpers shared by the tests: configs, the word language, batches, a trained model.
+
+No fixtures and no environment set-up here (conftest.py does that, before JAX starts),
+so tests/multihost_worker.py can import it too.
+"""
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import config_lib
+from mtp_jax import loss as loss_lib
+from mtp_jax import steps as steps_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_DECODE = (4, 16)  # tiny_run's decode eval: prompts, new tokens each
+MULTIHOST_STEPS = 4  # steps of test_multihost's two-process job
+
+
+# -- configs -----------------------------------------------------------------------------------
+def load_config(name: str):
+  """configs/<name>.py's get_config()."""
+  path = os.path.join(REPO, 'configs', f'{name}.py')
+  spec = importlib.util.spec_from_file_location(f'configs_{name}', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def tiny_model_config(depth=2, kind='sequential', vocab=64, **model):
+  """A config whose model is tiny; data fields untouched."""
+  c = config_lib.base_config()
+  c.model.vocab_size = vocab
+  c.model.d_model = 32
+  c.model.n_layers = 2
+  c.model.n_heads = 4
+  c.model.n_kv_heads = 2
+  c.model.head_dim = 8
+  c.model.mlp_dim = 64
+  c.model.mtp.depth = depth
+  c.model.mtp.kind = kind
+  c.data.seq_len = 16
+  c.data.batch_size = 8
+  for k, v in model.items():
+    c.model[k] = v
+  return c
+
+
+# -- the word language: tiny byte-level models that learn it reach high acceptance ----------
+MAX_NEW = 24  # every greedy test uses this bucket, so programs are shared
+WORDS = ['abc', 'defg', 'hij', 'klmno', 'pqr', 'stuv', 'wxyz', '0123']  # disjoint letters
+
+
+def byte_config(depth=3, kind='sequential'):
+  """A tiny model over the byte tokenizer's vocabulary (258 -> 320), so the CLI can run it."""
+  return tiny_model_config(depth, kind, vocab=0)
+
+
+def byte_ids(text):
+  return [b + 2 for b in text.encode()]
+
+
+def word_text(rng, n_chars):
+  """Random words separated by spaces: deterministic inside a word, random at its start."""
+  out = ''
+  while len(out) < n_chars:
+    out += WORDS[rng.integers(len(WORDS))] + ' '
+  return out
+
+
+def train_word_model(devices, tmp_path_factory):
+  """A D = 3 model trained briefly on the word language (high acceptance), and its workdir.
+
+  The workdir holds a checkpoint written exactly as train_and_evaluate writes one
+  (model + optimizer state, meta with the config) and config.json.
+  """
+  config = byte_config(3)
+  config.data.seq_len, config.data.batch_size = 64, 16
+  config.train.steps, config.train.warmup_steps, config.train.lr = 100, 10, 1e-2
+  config.model.mtp.weights = (1.0, 1.0, 1.0)
+  config.mesh.shape = (1, 1, 1)
+  ts, state = steps_lib.setup(config, devices[:1])
+  rng = np.random.default_rng(0)
+  pos = np.broadcast_to(np.arange(64, dtype=np.int32), (16, 64))
+  for _ in range(config.train.steps):
+    tokens = np.array([byte_ids(word_text(rng, 80)[(s := rng.integers(8)):s + 64])
+                       for _ in range(16)], np.int32)
+    batch = {'tokens': tokens, 'segment_ids': np.ones_like(tokens), 'positions': pos}
+    state, metrics = steps_lib.run_step(ts, state, batch)
+  # Entropy floor: log(8) at each word start (1 position in 4.6), 0 elsewhere: 0.45 per depth.
+  per_depth = metrics['loss_sum'] / metrics['count']
+  assert np.all(per_depth < 0.6), per_depth
+  workdir = str(tmp_path_factory.mktemp('decode_workdir'))
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
+  meta = {'step': config.train.steps, 'config': json.loads(config.to_json_best_effort())}
+  ckpt.save(config.train.steps, state, meta=meta, force=True)
+  ckpt.close()
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json_best_effort(indent=2))
+  model, _ = nnx.merge(ts.graphdef, state)
+  return model, workdir
+
+
+def word_prompts(n, seed):
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    text = word_text(rng, 40)
+    start = int(rng.integers(0, 8))
+    out.append(byte_ids(text[start:start + 1 + i % 16]))
+  return out
+
+
+# -- batches and models --------------------------------------------------------------------------
+def synthetic_batches(n, batch, seq_len, vocab=258, seed=0):
+  """Packed batches with document boundaries and padding, as numpy (host) arrays."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    seg = np.zeros((batch, seq_len), np.int32)
+    pos = np.zeros((batch, seq_len), np.int32)
+    for r in range(batch):
+      i, s = 0, 1
+      end = seq_len - rng.integers(0, 5)  # some rows end in padding
+      while i < end:
+        n_doc = min(int(rng.integers(2, seq_len)), end - i)
+        seg[r, i:i + n_doc] = s
+        pos[r, i:i + n_doc] = np.arange(n_doc)
+        i, s = i + n_doc, s + 1
+    tokens = np.where(seg > 0, rng.integers(2, vocab, size=seg.shape), 0).astype(np.int32)
+    out.append({'tokens': tokens, 'segment_ids': seg, 'positions': pos})
+  return out
+
+
+SEG = np.array([[1] * 5 + [2] * 6 + [3] * 3 + [0] * 2, [1] * 16])
+POS = np.array([list(range(5)) + list(range(6)) + list(range(3)) + [0, 0], list(range(16))])
+# A document of n tokens has max(n - k - 1, 0) valid positions at depth k:
+# depth 0: (4 + 5 + 2) + 15, depth 1: (3 + 4 + 1) + 14, depth 2: (2 + 3 + 0) + 13.
+
+
+def loss_batch(seed=0):
+  """Random tokens over SEG's three documents and padding."""
+  tokens = np.random.default_rng(seed).integers(1, 64, size=SEG.shape)
+  tokens = np.where(SEG == 0, 0, tokens)
+  return {'tokens': jnp.asarray(tokens, jnp.int32), 'segment_ids': jnp.asarray(SEG, jnp.int32),
+          'positions': jnp.asarray(POS, jnp.int32)}
+
+
+def loss_grads(model, b, weights, chunk=0):
+  """((loss, sums), grads w.r.t. every Param) of the multi-depth loss on batch b."""
+  graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def f(p):
+    return loss_lib.loss_and_metrics(nnx.merge(graph, p, rest), b, weights, chunk=chunk)
+
+  return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+
+
+def randomize(model, seed=1):
+  """Replaces every parameter (norm scales too) with seeded random values."""
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(lambda x: (rng.normal(size=x.shape) * (0.3 if x.ndim > 1 else 0.5)
+                                   + (1.0 if x.ndim == 1 else 0.0)).astype(np.float32), params)
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(model, state)
+  return jax.tree.map(np.float64, params)
+
+
+def job_config(data_dir):
+  c = load_config('tiny')
+  c.data.data_dir = data_dir
+  c.train.steps = MULTIHOST_STEPS
+  c.train.log_every = 1
+  c.train.eval_every = 0
+  c.train.checkpoint_every = 0
+  c.train.eval_batches = 1
+  return c
