@@ -1,6 +1,6 @@
 """generate.token_sources: which tokens were the main model's own and which accepted drafts.
 
-Uses test_decode's models (the word-language model accepts long blocks and rejects at
+Uses conftest's `trained` word-language model, as test_decode does (it accepts long blocks and rejects at
 word starts), so the compiled programs are shared when both files run in one session.
 """
 import numpy as np
