@@ -1,7 +1,8 @@
 """generate.token_sources: which tokens were the main model's own and which accepted drafts.
 
-Uses conftest's `trained` word-language model, as test_decode does (it accepts long blocks and rejects at
-word starts), so the compiled programs are shared when both files run in one session.
+Uses conftest's `trained` word-language model, as test_decode does (it accepts long
+blocks and rejects at word starts), so the compiled programs are shared when both files
+run in one session.
 """
 import numpy as np
 import pytest
