@@ -3,12 +3,13 @@
   python benchmarks/decode_speed.py --workdir /work/runs/stdlib_mtp_decode
 
 Restores the latest checkpoint of a model trained with configs/stdlib_mtp.py, takes
-prompts from validation-split files (never trained on), and decodes them greedily (and
-at each of --temperatures by sampling) with plain AR and with speculative decoding, alternating the two per prompt so load
-from other processes hits both alike. Prints one JSON object: per batch size and
-number of drafts, tokens/s of both, the speedup, tau, per-depth acceptance, the
-speedup tau alone would predict, and the cost of one verify iteration relative to
-one AR step (speedup = tau / cost ratio, up to prefill).
+prompts from validation-split files (never trained on), and decodes them greedily (or
+at each of --temperatures, by sampling) with plain AR and with speculative decoding,
+alternating the two per prompt so load from other processes hits both alike. Prints
+one JSON object: per batch size, temperature and number of drafts, tokens/s of both,
+the speedup, tau, per-depth acceptance, the speedup tau alone would predict, and the
+cost of one verify iteration relative to one AR step (speedup = tau / cost ratio, up
+to prefill).
 """
 import argparse
 import json
