@@ -20,6 +20,9 @@ _CACHE = os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
                                os.path.join(REPO, '.pytest_cache', 'jax_compilation_cache'))
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+# flops.cpu_peak caches this machine's CPU peak; a probe taken by a (loaded) test run must
+# not become the peak that real runs divide by.
+os.environ.setdefault('MTP_JAX_CACHE_DIR', os.path.join(REPO, '.pytest_cache', 'mtp_jax'))
 
 
 def load_config(name: str):
