@@ -260,6 +260,9 @@ def peak_flops(dtype=jnp.float32, devices=None) -> tuple[float, str]:
   else:
     where = (f'cached best cpu f32 matmul probe of {peak["date"]}, load average '
              f'{peak["load_average"]}, {_peak_file()}')
+    if max(peak['load_average']) > 0.5 * (os.cpu_count() or 1):
+      where += ('; WARNING: taken on a loaded machine, so MFU reads high: rerun '
+                '`python -m mtp_jax.flops` when it is quiet, or set ' + PEAK_ENV)
   return peak['flops'] * processes, f'{where} x {processes} process(es)'
 
 
