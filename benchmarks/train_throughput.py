@@ -3,10 +3,15 @@
   python benchmarks/train_throughput.py --out benchmarks/train_throughput.json
   python benchmarks/train_throughput.py --only mfu,overhead --rounds 12
 
-Sections (issue 4):
-  mfu       the configs/stdlib_mtp.py train step: model FLOP/s over a matmul probe run in
-            the same process, interleaved round by round (shared, noisy CPUs: a ratio
-            taken within one round cancels most of the load of other jobs)
+Sections (issues 4, 14):
+  mfu       the configs/stdlib_mtp.py train step: steps/s, tokens/s and MFU against the
+            machine's peak (flops.cpu_peak: the best probe ever taken here, cached on
+            disk, raised by a probe at the start of this section if that one is higher);
+            also the old per-round ratio to a probe taken in the same round
+  maxtext   MaxText 0.2.5's CPU peer model (4 layers, d 256, 8 x 32 heads, MLP 704,
+            V 1024, batch 16 x 256, float32) at D = 0, 1, 3, round robin: tokens/s
+  ab        speed changes A/B in one process, round robin (model.attention xla vs blocked
+            on the stdlib_mtp and the MaxText-shape models)
   overhead  step time with D = 1, 2, 3 over D = 0 (same trunk), next to the FLOP ratio
   memory    peak temporary memory of the compiled step (XLA memory analysis) at vocab
             32k, T = 1024, D = 1 vs D = 4, under XLA:CPU's default scheduler and its
@@ -116,7 +121,13 @@ def _summary(xs):
   return {'median': statistics.median(xs), 'max': max(xs), 'min': min(xs)}
 
 
+def _load() -> list:
+  return [round(x, 2) for x in os.getloadavg()]
+
+
 def bench_mfu(rounds: int) -> dict:
+  load0 = _load()
+  peak = flops_lib.update_cpu_peak()  # probe now; the cache keeps the best ever taken
   config = load_config('stdlib_mtp')
   step, probe = Step(config), Probe()
   wall, cpu, steps, probes = [], [], [], []
@@ -128,8 +139,16 @@ def bench_mfu(rounds: int) -> dict:
     wall.append((step.flops / sw) / (probe.flops / pw))
     cpu.append((step.flops / sc) / (probe.flops / pc))
   best_step, best_probe = min(steps), min(probes)
+  median_step = statistics.median(steps)
   return {
       'config': 'configs/stdlib_mtp.py',
+      'attention': train_attention(config),
+      'peak_gflops_cached': peak['flops'] / 1e9, 'peak_cache': peak,
+      'mfu_best_step_over_peak': step.flops / best_step / peak['flops'],
+      'mfu_median_step_over_peak': step.flops / median_step / peak['flops'],
+      'steps_per_sec_median': 1.0 / median_step,
+      'tokens_per_sec_median': step.tokens / median_step,
+      'load_average': {'start': load0, 'end': _load()},
       'batch_size': config.data.batch_size, 'seq_len': config.data.seq_len,
       'model_flops_per_step': step.flops, 'xla_cost_analysis_flops_per_step': step.xla_flops,
       'probe_gflops_best': probe.flops / best_probe / 1e9,
@@ -137,10 +156,96 @@ def bench_mfu(rounds: int) -> dict:
       'tokens_per_sec_best': step.tokens / best_step,
       'mfu_per_round_wall': _summary(wall),
       'mfu_per_round_cpu_time': _summary(cpu),
-      'mfu_best_step_over_best_probe': (step.flops / best_step) / (probe.flops / best_probe),
+      'mfu_best_step_over_best_probe_this_run': (step.flops / best_step) / (probe.flops / best_probe),
       'mfu_full_attention_count_median': statistics.median(wall) * step.flops_full_attention / step.flops,
       'compile_s': step.compile_s,
   }
+
+
+def train_attention(config) -> str:
+  from mtp_jax import layers
+  return layers.attention_impl(ModelArgs.from_config(config))
+
+
+def maxtext_config(depth: int, remat: str = 'block', **model):
+  """MaxText 0.2.5's CPU peer model (run_peer.sh): 4 layers, d 256, 8 x 32 heads, no GQA,
+  MLP 704, V 1024, batch 16 x 256, float32. Its remat_policy=minimal saves the matmul
+  outputs without batch dims: this project's remat='block'. MTP weight 0.1 per depth sum,
+  as its mtp_loss_scaling_factor (the loss weight does not change the step's cost)."""
+  c = load_config('stdlib_mtp')
+  m = c.model
+  m.n_heads = m.n_kv_heads = 8
+  m.head_dim = 32
+  m.mlp_dim = 704
+  m.vocab_size = 1024
+  m.remat = remat
+  m.mtp.depth = depth
+  m.mtp.lambda_values, m.mtp.lambda_boundaries = (0.1,), ()
+  for k, v in model.items():
+    setattr(m, k, v)
+  c.data.batch_size, c.data.seq_len = 16, 256
+  return c
+
+
+def _round_robin(steps: dict, rounds: int) -> dict:
+  times = {k: [] for k in steps}
+  for _ in range(rounds):  # every variant sees the same background load
+    for k, s in steps.items():
+      times[k].append(s.run()[0])
+  return times
+
+
+def bench_maxtext(rounds: int, depths=(0, 1, 3), remat: str = 'block') -> dict:
+  load0 = _load()
+  peak = flops_lib.cpu_peak()
+  steps = {d: Step(maxtext_config(d, remat)) for d in depths}
+  times = _round_robin(steps, rounds)
+  out = {'model': 'MaxText CPU peer shape: 4 layers, d 256, 8x32 heads, MLP 704, V 1024, '
+                  f'B 16 x T 256, float32, remat={remat}',
+         'attention': train_attention(maxtext_config(0, remat)),
+         'peak_gflops_cached': peak['flops'] / 1e9, 'depths': {}}
+  for d, s in steps.items():
+    med, best = statistics.median(times[d]), min(times[d])
+    out['depths'][str(d)] = {
+        'step_time_median_s': med, 'step_time_best_s': best,
+        'tokens_per_sec_median': s.tokens / med, 'tokens_per_sec_best': s.tokens / best,
+        'steps_per_sec_median': 1.0 / med, 'model_gflops_per_step': s.flops / 1e9,
+        'mfu_best_step_over_peak': s.flops / best / peak['flops'], 'compile_s': s.compile_s}
+  out['load_average'] = {'start': load0, 'end': _load()}
+  return out
+
+
+AB_VARIANTS = {  # name: (config builder, {variant: model overrides})
+    'stdlib_mtp': (lambda **m: _with_model(load_config('stdlib_mtp'), m),
+                   {'xla': {'attention': 'xla'}, 'blocked64': {'attention': 'blocked'}}),
+    'maxtext_D1': (lambda **m: maxtext_config(1, **m),
+                   {'xla': {'attention': 'xla'}, 'blocked64': {'attention': 'blocked'}}),
+}
+
+
+def _with_model(c, model: dict):
+  for k, v in model.items():
+    setattr(c.model, k, v)
+  return c
+
+
+def bench_ab(rounds: int, variants=None) -> dict:
+  """Each model's variants round robin in one process; ratio = median of per-round
+  t(variant) / t(first variant)."""
+  out = {'load_average_start': _load()}
+  for name, (build, vs) in (variants or AB_VARIANTS).items():
+    steps = {v: Step(build(**over)) for v, over in vs.items()}
+    times = _round_robin(steps, rounds)
+    base = next(iter(vs))
+    row = {}
+    for v in vs:
+      ratios = [t / t0 for t, t0 in zip(times[v], times[base])]
+      row[v] = {'step_time_best_s': min(times[v]), 'step_time_median_s': statistics.median(times[v]),
+                f'time_ratio_vs_{base}_median': statistics.median(ratios)}
+    out[name] = row
+    print(name, json.dumps(row), flush=True)
+  out['load_average_end'] = _load()
+  return out
 
 
 def bench_overhead(rounds: int) -> dict:
@@ -256,6 +361,9 @@ def main():
   parser.add_argument('--out', default=os.path.join(REPO, 'benchmarks', 'train_throughput.json'))
   parser.add_argument('--only', default='mfu,overhead,memory,compile')
   parser.add_argument('--rounds', type=int, default=10)
+  parser.add_argument('--depths', type=lambda x: tuple(int(d) for d in x.split(',')),
+                      default=(0, 1, 3), help='maxtext section: MTP depths')
+  parser.add_argument('--remat', default='block', help='maxtext section: model.remat')
   a = parser.parse_args()
   cpu_model = ''
   if os.path.exists('/proc/cpuinfo'):
@@ -269,6 +377,8 @@ def main():
   for name in a.only.split(','):
     t0 = time.time()
     result[name] = {'mfu': lambda: bench_mfu(a.rounds), 'overhead': lambda: bench_overhead(a.rounds),
+                    'maxtext': lambda: bench_maxtext(a.rounds, a.depths, a.remat),
+                    'ab': lambda: bench_ab(a.rounds),
                     'memory': bench_memory_both_schedulers, 'compile': bench_compile}[name]()
     result[name]['bench_seconds'] = time.time() - t0
     print(name, json.dumps(result[name], indent=1), flush=True)

@@ -58,6 +58,10 @@ def base_config() -> ml_collections.ConfigDict:
   m.remat = 'none'  # rematerialisation per block: none | block (keep matmul outputs) | full (keep block inputs)
   m.scan_layers = False  # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
   m.loss_chunk = 0  # sequence chunk for the vocab projection + CE (0: whole length)
+  # Attention core without a cache: auto (blocked on CPU, xla elsewhere) | xla
+  # (jax.nn.dot_product_attention: cuDNN / TPU kernels) | blocked (skips masked key blocks)
+  m.attention = 'auto'
+  m.attention_block = 64  # query/key block of the blocked core
 
   mtp = m.mtp = ml_collections.ConfigDict()
   mtp.depth = 1  # D, number of MTP depths (0: plain next-token model)
@@ -225,6 +229,11 @@ def validate(config, num_devices: int | None = None) -> None:
            f"model.dtype must be float32, bfloat16 or float16, got {m.dtype!r}")
   _require(m.remat in ('none', 'block', 'full'),
            f"model.remat must be none, block or full, got {m.remat!r}")
+  _require(m.attention in ('auto', 'xla', 'blocked'),
+           f"model.attention must be auto, xla or blocked, got {m.attention!r}")
+  _require(isinstance(m.attention_block, int) and not isinstance(m.attention_block, bool)
+           and m.attention_block > 0,
+           f'model.attention_block must be a positive integer, got {m.attention_block!r}')
   _require(isinstance(m.scan_layers, bool),
            f'model.scan_layers must be True or False, got {m.scan_layers!r}')
   _require(m.loss_chunk >= 0 and (m.loss_chunk == 0 or d.seq_len % m.loss_chunk == 0),

@@ -46,6 +46,8 @@ class ModelArgs:
   stop_gradient: bool = False  # MTP losses reach neither h^0 nor Emb nor OutHead (config_lib)
   remat: str = 'none'  # none | block | full (see remat_policy); never changes parameters
   scan_layers: bool = False  # lax.scan over trunk blocks and MTP depths; never changes parameters
+  attention: str = 'auto'  # attention core without a cache (layers.attention_impl)
+  attention_block: int = 64
 
   @classmethod
   def from_config(cls, config) -> 'ModelArgs':
@@ -56,7 +58,9 @@ class ModelArgs:
                tie_embeddings=m.tie_embeddings, dtype=jnp.dtype(m.dtype), init_std=m.init_std,
                mtp_depth=m.mtp.depth, mtp_kind=m.mtp.kind, detach_trunk=m.mtp.detach_trunk,
                stop_gradient=config_lib.optional(config, 'model.mtp.stop_gradient', False),
-               remat=m.remat, scan_layers=m.scan_layers)
+               remat=m.remat, scan_layers=m.scan_layers,
+               attention=config_lib.optional(config, 'model.attention', 'auto'),
+               attention_block=config_lib.optional(config, 'model.attention_block', 64))
 
 
 def resolve_vocab_size(config) -> int:

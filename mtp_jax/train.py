@@ -267,6 +267,7 @@ class _Run:
     guard = resilience.PreemptionGuard(notify)  # SIGTERM / SIGINT: save at the end of the step
     try:
       guard.install()
+      window.start = time.time()  # perf/: the first window starts at the first step, not at setup
       while step < end_step:
         batch = next(self.data_iter)
         if batch_hook is not None:
@@ -286,7 +287,8 @@ class _Run:
         stop = guard.should_stop(step)
         want_eval = config.train.eval_every and step % config.train.eval_every == 0
         want_ckpt = config.train.checkpoint_every and step % config.train.checkpoint_every == 0
-        if want_eval or want_ckpt or stop or step == end_step:
+        want_log = step % config.train.log_every == 0  # perf/: a window ends at a completed step
+        if want_eval or want_ckpt or stop or want_log or step == end_step:
           self.log(*pending)  # a checkpoint never holds a state whose loss was not checked
           pending = None
         t0 = time.time()

@@ -4,6 +4,7 @@ Plain helpers (configs, the word language, batches) live in helpers.py, which te
 import; no test file imports another.
 """
 import os
+import tempfile
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -20,6 +21,9 @@ _CACHE = os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
     os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'mtp_jax', 'jax_cache'))
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+# flops.cpu_peak caches this machine's CPU peak; a probe taken by a (loaded) test run must
+# not become the peak that real runs divide by.
+os.environ.setdefault('MTP_JAX_CACHE_DIR', os.path.join(tempfile.gettempdir(), 'mtp_jax_test_cache'))
 
 
 @pytest.fixture(scope='session')
