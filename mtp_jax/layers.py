@@ -136,13 +136,17 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm decoder block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x))."""
+  """Pre-norm decoder block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)).
 
-  def __init__(self, cfg, rngs: nnx.Rngs):
+  attention_cls / mlp_cls: other classes of the same call signatures (mla.MLAttention,
+  moe.MoE), chosen per layer by model.block_classes.
+  """
+
+  def __init__(self, cfg, rngs: nnx.Rngs, attention_cls=None, mlp_cls=None):
     self.input_layernorm = rms_norm(cfg.d_model, cfg, rngs)
-    self.self_attn = Attention(cfg, rngs)
+    self.self_attn = (attention_cls or Attention)(cfg, rngs)
     self.post_attention_layernorm = rms_norm(cfg.d_model, cfg, rngs)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = (mlp_cls or MLP)(cfg, rngs)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache=None, cache_index_B=None):
     a, cache = self.self_attn(self.input_layernorm(x_BxTxD), positions_BxT, mask_Bx1xTxS,
