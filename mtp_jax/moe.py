@@ -17,9 +17,11 @@ Dispatch is dropless and sort-based: the N*K (token, expert) pairs are sorted by
 and each expert's contiguous group is multiplied by its weights with
 `jax.lax.ragged_dot` (a grouped matmul). It is exact (no capacity, no dropped tokens),
 costs only the active FLOPs (a dense one-hot dispatch would cost E/K times the expert
-FLOPs, an einsum over a capacity-padded buffer drops tokens), and ragged_dot lowers on
-CPU (checked with jax 0.10.2: forward and gradients), GPU and TPU (where it maps to the
-grouped-matmul kernels). Sorting and the gather/scatter are O(N K log) and O(N K D).
+FLOPs, an einsum over a capacity-padded buffer drops tokens), and ragged_dot runs on
+CPU (checked with jax 0.10.2: forward and gradients, also under an 8-device mesh with
+the experts sharded, tests/test_moe.py); on GPU / TPU XLA has grouped-matmul lowerings
+for it (not measured here). Sorting and the gather / scatter are O(N K log(N K)) and
+O(N K D). Padding positions are routed (and counted in the load) like any token.
 
 Every MoE call leaves its statistics on the module as nnx.Intermediate variables
 (`expert_load` [E], `balance` []); model.run_blocks carries them out of its pure block
