@@ -8,7 +8,7 @@ from flax import nnx
 
 import numpy_reference as ref
 from helpers import dsv3_model_config, params_with_routing_bias, synthetic_batches
-from mtp_jax import config_lib, moe
+from mtp_jax import config_lib, flops, moe
 from mtp_jax import loss as loss_lib
 from mtp_jax import steps as steps_lib
 from mtp_jax.model import MTPModel, ModelArgs
@@ -201,3 +201,17 @@ def test_experts_must_divide_the_expert_axis():
   c.mesh.shape = (2, 2, 2)
   with pytest.raises(config_lib.ConfigError, match='n_routed_experts .3. must be divisible'):
     config_lib.validate(c, 8)
+
+
+def test_flops_count_mla_and_active_experts_only():
+  """dsv3_model_config(1): d 32, 4 heads, q_lora 12, kv_lora 8, dn 6, dr 4, dv 5; E 4, K 2,
+  1 shared, expert width 16; layer 0 dense (mlp 64), layer 1 and the MTP block MoE; T 16."""
+  args = ModelArgs.from_config(dsv3_model_config(1))
+  mla_proj = (2 * 32 * 12 + 2 * 12 * 4 * 10) + (2 * 32 * 12 + 2 * 8 * 4 * 11) + 2 * 4 * 5 * 32
+  attn = 2 * 4 * 10 * 8.5 + 2 * 4 * 5 * 8.5  # scores over dn + dr, values over dv
+  dense = 3 * 2 * 32 * 64
+  moe_active = 2 * 32 * 4 + 3 * 2 * 32 * 16 * (2 + 1)  # router + 2 routed + 1 shared
+  got = flops.flops_per_token(args, seq_len=16)
+  assert got.trunk_matmul == 2 * mla_proj + dense + moe_active
+  assert got.trunk_attention == 2 * attn
+  assert got.mtp_block == mla_proj + moe_active + attn
