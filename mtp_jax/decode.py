@@ -437,7 +437,8 @@ class Decoder:
 
   def __init__(self, model: MTPModel):
     if uses_latent_or_experts(model.args):  # its block path is dense GQA only (issue 13)
-      raise RequestError('decoding supports GQA + dense-MLP blocks only; this model has MLA or MoE blocks')
+      raise RequestError('decoding supports GQA + dense-MLP blocks only; '
+                         'this model has MLA or MoE blocks')
     self.args = model.args
     self.graphdef, params = nnx.split(model)
     # Programs are compiled for the default device, this process's first; a restored or
