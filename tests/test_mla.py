@@ -44,7 +44,7 @@ def test_mla_is_causal():
   pos = jnp.arange(10)[None]
   mask = jnp.tril(jnp.ones((10, 10), bool))[None, None]
   attn = model.layers[0].self_attn
-  jac = jax.jacrev(lambda v: attn(v, pos, mask)[0][0].sum(-1))(x)[:, 0]  # [i, j, d]
+  jac = jax.jit(jax.jacrev(lambda v: attn(v, pos, mask)[0][0].sum(-1)))(x)[:, 0]  # [i, j, d]
   touched = np.abs(np.asarray(jac)).sum(-1) > 0
   assert np.array_equal(touched, np.tril(np.ones((10, 10), bool)))
 

@@ -215,3 +215,21 @@ def test_flops_count_mla_and_active_experts_only():
   assert got.trunk_matmul == 2 * mla_proj + dense + moe_active
   assert got.trunk_attention == 2 * attn
   assert got.mtp_block == mla_proj + moe_active + attn
+
+
+def test_mtp_block_overrides_on_a_dense_trunk():
+  """GQA + dense trunk, MLA + MoE MTP block (model.mtp.block_*): layout and numpy forward."""
+  c = dsv3_model_config(1, attention='gqa', mlp='dense')
+  c.model.mtp.block_attention, c.model.mtp.block_mlp = 'mla', 'moe'
+  config_lib.validate(c)
+  model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
+  params = params_with_routing_bias(model)
+  assert all('k_proj' in p['self_attn'] and 'gate_proj' in p['mlp']
+             for p in params['layers'].values())
+  blk = params['mtp'][0]['block']
+  assert 'kv_b_proj' in blk['self_attn'] and 'experts' in blk['mlp']
+  hs = nnx.jit(lambda m: m(jnp.asarray(TOKENS[:1]), jnp.asarray(POS[:1]),
+                           jnp.asarray(SEG[:1])))(model)
+  want = ref.forward(params, TOKENS[0], POS[0], SEG[0], 1, moe=(TOP_K, SCALING))
+  for k in range(2):
+    np.testing.assert_allclose(np.asarray(hs[k][0]), want[k], rtol=2e-4, atol=2e-4)
