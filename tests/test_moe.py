@@ -8,7 +8,7 @@ from flax import nnx
 
 import numpy_reference as ref
 from helpers import dsv3_model_config, params_with_routing_bias, synthetic_batches
-from mtp_jax import config_lib, flops, moe
+from mtp_jax import config_lib, convert, flops, moe
 from mtp_jax import loss as loss_lib
 from mtp_jax import steps as steps_lib
 from mtp_jax.model import MTPModel, ModelArgs
@@ -233,3 +233,29 @@ def test_mtp_block_overrides_on_a_dense_trunk():
   want = ref.forward(params, TOKENS[0], POS[0], SEG[0], 1, moe=(TOP_K, SCALING))
   for k in range(2):
     np.testing.assert_allclose(np.asarray(hs[k][0]), want[k], rtol=2e-4, atol=2e-4)
+
+
+def test_fp8_block_dequantisation():
+  """A weight quantised to e4m3 in 128 x 128 blocks (partial edge blocks) comes back within
+  e4m3's rounding, and each block is exactly its fp8 values times its own scale."""
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(200, 300)).astype(np.float32) * np.linspace(0.1, 3, 300)
+  scale = np.zeros((2, 3), np.float32)
+  q = np.zeros(w.shape, jnp.float8_e4m3fn)
+  for p in range(2):
+    for c in range(3):
+      blk = w[p * 128:(p + 1) * 128, c * 128:(c + 1) * 128]
+      scale[p, c] = np.abs(blk).max() / 448.0  # e4m3's largest finite value
+      q[p * 128:(p + 1) * 128, c * 128:(c + 1) * 128] = (blk / scale[p, c]).astype(q.dtype)
+  got = convert.dequantize_fp8(q, scale)
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got[130:, 260:], q[130:, 260:].astype(np.float32) * scale[1, 2])
+  np.testing.assert_allclose(got, w, rtol=2 ** -3, atol=float(scale.max()) * 2 ** -6)
+  with pytest.raises(ValueError, match='expected \\(2, 3\\)'):
+    convert.dequantize_fp8(q, scale[:, :2])
+
+
+def test_converter_refuses_mla_moe_models():
+  args = ModelArgs.from_config(dsv3_model_config(1))
+  with pytest.raises(ValueError, match='MLA / MoE names are not implemented'):
+    convert.to_hf({}, args)
