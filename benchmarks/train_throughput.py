@@ -10,7 +10,7 @@ Sections (issues 4, 14):
             also the old per-round ratio to a probe taken in the same round
   maxtext   MaxText 0.2.5's CPU peer model (4 layers, d 256, 8 x 32 heads, MLP 704,
             V 1024, batch 16 x 256, float32) at D = 0, 1, 3, round robin: tokens/s
-  ab        speed changes A/B in one process, round robin (model.attention xla vs blocked
+  ab        speed changes A/B in one process, round robin (model.attention_core xla vs blocked
             on the stdlib_mtp and the MaxText-shape models)
   overhead  step time with D = 1, 2, 3 over D = 0 (same trunk), next to the FLOP ratio
   memory    peak temporary memory of the compiled step (XLA memory analysis) at vocab
@@ -217,9 +217,9 @@ def bench_maxtext(rounds: int, depths=(0, 1, 3), remat: str = 'block') -> dict:
 
 AB_VARIANTS = {  # name: (config builder, {variant: model overrides})
     'stdlib_mtp': (lambda **m: _with_model(load_config('stdlib_mtp'), m),
-                   {'xla': {'attention': 'xla'}, 'blocked64': {'attention': 'blocked'}}),
+                   {'xla': {'attention_core': 'xla'}, 'blocked64': {'attention_core': 'blocked'}}),
     'maxtext_D1': (lambda **m: maxtext_config(1, **m),
-                   {'xla': {'attention': 'xla'}, 'blocked64': {'attention': 'blocked'}}),
+                   {'xla': {'attention_core': 'xla'}, 'blocked64': {'attention_core': 'blocked'}}),
 }
 
 

@@ -29,6 +29,8 @@ DEFAULT_RULES = (
     ('vocab', 'tensor'),  # embedding / output head vocab dim
     ('norm', None),  # RMSNorm scales
     ('depth', None),  # stacked MTP depth axis
+    ('latent', None),  # MLA's compressed q / kv latent dims
+    ('expert', 'data'),  # MoE routed experts: expert parallelism over the data axis
 )
 
 
@@ -58,10 +60,32 @@ def base_config() -> ml_collections.ConfigDict:
   m.remat = 'none'  # rematerialisation per block: none | block (keep matmul outputs) | full (keep block inputs)
   m.scan_layers = False  # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
   m.loss_chunk = 0  # sequence chunk for the vocab projection + CE (0: whole length)
+  m.attention = 'gqa'  # block attention: gqa (grouped-query, n_kv_heads) | mla (model.mla.*)
   # Attention core without a cache: auto (blocked on CPU, xla elsewhere) | xla
   # (jax.nn.dot_product_attention: cuDNN / TPU kernels) | blocked (skips masked key blocks)
-  m.attention = 'auto'
+  m.attention_core = 'auto'
   m.attention_block = 64  # query/key block of the blocked core
+  m.mlp = 'dense'  # block MLP: dense (SwiGLU, mlp_dim) | moe (DeepSeekMoE, model.moe.*)
+
+  # Multi-head latent attention (DeepSeek-V2/V3; mtp_jax/mla.py), used when attention='mla'.
+  # n_heads heads; head_dim and n_kv_heads are unused by MLA blocks.
+  mla = m.mla = ml_collections.ConfigDict()
+  mla.q_lora_rank = 0  # query latent width (0: no query compression, one q_proj)
+  mla.kv_lora_rank = 64  # key/value latent width c_kv (what an MLA cache would hold)
+  mla.qk_nope_head_dim = 32  # per-head query/key width without RoPE
+  mla.qk_rope_head_dim = 16  # per-head rotary query width; one rotary key shared by all heads
+  mla.v_head_dim = 32  # per-head value width
+
+  # DeepSeekMoE (mtp_jax/moe.py), used when mlp='moe': shared + sigmoid-routed experts.
+  moe = m.moe = ml_collections.ConfigDict()
+  moe.n_routed_experts = 8  # E routed experts
+  moe.n_shared_experts = 1  # shared experts (one SwiGLU of width moe_intermediate_size x this)
+  moe.num_experts_per_tok = 2  # K experts chosen per token (top-k of affinity + bias)
+  moe.moe_intermediate_size = 128  # SwiGLU hidden width of each expert
+  moe.routed_scaling_factor = 1.0  # gates = this x the top-k affinities normalised to sum 1
+  moe.first_k_dense = 1  # the first this many trunk layers keep a dense MLP (mlp_dim)
+  moe.bias_update_rate = 1e-3  # gamma of aux-loss-free balancing (0: bias update off)
+  moe.balance_loss_weight = 1e-4  # alpha of the sequence-wise balance loss (0: off)
 
   mtp = m.mtp = ml_collections.ConfigDict()
   mtp.depth = 1  # D, number of MTP depths (0: plain next-token model)
@@ -80,6 +104,11 @@ def base_config() -> ml_collections.ConfigDict:
   # moments, no gradient computed) and stay bit-identical. Changes the optimizer state, so
   # a workdir cannot switch it on resume (start a new one with --init_from).
   mtp.freeze_trunk = False
+  # The MTP blocks' kinds: '' follows the trunk (attention = model.attention; the MLP is the
+  # one trunk layer index n_layers would have, i.e. MoE after model.moe.first_k_dense, as
+  # DeepSeek-V3's MTP layer is MLA + MoE); or name one: gqa | mla, dense | moe.
+  mtp.block_attention = ''
+  mtp.block_mlp = ''
 
   lo = c.loss = ml_collections.ConfigDict()
   # What MTP depth k at position i is trained to predict: 'data' = the true t_(i+k+1);
@@ -229,8 +258,8 @@ def validate(config, num_devices: int | None = None) -> None:
            f"model.dtype must be float32, bfloat16 or float16, got {m.dtype!r}")
   _require(m.remat in ('none', 'block', 'full'),
            f"model.remat must be none, block or full, got {m.remat!r}")
-  _require(m.attention in ('auto', 'xla', 'blocked'),
-           f"model.attention must be auto, xla or blocked, got {m.attention!r}")
+  _require(m.attention_core in ('auto', 'xla', 'blocked'),
+           f"model.attention_core must be auto, xla or blocked, got {m.attention_core!r}")
   _require(isinstance(m.attention_block, int) and not isinstance(m.attention_block, bool)
            and m.attention_block > 0,
            f'model.attention_block must be a positive integer, got {m.attention_block!r}')
@@ -261,6 +290,7 @@ def validate(config, num_devices: int | None = None) -> None:
   _require(not mtp.freeze_trunk or mtp.depth > 0,
            'model.mtp.freeze_trunk trains only the MTP modules, but model.mtp.depth is 0: '
            'set model.mtp.depth >= 1')
+  _validate_block_kinds(config)
   _require(config.loss.mtp_targets in ('data', 'self'),
            f"loss.mtp_targets must be 'data' or 'self', got {config.loss.mtp_targets!r}")
   _require(config.loss.mtp_targets == 'data' or mtp.depth > 0,
@@ -317,6 +347,60 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(m.n_kv_heads % shape[2] == 0 and m.n_heads % shape[2] == 0,
              f'model.n_heads ({m.n_heads}) and n_kv_heads ({m.n_kv_heads}) must be divisible '
              f'by the tensor axis ({shape[2]})')
+    if 'moe' in (m.mlp, m.mtp.block_mlp):
+      axes = dict((r[0], r[1]) for r in config.mesh.rules).get('expert')
+      axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+      ways = math.prod(shape[MESH_AXES.index(a)] for a in axes if a is not None)
+      _require(m.moe.n_routed_experts % ways == 0,
+               f'model.moe.n_routed_experts ({m.moe.n_routed_experts}) must be divisible by '
+               f'the mesh axes the expert rule shards over ({ways} devices)')
+
+
+def _validate_block_kinds(config) -> None:
+  """model.attention / mlp / mla.* / moe.* and model.mtp.block_* (one-line errors)."""
+  m, mtp = config.model, config.model.mtp
+  _require(m.attention in ('gqa', 'mla'), f"model.attention must be 'gqa' or 'mla', got {m.attention!r}")
+  _require(m.mlp in ('dense', 'moe'), f"model.mlp must be 'dense' or 'moe', got {m.mlp!r}")
+  _require(mtp.block_attention in ('', 'gqa', 'mla'),
+           f"model.mtp.block_attention must be '', 'gqa' or 'mla', got {mtp.block_attention!r}")
+  _require(mtp.block_mlp in ('', 'dense', 'moe'),
+           f"model.mtp.block_mlp must be '', 'dense' or 'moe', got {mtp.block_mlp!r}")
+  uses_mla = 'mla' in (m.attention, mtp.block_attention)
+  uses_moe = 'moe' in (m.mlp, mtp.block_mlp)
+  _require(not (uses_mla or uses_moe) or not config.train.eval_decode_prompts,
+           'train.eval_decode_prompts needs a decodable model, and decoding MLA/MoE blocks is '
+           'not implemented yet: set train.eval_decode_prompts=0')
+  if uses_mla:
+    for name in ('kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'):
+      require_positive_int(f'model.mla.{name}', m.mla[name])
+    q = m.mla.q_lora_rank
+    _require(isinstance(q, int) and not isinstance(q, bool) and q >= 0,
+             f'model.mla.q_lora_rank must be a non-negative integer (0: no query compression), got {q!r}')
+    _require(m.mla.qk_rope_head_dim % 2 == 0,
+             f'model.mla.qk_rope_head_dim must be even for RoPE, got {m.mla.qk_rope_head_dim}')
+  if uses_moe:
+    mo = m.moe
+    for name in ('n_routed_experts', 'num_experts_per_tok', 'moe_intermediate_size'):
+      require_positive_int(f'model.moe.{name}', mo[name])
+    for name in ('n_shared_experts', 'first_k_dense'):
+      _require(isinstance(mo[name], int) and not isinstance(mo[name], bool) and mo[name] >= 0,
+               f'model.moe.{name} must be a non-negative integer, got {mo[name]!r}')
+    _require(mo.num_experts_per_tok <= mo.n_routed_experts,
+             f'model.moe.num_experts_per_tok ({mo.num_experts_per_tok}) must be <= '
+             f'model.moe.n_routed_experts ({mo.n_routed_experts})')
+    _require(mo.first_k_dense <= m.n_layers,
+             f'model.moe.first_k_dense ({mo.first_k_dense}) must be <= model.n_layers ({m.n_layers})')
+    _require(mo.routed_scaling_factor > 0,
+             f'model.moe.routed_scaling_factor must be > 0, got {mo.routed_scaling_factor}')
+    _require(mo.bias_update_rate >= 0 and mo.balance_loss_weight >= 0,
+             'model.moe.bias_update_rate and model.moe.balance_loss_weight must be >= 0, '
+             f'got {mo.bias_update_rate}, {mo.balance_loss_weight}')
+    _require(not m.scan_layers,
+             'model.scan_layers does not support MoE blocks yet (their routing statistics '
+             'and mixed dense/MoE layers): set model.scan_layers=False')
+    _require(not mtp.freeze_trunk or m.mlp != 'moe',
+             'model.mtp.freeze_trunk with trunk MoE layers is not supported (their routing '
+             'bias would still be updated)')
 
 
 def optional(config, dotted: str, default):

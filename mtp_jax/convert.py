@@ -14,7 +14,32 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtp_jax.model import ModelArgs
+from mtp_jax.model import ModelArgs, uses_latent_or_experts
+
+FP8_BLOCK = 128  # DeepSeek-V3's weight quantisation blocks: 128 x 128 per weight_scale_inv entry
+
+
+def dequantize_fp8(weight_OxI: np.ndarray, scale_inv_PxQ: np.ndarray,
+                   block: int = FP8_BLOCK) -> np.ndarray:
+  """float32 weight of a DeepSeek-V3 FP8 (e4m3) tensor and its `weight_scale_inv`.
+
+  Entry [p, q] of scale_inv multiplies block rows p*block.., columns q*block.. (the last
+  blocks may be partial: scale_inv is [ceil(O / block), ceil(I / block)]), as DeepSeek's
+  own `weight_dequant`. Not yet wired into from_hf (which has no MLA / MoE names).
+  """
+  o, i = weight_OxI.shape
+  want = (-(-o // block), -(-i // block))
+  if scale_inv_PxQ.shape != want:
+    raise ValueError(f'weight_scale_inv has shape {scale_inv_PxQ.shape}, expected {want} '
+                     f'for a {weight_OxI.shape} weight in {block} x {block} blocks')
+  scale = np.repeat(np.repeat(scale_inv_PxQ.astype(np.float32), block, 0), block, 1)
+  return weight_OxI.astype(np.float32) * scale[:o, :i]
+
+
+def _check_dense_gqa(args: ModelArgs) -> None:
+  if uses_latent_or_experts(args):
+    raise ValueError('convert maps GQA + dense-MLP blocks only; MLA / MoE names are not '
+                     'implemented yet (issue 13)')
 
 
 def _block_to_hf(p: dict, prefix: str, args: ModelArgs) -> dict:
@@ -65,6 +90,7 @@ def output_weight(params: dict, args: ModelArgs) -> np.ndarray:
 
 def to_hf(params: dict, args: ModelArgs, *, with_shared_copies: bool = True) -> dict:
   """nnx.to_pure_dict(params) -> {hf_name: numpy array}."""
+  _check_dense_gqa(args)
   params = _numpy(params)
   out = {'model.embed_tokens.weight': params['embed']['embedding'],
          'model.norm.weight': params['norm']['scale'],
@@ -90,6 +116,7 @@ def to_hf(params: dict, args: ModelArgs, *, with_shared_copies: bool = True) -> 
 
 def from_hf(tensors: dict, args: ModelArgs) -> dict:
   """{hf_name: array} -> a pure dict for nnx.replace_by_pure_dict; every tensor is used."""
+  _check_dense_gqa(args)
   t = dict(tensors)
   embed = np.asarray(t.pop('model.embed_tokens.weight'))
   head = np.asarray(t.pop('lm_head.weight'))

@@ -45,7 +45,7 @@ from flax import nnx
 from mtp_jax import layers
 from mtp_jax import sampling as sampling_lib
 from mtp_jax.cli import RequestError
-from mtp_jax.model import MTPModel
+from mtp_jax.model import MTPModel, uses_latent_or_experts
 from mtp_jax.sampling import PAD_ID, Sampling, row_keys, take_rows
 
 Array = jax.Array
@@ -436,6 +436,9 @@ class Decoder:
   """
 
   def __init__(self, model: MTPModel):
+    if uses_latent_or_experts(model.args):  # its block path is dense GQA only (issue 13)
+      raise RequestError('decoding supports GQA + dense-MLP blocks only; '
+                         'this model has MLA or MoE blocks')
     self.args = model.args
     self.graphdef, params = nnx.split(model)
     # Programs are compiled for the default device, this process's first; a restored or

@@ -66,13 +66,13 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def attention_impl(cfg) -> str:
-  """The attention core for training / prefill: 'blocked' or 'xla' (config.model.attention).
+  """The attention core for training / prefill: 'blocked' or 'xla' (config.model.attention_core).
 
   auto: 'blocked' on CPU, where it is ~2x faster than jax.nn.dot_product_attention
   (benchmarks/RESULTS.md); 'xla' elsewhere, the library call that dispatches to cuDNN
   flash attention / TPU kernels and must stay the accelerator path.
   """
-  impl = getattr(cfg, 'attention', 'auto')
+  impl = getattr(cfg, 'attention_core', 'auto')
   if impl == 'auto':
     return 'blocked' if jax.default_backend() == 'cpu' else 'xla'
   return impl
@@ -192,13 +192,17 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm decoder block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x))."""
+  """Pre-norm decoder block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)).
 
-  def __init__(self, cfg, rngs: nnx.Rngs):
+  attention_cls / mlp_cls: other classes of the same call signatures (mla.MLAttention,
+  moe.MoE), chosen per layer by model.block_classes.
+  """
+
+  def __init__(self, cfg, rngs: nnx.Rngs, attention_cls=None, mlp_cls=None):
     self.input_layernorm = rms_norm(cfg.d_model, cfg, rngs)
-    self.self_attn = Attention(cfg, rngs)
+    self.self_attn = (attention_cls or Attention)(cfg, rngs)
     self.post_attention_layernorm = rms_norm(cfg.d_model, cfg, rngs)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = (mlp_cls or MLP)(cfg, rngs)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache=None, cache_index_B=None):
     a, cache = self.self_attn(self.input_layernorm(x_BxTxD), positions_BxT, mask_Bx1xTxS,

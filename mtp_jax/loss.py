@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from mtp_jax import moe
 from mtp_jax.metrics import metric_key
 from mtp_jax.model import MTPModel, shift_left, vocab_logits
 
@@ -117,7 +118,7 @@ def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk:
 
 
 def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: Array | None = None,
-                     chunk: int = 0, mtp_targets: str = 'data'):
+                     chunk: int = 0, mtp_targets: str = 'data', balance_weight: float = 0.0):
   """The weighted loss and summed per-depth statistics of one (micro)batch.
 
   mtp_targets: 'data' (the true tokens) or 'self' (self_targets: the main model's
@@ -128,9 +129,15 @@ def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: A
   gradients equal one large batch exactly. Defaults to this batch's own counts.
   Returns (loss, sums) where sums maps 'loss_sum', 'correct', 'agree', 'count' to [D+1]
   arrays (agree[0] is unused and 0).
+
+  A model with MoE layers adds balance_weight x the sum over its MoE layers of the
+  sequence-wise balance loss (moe.balance_loss), scaled by this microbatch's share of the
+  valid positions so accumulated microbatches add up to one batch's; sums then also hold
+  'moe_load' [L, E] (tokens per expert) and 'moe_balance' [L] (that scaled L_bal / alpha).
   """
   tokens, seg = batch['tokens'], batch['segment_ids']
   hiddens = model(tokens, batch.get('positions'), seg)
+  routing = moe.collect(model)
   num = len(hiddens)
   mask_KxBxT = jnp.stack([valid_mask(seg, k) for k in range(num)])
   targets_KxBxT = jnp.stack([targets(tokens, k) for k in range(num)])
@@ -156,6 +163,11 @@ def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: A
   denom = sums['count'] if counts_K is None else counts_K.astype(jnp.float32)
   per_depth = sums['loss_sum'] / jnp.maximum(denom, 1.0)  # empty mask -> 0, never NaN
   loss = jnp.sum(weights_K[:num] * per_depth)
+  if routing:
+    share = 1.0 if counts_K is None else sums['count'][0] / jnp.maximum(counts_K[0], 1)
+    routing['moe_balance'] = routing['moe_balance'] * share
+    loss = loss + balance_weight * jnp.sum(routing['moe_balance'])
+    sums.update(routing)
   return loss, sums
 
 

@@ -19,6 +19,8 @@ from flax import nnx
 
 from mtp_jax import config_lib
 from mtp_jax import layers
+from mtp_jax import mla
+from mtp_jax import moe
 from mtp_jax.data import tokenizers
 from mtp_jax.sharding import constrain
 
@@ -46,7 +48,23 @@ class ModelArgs:
   stop_gradient: bool = False  # MTP losses reach neither h^0 nor Emb nor OutHead (config_lib)
   remat: str = 'none'  # none | block | full (see remat_policy); never changes parameters
   scan_layers: bool = False  # lax.scan over trunk blocks and MTP depths; never changes parameters
-  attention: str = 'auto'  # attention core without a cache (layers.attention_impl)
+  # Block kinds (config_lib documents each field): attention gqa | mla, mlp dense | moe.
+  attention: str = 'gqa'
+  mlp: str = 'dense'
+  mtp_block_attention: str = ''  # '' = attention
+  mtp_block_mlp: str = ''  # '' = the rule of layer index n_layers (DeepSeek-V3's MTP layer)
+  q_lora_rank: int = 0
+  kv_lora_rank: int = 64
+  qk_nope_head_dim: int = 32
+  qk_rope_head_dim: int = 16
+  v_head_dim: int = 32
+  n_routed_experts: int = 8
+  n_shared_experts: int = 1
+  num_experts_per_tok: int = 2
+  moe_intermediate_size: int = 128
+  routed_scaling_factor: float = 1.0
+  first_k_dense: int = 1
+  attention_core: str = 'auto'  # attention core without a cache (layers.attention_impl)
   attention_block: int = 64
 
   @classmethod
@@ -59,8 +77,50 @@ class ModelArgs:
                mtp_depth=m.mtp.depth, mtp_kind=m.mtp.kind, detach_trunk=m.mtp.detach_trunk,
                stop_gradient=config_lib.optional(config, 'model.mtp.stop_gradient', False),
                remat=m.remat, scan_layers=m.scan_layers,
-               attention=config_lib.optional(config, 'model.attention', 'auto'),
-               attention_block=config_lib.optional(config, 'model.attention_block', 64))
+               attention_core=config_lib.optional(config, 'model.attention_core', 'auto'),
+               attention_block=config_lib.optional(config, 'model.attention_block', 64),
+               **_block_fields(config))
+
+
+def _block_fields(config) -> dict:
+  """The block-kind fields; configs saved before they existed read as dense GQA."""
+  out = {'attention': config_lib.optional(config, 'model.attention', 'gqa'),
+         'mlp': config_lib.optional(config, 'model.mlp', 'dense'),
+         'mtp_block_attention': config_lib.optional(config, 'model.mtp.block_attention', ''),
+         'mtp_block_mlp': config_lib.optional(config, 'model.mtp.block_mlp', '')}
+  for group, names in (('mla', ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim',
+                                'qk_rope_head_dim', 'v_head_dim')),
+                       ('moe', ('n_routed_experts', 'n_shared_experts', 'num_experts_per_tok',
+                                'moe_intermediate_size', 'routed_scaling_factor',
+                                'first_k_dense'))):
+    for name in names:
+      value = config_lib.optional(config, f'model.{group}.{name}', None)
+      if value is not None:
+        out[name] = value
+  return out
+
+
+def block_classes(args: ModelArgs, layer: int) -> tuple:
+  """(attention class, MLP class) of trunk layer `layer`; layer n_layers is the MTP block.
+
+  Dense MLPs in layers [0, first_k_dense), MoE after when args.mlp is 'moe'; the MTP
+  blocks take that rule at index n_layers (MoE, as DeepSeek-V3's MTP layer 61) unless
+  mtp_block_attention / mtp_block_mlp name a kind.
+  """
+  attention, mlp = args.attention, args.mlp
+  if mlp == 'moe' and layer < args.first_k_dense:
+    mlp = 'dense'
+  if layer >= args.n_layers:
+    attention = args.mtp_block_attention or attention
+    mlp = args.mtp_block_mlp or mlp
+  return ({'gqa': layers.Attention, 'mla': mla.MLAttention}[attention],
+          {'dense': layers.MLP, 'moe': moe.MoE}[mlp])
+
+
+def uses_latent_or_experts(args: ModelArgs) -> bool:
+  """Whether any block (trunk or MTP) is MLA or MoE."""
+  kinds = {block_classes(args, i) for i in range(args.n_layers + 1)}
+  return any(a is not layers.Attention or m is not layers.MLP for a, m in kinds)
 
 
 def resolve_vocab_size(config) -> int:
@@ -106,8 +166,9 @@ def remat_policy(name: str):
 
 def _apply_block(graphdef, state, x, positions, mask):
   """A pure function of the block's state (what jax.checkpoint and lax.scan need)."""
-  out, _ = nnx.merge(graphdef, state)(x, positions, mask)
-  return out
+  block = nnx.merge(graphdef, state)
+  out, _ = block(x, positions, mask)
+  return out, nnx.state(block, nnx.Intermediate)  # MoE routing statistics, if any
 
 
 def run_blocks(blocks, x_BxTxD, positions_BxT, mask, remat: str = 'none',
@@ -132,14 +193,15 @@ def run_blocks(blocks, x_BxTxD, positions_BxT, mask, remat: str = 'none',
     fn = block_fn(graphdef)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
 
-    def body(x, state):
-      return fn(state, x, positions_BxT, mask), None
+    def body(x, state):  # (config_lib.validate keeps MoE blocks, which have stats, out)
+      return fn(state, x, positions_BxT, mask)[0], None
 
     x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, stacked)
     return x_BxTxD
   for block in blocks:
     graphdef, state = nnx.split(block)
-    x_BxTxD = block_fn(graphdef)(state, x_BxTxD, positions_BxT, mask)
+    x_BxTxD, stats = block_fn(graphdef)(state, x_BxTxD, positions_BxT, mask)
+    nnx.update(block, stats)  # out of the pure function onto the block (moe.collect)
   return x_BxTxD
 
 
@@ -161,7 +223,7 @@ class SequentialMTP(nnx.Module):
         2 * d, d, use_bias=False, dtype=args.dtype,
         kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, 'embed')),
         rngs=rngs)
-    self.block = layers.Block(args, rngs)
+    self.block = layers.Block(args, rngs, *block_classes(args, args.n_layers))
     self.shared_head = SharedHead(args, rngs)
 
   def combine(self, h_prev_BxTxD: Array, emb_BxTxD: Array) -> Array:
@@ -176,7 +238,7 @@ class ParallelHead(nnx.Module):
   """An independent block on the trunk's h^0 (Gloeckle et al. 2024), no token input."""
 
   def __init__(self, args: ModelArgs, rngs: nnx.Rngs):
-    self.block = layers.Block(args, rngs)
+    self.block = layers.Block(args, rngs, *block_classes(args, args.n_layers))
     self.shared_head = SharedHead(args, rngs)
 
 
@@ -192,7 +254,8 @@ class MTPModel(nnx.Module):
           args.vocab_size, args.d_model, dtype=args.dtype,
           embedding_init=nnx.with_partitioning(
               nnx.initializers.normal(args.init_std), ('vocab', 'embed')), rngs=rngs)
-      self.layers = nnx.List([layers.Block(args, rngs) for _ in range(args.n_layers)])
+      self.layers = nnx.List([layers.Block(args, rngs, *block_classes(args, i))
+                              for i in range(args.n_layers)])
       self.norm = layers.rms_norm(args.d_model, args, rngs)
       if not args.tie_embeddings:
         self.lm_head = nnx.Linear(

@@ -17,6 +17,7 @@ from flax import nnx
 
 from mtp_jax import config_lib
 from mtp_jax import loss as loss_lib
+from mtp_jax import moe
 from mtp_jax import resilience
 from mtp_jax import sharding
 from mtp_jax import state as state_lib
@@ -56,11 +57,12 @@ def train_step(config, graphdef, state, batch):
   # The frozen parameters (model.mtp.freeze_trunk) go to `rest`: no gradient for them.
   model_graph, params, rest = nnx.split(model, state_lib.trainable(config), ...)
   mtp_targets = config_lib.optional(config, 'loss.mtp_targets', 'data')
+  balance_weight = config_lib.optional(config, 'model.moe.balance_loss_weight', 0.0)
 
   def loss_fn(p, mb):
     m = nnx.merge(model_graph, p, rest)
     return loss_lib.loss_and_metrics(m, mb, weights, counts, config.model.loss_chunk,
-                                     mtp_targets)
+                                     mtp_targets, balance_weight)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   accum = config.train.grad_accum
@@ -78,6 +80,9 @@ def train_step(config, graphdef, state, batch):
     ((loss, sums), grads), _ = jax.lax.scan(body, zeros, micro)
   grad_norm = optax.global_norm(grads)
   optimizer.update(model, grads)
+  if 'moe_load' in sums:  # aux-loss-free balancing: the routing bias, outside the gradient
+    sums.update(moe.update_bias(model, sums['moe_load'],
+                                config_lib.optional(config, 'model.moe.bias_update_rate', 0.0)))
   metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': state_lib.lr_schedule(config)(step),
              'lambda': weights[1:].sum() if num_depths > 1 else jnp.zeros(()), **sums}
   return resilience.keep_finite_update(old_state, nnx.state((model, optimizer)), metrics)

@@ -21,6 +21,7 @@ from mtp_jax import evaluation
 from mtp_jax import flops as flops_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax import metrics as metrics_lib
+from mtp_jax import moe
 from mtp_jax import resilience
 from mtp_jax import sharding
 from mtp_jax import state as state_lib
@@ -244,6 +245,7 @@ class _Run:
       out[metric_key('train', 'grad_norm')] = float(m['grad_norm'])
     out[metric_key('train', 'lr')] = float(m['lr'])
     out[metric_key('train', 'lambda')] = float(m['lambda'])
+    out.update(moe.log_metrics(m))  # this step's expert load, bias range, balance loss
     out[metric_key('train', 'skipped_steps')] = float(monitor.skipped_total)
     done = max(window.steps + window.skipped, 1)
     tokens_per_step = config.data.batch_size * config.data.seq_len

@@ -15,6 +15,7 @@ from flax import nnx
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax import loss as loss_lib
+from mtp_jax import moe as moe_lib
 from mtp_jax import steps as steps_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,3 +183,35 @@ def job_config(data_dir):
   c.train.checkpoint_every = 0
   c.train.eval_batches = 1
   return c
+
+
+def dsv3_model_config(depth=1, attention='mla', mlp='moe', q_lora_rank=12, **moe):
+  """tiny_model_config with MLA and / or DeepSeekMoE blocks (layer 0 dense, MoE after)."""
+  c = tiny_model_config(depth)
+  c.model.attention, c.model.mlp = attention, mlp
+  c.model.mla.q_lora_rank = q_lora_rank
+  c.model.mla.kv_lora_rank = 8
+  c.model.mla.qk_nope_head_dim = 6
+  c.model.mla.qk_rope_head_dim = 4
+  c.model.mla.v_head_dim = 5  # differs from qk_nope + qk_rope: exercises the padded core
+  c.model.moe.n_routed_experts = 4
+  c.model.moe.num_experts_per_tok = 2
+  c.model.moe.moe_intermediate_size = 16
+  c.model.moe.routed_scaling_factor = 2.5
+  c.model.moe.first_k_dense = 1
+  for k, v in moe.items():
+    c.model.moe[k] = v
+  return c
+
+
+def params_with_routing_bias(model, seed=5, scale=0.3):
+  """randomize(model), then random routing biases too; the numpy tree of both."""
+  randomize(model)
+  rng = np.random.default_rng(seed)
+  biases = jax.tree.map(lambda x: (rng.normal(size=x.shape) * scale).astype(np.float32),
+                        nnx.to_pure_dict(nnx.state(model, moe_lib.RoutingBias)))
+  bias_state = nnx.state(model, moe_lib.RoutingBias)
+  nnx.replace_by_pure_dict(bias_state, biases)
+  nnx.update(model, bias_state)
+  merged = nnx.to_pure_dict(nnx.state(model, nnx.Any(nnx.Param, moe_lib.RoutingBias)))
+  return jax.tree.map(np.float64, merged)

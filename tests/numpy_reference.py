@@ -23,11 +23,93 @@ def rope(x_TxNxH, pos_T, theta):
   return out
 
 
-def block(p, x_TxD, pos_T, seg_T, eps, theta):
-  """One pre-norm block on a single sequence; attention within a document, causal."""
+def silu(g):
+  return g / (1.0 + np.exp(-g))
+
+
+def mla_attention(a, h_TxD, pos_T, seg_T, eps, theta):
+  """Multi-head latent attention (DeepSeek-V3 eqs. 1-11), widths read off the kernels.
+
+  Scores as the sum of a no-RoPE part (per-head keys from the kv latent) and a RoPE part
+  (one rotary key per token, shared by the heads), rather than one concatenated dot.
+  """
+  kvr = a['kv_a_layernorm']['scale'].shape[0]
+  dr = a['kv_a_proj_with_mqa']['kernel'].shape[1] - kvr
+  dv = a['o_proj']['kernel'].shape[1]
+  if 'q_a_proj' in a:
+    c_q = rmsnorm(h_TxD @ a['q_a_proj']['kernel'], a['q_a_layernorm']['scale'], eps)
+    q = np.einsum('tr,rnh->tnh', c_q, a['q_b_proj']['kernel'])
+  else:
+    q = np.einsum('td,dnh->tnh', h_TxD, a['q_proj']['kernel'])
+  dn = q.shape[-1] - dr
+  q_nope, q_rope = q[..., :dn], rope(q[..., dn:], pos_T, theta)
+  kv_a = h_TxD @ a['kv_a_proj_with_mqa']['kernel']
+  c_kv = rmsnorm(kv_a[:, :kvr], a['kv_a_layernorm']['scale'], eps)
+  k_rope = rope(kv_a[:, None, kvr:], pos_T, theta)[:, 0]
+  kv = np.einsum('tr,rnh->tnh', c_kv, a['kv_b_proj']['kernel'])
+  k_nope, v = kv[..., :dn], kv[..., dn:]
+  t, n = h_TxD.shape[0], q.shape[1]
+  out = np.zeros((t, n, dv))
+  for head in range(n):
+    for i in range(t):
+      allowed = [j for j in range(i + 1) if seg_T[j] == seg_T[i]]
+      s = np.array([q_nope[i, head] @ k_nope[j, head] + q_rope[i, head] @ k_rope[j]
+                    for j in allowed]) / np.sqrt(dn + dr)
+      w = np.exp(s - s.max())
+      w /= w.sum()
+      out[i, head] = sum(wj * v[j, head] for wj, j in zip(w, allowed))
+  return np.einsum('tnh,nhd->td', out, a['o_proj']['kernel'])
+
+
+def moe_route(m, h_TxD, top_k, scaling):
+  """Per token: (selected experts, their gates, all sigmoid affinities), token by token."""
+  bias = m['gate']['e_score_correction_bias']
+  out = []
+  for x in h_TxD:
+    s = 1.0 / (1.0 + np.exp(-(x @ m['gate']['kernel'])))
+    chosen = list(np.argsort(-(s + bias), kind='stable')[:top_k])  # the bias picks ...
+    g = s[chosen] / s[chosen].sum() * scaling  # ... the affinities weigh
+    out.append((chosen, g, s))
+  return out
+
+
+def moe_mlp(m, h_TxD, top_k, scaling):
+  """DeepSeekMoE: shared SwiGLU + gated sum of the selected routed SwiGLU experts."""
+  e = m['experts']
+  out = np.zeros_like(h_TxD)
+  for t, (chosen, g, _) in enumerate(moe_route(m, h_TxD, top_k, scaling)):
+    x = h_TxD[t]
+    for i, gi in zip(chosen, g):
+      out[t] += gi * ((silu(x @ e['gate_proj'][i]) * (x @ e['up_proj'][i])) @ e['down_proj'][i])
+  if 'shared_experts' in m:
+    sh = m['shared_experts']
+    out += (silu(h_TxD @ sh['gate_proj']['kernel']) * (h_TxD @ sh['up_proj']['kernel'])
+            ) @ sh['down_proj']['kernel']
+  return out
+
+
+def moe_balance(m, h_TxD, top_k, scaling):
+  """One sequence's sum_i f_i P_i (DeepSeek-V3 eqs. 17-20, without alpha), and its load."""
+  routes = moe_route(m, h_TxD, top_k, scaling)
+  n_exp, t = len(routes[0][2]), len(routes)
+  load = np.zeros(n_exp)
+  p = np.zeros(n_exp)
+  for chosen, _, s in routes:
+    load[chosen] += 1
+    p += s / s.sum() / t
+  return float(np.sum(load * n_exp / (top_k * t) * p)), load
+
+
+def block(p, x_TxD, pos_T, seg_T, eps, theta, moe=(2, 1.0)):
+  """One pre-norm block on a single sequence; attention within a document, causal.
+
+  MLA and MoE blocks are recognised by their parameter names; moe = (top_k, scaling).
+  """
   t = x_TxD.shape[0]
   a = p['self_attn']
   h = rmsnorm(x_TxD, p['input_layernorm']['scale'], eps)
+  if 'kv_a_proj_with_mqa' in a:
+    return _mlp_half(p, x_TxD + mla_attention(a, h, pos_T, seg_T, eps, theta), eps, moe)
   q = rope(np.einsum('td,dnh->tnh', h, a['q_proj']['kernel']), pos_T, theta)
   k = rope(np.einsum('td,dkh->tkh', h, a['k_proj']['kernel']), pos_T, theta)
   v = np.einsum('td,dkh->tkh', h, a['v_proj']['kernel'])
@@ -42,22 +124,27 @@ def block(p, x_TxD, pos_T, seg_T, eps, theta):
       w = np.exp(s - s.max())
       w /= w.sum()
       out[i, head] = sum(wj * v[j, kv] for wj, j in zip(w, allowed))
-  x = x_TxD + np.einsum('tnh,nhd->td', out, a['o_proj']['kernel'])
+  return _mlp_half(p, x_TxD + np.einsum('tnh,nhd->td', out, a['o_proj']['kernel']), eps, moe)
+
+
+def _mlp_half(p, x, eps, moe):
   m = p['mlp']
   h = rmsnorm(x, p['post_attention_layernorm']['scale'], eps)
+  if 'experts' in m:
+    return x + moe_mlp(m, h, *moe)
   g = h @ m['gate_proj']['kernel']
   u = h @ m['up_proj']['kernel']
-  silu = g / (1.0 + np.exp(-g))
-  return x + (silu * u) @ m['down_proj']['kernel']
+  return x + (silu(g) * u) @ m['down_proj']['kernel']
 
 
-def forward(params, tokens_T, pos_T, seg_T, depth, kind='sequential', eps=1e-6, theta=1e4):
+def forward(params, tokens_T, pos_T, seg_T, depth, kind='sequential', eps=1e-6, theta=1e4,
+            moe=(2, 1.0)):
   """[h^0, ..., h^D] for one sequence; depth k reads t_{i+k} (0 past the end)."""
   emb = params['embed']['embedding']
   t = len(tokens_T)
   x = emb[tokens_T]
   for i in sorted(params['layers']):
-    x = block(params['layers'][i], x, pos_T, seg_T, eps, theta)
+    x = block(params['layers'][i], x, pos_T, seg_T, eps, theta, moe)
   hs = [x]
   for k in range(1, depth + 1):
     p = params['mtp'][k - 1]
@@ -68,7 +155,7 @@ def forward(params, tokens_T, pos_T, seg_T, depth, kind='sequential', eps=1e-6, 
       inp = np.concatenate([e, hprev], axis=-1) @ p['eh_proj']['kernel']
     else:
       inp = hs[0]
-    hs.append(block(p['block'], inp, pos_T, seg_T, eps, theta))
+    hs.append(block(p['block'], inp, pos_T, seg_T, eps, theta, moe))
   return hs
 
 

@@ -51,7 +51,7 @@ def test_model_loss_and_gradients_agree_across_attention_paths():
   batch = {'tokens': tokens * (seg > 0), 'segment_ids': seg, 'positions': pos}
   out = {}
   for impl in ('xla', 'blocked'):
-    c.model.attention, c.model.attention_block = impl, 4
+    c.model.attention_core, c.model.attention_block = impl, 4
     model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
     assert model.layers[0].self_attn.impl == impl
     graphdef, state = nnx.split(model)
@@ -67,7 +67,7 @@ def test_model_loss_and_gradients_agree_across_attention_paths():
 def test_attention_auto_is_blocked_on_cpu_only():
   args = ModelArgs.from_config(tiny_model_config(1))
   assert layers.attention_impl(args) == ('blocked' if jax.default_backend() == 'cpu' else 'xla')
-  assert layers.attention_impl(ModelArgs.from_config(tiny_model_config(1, attention='xla'))) == 'xla'
+  assert layers.attention_impl(ModelArgs.from_config(tiny_model_config(1, attention_core='xla'))) == 'xla'
 
 
 @pytest.mark.parametrize('name', ['gpu_350m', 'tpu_pod_1b'])
@@ -75,7 +75,7 @@ def test_attention_auto_is_blocked_on_cpu_only():
 def test_pod_configs_lower_a_train_gradient_with_each_attention_path(name, impl):
   """The full-size model's loss gradient traces and lowers (abstract params, no compile)."""
   c = load_config(name)
-  c.model.attention = impl
+  c.model.attention_core = impl
   c.model.n_layers = 2  # the scanned block is traced once; depth only repeats it
   args = ModelArgs.from_config(c)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MTPModel(args, rngs=nnx.Rngs(0))))

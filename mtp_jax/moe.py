@@ -1,0 +1,185 @@
+"""DeepSeekMoE (DeepSeek-V3 report section 2.1.2), an MLP option of the blocks.
+
+  s_i   = sigmoid(u W_gate)_i                         affinity of routed expert i
+  top-k by s_i + b_i                                  b: routing bias, selection only
+  g_i   = routed_scaling_factor * s_i / sum_{j in top-k} s_j   for selected i, else 0
+  out   = shared_experts(u) + sum_i g_i FFN_i(u)
+
+Auxiliary-loss-free balancing: b is a non-trainable `RoutingBias` variable (not an
+nnx.Param, so neither the gradient nor the optimizer ever sees it), updated once per
+train step by `update_bias`: b_i += gamma * sign(mean load - load_i), load_i = tokens
+routed to expert i in the step. A small sequence-wise balance loss (eqs. 17-20),
+  L_bal = alpha * sum_i f_i P_i,  f_i = E / (K T) * #{t : i in top-k(t)},
+  P_i = mean_t s_i,t / sum_j s_j,t            (per sequence, then averaged),
+is added to the training loss by loss.py.
+
+Dispatch is dropless and sort-based: the N*K (token, expert) pairs are sorted by expert
+and each expert's contiguous group is multiplied by its weights with
+`jax.lax.ragged_dot` (a grouped matmul). It is exact (no capacity, no dropped tokens),
+costs only the active FLOPs (a dense one-hot dispatch would cost E/K times the expert
+FLOPs, an einsum over a capacity-padded buffer drops tokens), and ragged_dot runs on
+CPU (checked with jax 0.10.2: forward and gradients, also under an 8-device mesh with
+the experts sharded, tests/test_moe.py); on GPU / TPU XLA has grouped-matmul lowerings
+for it (not measured here). Sorting and the gather / scatter are O(N K log(N K)) and
+O(N K D). Padding positions are routed (and counted in the load) like any token.
+
+Every MoE call leaves its statistics on the module as nnx.Intermediate variables
+(`expert_load` [E], `balance` []); model.run_blocks carries them out of its pure block
+functions, and `collect` pops them after a forward pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax import layers
+from mtp_jax.sharding import constrain
+
+Array = jax.Array
+
+
+class RoutingBias(nnx.Variable):
+  """The aux-loss-free routing bias: state, but never a trainable parameter."""
+
+
+def _init(names):
+  return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+
+
+class Router(nnx.Module):
+  """DeepSeek-V3's `mlp.gate`: the affinity kernel and `e_score_correction_bias`."""
+
+  def __init__(self, cfg, rngs: nnx.Rngs):
+    e = cfg.n_routed_experts
+    self.kernel = nnx.Param(_init(('embed', None))(rngs.params(), (cfg.d_model, e)))
+    self.e_score_correction_bias = RoutingBias(jnp.zeros((e,), jnp.float32))
+
+
+class Experts(nnx.Module):
+  """E SwiGLU experts with stacked [E, ...] kernels (sharded over the `expert` axis)."""
+
+  def __init__(self, cfg, rngs: nnx.Rngs):
+    e, d, f = cfg.n_routed_experts, cfg.d_model, cfg.moe_intermediate_size
+    self.gate_proj = nnx.Param(_init(('expert', 'embed', 'mlp'))(rngs.params(), (e, d, f)))
+    self.up_proj = nnx.Param(_init(('expert', 'embed', 'mlp'))(rngs.params(), (e, d, f)))
+    self.down_proj = nnx.Param(_init(('expert', 'mlp', 'embed'))(rngs.params(), (e, f, d)))
+
+
+def route(scores_NxE: Array, bias_E: Array, k: int, scaling: float) -> tuple[Array, Array]:
+  """(expert ids [N, K], gates [N, K]): top-k of scores + bias, gates from the scores alone."""
+  _, idx_NxK = jax.lax.top_k(scores_NxE + bias_E, k)
+  s_NxK = jnp.take_along_axis(scores_NxE, idx_NxK, axis=-1)
+  return idx_NxK, scaling * s_NxK / jnp.sum(s_NxK, axis=-1, keepdims=True)
+
+
+def balance_loss(scores_BxTxE: Array, idx_BxTxK: Array) -> Array:
+  """sum_i f_i P_i per sequence, averaged over the batch (without alpha)."""
+  e, k, t = scores_BxTxE.shape[-1], idx_BxTxK.shape[-1], scores_BxTxE.shape[1]
+  hits_BxE = jax.nn.one_hot(idx_BxTxK, e, dtype=jnp.float32).sum(axis=(1, 2))
+  f_BxE = hits_BxE * e / (k * t)
+  p_BxE = jnp.mean(scores_BxTxE / jnp.sum(scores_BxTxE, -1, keepdims=True), axis=1)
+  return jnp.mean(jnp.sum(f_BxE * p_BxE, axis=-1))
+
+
+def grouped_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, num_experts: int,
+                   dtype) -> Array:
+  """[N, K, D]: expert idx[n, j]'s SwiGLU of token n, by sort + ragged_dot."""
+  n, k = idx_NxK.shape
+  flat_M = idx_NxK.reshape(-1)
+  order_M = jnp.argsort(flat_M, stable=True)
+  xs_MxD = x_NxD[order_M // k].astype(dtype)
+  sizes_E = jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
+
+  def mm(a, w):
+    return jax.lax.ragged_dot(a, w[...].astype(dtype), sizes_E)
+
+  h_MxF = jax.nn.silu(mm(xs_MxD, experts.gate_proj)) * mm(xs_MxD, experts.up_proj)
+  y_MxD = mm(h_MxF, experts.down_proj)
+  return jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(n, k, -1)
+
+
+class MoE(nnx.Module):
+  """Shared experts + sigmoid-routed experts; the call signature of layers.MLP."""
+
+  def __init__(self, cfg, rngs: nnx.Rngs):
+    self.gate = Router(cfg, rngs)
+    self.experts = Experts(cfg, rngs)
+    if cfg.n_shared_experts:
+      shared = dataclasses.replace(cfg, mlp_dim=cfg.moe_intermediate_size * cfg.n_shared_experts)
+      self.shared_experts = layers.MLP(shared, rngs)
+    else:
+      self.shared_experts = None
+    self.num_experts = cfg.n_routed_experts
+    self.top_k = cfg.num_experts_per_tok
+    self.scaling = cfg.routed_scaling_factor
+    self.dtype = cfg.dtype
+
+  def __call__(self, x_BxTxD: Array) -> Array:
+    b, t, d = x_BxTxD.shape
+    x_NxD = x_BxTxD.reshape(b * t, d)
+    logits_NxE = jnp.dot(x_NxD.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))
+    scores_NxE = jax.nn.sigmoid(logits_NxE)
+    bias_E = jax.lax.stop_gradient(self.gate.e_score_correction_bias[...])
+    idx_NxK, gates_NxK = route(scores_NxE, bias_E, self.top_k, self.scaling)
+    y_NxKxD = grouped_swiglu(x_NxD, idx_NxK, self.experts, self.num_experts, self.dtype)
+    y_NxD = jnp.einsum('nk,nkd->nd', gates_NxK.astype(self.dtype), y_NxKxD)
+    if self.shared_experts is not None:
+      y_NxD = y_NxD + self.shared_experts(x_BxTxD).reshape(b * t, d)
+    self.expert_load = nnx.Intermediate(
+        jnp.bincount(idx_NxK.reshape(-1), length=self.num_experts).astype(jnp.float32))
+    self.balance = nnx.Intermediate(balance_loss(
+        scores_NxE.reshape(b, t, -1), idx_NxK.reshape(b, t, -1)))
+    return constrain(y_NxD.reshape(b, t, d).astype(x_BxTxD.dtype),
+                     ('batch', 'length', 'act_embed'))
+
+
+def moe_modules(model: nnx.Module) -> list[MoE]:
+  """The MoE layers of a model, in a fixed (graph traversal) order."""
+  return [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
+
+
+def collect(model: nnx.Module) -> dict:
+  """{'moe_load': [L, E], 'moe_balance': [L]} of the last forward pass, popped off the
+  modules ({} for a model without MoE layers)."""
+  mods = moe_modules(model)
+  if not mods:
+    return {}
+  loads = [m.expert_load[...] for m in mods]
+  bal = [m.balance[...] for m in mods]
+  nnx.pop(model, nnx.Intermediate)
+  return {'moe_load': jnp.stack(loads), 'moe_balance': jnp.stack(bal)}
+
+
+def update_bias(model: nnx.Module, load_LxE: Array, rate: float) -> dict:
+  """b += rate * sign(mean load - load) per MoE layer (outside the gradient).
+
+  Returns the bias range after the update: {'moe_bias_min': [L], 'moe_bias_max': [L]}.
+  """
+  mods = moe_modules(model)
+  lo, hi = [], []
+  for m, load_E in zip(mods, load_LxE):
+    var = m.gate.e_score_correction_bias
+    var[...] = var[...] + rate * jnp.sign(jnp.mean(load_E) - load_E)
+    lo.append(jnp.min(var[...]))
+    hi.append(jnp.max(var[...]))
+  return {'moe_bias_min': jnp.stack(lo), 'moe_bias_max': jnp.stack(hi)}
+
+
+def log_metrics(m: dict) -> dict:
+  """Per-layer scalars of one step's metrics for metrics.jsonl / TensorBoard ({} if no MoE):
+  train/moe_load_max_over_mean_l{j} (1 is perfectly even), train/moe_bias_{min,max}_l{j},
+  train/moe_balance_l{j} (L_bal without alpha). j counts MoE layers, the MTP blocks last."""
+  if 'moe_load' not in m:
+    return {}
+  out = {}
+  load = jnp.asarray(m['moe_load'])
+  ratio = jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)
+  for j in range(load.shape[0]):
+    out[f'train/moe_load_max_over_mean_l{j}'] = float(ratio[j])
+    out[f'train/moe_balance_l{j}'] = float(m['moe_balance'][j])
+    out[f'train/moe_bias_min_l{j}'] = float(m['moe_bias_min'][j])
+    out[f'train/moe_bias_max_l{j}'] = float(m['moe_bias_max'][j])
+  return out

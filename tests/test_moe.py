@@ -1,0 +1,261 @@
+"""DeepSeekMoE (mtp_jax/moe.py): numpy agreement with routing bias, aux-loss-free balancing,
+the balance loss, training, and the 1 / 8-device equality with experts sharded."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import numpy_reference as ref
+from helpers import dsv3_model_config, params_with_routing_bias, synthetic_batches
+from mtp_jax import config_lib, convert, flops, moe
+from mtp_jax import loss as loss_lib
+from mtp_jax import steps as steps_lib
+from mtp_jax.model import MTPModel, ModelArgs
+
+TOKENS = np.array([[5, 9, 1, 33, 2, 7, 60, 4, 11, 12, 3, 8, 21, 22, 0, 0],
+                   [3, 3, 40, 41, 42, 6, 7, 8, 50, 1, 2, 9, 9, 9, 10, 63]])
+SEG = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 0, 0], [1] * 16])
+POS = np.array([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1], list(range(16))])
+TOP_K, SCALING = 2, 2.5  # dsv3_model_config's
+
+
+def build(seed=0, **kw):
+  return MTPModel(ModelArgs.from_config(dsv3_model_config(1, **kw)), rngs=nnx.Rngs(seed))
+
+
+def test_layout_and_non_trainable_bias():
+  """Layer 0 dense, layer 1 and the MTP block MoE; the bias is state, not a Param."""
+  model = build()
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  assert 'gate_proj' in params['layers'][0]['mlp']
+  mlp = params['layers'][1]['mlp']
+  assert set(mlp) == {'gate', 'experts', 'shared_experts'}
+  assert mlp['experts']['gate_proj'].shape == (4, 32, 16)
+  assert mlp['gate']['kernel'].shape == (32, 4)
+  assert 'e_score_correction_bias' not in mlp['gate']
+  assert 'experts' in params['mtp'][0]['block']['mlp']
+  biases = jax.tree.leaves(nnx.state(model, moe.RoutingBias))
+  assert len(biases) == 2 and all(b.shape == (4,) for b in biases)
+
+
+def test_moe_model_matches_numpy_and_the_bias_only_selects():
+  """Forward (MLA + dense, MLA + MoE trunk, MLA + MoE MTP block), per-layer load and the
+  sequence-wise balance loss equal the numpy reference, with biases that change the
+  selection; the same biases never enter the gates (the reference gates from s alone)."""
+  model = build()
+  params = params_with_routing_bias(model, scale=0.3)
+  batch = {'tokens': jnp.asarray(TOKENS), 'positions': jnp.asarray(POS),
+           'segment_ids': jnp.asarray(SEG)}
+
+  @nnx.jit
+  def run(m):
+    hs = m(batch['tokens'], batch['positions'], batch['segment_ids'])
+    return hs, moe.collect(m)
+
+  hs, stats = run(model)
+  want_load = np.zeros((2, 4))
+  want_bal = np.zeros(2)
+  changed = 0
+  for r in range(2):
+    want = ref.forward(params, TOKENS[r], POS[r], SEG[r], 1, moe=(TOP_K, SCALING))
+    for k in range(2):
+      np.testing.assert_allclose(np.asarray(hs[k][r]), want[k], rtol=2e-4, atol=2e-4)
+    # The MoE inputs: layer 1's post-attention normed stream, and the MTP block's.
+    for j, p in enumerate([params['layers'][1], params['mtp'][0]['block']]):
+      x_in = _moe_input(params, p, TOKENS[r], POS[r], SEG[r], j, want)
+      bal, load = ref.moe_balance(p['mlp'], x_in, TOP_K, SCALING)
+      want_bal[j] += bal / 2
+      want_load[j] += load
+      no_bias = dict(p['mlp'], gate=dict(p['mlp']['gate'], e_score_correction_bias=np.zeros(4)))
+      changed += sum(set(a[0]) != set(b[0]) for a, b in zip(
+          ref.moe_route(p['mlp'], x_in, TOP_K, SCALING),
+          ref.moe_route(no_bias, x_in, TOP_K, SCALING)))
+  assert changed > 0  # the biases do move some tokens to other experts
+  order = _moe_order(model)
+  np.testing.assert_array_equal(np.asarray(stats['moe_load']), want_load[order])
+  np.testing.assert_allclose(np.asarray(stats['moe_balance']), want_bal[order], rtol=1e-4)
+
+
+def _moe_order(model):
+  """moe.collect's layer order as indices into [trunk layer 1, MTP block]."""
+  mods = moe.moe_modules(model)
+  return [0 if m is model.layers[1].mlp else 1 for m in mods]
+
+
+def _moe_input(params, p, tokens, pos, seg, j, want):
+  """RMSNorm'd residual stream entering block p's MoE, from the reference's pieces."""
+  eps, theta = 1e-6, 1e4
+  if j == 0:
+    x = ref.block(params['layers'][0], params['embed']['embedding'][tokens], pos, seg, eps, theta)
+  else:
+    m = params['mtp'][0]
+    t = len(tokens)
+    shifted = np.array([tokens[i + 1] if i + 1 < t else 0 for i in range(t)])
+    e = ref.rmsnorm(params['embed']['embedding'][shifted], m['enorm']['scale'], eps)
+    x = np.concatenate([e, ref.rmsnorm(want[0], m['hnorm']['scale'], eps)], -1) @ m['eh_proj']['kernel']
+  h = ref.rmsnorm(x, p['input_layernorm']['scale'], eps)
+  x = x + ref.mla_attention(p['self_attn'], h, pos, seg, eps, theta)
+  return ref.rmsnorm(x, p['post_attention_layernorm']['scale'], eps)
+
+
+def test_update_bias_direction():
+  model = build()
+  load = jnp.array([[10., 2., 4., 0.], [3., 3., 3., 3.]])
+  out = moe.update_bias(model, load, 0.01)
+  b = [np.asarray(m.gate.e_score_correction_bias[...]) for m in moe.moe_modules(model)]
+  np.testing.assert_allclose(b[0], [-0.01, 0.01, 0.0, 0.01], atol=1e-7)  # mean load 4
+  np.testing.assert_allclose(b[1], 0.0)  # perfectly even: no move
+  np.testing.assert_allclose(np.asarray(out['moe_bias_min']), [-0.01, 0.0], atol=1e-7)
+
+
+def test_balance_loss_prefers_even_routing():
+  """sum f_i P_i is 1 for uniform routing and larger when one expert takes every token."""
+  even = jnp.full((1, 4, 4), 0.5)
+  idx_even = jnp.array([[[0, 1], [2, 3], [0, 1], [2, 3]]])
+  np.testing.assert_allclose(float(moe.balance_loss(even, idx_even)), 1.0, rtol=1e-6)
+  skew = jnp.array([[[0.9, 0.9, 0.1, 0.1]] * 4])
+  idx_skew = jnp.array([[[0, 1]] * 4])
+  assert float(moe.balance_loss(skew, idx_skew)) > 1.5
+
+
+def test_tiny_mla_moe_trains_and_balances(devices):
+  """A few jitted train steps: finite, falling loss, a positive MTP loss, the bias moved by
+  exactly rate x sign(mean load - load) of the step's own load, balance loss in the loss."""
+  config = dsv3_model_config(1)
+  config.mesh.shape = (1, 1, 1)
+  config.train.lr, config.train.warmup_steps = 1e-2, 0
+  config.model.moe.bias_update_rate = 0.01
+  ts, state = steps_lib.setup(config, devices[:1])
+  bias = lambda s: [np.asarray(x) for x in jax.tree.leaves(
+      nnx.state(nnx.merge(ts.graphdef, s)[0], moe.RoutingBias))]
+  losses = []
+  batches = synthetic_batches(1, 8, 16, vocab=64, seed=1) * 6
+  for i, batch in enumerate(batches):
+    before = bias(state)
+    state, m = steps_lib.run_step(ts, state, batch)
+    losses.append(float(m['loss']))
+    after = bias(state)
+    load = np.asarray(m['moe_load'])
+    assert load.sum(-1).tolist() == [8 * 16 * 2] * 2  # every (token, expert) pair, dropless
+    for j, (b0, b1) in enumerate(zip(before, after)):
+      np.testing.assert_allclose(b1 - b0, 0.01 * np.sign(load[j].mean() - load[j]), atol=1e-6)
+    assert float(m['moe_balance'].min()) > 0
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+  assert float(m['loss_sum'][1]) > 0
+  logged = moe.log_metrics(jax.device_get(m))
+  assert logged['train/moe_load_max_over_mean_l0'] >= 1.0
+  assert logged['train/moe_bias_max_l0'] > 0 > logged['train/moe_bias_min_l0']
+
+
+def test_balance_loss_enters_the_loss():
+  model = build()
+  b = {'tokens': jnp.asarray(TOKENS), 'positions': jnp.asarray(POS),
+       'segment_ids': jnp.asarray(SEG)}
+  w = jnp.array([1.0, 0.3])
+  l0, s0 = nnx.jit(lambda m: loss_lib.loss_and_metrics(m, b, w))(model)
+  l1, _ = nnx.jit(lambda m: loss_lib.loss_and_metrics(m, b, w, balance_weight=0.5))(model)
+  np.testing.assert_allclose(float(l1 - l0), 0.5 * float(s0['moe_balance'].sum()), rtol=1e-4)
+
+
+@pytest.mark.slow  # two compiles of the MLA + MoE step, one on 8 devices: ~50 s loaded
+def test_one_and_eight_devices_agree_with_experts_sharded(devices):
+  """The expert axis over 'data' (4 experts on 2 ways), fsdp and tensor too: same losses."""
+  batches = synthetic_batches(2, 8, 16, vocab=64, seed=3)
+  losses = {}
+  for name, devs, shape in [('one', devices[:1], (1, 1, 1)), ('eight', devices, (2, 2, 2))]:
+    config = dsv3_model_config(1)
+    config.mesh.shape = shape
+    ts, state = steps_lib.setup(config, devs)
+    if name == 'eight':
+      kernel = state[0]['layers'][1]['mlp']['experts']['gate_proj'][...]
+      assert kernel.sharding.spec[0] == 'data'  # experts are split across devices
+    run = []
+    for batch in batches:
+      state, m = steps_lib.run_step(ts, state, batch)
+      run.append(float(m['loss']))
+    losses[name] = run
+  np.testing.assert_allclose(losses['one'], losses['eight'], rtol=2e-5)
+
+
+@pytest.mark.parametrize('field,value,match', [
+    ('mlp', 'sparse', "model.mlp must be 'dense' or 'moe'"),
+    ('moe.num_experts_per_tok', 5, 'num_experts_per_tok .5. must be <='),
+    ('moe.first_k_dense', 3, 'first_k_dense .3. must be <= model.n_layers'),
+    ('scan_layers', True, 'scan_layers does not support MoE'),
+    ('mtp.block_mlp', 'big', "model.mtp.block_mlp must be"),
+])
+def test_bad_moe_fields(field, value, match):
+  c = dsv3_model_config(1)
+  node = c.model
+  *path, last = field.split('.')
+  for part in path:
+    node = node[part]
+  node[last] = value
+  with pytest.raises(config_lib.ConfigError, match=match):
+    config_lib.validate(c)
+
+
+def test_experts_must_divide_the_expert_axis():
+  c = dsv3_model_config(1, n_routed_experts=3, num_experts_per_tok=2)
+  c.mesh.shape = (2, 2, 2)
+  with pytest.raises(config_lib.ConfigError, match='n_routed_experts .3. must be divisible'):
+    config_lib.validate(c, 8)
+
+
+def test_flops_count_mla_and_active_experts_only():
+  """dsv3_model_config(1): d 32, 4 heads, q_lora 12, kv_lora 8, dn 6, dr 4, dv 5; E 4, K 2,
+  1 shared, expert width 16; layer 0 dense (mlp 64), layer 1 and the MTP block MoE; T 16."""
+  args = ModelArgs.from_config(dsv3_model_config(1))
+  mla_proj = (2 * 32 * 12 + 2 * 12 * 4 * 10) + (2 * 32 * 12 + 2 * 8 * 4 * 11) + 2 * 4 * 5 * 32
+  attn = 2 * 4 * 10 * 8.5 + 2 * 4 * 5 * 8.5  # scores over dn + dr, values over dv
+  dense = 3 * 2 * 32 * 64
+  moe_active = 2 * 32 * 4 + 3 * 2 * 32 * 16 * (2 + 1)  # router + 2 routed + 1 shared
+  got = flops.flops_per_token(args, seq_len=16)
+  assert got.trunk_matmul == 2 * mla_proj + dense + moe_active
+  assert got.trunk_attention == 2 * attn
+  assert got.mtp_block == mla_proj + moe_active + attn
+
+
+def test_mtp_block_overrides_on_a_dense_trunk():
+  """GQA + dense trunk, MLA + MoE MTP block (model.mtp.block_*): layout and numpy forward."""
+  c = dsv3_model_config(1, attention='gqa', mlp='dense')
+  c.model.mtp.block_attention, c.model.mtp.block_mlp = 'mla', 'moe'
+  config_lib.validate(c)
+  model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
+  params = params_with_routing_bias(model)
+  assert all('k_proj' in p['self_attn'] and 'gate_proj' in p['mlp']
+             for p in params['layers'].values())
+  blk = params['mtp'][0]['block']
+  assert 'kv_b_proj' in blk['self_attn'] and 'experts' in blk['mlp']
+  hs = nnx.jit(lambda m: m(jnp.asarray(TOKENS[:1]), jnp.asarray(POS[:1]),
+                           jnp.asarray(SEG[:1])))(model)
+  want = ref.forward(params, TOKENS[0], POS[0], SEG[0], 1, moe=(TOP_K, SCALING))
+  for k in range(2):
+    np.testing.assert_allclose(np.asarray(hs[k][0]), want[k], rtol=2e-4, atol=2e-4)
+
+
+def test_fp8_block_dequantisation():
+  """A weight quantised to e4m3 in 128 x 128 blocks (partial edge blocks) comes back within
+  e4m3's rounding, and each block is exactly its fp8 values times its own scale."""
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(200, 300)).astype(np.float32) * np.linspace(0.1, 3, 300)
+  scale = np.zeros((2, 3), np.float32)
+  q = np.zeros(w.shape, jnp.float8_e4m3fn)
+  for p in range(2):
+    for c in range(3):
+      blk = w[p * 128:(p + 1) * 128, c * 128:(c + 1) * 128]
+      scale[p, c] = np.abs(blk).max() / 448.0  # e4m3's largest finite value
+      q[p * 128:(p + 1) * 128, c * 128:(c + 1) * 128] = (blk / scale[p, c]).astype(q.dtype)
+  got = convert.dequantize_fp8(q, scale)
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got[130:, 260:], q[130:, 260:].astype(np.float32) * scale[1, 2])
+  np.testing.assert_allclose(got, w, rtol=2 ** -3, atol=float(scale.max()) * 2 ** -6)
+  with pytest.raises(ValueError, match='expected \\(2, 3\\)'):
+    convert.dequantize_fp8(q, scale[:, :2])
+
+
+def test_converter_refuses_mla_moe_models():
+  args = ModelArgs.from_config(dsv3_model_config(1))
+  with pytest.raises(ValueError, match='MLA / MoE names are not implemented'):
+    convert.to_hf({}, args)
