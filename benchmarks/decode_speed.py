@@ -3,8 +3,8 @@
   python benchmarks/decode_speed.py --workdir /work/runs/stdlib_mtp_decode
 
 Restores the latest checkpoint of a model trained with configs/stdlib_mtp.py, takes
-prompts from validation-split files (never trained on), and decodes them greedily
-with plain AR and with speculative decoding, alternating the two per prompt so load
+prompts from validation-split files (never trained on), and decodes them greedily (and
+at each of --temperatures by sampling) with plain AR and with speculative decoding, alternating the two per prompt so load
 from other processes hits both alike. Prints one JSON object: per batch size and
 number of drafts, tokens/s of both, the speedup, tau, per-depth acceptance, the
 speedup tau alone would predict, and the cost of one verify iteration relative to
@@ -33,6 +33,9 @@ def parse(argv):
   p.add_argument('--batch_sizes', default='1,8')
   p.add_argument('--drafts', default='', help='numbers of drafts to try (default: the depth)')
   p.add_argument('--repeats', type=int, default=3, help='timed runs per prompt; the fastest counts')
+  p.add_argument('--temperatures', default='0',
+                 help='comma-separated; 0: greedy (spec output must equal AR), > 0: sampling '
+                      '(speculative sampling rule; outputs differ from AR draw by draw)')
   p.add_argument('--cost_probe', default='',
                  help='d_model:n_layers,... random-init models of other sizes: time one AR step '
                       'and one verify iteration (shapes are static, so the cost of an iteration '
@@ -57,9 +60,10 @@ def main(argv=None):
       | {'mtp_depth': depth, 'mtp_kind': config.model.mtp.kind},
       'machine': f'{platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} '
                  f'({jax.devices()[0].platform}), load average at start {os.getloadavg()[0]:.1f}',
-      'prompt_len': args.prompt_len, 'max_new_tokens': args.max_new_tokens, 'greedy': True,
-      'results': []}
-  for batch in [int(b) for b in args.batch_sizes.split(',')]:
+      'prompt_len': args.prompt_len, 'max_new_tokens': args.max_new_tokens,
+      'temperatures': [float(t) for t in args.temperatures.split(',')], 'results': []}
+  for batch, temp in [(int(b), float(t)) for t in args.temperatures.split(',')
+                      for b in args.batch_sizes.split(',')]:
     n = -(-args.num_prompts // batch) * batch  # whole batches
     prompts = evaluation.validation_prompts(config, tokenizer, n, args.prompt_len)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
@@ -67,20 +71,22 @@ def main(argv=None):
     for nd in drafts:
       t0 = time.perf_counter()
       for n in (0, nd):
-        dec.compile(dec.program(batch, args.prompt_len, args.max_new_tokens, num_drafts=n))
+        dec.compile(dec.program(batch, args.prompt_len, args.max_new_tokens, num_drafts=n,
+                                temperature=temp))
       compile_s = time.perf_counter() - t0
       best = {0: [np.inf] * len(batches), nd: [np.inf] * len(batches)}
       runs = {}
       for _ in range(args.repeats):
         for i, b in enumerate(batches):
           for n in (0, nd):  # alternate: both see the same background load
-            r = dec.generate(b, args.max_new_tokens, num_drafts=n, **kw)
+            r = dec.generate(b, args.max_new_tokens, num_drafts=n, temperature=temp, seed=i,
+                             **kw)
             best[n][i] = min(best[n][i], r.seconds)
             runs[(n, i)] = r
       ar = [runs[(0, i)] for i in range(len(batches))]
       sp = [runs[(nd, i)] for i in range(len(batches))]
-      identical = all(np.array_equal(a, s) for x, y in zip(ar, sp)
-                      for a, s in zip(x.tokens, y.tokens))
+      identical = None if temp > 0 else all(  # sampling: same distribution, other draws
+          np.array_equal(a, s) for x, y in zip(ar, sp) for a, s in zip(x.tokens, y.tokens))
       new = sum(r.new_tokens for r in sp)
       ar_s, sp_s = sum(best[0]), sum(best[nd])
       ar_steps = sum(r.steps for r in ar)
@@ -91,7 +97,7 @@ def main(argv=None):
       tau = committed / verify
       at_least = [float(hist[k:].sum() / verify) for k in range(1, nd + 1)]
       report['results'].append({
-          'batch_size': batch, 'num_drafts': nd, 'prompts': len(prompts),
+          'batch_size': batch, 'temperature': temp, 'num_drafts': nd, 'prompts': len(prompts),
           'identical': identical, 'new_tokens': new,
           'ar_tokens_per_sec': new / ar_s, 'spec_tokens_per_sec': new / sp_s,
           'speedup': ar_s / sp_s,
@@ -109,7 +115,7 @@ def main(argv=None):
       print(json.dumps(report['results'][-1]), file=sys.stderr)
   if args.cost_probe:
     taus = {r['num_drafts']: r['mean_accepted_length'] for r in report['results']
-            if r['batch_size'] == 1}
+            if r['batch_size'] == 1 and r['temperature'] == 0}
     report['cost_probe'] = cost_probe(config, args, taus)
   print(json.dumps(report, indent=1))
 
