@@ -63,6 +63,8 @@ class Program:
   num_drafts: int  # D used for drafting; 0 = plain autoregressive decoding
   greedy: bool  # argmax everywhere; else sampling with the speculative rule
   record: bool = False  # keep the drafts of every iteration (tests)
+  top_k: bool = False  # top-k filtering compiled in (its k is a traced value)
+  top_p: bool = False  # top-p filtering compiled in (its p is a traced value)
 
   @property
   def offset(self) -> int:  # cache slot of position 0
@@ -445,13 +447,16 @@ class Decoder:
     self._programs = {}  # this Decoder's view of _COMPILED (hashing a graphdef is slow)
 
   def program(self, batch: int, prompt_len: int, max_new: int, *, num_drafts: int | None = None,
-              temperature: float = 0.0, record: bool = False) -> Program:
+              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+              record: bool = False) -> Program:
     num_drafts = self.args.mtp_depth if num_drafts is None else num_drafts
     if not 0 <= num_drafts <= self.args.mtp_depth:
       raise RequestError(f'num_drafts must be in [0, {self.args.mtp_depth}] (the model\'s '
                          f'model.mtp.depth), got {num_drafts}')
-    return Program(batch, bucket(prompt_len), bucket(max_new), num_drafts,
-                   greedy=temperature == 0, record=record)
+    greedy = temperature == 0
+    return Program(batch, bucket(prompt_len), bucket(max_new), num_drafts, greedy=greedy,
+                   record=record, top_k=not greedy and top_k > 0,
+                   top_p=not greedy and top_p < 1.0)
 
   def _inputs(self, prog, prompts, max_new, eos_id, temperature, top_k, top_p, seed,
               draft_argmax=False):
@@ -462,7 +467,8 @@ class Decoder:
     lens = np.array([len(p) for p in prompts], np.int32)
     max_new = np.broadcast_to(np.asarray(max_new, np.int32), (b,)).copy()
     sampling = Sampling(np.float32(temperature if temperature > 0 else 1.0),
-                        np.int32(top_k), np.float32(top_p), np.bool_(draft_argmax))
+                        np.int32(top_k), np.float32(top_p), np.bool_(draft_argmax),
+                        use_top_k=prog.top_k, use_top_p=prog.top_p)
     return (self._leaves, padded, lens, max_new, np.int32(-1 if eos_id is None else eos_id),
             sampling, np.int32(seed))
 
@@ -500,7 +506,8 @@ class Decoder:
     mn = np.broadcast_to(np.asarray(max_new_tokens), (len(prompts),))
     prog = self.program(len(prompts), max(pad_to[0], *(len(p) for p in prompts)),
                         max(pad_to[1], int(mn.max())),
-                        num_drafts=num_drafts, temperature=temperature, record=record)
+                        num_drafts=num_drafts, temperature=temperature, top_k=top_k,
+                        top_p=top_p, record=record)
     fn = self.compile(prog)
     inputs = self._inputs(prog, prompts, mn, eos_id, temperature, top_k, top_p, seed,
                           draft_argmax)

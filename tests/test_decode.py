@@ -372,6 +372,24 @@ def test_adjusted_logprobs_top_k_top_p():
   np.testing.assert_allclose(hot, np.array([16, 9, 4, 1]) / 30, rtol=1e-5)
 
 
+def test_categorical_inverse_cdf():
+  """One uniform per row: draws follow the weights (unnormalized, with zeros), never a 0."""
+  w = np.array([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0], np.float32)
+  keys = jax.random.split(jax.random.key(0), 40000)
+  tok = np.asarray(jax.jit(sampling_lib.categorical)(keys, jnp.tile(w, (len(keys), 1))))
+  counts = np.bincount(tok, minlength=len(w))
+  assert counts[w == 0].sum() == 0
+  w64 = w.astype(np.float64)
+  assert sps.chisquare(counts[w > 0], w64[w > 0] / w64.sum() * len(tok)).pvalue > 1e-3
+  # Static switches off == traced switches at their off values.
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 50)), jnp.float32)
+  on = sampling_lib.Sampling(jnp.float32(0.7), jnp.int32(0), jnp.float32(1.0))
+  off = sampling_lib.Sampling(jnp.float32(0.7), jnp.int32(0), jnp.float32(1.0),
+                              use_top_k=False, use_top_p=False)
+  np.testing.assert_allclose(sampling_lib.adjusted_probs(logits, off),
+                             jnp.exp(sampling_lib.adjusted_logprobs(logits, on)), rtol=1e-5)
+
+
 # -- the command line ----------------------------------------------------------------------------
 SCRIPT = os.path.join(REPO, 'scripts', 'decode.py')
 
