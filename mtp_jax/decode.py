@@ -25,7 +25,9 @@ either true or written by the same call. `hidden[k-1]` keeps h^k at n'-1-k, the 
 input of depth k+1's next window that is not produced in that iteration.
 Parallel heads read only h^0, so their window is the verify window.
 
-Here: the program, its state, the while loop and the host-side `Decoder`. The sampling
+Here: the program, its state, the while loop and the host-side `Decoder`. The cached
+block math is the model's own (layers.Block.decode, MTPModel.decode_trunk /
+decode_mtp_step / decode_logits, with the few-row matmul rule in layers.decode_dot). The sampling
 math and the acceptance rule are in sampling.py; prompts from text, decoding a training
 workdir and token provenance in generate.py.
 """
