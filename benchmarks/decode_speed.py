@@ -32,15 +32,24 @@ def parse(argv):
   p.add_argument('--prompt_len', type=int, default=128, help='prompt tokens')
   p.add_argument('--max_new_tokens', type=int, default=128)
   p.add_argument('--batch_sizes', default='1,8')
-  p.add_argument('--drafts', default='', help='numbers of drafts to try (default: the depth)')
+  p.add_argument('--drafts', default='',
+                 help='numbers of drafts to try (default: the depth; more than the depth: '
+                      'the last MTP module recursively)')
   p.add_argument('--repeats', type=int, default=3, help='timed runs per prompt; the fastest counts')
   p.add_argument('--temperatures', default='0',
                  help='comma-separated; 0: greedy (spec output must equal AR), > 0: sampling '
                       '(speculative sampling rule; outputs differ from AR draw by draw)')
+  p.add_argument('--weight_dtypes', default='float32',
+                 help='comma-separated decode weight dtypes (float32, bfloat16), interleaved; '
+                      'each speculative run is compared with AR on the same weights')
   p.add_argument('--cost_probe', default='',
                  help='d_model:n_layers,... random-init models of other sizes: time one AR step '
                       'and one verify iteration (shapes are static, so the cost of an iteration '
                       'does not depend on the weights) and predict the speedup at the measured tau')
+  p.add_argument('--probe_drafts', default='3', help='numbers of drafts the cost probe times')
+  p.add_argument('--peer_shape', action='store_true',
+                 help='also time AR decoding of a random model of the peer-comparison shape '
+                      '(4 layers, d 256, V 4096, batch 1, 16 + 128 tokens), greedy and T = 1')
   return p.parse_args(argv)
 
 
@@ -52,7 +61,8 @@ def main(argv=None):
   config, step = checkpoint.load_workdir(args.workdir)
   depth = int(config.model.mtp.depth)
   model = state.restore_model(config, args.workdir, step)
-  dec = decode.Decoder(model)
+  wdts = args.weight_dtypes.split(',')
+  decs = {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
   tokenizer = tokenizers.get_tokenizer(config.data)
   drafts = [int(d) for d in args.drafts.split(',')] if args.drafts else [depth]
   report = {
@@ -60,101 +70,157 @@ def main(argv=None):
       'model': {k: config.model[k] for k in ('d_model', 'n_layers', 'n_heads', 'mlp_dim')}
       | {'mtp_depth': depth, 'mtp_kind': config.model.mtp.kind},
       'machine': f'{platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} '
-                 f'({jax.devices()[0].platform}), load average at start {os.getloadavg()[0]:.1f}',
+                 f'({jax.devices()[0].platform}), load average at start '
+                 f'{"/".join(f"{x:.1f}" for x in os.getloadavg())}',
       'prompt_len': args.prompt_len, 'max_new_tokens': args.max_new_tokens,
       'temperatures': [float(t) for t in args.temperatures.split(',')], 'results': []}
   for batch, temp in [(int(b), float(t)) for t in args.temperatures.split(',')
-                      for b in args.batch_sizes.split(',')]:
+                      for b in args.batch_sizes.split(',') if b]:  # '': probes only
     n = -(-args.num_prompts // batch) * batch  # whole batches
     prompts = evaluation.validation_prompts(config, tokenizer, n, args.prompt_len)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     kw = dict(eos_id=None, pad_to=(args.prompt_len, args.max_new_tokens))
     for nd in drafts:
       t0 = time.perf_counter()
-      for n in (0, nd):
-        dec.compile(dec.program(batch, args.prompt_len, args.max_new_tokens, num_drafts=n,
-                                temperature=temp))
+      for w in wdts:
+        for n in (0, nd):
+          decs[w].compile(decs[w].program(batch, args.prompt_len, args.max_new_tokens,
+                                          num_drafts=n, temperature=temp))
       compile_s = time.perf_counter() - t0
-      best = {0: [np.inf] * len(batches), nd: [np.inf] * len(batches)}
+      best = {(w, n): [np.inf] * len(batches) for w in wdts for n in (0, nd)}
       runs = {}
       for _ in range(args.repeats):
         for i, b in enumerate(batches):
-          for n in (0, nd):  # alternate: both see the same background load
-            r = dec.generate(b, args.max_new_tokens, num_drafts=n, temperature=temp, seed=i,
-                             **kw)
-            best[n][i] = min(best[n][i], r.seconds)
-            runs[(n, i)] = r
-      ar = [runs[(0, i)] for i in range(len(batches))]
-      sp = [runs[(nd, i)] for i in range(len(batches))]
-      identical = None if temp > 0 else all(  # sampling: same distribution, other draws
-          np.array_equal(a, s) for x, y in zip(ar, sp) for a, s in zip(x.tokens, y.tokens))
-      new = sum(r.new_tokens for r in sp)
-      ar_s, sp_s = sum(best[0]), sum(best[nd])
-      ar_steps = sum(r.steps for r in ar)
-      sp_steps = sum(r.steps for r in sp)
-      verify = sum(int(r.verify_steps.sum()) for r in sp)
-      committed = sum(int(r.committed.sum()) for r in sp)
-      hist = sum(r.accepted.sum(0) for r in sp)
-      tau = committed / verify
-      at_least = [float(hist[k:].sum() / verify) for k in range(1, nd + 1)]
-      report['results'].append({
-          'batch_size': batch, 'temperature': temp, 'num_drafts': nd, 'prompts': len(prompts),
-          'identical': identical, 'new_tokens': new,
-          'ar_tokens_per_sec': new / ar_s, 'spec_tokens_per_sec': new / sp_s,
-          'speedup': ar_s / sp_s,
-          'mean_accepted_length': tau,
-          'acceptance_per_depth': at_least,
-          'conditional_acceptance': [a / b for a, b in zip(at_least, [1.0] + at_least[:-1])],
-          # Main-model passes: AR one per token; spec one prefill + one per iteration.
-          'speedup_predicted_by_tau': tau,
-          'speedup_predicted_by_loop_iterations': ar_steps / sp_steps,
-          'ar_ms_per_iteration': 1e3 * ar_s / ar_steps,
-          'spec_ms_per_iteration': 1e3 * sp_s / sp_steps,
-          'iteration_cost_ratio': (sp_s / sp_steps) / (ar_s / ar_steps),
-          'compile_seconds': compile_s,
-      })
-      print(json.dumps(report['results'][-1]), file=sys.stderr)
+          for w in wdts:  # alternate: every variant sees the same background load
+            for n in (0, nd):
+              r = decs[w].generate(b, args.max_new_tokens, num_drafts=n, temperature=temp,
+                                   seed=i, **kw)
+              best[w, n][i] = min(best[w, n][i], r.seconds)
+              runs[(w, n, i)] = r
+      for w in wdts:
+        report['results'].append(_row(args, batches, runs, best, w, nd, temp, batch,
+                                      compile_s) | _vs_f32(best, w, nd))
+        print(json.dumps(report['results'][-1]), file=sys.stderr)
   if args.cost_probe:
     taus = {r['num_drafts']: r['mean_accepted_length'] for r in report['results']
-            if r['batch_size'] == 1 and r['temperature'] == 0}
-    report['cost_probe'] = cost_probe(config, args, taus)
+            if r['batch_size'] == 1 and r['temperature'] == 0 and r['weight_dtype'] == wdts[0]}
+    report['cost_probe'] = cost_probe(config, args, taus, wdts)
+  if args.peer_shape:
+    report['peer_shape'] = peer_shape(config, args)
+  report['load_average_at_end'] = '/'.join(f'{x:.1f}' for x in os.getloadavg())
   print(json.dumps(report, indent=1))
 
 
-def cost_probe(config, args, taus: dict) -> list:
-  """ms per AR step and per speculative iteration for random models of other sizes."""
+def _vs_f32(best, w, nd) -> dict:
+  if w == 'float32' or ('float32', 0) not in best:
+    return {}
+  return {'speedup_vs_float32_ar': sum(best['float32', 0]) / sum(best[w, nd]),
+          'ar_speedup_vs_float32_ar': sum(best['float32', 0]) / sum(best[w, 0])}
+
+
+def _row(args, batches, runs, best, w, nd, temp, batch, compile_s) -> dict:
+  ar = [runs[(w, 0, i)] for i in range(len(batches))]
+  sp = [runs[(w, nd, i)] for i in range(len(batches))]
+  identical = None if temp > 0 else all(  # sampling: same distribution, other draws
+      np.array_equal(a, s) for x, y in zip(ar, sp) for a, s in zip(x.tokens, y.tokens))
+  new = sum(r.new_tokens for r in sp)
+  ar_s, sp_s = sum(best[w, 0]), sum(best[w, nd])
+  ar_steps = sum(r.steps for r in ar)
+  sp_steps = sum(r.steps for r in sp)
+  verify = sum(int(r.verify_steps.sum()) for r in sp)
+  committed = sum(int(r.committed.sum()) for r in sp)
+  hist = sum(r.accepted.sum(0) for r in sp)
+  tau = committed / verify
+  at_least = [float(hist[k:].sum() / verify) for k in range(1, nd + 1)]
+  return {
+      'weight_dtype': w, 'batch_size': batch, 'temperature': temp, 'num_drafts': nd,
+      'prompts': sum(len(b) for b in batches), 'identical': identical, 'new_tokens': new,
+      'ar_tokens_per_sec': new / ar_s, 'spec_tokens_per_sec': new / sp_s,
+      'speedup': ar_s / sp_s,
+      'mean_accepted_length': tau,
+      'acceptance_per_depth': at_least,
+      'conditional_acceptance': [a / b for a, b in zip(at_least, [1.0] + at_least[:-1])],
+      # Main-model passes: AR one per token; spec one prefill + one per iteration.
+      'speedup_predicted_by_tau': tau,
+      'speedup_predicted_by_loop_iterations': ar_steps / sp_steps,
+      'ar_ms_per_iteration': 1e3 * ar_s / ar_steps,
+      'spec_ms_per_iteration': 1e3 * sp_s / sp_steps,
+      'iteration_cost_ratio': (sp_s / sp_steps) / (ar_s / ar_steps),
+      'compile_seconds': compile_s,
+  }
+
+
+def _random_decoders(config, d, layers, wdts, vocab=None, heads=None):
+  """Decoders (one per weight dtype) of a random model: 128-wide heads, MLP 3d, or
+  heads = (n_heads, head_dim) and MLP 3d (the peer shape)."""
   import copy
   from flax import nnx
   from mtp_jax import decode
   from mtp_jax.model import MTPModel, ModelArgs
+  c = copy.deepcopy(config)
+  c.model.d_model, c.model.n_layers, c.model.mlp_dim = d, layers, 3 * d
+  n, hd = heads or (max(1, d // 128), 128)
+  c.model.n_heads = c.model.n_kv_heads = n
+  c.model.head_dim = hd
+  if vocab:
+    c.model.vocab_size = vocab
+  model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
+  return {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
+
+
+def cost_probe(config, args, taus: dict, wdts) -> list:
+  """ms per AR step and per speculative iteration for random models of other sizes."""
   out = []
+  probe = [int(x) for x in args.probe_drafts.split(',')]
   for item in args.cost_probe.split(','):
     d, layers = (int(x) for x in item.split(':'))
-    c = copy.deepcopy(config)
-    c.model.d_model, c.model.n_layers, c.model.mlp_dim = d, layers, 3 * d
-    c.model.head_dim = 128
-    c.model.n_heads = c.model.n_kv_heads = max(1, d // 128)
-    dec = decode.Decoder(MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0)))
+    decs = _random_decoders(config, d, layers, wdts)
     prompt = [[7] * args.prompt_len]
-    row = {'d_model': d, 'n_layers': layers, 'mtp_depth': c.model.mtp.depth,
-           'params_M': sum(x.size for x in jax.tree.leaves(dec.params)) / 1e6}
+    row = {'d_model': d, 'n_layers': layers, 'mtp_depth': config.model.mtp.depth,
+           'params_M': sum(x.size for x in jax.tree.leaves(decs[wdts[0]].params)) / 1e6,
+           'load_average_at_start': os.getloadavg()[0]}
     # Two lengths, one program: the difference is loop iterations only (no prefill).
     # Random weights accept ~no draft, which does not matter: shapes are static.
     t, steps = {}, {}
     for _ in range(max(args.repeats, 3)):
-      for n in [0] + sorted(taus):
-        for m in (16, 48):
-          r = dec.generate(prompt, m, num_drafts=n, eos_id=None, pad_to=(args.prompt_len, 64))
-          t[n, m] = min(t.get((n, m), np.inf), r.seconds)
-          steps[n, m] = r.steps
-    best = {n: (t[n, 48] - t[n, 16]) / (steps[n, 48] - steps[n, 16]) for n in [0] + list(taus)}
-    row['ar_ms_per_step'] = 1e3 * best[0]
-    for n, tau in sorted(taus.items()):
-      ratio = best[n] / best[0]
-      row[f'drafts_{n}'] = {'spec_ms_per_iteration': 1e3 * best[n], 'iteration_cost_ratio': ratio,
-                            'speedup_at_measured_tau': tau / ratio}
+      for w in wdts:
+        for n in [0] + probe:
+          for m in (16, 48):
+            r = decs[w].generate(prompt, m, num_drafts=n, eos_id=None,
+                                 pad_to=(args.prompt_len, 64))
+            t[w, n, m] = min(t.get((w, n, m), np.inf), r.seconds)
+            steps[w, n, m] = r.steps
+    for w in wdts:
+      best = {n: (t[w, n, 48] - t[w, n, 16]) / (steps[w, n, 48] - steps[w, n, 16])
+              for n in [0] + probe}
+      row[w] = {'ar_ms_per_step': 1e3 * best[0]}
+      if w != 'float32' and 'float32' in wdts:
+        f32 = (t['float32', 0, 48] - t['float32', 0, 16]) / (steps['float32', 0, 48]
+                                                             - steps['float32', 0, 16])
+        row[w]['ar_step_over_float32_ar_step'] = best[0] / f32
+      for n in probe:
+        ratio = best[n] / best[0]
+        row[w][f'drafts_{n}'] = {
+            'spec_ms_per_iteration': 1e3 * best[n], 'iteration_cost_ratio': ratio,
+            'speedup_at_measured_tau': taus[n] / ratio if n in taus else None}
     print(json.dumps(row), file=sys.stderr)
     out.append(row)
+  return out
+
+
+def peer_shape(config, args) -> dict:
+  """AR tokens/s of the peer comparison's shape: 4 layers, d 256, V 4096, batch 1, 16 + 128."""
+  dec = _random_decoders(config, 256, 4, ['float32'], vocab=4096, heads=(4, 64))['float32']
+  prompt = [[7] * 16]
+  best = {}
+  for _ in range(max(args.repeats, 5)):
+    for temp in (0.0, 1.0):
+      r = dec.generate(prompt, 128, num_drafts=0, temperature=temp, eos_id=None)
+      best[temp] = min(best.get(temp, np.inf), r.seconds)
+  out = {'greedy_ar_tokens_per_sec': 128 / best[0.0], 't1_ar_tokens_per_sec': 128 / best[1.0],
+         't1_over_greedy': best[0.0] / best[1.0],
+         'load_average': os.getloadavg()[0]}
+  print(json.dumps(out), file=sys.stderr)
   return out
 
 

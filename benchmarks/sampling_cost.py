@@ -10,9 +10,12 @@ Each form below is one sampling step `(logits [B, V], keys [B], step) -> tokens 
 `--steps` times in a `lax.fori_loop` (a different logits row per step) and timed
 interleaved with the others in one process; `argmax` is the loop + greedy floor.
 
-  current      the decoder's own code: _row_keys x 2, _accept(num_drafts=0), as in _iteration
-  static       top-k / top-p left out at trace time (static flags), categorical on x / T,
-               the same per-row keys: the same draws as `current` (checked)
+  current      sampling.accept(num_drafts=0) with both top-k / top-p switches compiled in
+               (Sampling's defaults), i.e. the decoder's step before issue 15 made them
+               static; since then its bonus draw is itself inverse-CDF, so `static` (Gumbel)
+               no longer draws the same tokens as `current` (the check reads ~0 now; it
+               read 1.0 when benchmarks/sampling_cost.json was measured)
+  static       top-k / top-p left out at trace time (static flags), categorical on x / T
   one_fold     static, with one fold_in per row per step instead of three
   inv_cdf      one uniform per row (instead of V Gumbels), cumsum of softmax(x / T), count
   shared_key   gumbel-max with one key per step for the whole [B, V] block: cheapest RNG,
@@ -41,30 +44,19 @@ from scipy import stats
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _current_api():
-  """The decoder's sampling functions wherever the package keeps them (decode.py today)."""
-  import importlib  # deferred: mtp_jax.sampling only exists after the decode.py split
-  for name in ('mtp_jax.sampling', 'mtp_jax.decode'):
-    try:
-      mod = importlib.import_module(name)
-    except ImportError:
-      continue
-    if all(hasattr(mod, f) for f in ('adjusted_logprobs', '_accept', '_row_keys')):
-      return importlib.import_module('mtp_jax.decode'), mod
-  raise ImportError('no adjusted_logprobs / _accept / _row_keys in mtp_jax.sampling or .decode')
+from mtp_jax import decode as DECODE  # noqa: E402
+from mtp_jax import sampling as SAMPLING  # noqa: E402
 
-
-DECODE, SAMPLING = _current_api()
-row_keys = SAMPLING._row_keys
+row_keys = SAMPLING.row_keys
 
 
 # -- the forms ------------------------------------------------------------------------------
 def current(prog, logits_BxV, keys_B, step, sampling):
   keys = row_keys(keys_B, step + 1)  # _iteration
   b = logits_BxV.shape[0]
-  _, cand = SAMPLING._accept(prog, logits_BxV[:, None], jnp.zeros((b, 0), jnp.int32),
-                             jnp.zeros((b, 0, logits_BxV.shape[-1])), sampling,
-                             row_keys(keys, 0))
+  _, cand = SAMPLING.accept(False, logits_BxV[:, None], jnp.zeros((b, 0), jnp.int32),
+                            jnp.zeros((b, 0, logits_BxV.shape[-1])), sampling,
+                            row_keys(keys, 0))
   return cand[:, 0]
 
 
@@ -124,7 +116,7 @@ FORMS = {'argmax': argmax, 'current': current, 'static': static, 'one_fold': one
 
 def sampling_for(form, temperature=1.0):
   on = form.endswith('topk_topp')
-  return DECODE.Sampling(temperature=jnp.float32(temperature),
+  return SAMPLING.Sampling(temperature=jnp.float32(temperature),
                          top_k=jnp.int32(40 if on else 0), top_p=jnp.float32(0.9 if on else 1.0),
                          draft_argmax=False)
 

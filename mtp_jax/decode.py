@@ -25,7 +25,9 @@ either true or written by the same call. `hidden[k-1]` keeps h^k at n'-1-k, the 
 input of depth k+1's next window that is not produced in that iteration.
 Parallel heads read only h^0, so their window is the verify window.
 
-Here: the program, its state, the while loop and the host-side `Decoder`. The sampling
+Here: the program, its state, the while loop and the host-side `Decoder`. The cached
+block math is the model's own (layers.Block.decode, MTPModel.decode_trunk /
+decode_mtp_step / decode_logits, with the few-row matmul rule in layers.decode_dot). The sampling
 math and the acceptance rule are in sampling.py; prompts from text, decoding a training
 workdir and token provenance in generate.py.
 """
@@ -50,6 +52,8 @@ from mtp_jax.sampling import PAD_ID, Sampling, row_keys, take_rows
 
 Array = jax.Array
 MIN_BUCKET = 16
+MAX_DRAFTS = 8  # drafts past the model's depth reuse its last MTP module (recursive)
+WEIGHT_DTYPES = ('float32', 'bfloat16')
 _COMPILED = {}  # (graphdef, Program) -> compiled executable, shared by every Decoder
 
 
@@ -63,6 +67,10 @@ class Program:
   num_drafts: int  # D used for drafting; 0 = plain autoregressive decoding
   greedy: bool  # argmax everywhere; else sampling with the speculative rule
   record: bool = False  # keep the drafts of every iteration (tests)
+  top_k: bool = False  # top-k filtering compiled in (its k is a traced value)
+  top_p: bool = False  # top-p filtering compiled in (its p is a traced value)
+  layout: str = 'heads_major'  # KV cache layout (layers.CACHE_LAYOUTS)
+  weights: str = 'float32'  # dtype of the weight matrices the program reads
 
   @property
   def offset(self) -> int:  # cache slot of position 0
@@ -86,7 +94,7 @@ class DecodeState:
   prompt_len: Array  # [B]
   max_new: Array  # [B] tokens to generate at most
   done: Array  # [B] bool: hit EOS or max_new
-  main_cache: tuple  # per trunk layer (k [B*K, S, H], v [B*K, H, S]); see _empty_cache
+  main_cache: tuple  # per trunk layer (k, v) in prog.layout; see layers.empty_cache
   mtp_cache: tuple  # per drafting depth, the same
   hidden: tuple  # sequential: h^k at position n-1-k, k = 1..D-1, each [B, d]
   drafts: Array  # [B, D] proposals for positions n..n+D-1
@@ -115,137 +123,10 @@ def _window(prog: Program, start_B, width: int):
   return pos_BxW, mask[:, None]
 
 
-def _empty_cache(model: MTPModel, batch: int, slots: int):
-  """(k [B*K, S, H], v [B*K, H, S]): the layouts XLA:CPU's attention dots read as they are."""
-  a = model.args
-  return (jnp.zeros((batch * a.n_kv_heads, slots, a.head_dim), a.dtype),
-          jnp.zeros((batch * a.n_kv_heads, a.head_dim, slots), a.dtype))
-
-
-# -- the model's blocks, run for decoding ----------------------------------------------------
-# The same parameters and the same math as layers.Block (test_decode checks it against
-# the model's own forward), arranged for few-token steps on XLA:CPU, where each of these
-# made a measured difference to the time of a decode step:
-#  * KV caches as K [B*K, S, H] and V [B*K, H, S]: the attention dots (matrix-vector
-#    products for one query) read them as they are; the [B, S, K, H] cache of
-#    layers.Attention is transposed (a copy of the whole cache) on every call;
-#  * matmuls of at most SPLIT_ROWS rows run as one matrix-vector product per row:
-#    XLA:CPU's GEMM for 2-6 rows costs several times its GEMV per row, and the weights
-#    stay in L2 from one row to the next (8 rows and more: the GEMM is faster).
-SPLIT_ROWS = 6  # covers the verify (D+1) and MTP (D+k) windows of D = 3 at batch 1
-SPLIT_MAX_BYTES = 1 << 20  # only weights that stay in a core's L2 between rows
-WRITE_LOOP_ROWS = 6  # cache updates: one in-place update per row up to here, else a scatter
-
-
-def _split(m: int, w) -> bool:
-  return 1 < m <= SPLIT_ROWS and w.size * w.dtype.itemsize <= SPLIT_MAX_BYTES
-
-
-def _dot(x_MxI, w_IxO):
-  if not _split(x_MxI.shape[0], w_IxO):
-    return jnp.dot(x_MxI, w_IxO)
-  return jnp.concatenate([jnp.dot(x_MxI[i:i + 1], w_IxO) for i in range(x_MxI.shape[0])], 0)
-
-
-def _dot_t(x_MxI, w_OxI):
-  """x @ w.T without transposing w (the tied output head: the embedding table)."""
-  m = x_MxI.shape[0]
-  if m > 1 and not _split(m, w_OxI):
-    return jax.lax.dot_general(x_MxI, w_OxI, (((1,), (1,)), ((), ())))
-  return jnp.stack([jnp.dot(w_OxI, x_MxI[i]) for i in range(m)], 0)
-
-
-def _write(cache_BKx, new_BxKx, index_B, axis):
-  """Row b's T new entries go to slots index_B[b].. along `axis` (1 or 2) of its K heads."""
-  b, kv = new_BxKx.shape[:2]
-  new_BxKx = new_BxKx.astype(cache_BKx.dtype)
-  if b > WRITE_LOOP_ROWS:
-    cache = cache_BKx.reshape((b, kv) + cache_BKx.shape[1:])
-    cache = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis))(
-        cache, new_BxKx, index_B)
-    return cache.reshape(cache_BKx.shape)
-  zero = jnp.zeros((), jnp.int32)  # few rows: one in-place update each, no scatter
-  for row in range(b):
-    start = [jnp.int32(row * kv), zero, zero]
-    start[axis] = index_B[row]
-    cache_BKx = jax.lax.dynamic_update_slice(cache_BKx, new_BxKx[row], start)
-  return cache_BKx
-
-
-_MASKED = -0.7 * float(np.finfo(np.float32).max)  # as jax.nn.dot_product_attention
-
-
-def _block(block: layers.Block, x_BxTxD, pos_BxT, mask_Bx1xTxS, cache, index_B):
-  """layers.Block.__call__ over a cache of _empty_cache's layout; (x, new cache).
-
-  The batch and KV-head axes are merged into the dots' one batch axis, so the updated
-  cache feeds them without a reshape (with one, XLA:CPU fused the reshape with the
-  cache update, duplicated the update and copied the whole cache every step).
-  """
-  b, t, d = x_BxTxD.shape
-  attn, mlp = block.self_attn, block.mlp
-  dt = x_BxTxD.dtype
-  kernel = lambda m, shape: m.kernel[...].astype(dt).reshape(shape)  # noqa: E731
-  h = block.input_layernorm(x_BxTxD).reshape(b * t, d)
-  n, hd = attn.q_proj.kernel.shape[1:]
-  kv = attn.k_proj.kernel.shape[1]
-  g = n // kv
-  q = _dot(h, kernel(attn.q_proj, (d, -1))).reshape(b, t, n, hd)
-  k = _dot(h, kernel(attn.k_proj, (d, -1))).reshape(b, t, kv, hd)
-  v = _dot(h, kernel(attn.v_proj, (d, -1))).reshape(b, t, kv, hd)
-  q = layers.apply_rope(q, pos_BxT, attn.rope_theta)
-  k = layers.apply_rope(k, pos_BxT, attn.rope_theta)
-  k_cache = _write(cache[0], k.transpose(0, 2, 1, 3), index_B, axis=1)  # [B*K, S, H]
-  v_cache = _write(cache[1], v.transpose(0, 2, 3, 1), index_B, axis=2)  # [B*K, H, S]
-  # queries of one KV head: [B*K, G*T, H] (query head n = kv_head * G + g, as in GQA)
-  q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
-  scores = jnp.einsum('xqh,xsh->xqs', q, k_cache.astype(dt),
-                      preferred_element_type=jnp.float32) * np.float32(1 / np.sqrt(hd))
-  mask = jnp.broadcast_to(mask_Bx1xTxS[:, None], (b, kv, g, t, scores.shape[-1]))
-  # Masked scores get a large finite negative: a query that sees nothing (a position
-  # before 0 in an MTP window) averages finite values, never NaN.
-  scores = jnp.where(mask.reshape(scores.shape), scores, _MASKED)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  out = jnp.einsum('xqs,xhs->xqh', probs, v_cache.astype(dt))  # [B*K, G*T, H]
-  out = out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b * t, n * hd)
-  x_BxTxD = x_BxTxD + _dot(out, kernel(attn.o_proj, (n * hd, d))).reshape(b, t, d)
-  h = block.post_attention_layernorm(x_BxTxD).reshape(b * t, d)
-  h = (jax.nn.silu(_dot(h, kernel(mlp.gate_proj, (d, -1))))
-       * _dot(h, kernel(mlp.up_proj, (d, -1))))
-  x_BxTxD = x_BxTxD + _dot(h, kernel(mlp.down_proj, (-1, d))).reshape(b, t, d)
-  return x_BxTxD, (k_cache, v_cache)
-
-
-def _logits(model: MTPModel, h_BxD, depth: int):
-  """model.logits for one position per row, in float32."""
-  x = model.head_norm(depth)(h_BxD)
-  if model.args.tie_embeddings:
-    return _dot_t(x, model.embed.embedding[...].astype(x.dtype)).astype(jnp.float32)
-  return _dot(x, model.lm_head.kernel[...].astype(x.dtype)).astype(jnp.float32)
-
-
 def _main_pass(prog, model, tokens_BxW, start_B, caches):
   """h^0 over a window of tokens at positions start.., through the main KV caches."""
   pos, mask = _window(prog, start_B, tokens_BxW.shape[1])
-  x = model.embed_tokens(tokens_BxW)
-  new_caches = []
-  for block, cache in zip(model.layers, caches):
-    x, cache = _block(block, x, pos, mask, cache, start_B + prog.offset)
-    new_caches.append(cache)
-  return x, tuple(new_caches)
-
-
-def _mtp_step(model, depth, h_prev_BxTxD, tokens_BxT, pos, mask, cache, index_B):
-  """MTPModel.mtp_step through a cache of _empty_cache's layout."""
-  module = model.mtp[depth - 1]
-  if model.args.mtp_kind == 'sequential':
-    b, t, d = h_prev_BxTxD.shape
-    x = jnp.concatenate([module.enorm(model.embed_tokens(tokens_BxT)),
-                         module.hnorm(h_prev_BxTxD)], axis=-1).reshape(b * t, 2 * d)
-    x = _dot(x, module.eh_proj.kernel[...].astype(x.dtype)).reshape(b, t, d)
-  else:
-    x = h_prev_BxTxD
-  return _block(module.block, x, pos, mask, cache, index_B)
+  return model.decode_trunk(tokens_BxW, pos, mask, caches, start_B + prog.offset, prog.layout)
 
 
 def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampling, keys_B):
@@ -269,9 +150,10 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
     else:  # parallel heads read h^0 only: the verify window itself
       h_in, w, s, tokens, query = h0_BxWxD, width, start_B, None, a_B
     pos, mask = _window(prog, s, w)
-    h_k, cache = _mtp_step(model, k, h_in, tokens, pos, mask, caches[k - 1], s + prog.offset)
+    h_k, cache = model.decode_mtp_step(k, h_in, tokens, pos, mask, caches[k - 1],
+                                       s + prog.offset, prog.layout)
     new_caches.append(cache)
-    logits = _logits(model, take_rows(h_k, query), k)
+    logits = model.decode_logits(take_rows(h_k, query), k)
     d, q = sampling_lib.draw(prog.greedy, logits, sampling, row_keys(keys_B, k))
     drafts.append(d)
     probs.append(q)
@@ -290,15 +172,17 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
 def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, keys_B):
   b, p = prompts_BxP.shape
   zero_B = jnp.zeros((b,), jnp.int32)
-  main_cache = tuple(_empty_cache(model, b, prog.cache_len) for _ in model.layers)
+  main_cache = tuple(layers.empty_cache(model.args, b, prog.cache_len, prog.layout)
+                     for _ in model.layers)
   h0, main_cache = _main_pass(prog, model, prompts_BxP, zero_B, main_cache)
-  logits = _logits(model, take_rows(h0, prompt_len_B - 1), 0)
+  logits = model.decode_logits(take_rows(h0, prompt_len_B - 1), 0)
   pkeys = row_keys(keys_B, 0)  # iteration i uses salt i + 1
   x, _ = sampling_lib.draw(prog.greedy, logits, sampling, row_keys(pkeys, 0), may_argmax=False)
   tokens = jnp.zeros((b, prog.buffer_len), jnp.int32).at[:, :p].set(prompts_BxP)
   tokens = tokens.at[jnp.arange(b), prompt_len_B].set(x)
   dn = prog.num_drafts
-  mtp_cache = tuple(_empty_cache(model, b, prog.cache_len) for _ in range(dn))
+  mtp_cache = tuple(layers.empty_cache(model.args, b, prog.cache_len, prog.layout)
+                    for _ in range(dn))
   hidden = tuple(jnp.zeros((b, model.args.d_model), model.args.dtype) for _ in range(dn - 1)
                  if model.args.mtp_kind == 'sequential')
   # u = t_1..t_P (prompt[1:] then x), then room for drafts.
@@ -328,7 +212,7 @@ def _iteration(prog, model, st: DecodeState, eos, sampling) -> DecodeState:
   h0, main_cache = _main_pass(prog, model, jnp.concatenate([x[:, None], st.drafts], 1),
                               start, st.main_cache)
   b, w, d = h0.shape
-  logits = _logits(model, h0.reshape(b * w, d), 0).reshape(b, w, -1)
+  logits = model.decode_logits(h0.reshape(b * w, d), 0).reshape(b, w, -1)
   a, cand = sampling_lib.accept(prog.greedy, logits, st.drafts, st.draft_probs, sampling,
                                 row_keys(keys, 0))
 
@@ -435,12 +319,29 @@ class Decoder:
   every Decoder of a model of the same structure shares the same compiled programs.
   """
 
-  def __init__(self, model: MTPModel):
+  def __init__(self, model: MTPModel, *, weight_dtype: str = 'float32',
+               cache_layout: str | None = None):
+    """weight_dtype 'bfloat16': the weight matrices (ndim >= 2: projections, embedding)
+    stored in bfloat16 for decoding, half the bytes a step reads; products accumulate
+    in float32, norms, activations and KV caches stay in the model's dtype.
+    cache_layout: layers.CACHE_LAYOUTS (default: layers.default_cache_layout()).
+    """
     if uses_latent_or_experts(model.args):  # its block path is dense GQA only (issue 13)
       raise RequestError('decoding supports GQA + dense-MLP blocks only; '
                          'this model has MLA or MoE blocks')
+    if weight_dtype not in WEIGHT_DTYPES:
+      raise RequestError(f'weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}')
+    layout = cache_layout or layers.default_cache_layout()
+    if layout not in layers.CACHE_LAYOUTS:
+      raise RequestError(f'cache_layout must be one of {layers.CACHE_LAYOUTS}, got {layout!r}')
     self.args = model.args
+    self.weight_dtype, self.layout = weight_dtype, layout
     self.graphdef, params = nnx.split(model)
+    if weight_dtype != 'float32':
+      wdt = jnp.dtype(weight_dtype)
+      params = jax.tree.map(
+          lambda x: x.astype(wdt) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)
+          else x, params)
     # Programs are compiled for the default device, this process's first; a restored or
     # trained state may carry a mesh sharding.
     self.params = jax.device_put(params, jax.local_devices()[0])
@@ -448,13 +349,21 @@ class Decoder:
     self._programs = {}  # this Decoder's view of _COMPILED (hashing a graphdef is slow)
 
   def program(self, batch: int, prompt_len: int, max_new: int, *, num_drafts: int | None = None,
-              temperature: float = 0.0, record: bool = False) -> Program:
+              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+              record: bool = False) -> Program:
     num_drafts = self.args.mtp_depth if num_drafts is None else num_drafts
-    if not 0 <= num_drafts <= self.args.mtp_depth:
-      raise RequestError(f'num_drafts must be in [0, {self.args.mtp_depth}] (the model\'s '
-                         f'model.mtp.depth), got {num_drafts}')
-    return Program(batch, bucket(prompt_len), bucket(max_new), num_drafts,
-                   greedy=temperature == 0, record=record)
+    depth = self.args.mtp_depth
+    # Sequential modules chain, so the last one can run again (recursive drafts).
+    limit = MAX_DRAFTS if depth and self.args.mtp_kind == 'sequential' else depth
+    if not 0 <= num_drafts <= max(limit, depth):
+      raise RequestError(f'num_drafts must be in [0, {max(limit, depth)}] (the model\'s '
+                         f'model.mtp.depth {depth}; sequential modules recurse up to '
+                         f'{MAX_DRAFTS}), got {num_drafts}')
+    greedy = temperature == 0
+    return Program(batch, bucket(prompt_len), bucket(max_new), num_drafts, greedy=greedy,
+                   record=record, top_k=not greedy and top_k > 0,
+                   top_p=not greedy and top_p < 1.0, layout=self.layout,
+                   weights=self.weight_dtype)
 
   def _inputs(self, prog, prompts, max_new, eos_id, temperature, top_k, top_p, seed,
               draft_argmax=False):
@@ -465,7 +374,8 @@ class Decoder:
     lens = np.array([len(p) for p in prompts], np.int32)
     max_new = np.broadcast_to(np.asarray(max_new, np.int32), (b,)).copy()
     sampling = Sampling(np.float32(temperature if temperature > 0 else 1.0),
-                        np.int32(top_k), np.float32(top_p), np.bool_(draft_argmax))
+                        np.int32(top_k), np.float32(top_p), np.bool_(draft_argmax),
+                        use_top_k=prog.top_k, use_top_p=prog.top_p)
     return (self._leaves, padded, lens, max_new, np.int32(-1 if eos_id is None else eos_id),
             sampling, np.int32(seed))
 
@@ -503,7 +413,8 @@ class Decoder:
     mn = np.broadcast_to(np.asarray(max_new_tokens), (len(prompts),))
     prog = self.program(len(prompts), max(pad_to[0], *(len(p) for p in prompts)),
                         max(pad_to[1], int(mn.max())),
-                        num_drafts=num_drafts, temperature=temperature, record=record)
+                        num_drafts=num_drafts, temperature=temperature, top_k=top_k,
+                        top_p=top_p, record=record)
     fn = self.compile(prog)
     inputs = self._inputs(prog, prompts, mn, eos_id, temperature, top_k, top_p, seed,
                           draft_argmax)

@@ -117,6 +117,100 @@ def write_cache(cache_BxSxKxH: Array, new_BxQxKxH: Array, index_B: Array) -> Arr
   return jax.vmap(one)(cache_BxSxKxH, new_BxQxKxH, index_B)
 
 
+# -- decoding: few-token steps through a KV cache ------------------------------------------
+# The decode path of each layer (`decode` beside `__call__`): the same parameters and math,
+# arranged for steps of a few tokens. Two cache layouts, a setting of the decoder:
+#  'heads_major'  k [B*K, S, H] and v [B*K, H, S]: XLA:CPU's attention dots (matrix-vector
+#                 products for a few queries) read them as they are, and the batch and KV
+#                 heads share the dots' one batch axis, so the updated cache feeds them
+#                 without a reshape (with one, XLA:CPU fused the reshape into the update and
+#                 copied the whole cache every step). The CPU default.
+#  'bskh'         k, v [B, S, K, H], `__call__`'s own cache and jax.nn.dot_product_attention
+#                 (the library path, for GPU / TPU).
+CACHE_LAYOUTS = ('heads_major', 'bskh')
+
+
+def default_cache_layout() -> str:
+  return 'heads_major' if jax.default_backend() == 'cpu' else 'bskh'
+
+
+def empty_cache(cfg, batch: int, slots: int, layout: str):
+  """One layer's zero KV cache of `slots` positions in `layout`."""
+  k, h = cfg.n_kv_heads, cfg.head_dim
+  if layout == 'bskh':
+    return (jnp.zeros((batch, slots, k, h), cfg.dtype),) * 2
+  return (jnp.zeros((batch * k, slots, h), cfg.dtype), jnp.zeros((batch * k, h, slots), cfg.dtype))
+
+
+# The few-row matmul rule, in this one place (XLA:CPU, jax 0.10.2; API_NOTES.md and
+# benchmarks/few_row_matmul.py): with float32 weights a 1-row product is a GEMV and
+# 2..SPLIT_ROWS rows of a weight small enough to stay in a core's L2 between rows run as
+# one GEMV per row (XLA:CPU's GEMM for 2-6 rows cost several times that at d 256); larger
+# weights and more rows go to one GEMM. bfloat16 weights: activations cast to bfloat16,
+# float32 accumulation, and a 1-row product padded to 2 rows (a 1-row bf16 dot converts
+# the whole weight to float32 first: 6-7 GB/s instead of 64-83).
+SPLIT_ROWS = 6  # covers the verify (D+1) and MTP (D+k) windows of D = 3 at batch 1
+SPLIT_MAX_BYTES = 1 << 20  # only weights that stay in a core's L2 between rows
+WRITE_LOOP_ROWS = 6  # cache updates: one in-place update per row up to here, else a scatter
+
+
+def _split(m: int, w) -> bool:
+  return (jax.default_backend() == 'cpu' and 1 < m <= SPLIT_ROWS
+          and w.size * w.dtype.itemsize <= SPLIT_MAX_BYTES)
+
+
+def _few_rows(dot, row_dot, x_MxI, w, per_row_at_1: bool):
+  """dot(x, w) by the rule above (row_dot: the one-row [I] -> [O] form); x's dtype out."""
+  m, out_dtype = x_MxI.shape[0], x_MxI.dtype
+  if w.dtype == jnp.bfloat16:
+    x = x_MxI.astype(jnp.bfloat16)
+    if m == 1 and jax.default_backend() == 'cpu':
+      return dot(jnp.concatenate([x, jnp.zeros_like(x)], 0), w)[:1].astype(out_dtype)
+    return dot(x, w).astype(out_dtype)
+  w = w.astype(out_dtype)
+  if _split(m, w) or (m == 1 and per_row_at_1):
+    return jnp.stack([row_dot(x_MxI[i], w) for i in range(m)], 0)
+  return dot(x_MxI, w)
+
+
+def decode_dot(x_MxI: Array, w_IxO: Array) -> Array:
+  """x @ w for a decode step of M = batch x window rows."""
+  f32 = jnp.float32
+  return _few_rows(lambda x, w: jnp.dot(x, w, preferred_element_type=f32),
+                   lambda x, w: jnp.dot(x, w, preferred_element_type=f32), x_MxI, w_IxO, False)
+
+
+def decode_dot_t(x_MxI: Array, w_OxI: Array) -> Array:
+  """x @ w.T without transposing w (the tied output head: the embedding table).
+
+  One float32 row is the matrix-vector product w x.
+  """
+  f32 = jnp.float32
+  return _few_rows(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                                                    preferred_element_type=f32),
+                   lambda x, w: jnp.dot(w, x, preferred_element_type=f32), x_MxI, w_OxI, True)
+
+
+def _write_heads_major(cache_BKx, new_BxKx, index_B, axis):
+  """Row b's T new entries go to slots index_B[b].. along `axis` (1 or 2) of its K heads."""
+  b, kv = new_BxKx.shape[:2]
+  new_BxKx = new_BxKx.astype(cache_BKx.dtype)
+  if b > WRITE_LOOP_ROWS:
+    cache = cache_BKx.reshape((b, kv) + cache_BKx.shape[1:])
+    cache = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis))(
+        cache, new_BxKx, index_B)
+    return cache.reshape(cache_BKx.shape)
+  zero = jnp.zeros((), jnp.int32)  # few rows: one in-place update each, no scatter
+  for row in range(b):
+    start = [jnp.int32(row * kv), zero, zero]
+    start[axis] = index_B[row]
+    cache_BKx = jax.lax.dynamic_update_slice(cache_BKx, new_BxKx[row], start)
+  return cache_BKx
+
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # as jax.nn.dot_product_attention
+
+
 class Attention(nnx.Module):
   """Causal grouped-query attention with RoPE; optional per-row KV cache."""
 
@@ -168,6 +262,38 @@ class Attention(nnx.Module):
     return o_NxD.reshape(b, t, -1), cache
 
 
+  def decode(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache, cache_index_B):
+    """Attention of T new tokens over a 'heads_major' cache (see CACHE_LAYOUTS).
+
+    Returns (out_BxTxD, new cache).
+    """
+    b, t, d = x_BxTxD.shape
+    dt = x_BxTxD.dtype
+    n, hd = self.q_proj.kernel.shape[1:]
+    kv = self.k_proj.kernel.shape[1]
+    g = n // kv
+    x_NxD = x_BxTxD.reshape(b * t, d)
+    proj = lambda m, *shape: decode_dot(x_NxD, m.kernel[...].reshape(d, -1)).reshape(b, t, *shape)  # noqa: E731
+    q = apply_rope(proj(self.q_proj, n, hd), positions_BxT, self.rope_theta)
+    k = apply_rope(proj(self.k_proj, kv, hd), positions_BxT, self.rope_theta)
+    v = proj(self.v_proj, kv, hd)
+    k_cache = _write_heads_major(cache[0], k.transpose(0, 2, 1, 3), cache_index_B, axis=1)
+    v_cache = _write_heads_major(cache[1], v.transpose(0, 2, 3, 1), cache_index_B, axis=2)
+    # queries of one KV head: [B*K, G*T, H] (query head n = kv_head * G + g, as in GQA)
+    q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
+    scores = jnp.einsum('xqh,xsh->xqs', q, k_cache.astype(dt),
+                        preferred_element_type=jnp.float32) * (1 / math.sqrt(hd))
+    mask = jnp.broadcast_to(mask_Bx1xTxS[:, None], (b, kv, g, t, scores.shape[-1]))
+    # Masked scores get a large finite negative: a query that sees nothing (a position
+    # before 0 in an MTP window) averages finite values, never NaN.
+    scores = jnp.where(mask.reshape(scores.shape), scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum('xqs,xhs->xqh', probs, v_cache.astype(dt))  # [B*K, G*T, H]
+    out = out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b * t, n * hd)
+    o = decode_dot(out, self.o_proj.kernel[...].reshape(n * hd, d))
+    return o.reshape(b, t, d), (k_cache, v_cache)
+
+
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -191,6 +317,15 @@ class MLP(nnx.Module):
     return project(h_NxF, self.down_proj.kernel, self.dtype).reshape(b, t, -1)
 
 
+  def decode(self, x_BxTxD):
+    """__call__ for a decode step: decode_dot's few-row rule, float32 out."""
+    b, t, d = x_BxTxD.shape
+    x_NxD = x_BxTxD.reshape(b * t, d)
+    h_NxF = (jax.nn.silu(decode_dot(x_NxD, self.gate_proj.kernel[...]))
+             * decode_dot(x_NxD, self.up_proj.kernel[...]))
+    return decode_dot(h_NxF, self.down_proj.kernel[...]).reshape(b, t, d)
+
+
 class Block(nnx.Module):
   """Pre-norm decoder block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)).
 
@@ -210,3 +345,13 @@ class Block(nnx.Module):
     x = x_BxTxD + a
     x = x + self.mlp(self.post_attention_layernorm(x))
     return constrain(x, ('batch', 'length', 'act_embed')), cache
+
+  def decode(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache, cache_index_B,
+             layout: str = 'heads_major'):
+    """__call__ through a KV cache of `layout` (CACHE_LAYOUTS); (x, new cache)."""
+    if layout == 'bskh':  # the library path: __call__ itself
+      return self(x_BxTxD, positions_BxT, mask_Bx1xTxS, cache, cache_index_B)
+    a, cache = self.self_attn.decode(self.input_layernorm(x_BxTxD), positions_BxT,
+                                     mask_Bx1xTxS, cache, cache_index_B)
+    x = x_BxTxD + a
+    return x + self.mlp.decode(self.post_attention_layernorm(x)), cache

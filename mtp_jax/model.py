@@ -226,11 +226,16 @@ class SequentialMTP(nnx.Module):
     self.block = layers.Block(args, rngs, *block_classes(args, args.n_layers))
     self.shared_head = SharedHead(args, rngs)
 
-  def combine(self, h_prev_BxTxD: Array, emb_BxTxD: Array) -> Array:
-    """eh_proj([enorm(emb) ; hnorm(h)]): the order of DeepSeek's released weights."""
+  def combine(self, h_prev_BxTxD: Array, emb_BxTxD: Array, decode: bool = False) -> Array:
+    """eh_proj([enorm(emb) ; hnorm(h)]): the order of DeepSeek's released weights.
+
+    decode: the product by layers.decode_dot's few-row rule (a decode step).
+    """
     b, t, d = emb_BxTxD.shape
     x = jnp.concatenate([self.enorm(emb_BxTxD), self.hnorm(h_prev_BxTxD)], axis=-1)
-    h = layers.project(x.reshape(b * t, 2 * d), self.eh_proj.kernel, self.eh_proj.dtype)
+    x = x.reshape(b * t, 2 * d)
+    h = (layers.decode_dot(x, self.eh_proj.kernel[...]) if decode
+         else layers.project(x, self.eh_proj.kernel, self.eh_proj.dtype))
     return constrain(h.reshape(b, t, d), ('batch', 'length', 'act_embed'))
 
 
@@ -303,6 +308,40 @@ class MTPModel(nnx.Module):
     else:
       x = h_prev_BxTxD
     return module.block(x, positions_BxT, mask, cache, cache_index_B)
+
+  # -- the decode path: few-token steps through KV caches (layers.Block.decode) --------
+  def mtp_module(self, depth: int):
+    """Module of drafting depth k; depths past D reuse the last module (recursive drafts)."""
+    return self.mtp[min(depth, self.args.mtp_depth) - 1]
+
+  def decode_embed(self, tokens_BxT: Array) -> Array:
+    """Emb rows in the activations' dtype (gathering first: the table may be bfloat16)."""
+    return jnp.take(self.embed.embedding[...], tokens_BxT, axis=0).astype(self.args.dtype)
+
+  def decode_logits(self, h_NxD: Array, depth: int = 0) -> Array:
+    """logits(h, depth) for a few rows [N, d] (layers.decode_dot's rule), float32."""
+    norm = self.norm if depth == 0 else self.mtp_module(depth).shared_head.norm
+    x = norm(h_NxD)
+    if self.args.tie_embeddings:
+      return layers.decode_dot_t(x, self.embed.embedding[...]).astype(jnp.float32)
+    return layers.decode_dot(x, self.lm_head.kernel[...]).astype(jnp.float32)
+
+  def decode_trunk(self, tokens_BxT, positions_BxT, mask, caches, cache_index_B, layout):
+    """h^0 of new tokens through the trunk's per-layer caches; (h, new caches)."""
+    x = self.decode_embed(tokens_BxT)
+    new = []
+    for block, cache in zip(self.layers, caches):
+      x, cache = block.decode(x, positions_BxT, mask, cache, cache_index_B, layout)
+      new.append(cache)
+    return x, tuple(new)
+
+  def decode_mtp_step(self, depth: int, h_prev_BxTxD, tokens_BxT, positions_BxT, mask, cache,
+                      cache_index_B, layout):
+    """mtp_step through a cache (depth may exceed D: see mtp_module); (h^k, new cache)."""
+    module = self.mtp_module(depth)
+    x = (module.combine(h_prev_BxTxD, self.decode_embed(tokens_BxT), decode=True)
+         if isinstance(module, SequentialMTP) else h_prev_BxTxD)
+    return module.block.decode(x, positions_BxT, mask, cache, cache_index_B, layout)
 
   def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None,
                segment_ids_BxT: Array | None = None) -> list[Array]:

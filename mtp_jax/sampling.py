@@ -17,32 +17,62 @@ PAD_ID = 0  # fills candidate slots past the committed ones
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Sampling:
-  """Traced sampling parameters (changing them does not recompile)."""
+  """Sampling parameters: the values are traced (changing them does not recompile); the
+  switches are static, so a program pays for top-k / top-p only where they are on
+  (benchmarks/sampling_cost.py: the two full-vocabulary sorts they need were 9-16x the
+  rest of a T = 1 step when traced switches ran them on every step).
+  """
   temperature: Array  # > 0 when sampling
   top_k: Array  # 0: off
   top_p: Array  # 1.0: off
   draft_argmax: Array | bool = False  # drafts are argmax (q = one-hot), not sampled from q
+  use_top_k: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  use_top_p: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+
+def _adjusted_logits(logits, sampling: Sampling):
+  """logits / temperature with the entries top-k / top-p leave out set to -inf."""
+  x = logits.astype(jnp.float32) / sampling.temperature
+  v = x.shape[-1]
+  neg = jnp.array(-jnp.inf, x.dtype)
+  if sampling.use_top_k:
+    desc = -jnp.sort(-x, axis=-1)
+    kth = jnp.take(desc, jnp.clip(sampling.top_k - 1, 0, v - 1), axis=-1)[..., None]
+    x = jnp.where((sampling.top_k > 0) & (x < kth), neg, x)
+  if sampling.use_top_p:
+    probs = jax.nn.softmax(x, axis=-1)
+    desc_p = -jnp.sort(-probs, axis=-1)
+    before = jnp.cumsum(desc_p, axis=-1) - desc_p  # mass strictly above each sorted entry
+    kept = jnp.sum(before < sampling.top_p, axis=-1, keepdims=True)  # >= 1
+    threshold = jnp.take_along_axis(desc_p, kept - 1, axis=-1)
+    x = jnp.where((sampling.top_p < 1.0) & (probs < threshold), neg, x)
+  return x
 
 
 def adjusted_logprobs(logits: Array, sampling: Sampling) -> Array:
   """log of the distribution plain sampling draws from: temperature, then top-k, then top-p."""
-  x = logits.astype(jnp.float32) / sampling.temperature
-  v = x.shape[-1]
-  neg = jnp.array(-jnp.inf, x.dtype)
-  desc = -jnp.sort(-x, axis=-1)
-  kth = jnp.take(desc, jnp.clip(sampling.top_k - 1, 0, v - 1), axis=-1)[..., None]
-  x = jnp.where((sampling.top_k > 0) & (x < kth), neg, x)
-  probs = jax.nn.softmax(x, axis=-1)
-  desc_p = -jnp.sort(-probs, axis=-1)
-  before = jnp.cumsum(desc_p, axis=-1) - desc_p  # mass strictly above each sorted entry
-  kept = jnp.sum(before < sampling.top_p, axis=-1, keepdims=True)  # >= 1
-  threshold = jnp.take_along_axis(desc_p, kept - 1, axis=-1)
-  x = jnp.where((sampling.top_p < 1.0) & (probs < threshold), neg, x)
-  return jax.nn.log_softmax(x, axis=-1)
+  return jax.nn.log_softmax(_adjusted_logits(logits, sampling), axis=-1)
 
 
-def categorical(keys_B, logp_BxV):
-  return jax.vmap(jax.random.categorical)(keys_B, logp_BxV).astype(jnp.int32)
+def adjusted_probs(logits: Array, sampling: Sampling) -> Array:
+  """exp(adjusted_logprobs), computed directly."""
+  return jax.nn.softmax(_adjusted_logits(logits, sampling), axis=-1)
+
+
+def categorical(keys_B, weights_BxV):
+  """One draw per row from the distribution proportional to weights_BxV (>= 0).
+
+  Inverse CDF from one uniform per row: V times fewer random bits than Gumbel-max
+  (jax.random.categorical), 3.5-5x cheaper a step (benchmarks/sampling_cost.py). Token
+  j is drawn iff cdf[j-1] <= u * total < cdf[j], with probability w_j / total.
+  """
+  u_B = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)
+  cdf = jnp.cumsum(weights_BxV, axis=-1)
+  tok = jnp.sum(cdf <= (u_B * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
+  tok = jnp.minimum(tok, weights_BxV.shape[-1] - 1)
+  # A windowed cumsum need not be exactly monotone: never return a weight-0 token.
+  ok = jnp.take_along_axis(weights_BxV, tok[:, None], -1)[:, 0] > 0
+  return jnp.where(ok, tok, jnp.argmax(weights_BxV, -1).astype(jnp.int32))
 
 
 def draw(greedy: bool, logits_BxV, sampling: Sampling, keys_B, may_argmax=True):
@@ -53,12 +83,12 @@ def draw(greedy: bool, logits_BxV, sampling: Sampling, keys_B, may_argmax=True):
   """
   if greedy:
     return jnp.argmax(logits_BxV, -1).astype(jnp.int32), jnp.zeros(logits_BxV.shape[:1] + (0,))
-  logp = adjusted_logprobs(logits_BxV, sampling)
-  tok, q = categorical(keys_B, logp), jnp.exp(logp)
+  q = adjusted_probs(logits_BxV, sampling)
+  tok = categorical(keys_B, q)
   if not may_argmax:
     return tok, q
-  top = jnp.argmax(logp, -1).astype(jnp.int32)
-  one_hot = jax.nn.one_hot(top, logp.shape[-1], dtype=jnp.float32)
+  top = jnp.argmax(q, -1).astype(jnp.int32)
+  one_hot = jax.nn.one_hot(top, q.shape[-1], dtype=jnp.float32)
   return (jnp.where(sampling.draft_argmax, top, tok),
           jnp.where(sampling.draft_argmax, one_hot, q))
 
@@ -87,7 +117,7 @@ def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, 
     ok = (drafts_BxD == g[:, :dn]).astype(jnp.int32)
     a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
     return a, jnp.where(j <= a[:, None], g, PAD_ID)  # d_j == g_{j-1} for j <= a
-  p = jnp.exp(adjusted_logprobs(logits_BxTxV, sampling))  # [B, D+1, V]
+  p = adjusted_probs(logits_BxTxV, sampling)  # [B, D+1, V]
   p_d = jnp.take_along_axis(p[:, :dn], drafts_BxD[..., None], -1)[..., 0]
   q_d = jnp.take_along_axis(q_BxDxV, drafts_BxD[..., None], -1)[..., 0]
   u = jax.vmap(lambda k: jax.random.uniform(k, (dn,)))(row_keys(keys_B, 2))
@@ -97,7 +127,7 @@ def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, 
   residual = jnp.concatenate([jnp.maximum(p[:, :dn] - q_BxDxV, 0.0), p[:, dn:]], 1)
   r = take_rows(residual, a)
   r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, take_rows(p, a))  # p == q: never rejected
-  bonus = categorical(row_keys(keys_B, 3), jnp.log(r))
+  bonus = categorical(row_keys(keys_B, 3), r)
   cand = jnp.concatenate([drafts_BxD, jnp.zeros_like(bonus)[:, None]], 1)
   cand = jnp.where(j < a[:, None], cand, jnp.where(j == a[:, None], bonus[:, None], PAD_ID))
   return a, cand

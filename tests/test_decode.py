@@ -3,6 +3,7 @@
 Models are tiny and share compiled programs (the compile cache is keyed by model
 structure, so the random-init and the trained model run the same executables).
 """
+import functools
 import importlib.util
 import json
 import os
@@ -22,6 +23,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
 from mtp_jax import decode
 from mtp_jax import generate
+from mtp_jax import layers
 from mtp_jax import sampling as sampling_lib
 from mtp_jax import state as state_lib
 from mtp_jax.model import MTPModel, ModelArgs, shift_left
@@ -100,13 +102,14 @@ def uncached_greedy(model, prompts, max_new):
 
 
 # -- the decoder's forward -----------------------------------------------------------------------
-@nnx.jit
-def _chunked_forward(model, tokens_BxT):
+@functools.partial(nnx.jit, static_argnums=2)
+def _chunked_forward(model, tokens_BxT, layout='heads_major'):
   """The decoder's cached forward over chunks of 4 then 8 tokens, every depth."""
   b, t = tokens_BxT.shape
-  prog = decode.Program(b, 16, 16, model.args.mtp_depth, True)
-  main = tuple(decode._empty_cache(model, b, prog.cache_len) for _ in model.layers)
-  mtp = [decode._empty_cache(model, b, prog.cache_len) for _ in model.mtp]
+  prog = decode.Program(b, 16, 16, model.args.mtp_depth, True, layout=layout)
+  cache = lambda: layers.empty_cache(model.args, b, prog.cache_len, layout)  # noqa: E731
+  main = tuple(cache() for _ in model.layers)
+  mtp = [cache() for _ in model.mtp]
   outs = [[] for _ in range(model.args.mtp_depth + 1)]
   for start, width in [(0, 4), (4, 8)]:  # 4 rows (split matmuls) then 8b rows (one GEMM)
     s = jnp.full((b,), start, jnp.int32)
@@ -115,20 +118,20 @@ def _chunked_forward(model, tokens_BxT):
     pos, mask = decode._window(prog, s, width)
     for k in range(1, model.args.mtp_depth + 1):
       shifted = shift_left(tokens_BxT, k)[:, start:start + width]
-      h, mtp[k - 1] = decode._mtp_step(model, k, h, shifted, pos, mask, mtp[k - 1],
-                                       s + prog.offset)
+      h, mtp[k - 1] = model.decode_mtp_step(k, h, shifted, pos, mask, mtp[k - 1],
+                                            s + prog.offset, layout)
       outs[k].append(h)
   return [jnp.concatenate(o, 1) for o in outs]
 
 
-@pytest.mark.parametrize('batch', [1, 2])
-def test_decode_forward_matches_the_model(models, batch):
-  """The decoder's block code (cache layouts, split matmuls) == the model's own forward."""
+@pytest.mark.parametrize('batch,layout', [(1, 'heads_major'), (2, 'heads_major'), (2, 'bskh')])
+def test_decode_forward_matches_the_model(models, batch, layout):
+  """The layers' decode path (both cache layouts, split matmuls) == the model's forward."""
   model = models['trained']
   rng = np.random.default_rng(21)
   tokens = jnp.asarray([byte_ids(word_text(rng, 12)[:12]) for _ in range(batch)], jnp.int32)
   want = model(tokens)
-  got = _chunked_forward(model, tokens)
+  got = _chunked_forward(model, tokens, layout)
   for k, (w, g) in enumerate(zip(want, got)):
     n = 12 - k  # depth k reads t_{i+k}: the last k positions see padding
     np.testing.assert_allclose(np.asarray(g)[:, :n], np.asarray(w)[:, :n], atol=2e-5, rtol=1e-4,
@@ -155,6 +158,28 @@ def test_lossless_greedy(models, name, num_drafts):
     assert tau > 1 + 0.5 * num_drafts, sp.stats()
   else:
     assert tau < 1.5, sp.stats()
+
+
+@pytest.mark.parametrize('weights,num_drafts', [('bfloat16', 3), ('float32', 5),
+                                                 ('bfloat16', 5)])
+def test_lossless_greedy_bf16_and_recursive(models, weights, num_drafts):
+  """bf16 weights: speculative greedy == AR greedy with the same bf16 weights. Drafts past
+  the depth (the last MTP module run again) are lossless too, and accepted."""
+  dec = decode.Decoder(models['trained'], weight_dtype=weights)
+  prompts = word_prompts(8, seed=1)
+  ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
+  sp = dec.generate(prompts, MAX_NEW, num_drafts=num_drafts, eos_id=None, record=True)
+  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
+    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
+  check_stats(sp, MAX_NEW)
+  assert sp.stats()['mean_accepted_length'] > 2.0, sp.stats()
+  if num_drafts > models['trained'].args.mtp_depth:  # a recursive draft was accepted
+    assert sp.accepted[:, models['trained'].args.mtp_depth + 1:].sum() > 0, sp.accepted.sum(0)
+  if weights == 'bfloat16':  # the bf16 program really reads bf16 weights, and still decodes
+    assert dec.params['embed']['embedding'][...].dtype == jnp.bfloat16
+    f32 = decode.Decoder(models['trained']).generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
+    same = np.mean([np.mean(a == b) for a, b in zip(ar.tokens, f32.tokens)])
+    assert same > 0.5, same
 
 
 def test_eos_and_max_new_inside_accepted_blocks(models):
@@ -370,6 +395,24 @@ def test_adjusted_logprobs_top_k_top_p():
   np.testing.assert_allclose(probs(1, 0, 0.1), [1, 0, 0, 0], rtol=1e-6)
   hot = probs(0.5, 0, 1.0)
   np.testing.assert_allclose(hot, np.array([16, 9, 4, 1]) / 30, rtol=1e-5)
+
+
+def test_categorical_inverse_cdf():
+  """One uniform per row: draws follow the weights (unnormalized, with zeros), never a 0."""
+  w = np.array([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0], np.float32)
+  keys = jax.random.split(jax.random.key(0), 40000)
+  tok = np.asarray(jax.jit(sampling_lib.categorical)(keys, jnp.tile(w, (len(keys), 1))))
+  counts = np.bincount(tok, minlength=len(w))
+  assert counts[w == 0].sum() == 0
+  w64 = w.astype(np.float64)
+  assert sps.chisquare(counts[w > 0], w64[w > 0] / w64.sum() * len(tok)).pvalue > 1e-3
+  # Static switches off == traced switches at their off values.
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 50)), jnp.float32)
+  on = sampling_lib.Sampling(jnp.float32(0.7), jnp.int32(0), jnp.float32(1.0))
+  off = sampling_lib.Sampling(jnp.float32(0.7), jnp.int32(0), jnp.float32(1.0),
+                              use_top_k=False, use_top_p=False)
+  np.testing.assert_allclose(sampling_lib.adjusted_probs(logits, off),
+                             jnp.exp(sampling_lib.adjusted_logprobs(logits, on)), rtol=1e-5)
 
 
 # -- the command line ----------------------------------------------------------------------------
