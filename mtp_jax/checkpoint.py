@@ -373,7 +373,7 @@ class CheckpointReader:
   steps are listed again, not reported as broken.
   """
 
-  _RETRIES = 5  # re-listings after steps vanished under a reader
+  _RETRIES = 20  # re-listings after steps vanished under a reader (max_to_keep)
 
   def __init__(self, directory: str, notify=warn):
     self.directory = os.path.abspath(directory)
@@ -419,8 +419,12 @@ class CheckpointReader:
         raise CheckpointError(f'checkpoint {step} in {self.directory} {why}') from e
     broken = {}
     for _ in range(self._RETRIES):
-      vanished = False
-      for s in reversed(self.steps()):
+      steps = self.steps()
+      # Every step up to `newest` gone: removed by the trainer since it was chosen.
+      vanished = newest is not None and not [s for s in steps if s <= newest]
+      if vanished:
+        newest = None
+      for s in reversed(steps):
         if s in broken or (newest is not None and s > newest):
           continue
         try:

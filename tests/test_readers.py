@@ -265,7 +265,7 @@ def test_reading_while_training_harms_nothing(stdlib_data_dir, tmp_path):
   env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu')
   train_cmd = [sys.executable, os.path.join(REPO, 'scripts', 'train.py'),
                '--config', os.path.join(REPO, 'configs', 'tiny.py'), f'--workdir={workdir}',
-               f'--config.data.data_dir={stdlib_data_dir}', '--config.train.steps=400',
+               f'--config.data.data_dir={stdlib_data_dir}', '--config.train.steps=120',
                '--config.train.checkpoint_every=1', '--config.train.eval_every=0',
                '--config.train.log_every=10', '--config.train.progress=False']
   trainer = subprocess.Popen(train_cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
@@ -294,12 +294,12 @@ def test_reading_while_training_harms_nothing(stdlib_data_dir, tmp_path):
   assert second.returncode == 2, second.stderr[-3000:]
   lines = second.stderr.strip().splitlines()
   assert len(lines) == 1 and f'pid {trainer.pid} on host' in lines[0], lines
-  assert len(readers) >= 2, readers
+  assert {'decode', 'eval'} <= {name for name, _, _ in readers}, readers
   for name, code, err_lines in readers:
     assert code == 0 or (code == 2 and len(err_lines) == 1), (name, code, err_lines[-20:])
   assert sum(code == 0 for _, code, _ in readers) >= 1, readers
   reader = ckpt_lib.CheckpointReader(str(workdir / 'checkpoints'))
-  assert reader.steps()[-1] == 400
+  assert reader.steps()[-1] == 120
   for step in reader.steps():
     reader.read_arrays(step)  # intact: every fingerprint matches
   assert not [n for n in os.listdir(workdir / 'checkpoints') if ckpt_lib.TMP_MARKER in n]
