@@ -11,8 +11,9 @@ Failure model (issue 5):
 
 Every checkpoint the package opens is opened here, by one writer and one reader:
 - `Checkpointer`: the trainer's (orbax CheckpointManager: saves, removes incomplete
-  saves at start-up, keeps max_to_keep, quarantines broken steps). Only the process
-  holding the workdir's lock (resilience.WorkdirLock) builds one.
+  saves at start-up, keeps max_to_keep, quarantines broken steps). Only a training job
+  that holds the workdir's lock (resilience.WorkdirLock, taken by its process 0)
+  builds one, in each of its processes.
 - `CheckpointReader`: everything that only reads (decode, eval, notebooks, `--init_from`,
   `load_workdir`, `restore_state`, `read_state_arrays`). It creates, cleans, moves and
   deletes nothing, so it is safe on a run that is training; it verifies fingerprints and

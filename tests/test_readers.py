@@ -4,11 +4,9 @@ read-only and verified, fall back past a broken newest step, and one trainer own
 The corruption tests copy the session's trained tiny workdir (conftest.tiny_run: steps 20
 and 40) and run scripts/decode.py and scripts/eval.py in-process, as test_eval.py does.
 """
-import contextlib
 import glob
 import hashlib
 import importlib.util
-import io
 import json
 import os
 import shutil
@@ -123,7 +121,8 @@ def test_every_step_broken_is_exit_2_and_changes_nothing(run_copy, capsys):
   before = _hashes(run_copy)
   code, out, err = _main('decode', ['--workdir', str(run_copy)] + DECODE, capsys)
   assert code == 2 and out == '' and len(err) == 1, err
-  assert err[0].startswith('error: no checkpoint in') and 'step 40:' in err[0] and 'step 20:' in err[0]
+  assert err[0].startswith('error: no checkpoint in'), err
+  assert 'step 40:' in err[0] and 'step 20:' in err[0], err
   assert _hashes(run_copy) == before
 
   for step in (20, 40):
@@ -201,7 +200,8 @@ def test_a_second_trainer_is_refused(stdlib_data_dir, tmp_path, devices):
           'resilience.WorkdirLock(sys.argv[2]).acquire(); print("locked", flush=True); '
           'time.sleep(600)')
   proc = subprocess.Popen([sys.executable, '-c', code, REPO, str(workdir)],
-                          stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+                          stdout=subprocess.PIPE, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS='cpu'))
   try:
     assert proc.stdout.readline().strip() == 'locked'
     with pytest.raises(resilience.WorkdirError, match=f'pid {proc.pid} on host'):
