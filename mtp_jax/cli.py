@@ -23,6 +23,7 @@ class ArgumentParser(argparse.ArgumentParser):
 class RequestError(ValueError):
   """A request (flags, prompts, a workdir) that cannot run; the message names the problem
   (CLI exit code 2)."""
+  exit_code = 2
 
 
 def exit_code_of(e: BaseException) -> int | None:

@@ -201,6 +201,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
   # Deferred: the data pipeline imports tensorflow_datasets (seconds).
   from mtp_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   _check_options(split, eval_batches, num_prompts, prompt_len, max_new_tokens, batch_size, step)
+  explicit = step is not None
   config, step = ckpt_lib.load_workdir(workdir, step)
   devices = jax.local_devices() if devices is None else devices
   t, d = config.train, config.data
@@ -210,6 +211,9 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
   if num_prompts is None:
     num_prompts = t.eval_decode_prompts or 8
   prompt_len = prompt_len or config_lib.decode_prompt_len(config)
+  if num_prompts and prompt_len >= d.seq_len:  # else max_new_tokens defaults to 0
+    raise RequestError(f'--prompt_len ({prompt_len}) must be below the training sequence '
+                       f'length data.seq_len ({d.seq_len}) to leave room for new tokens')
   if max_new_tokens is None:
     max_new_tokens = min(t.eval_decode_tokens, d.seq_len - prompt_len)
   if num_prompts and prompt_len + max_new_tokens > d.seq_len:
@@ -222,12 +226,9 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
   prompts = validation_prompts(config, tokenizer, num_prompts, prompt_len) if num_prompts else []
 
   ts, state = steps.setup(config, devices)
-  state, meta = ckpt_lib.restore_state(workdir, step, ts.abstract_state)
-  try:
-    ckpt_lib.verify(step, state, meta)
-  except Exception as e:  # pylint: disable=broad-except
-    raise RequestError(f'checkpoint {step} in {workdir!r} is broken: '
-                       f'{ckpt_lib.short(e)}') from e
+  # Verified on read; without --step a broken newest step gives way to an older one.
+  restored = ckpt_lib.restore_state(workdir, step, ts.abstract_state, fallback=not explicit)
+  state, step = restored.state, restored.step
 
   batches = pipeline.make_eval_batches(config, num_batches=eval_batches)
   out = {'workdir': os.path.abspath(workdir), 'step': step, 'split': split,

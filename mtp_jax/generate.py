@@ -83,7 +83,8 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   decode.check_request(ids, max_new_tokens, temperature, top_k, top_p,
                 vocab_size=resolve_vocab_size(config), max_len=max_len)
 
-  decoder = decode.Decoder(state_lib.restore_model(config, workdir, step))
+  model, step = state_lib.restore_model_at(config, workdir, step, fallback=True)
+  decoder = decode.Decoder(model)
   modes = ['ar', 'spec'] if mode == 'compare' else [mode]
   drafts = {'ar': 0, 'spec': num_drafts or depth}
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id,

@@ -136,6 +136,7 @@ def shift_left(x_BxT: Array, k: int, fill=0) -> Array:
   """x[:, i + k] at position i; the last k positions hold `fill` (static shape)."""
   if k == 0:
     return x_BxT
+  k = min(k, x_BxT.shape[1])  # k >= T: all fill, still length T
   pad = jnp.full((x_BxT.shape[0], k) + x_BxT.shape[2:], fill, x_BxT.dtype)
   return jnp.concatenate([x_BxT[:, k:], pad], axis=1)
 

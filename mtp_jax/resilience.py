@@ -4,6 +4,7 @@ Partial restores (--init_from) live in checkpoint.py, exit codes in cli.py.
 
 - Preflight checks that fail before anything compiles, with one-line messages:
   the workdir, free disk space for a checkpoint, documents long enough for depth D.
+- `WorkdirLock`: one trainer per workdir (an flock on `<workdir>/train.lock`).
 - `PreemptionGuard`: SIGTERM / SIGINT ask the loop to stop after the current step,
   save and exit 0. With several processes JAX's preemption sync point decides, so
   every host saves the same step.
@@ -13,8 +14,13 @@ Partial restores (--init_from) live in checkpoint.py, exit codes in cli.py.
 """
 from __future__ import annotations
 
+import datetime
+import errno
+import fcntl
+import json
 import os
 import signal
+import socket
 import tempfile
 import threading
 
@@ -57,10 +63,18 @@ def close_all(error, notify, *closers) -> None:
 
 
 # -- preflight ---------------------------------------------------------------------------
-def check_workdir(workdir: str) -> None:
-  """Creates the run directory and proves it is a writable, listable directory."""
+def check_workdir(workdir: str) -> str | None:
+  """Creates the run directory and proves it is a writable, listable directory.
+
+  Returns the top-most directory it created (None if the workdir existed), for
+  `remove_created` to take away again when the run fails its preflight.
+  """
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise WorkdirError(f'--workdir {workdir!r} exists and is not a directory')
+  created = None
+  parent = os.path.abspath(workdir)
+  while not os.path.exists(parent):
+    created, parent = parent, os.path.dirname(parent)
   try:
     os.makedirs(workdir, exist_ok=True)
     os.listdir(workdir)
@@ -80,6 +94,86 @@ def check_workdir(workdir: str) -> None:
         os.listdir(path)
       except OSError as e:
         raise WorkdirError(f'{path!r} cannot be listed: {e.strerror or e}') from e
+  return created
+
+
+def remove_created(workdir: str, created: str | None) -> None:
+  """Removes the directories check_workdir created, if they hold nothing (a failed start
+  leaves no new workdir behind); never touches a workdir that existed."""
+  if created is None:
+    return
+  path = os.path.abspath(workdir)
+  try:
+    os.unlink(os.path.join(path, LOCK_FILE))
+  except FileNotFoundError:
+    pass
+  while True:
+    try:
+      os.rmdir(path)
+    except OSError:
+      return  # not empty: someone else's files now live there
+    if path == created:
+      return
+    path = os.path.dirname(path)
+
+
+# -- one writer per workdir --------------------------------------------------------------
+LOCK_FILE = 'train.lock'
+
+
+class WorkdirLock:
+  """One trainer per workdir: an exclusive flock on `<workdir>/train.lock` for the run.
+
+  The kernel releases an flock when its holder exits in any way (kill -9 included), so
+  a lock is never stale on this host; the file names the holder (pid, host, start) for
+  the refusal message and stays behind (unlinking it would let a waiter lock the old
+  inode while a newcomer locks a new one). With several processes, process 0 holds it
+  for the job. Readers (decode, eval) never take it. On a shared filesystem flock may be
+  local to each host (some NFS and Lustre mounts): there it does not stop a second
+  trainer on another host (README, fault tolerance). A filesystem without flock
+  support gets a warning and no lock.
+  """
+
+  def __init__(self, workdir: str, notify=print):
+    self.path = os.path.join(os.path.abspath(workdir), LOCK_FILE)
+    self.notify = notify
+    self._fd = None
+
+  def acquire(self) -> 'WorkdirLock':
+    """WorkdirError naming the holder when another trainer holds the workdir."""
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      holder = _lock_holder(fd)
+      os.close(fd)
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        self.notify(f'WARNING: cannot lock {self.path} ({e.strerror or e}): this filesystem '
+                    'has no flock, so nothing stops a second trainer on this workdir')
+        return self
+      raise WorkdirError(
+          f'--workdir {os.path.dirname(self.path)!r} is being trained by {holder} (it holds '
+          f'{self.path}): one trainer per workdir; wait for it to finish, or stop it and '
+          'rerun to resume') from e
+    record = {'pid': os.getpid(), 'host': socket.gethostname(),
+              'since': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + '\n').encode(), 0)
+    self._fd = fd
+    return self
+
+  def release(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)  # releases the flock
+      self._fd = None
+
+
+def _lock_holder(fd: int) -> str:
+  try:
+    record = json.loads(os.pread(fd, 4096, 0).decode() or '{}')
+    return f"pid {record['pid']} on host {record['host']} (since {record['since']})"
+  except (OSError, ValueError, KeyError, TypeError):
+    return 'another process'
 
 
 def state_bytes(abstract_state) -> int:

@@ -14,6 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
@@ -74,42 +75,43 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   workdir = os.path.abspath(workdir)
   devices = jax.devices() if devices is None else devices
   config_lib.validate(config, len(devices))
-  resilience.check_workdir(workdir)
   resilience.validate_data(config, jax.process_count())
   resilience.check_document_lengths(config)
   tokenizer = tokenizers.get_tokenizer(config.data)
   is_main = jax.process_index() == 0
   progress = metrics_lib.Progress(config.train.steps, enabled=config.train.progress and is_main)
   notify = _Notifier(progress, is_main)
-  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'),
-                                       max_to_keep=config.train.max_to_keep,
-                                       async_save=config.train.async_checkpoint)
-  if checkpointer.incomplete:
-    notify(f'Ignoring incomplete checkpoint save(s) left by an interrupted run: '
-           f'{", ".join(checkpointer.incomplete)} (removed).')
+  created = resilience.check_workdir(workdir)
+  lock = _lock_workdir(workdir, is_main, notify)
   config_dict = json.loads(config.to_json_best_effort())
-  try:  # fail before compiling anything
-    _check_resumable(config, config_dict, checkpointer, init_from)
-    if is_main:  # the only writer of metrics.jsonl
-      metrics_lib.repair_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+  checkpoints_dir = os.path.join(workdir, 'checkpoints')
+  try:  # fail before compiling anything, and before writing anything
+    _check_resumable(config, config_dict, ckpt_lib.CheckpointReader(checkpoints_dir),
+                     init_from, workdir)
     decode_prompts = evaluation.training_prompts(config, tokenizer)  # [] when off
   except BaseException:
-    checkpointer.close()
+    if is_main:
+      resilience.remove_created(workdir, created)  # a failed start leaves no new workdir
+    lock.release()
     raise
-
-  ts, state = steps.setup(config, devices)
-  data_iter = pipeline.make_train_iter(config, process_index=jax.process_index(),
-                                       process_count=jax.process_count())
-  run = _Run(config, config_dict, ts, state, data_iter, checkpointer, notify)
-  run.resume(init_from)
-  if is_main:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(config.to_json_best_effort(indent=2))
-  run.writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+  checkpointer = None
+  try:
+    # Only under the lock: the writer's start-up removes incomplete saves.
+    checkpointer = ckpt_lib.Checkpointer(checkpoints_dir, max_to_keep=config.train.max_to_keep,
+                                         async_save=config.train.async_checkpoint)
+    if checkpointer.incomplete:
+      notify(f'Ignoring incomplete checkpoint save(s) left by an interrupted run: '
+             f'{", ".join(checkpointer.incomplete)} (removed).')
+    if is_main:  # the only writer of metrics.jsonl
+      metrics_lib.repair_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+    run = _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from)
+  except BaseException:
+    if checkpointer is not None:
+      checkpointer.close()
+    lock.release()
+    raise
+  run.lock = lock  # released by the loop's shutdown, after the last save
   run.progress = progress
-  run.mfu = flops_lib.MFU(config, devices)  # CPU: a matmul probe, run now in this process
-  progress.message(run.mfu.describe())
-  run.token_bytes = evaluation.padded_token_bytes(config, tokenizer)
   run.decode_prompts = decode_prompts
   if run.start_step >= config.train.steps:
     notify(f'Nothing to do: the checkpoint in {workdir} is at the final step {run.start_step}.')
@@ -132,25 +134,65 @@ class _Notifier:
       print(text, file=sys.stderr, flush=True)
 
 
-def _check_resumable(config, config_dict, checkpointer, init_from) -> None:
+def _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from) -> '_Run':
+  """The run's state on the mesh: resumed, or loaded from --init_from, or fresh."""
+  workdir = os.path.dirname(checkpointer.directory)
+  ts, state = steps.setup(config, devices)
+  data_iter = pipeline.make_train_iter(config, process_index=jax.process_index(),
+                                       process_count=jax.process_count())
+  run = _Run(config, config_dict, ts, state, data_iter, checkpointer, notify)
+  run.resume(init_from)
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      f.write(config.to_json_best_effort(indent=2))
+  run.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
+  run.mfu = flops_lib.MFU(config, devices)  # CPU: a matmul probe, run now in this process
+  notify.progress.message(run.mfu.describe())
+  run.token_bytes = evaluation.padded_token_bytes(config, tokenizer)
+  return run
+
+
+def _lock_workdir(workdir: str, is_main: bool, notify) -> resilience.WorkdirLock:
+  """The workdir's writer lock, taken by process 0 for the whole job; WorkdirError (every
+  process) when another trainer holds it."""
+  lock = resilience.WorkdirLock(workdir, notify)
+  error = None
+  if is_main:
+    try:
+      lock.acquire()
+    except resilience.WorkdirError as e:
+      error = e
+  if jax.process_count() > 1:  # every process stops, not only the one that was refused
+    refused = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
+    if int(refused) and error is None:
+      error = resilience.WorkdirError(f'--workdir {workdir!r} is being trained by another job '
+                                      '(process 0 was refused its lock)')
+  if error is not None:
+    raise error
+  return lock
+
+
+def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader, init_from,
+                     workdir: str) -> None:
   """ConfigError / WorkdirError, before anything compiles, for a run that cannot start:
   a checkpoint of another config, an unusable --init_from, a frozen random trunk, or no
   disk space for one checkpoint."""
-  has_checkpoints = bool(checkpointer.all_steps())
-  for s in sorted(checkpointer.all_steps(), reverse=True):
+  steps_saved = reader.steps()
+  for s in reversed(steps_saved):
     try:
-      meta = checkpointer.read_meta(s)
+      meta = reader.read_meta(s)
     except Exception:  # pylint: disable=broad-except
       continue  # unreadable: restore_latest_good reports it and falls back
-    ckpt_lib.check_compatible(meta.get('config', {}), config_dict, checkpointer.directory)
+    ckpt_lib.check_compatible(meta.get('config', {}), config_dict, reader.directory)
     break
-  if init_from and not has_checkpoints:
-    ckpt_lib.check_init_from(init_from, config, config_dict)
-  if config.model.mtp.freeze_trunk and not (init_from or has_checkpoints):
+  if init_from and not steps_saved:
+    # Quiet: init_from reports a broken step it skips once, when it loads.
+    ckpt_lib.check_init_from(init_from, config, config_dict, notify=lambda text: None)
+  if config.model.mtp.freeze_trunk and not (init_from or steps_saved):
     raise config_lib.ConfigError(
         'model.mtp.freeze_trunk would train MTP modules on a randomly initialised, frozen '
         'trunk: give --init_from=<a trained workdir or checkpoint>')
-  resilience.check_disk_space(checkpointer.directory, resilience.checkpoint_bytes_estimate(
+  resilience.check_disk_space(workdir, resilience.checkpoint_bytes_estimate(
       state_lib.abstract_train_state(config)))
 
 
@@ -173,6 +215,7 @@ class _Run:
     # Set by train_and_evaluate before the loop starts.
     self.writer = self.progress = self.mfu = self.token_bytes = None
     self.decode_prompts = []
+    self.lock = None  # the workdir's resilience.WorkdirLock, set by train_and_evaluate
 
   def _check_meta(self, meta):
     ckpt_lib.check_compatible(meta.get('config', {}), self.config_dict,
@@ -317,5 +360,6 @@ class _Run:
     finally:  # every closer runs; a failure surfaces unless another error is already on its way
       guard.uninstall()
       resilience.close_all(error, notify, self.checkpointer.close, self.writer.close,
-                           self.progress.close, getattr(self.data_iter, 'close', None))
+                           self.progress.close, getattr(self.data_iter, 'close', None),
+                           self.lock.release)
     return self.last

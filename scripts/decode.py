@@ -37,7 +37,6 @@ def parse(argv):
 def main(argv=None) -> int:
   args = parse(argv)
   from mtp_jax import generate  # after flag parsing: JAX starts here
-  from mtp_jax.config_lib import ConfigError
   try:
     prompts = generate.read_prompts(args.prompt, args.prompts_file)
     out = generate.decode_workdir(
@@ -45,9 +44,12 @@ def main(argv=None) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         batch_size=args.batch_size, seed=args.seed, max_len=args.max_len,
         num_drafts=args.num_drafts)
-  except (cli.RequestError, ConfigError) as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
+  except Exception as e:  # pylint: disable=broad-except
+    code = cli.exit_code_of(e)  # bad input, a broken checkpoint: 2 (and one line)
+    if code is None:
+      raise
+    print(f'error: {cli.one_line(e)}', file=sys.stderr)
+    return code
   if args.json:
     print(json.dumps(out))
     return 0

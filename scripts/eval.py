@@ -41,16 +41,18 @@ def main(argv=None) -> int:
   args = parse(argv)
   from absl import logging
   from mtp_jax import evaluation  # after flag parsing: JAX starts here
-  from mtp_jax.config_lib import ConfigError
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:
     out = evaluation.evaluate_workdir(
         args.workdir, split=args.split, step=args.step, eval_batches=args.eval_batches,
         num_prompts=args.num_prompts, prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-  except (cli.RequestError, ConfigError) as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
+  except Exception as e:  # pylint: disable=broad-except
+    code = cli.exit_code_of(e)  # bad input, a broken checkpoint: 2 (and one line)
+    if code is None:
+      raise
+    print(f'error: {cli.one_line(e)}', file=sys.stderr)
+    return code
   print(json.dumps(out) if args.json else evaluation.format_table(out))
   return 0
 
