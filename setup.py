@@ -8,6 +8,7 @@ INSTALL_REQUIRES = [
     'flax>=0.12.8,<0.13',
     'optax>=0.2.8,<0.3',
     'orbax-checkpoint>=0.12.8,<0.13',
+    'etils[epath]>=1.12,<2',  # checkpoint.CheckpointReader hands orbax's handlers epath paths
     'grain>=0.2.18,<0.3',
     'tensorflow-datasets>=4.9.10,<4.10',
     'array-record>=0.8.6,<0.9',
