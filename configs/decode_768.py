@@ -12,12 +12,12 @@ Trained in bounded time in two stages (the README's research recipe): a short tr
 depth learns the trunk's own greedy token, the one the verifier accepts), from
 --init_from. T 128 x batch 8 = 1,024 tokens a step.
 
-  python scripts/train.py --config configs/decode_768.py --workdir /work/runs/decode768_trunk \
+  python scripts/train.py --config configs/decode_768.py --workdir runs/decode768_trunk \
       --config.model.mtp.depth=0
-  python scripts/train.py --config configs/decode_768.py --workdir /work/runs/decode768_mtp \
-      --init_from /work/runs/decode768_trunk --config.model.mtp.freeze_trunk=True \
+  python scripts/train.py --config configs/decode_768.py --workdir runs/decode768_mtp \
+      --init_from runs/decode768_trunk --config.model.mtp.freeze_trunk=True \
       --config.loss.mtp_targets=self --config.train.steps=50 --config.train.warmup_steps=5
-  python benchmarks/decode_speed.py --workdir /work/runs/decode768_mtp --batch_sizes 1 \
+  python benchmarks/decode_speed.py --workdir runs/decode768_mtp --batch_sizes 1 \
       --temperatures 0,1 --num_prompts 4 --prompt_len 64 --max_new_tokens 64
 
 NOT YET A USABLE DECODE MODEL (December 2026, benchmarks/RESULTS.md "Decode groundwork").
