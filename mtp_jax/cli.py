@@ -48,3 +48,13 @@ def one_line(e: BaseException) -> str:
   text = ' '.join(str(e).split())
   expected = isinstance(e, ConfigError) or getattr(e, 'exit_code', None) is not None
   return text if expected else f'{type(e).__name__}: {text}'
+
+
+def report_expected(e: BaseException) -> int:
+  """For a script's `except`: print an expected failure as one `error:` line, return its
+  exit code; anything else is a bug and is re-raised with its traceback."""
+  code = exit_code_of(e)
+  if code is None:
+    raise e
+  print(f'error: {one_line(e)}', file=sys.stderr)
+  return code

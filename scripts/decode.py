@@ -45,11 +45,7 @@ def main(argv=None) -> int:
         batch_size=args.batch_size, seed=args.seed, max_len=args.max_len,
         num_drafts=args.num_drafts)
   except Exception as e:  # pylint: disable=broad-except
-    code = cli.exit_code_of(e)  # bad input, a broken checkpoint: 2 (and one line)
-    if code is None:
-      raise
-    print(f'error: {cli.one_line(e)}', file=sys.stderr)
-    return code
+    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
   if args.json:
     print(json.dumps(out))
     return 0

@@ -48,11 +48,7 @@ def main(argv=None) -> int:
         num_prompts=args.num_prompts, prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
   except Exception as e:  # pylint: disable=broad-except
-    code = cli.exit_code_of(e)  # bad input, a broken checkpoint: 2 (and one line)
-    if code is None:
-      raise
-    print(f'error: {cli.one_line(e)}', file=sys.stderr)
-    return code
+    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
   print(json.dumps(out) if args.json else evaluation.format_table(out))
   return 0
 

@@ -215,3 +215,12 @@ def params_with_routing_bias(model, seed=5, scale=0.3):
   nnx.update(model, bias_state)
   merged = nnx.to_pure_dict(nnx.state(model, nnx.Any(nnx.Param, moe_lib.RoutingBias)))
   return jax.tree.map(np.float64, merged)
+
+
+def set_field(config, dotted: str, value):
+  """config.<dotted> = value for a dotted path below config.model (e.g. 'mla.kv_lora_rank')."""
+  node = config.model
+  *path, last = dotted.split('.')
+  for part in path:
+    node = node[part]
+  node[last] = value

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 import numpy_reference as ref
-from helpers import dsv3_model_config, randomize
+from helpers import dsv3_model_config, randomize, set_field
 from mtp_jax import config_lib, decode
 from mtp_jax.cli import RequestError
 from mtp_jax.model import MTPModel, ModelArgs
@@ -75,10 +75,6 @@ def test_decoder_rejects_mla():
 ])
 def test_bad_mla_fields(field, value, match):
   c = dsv3_model_config(mlp='dense')
-  node = c.model
-  *path, last = field.split('.')
-  for part in path:
-    node = node[part]
-  node[last] = value
+  set_field(c, field, value)
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c)

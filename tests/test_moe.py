@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import numpy_reference as ref
-from helpers import dsv3_model_config, params_with_routing_bias, synthetic_batches
+from helpers import dsv3_model_config, params_with_routing_bias, set_field, synthetic_batches
 from mtp_jax import config_lib, convert, flops, moe
 from mtp_jax import loss as loss_lib
 from mtp_jax import steps as steps_lib
@@ -187,11 +187,7 @@ def test_one_and_eight_devices_agree_with_experts_sharded(devices):
 ])
 def test_bad_moe_fields(field, value, match):
   c = dsv3_model_config(1)
-  node = c.model
-  *path, last = field.split('.')
-  for part in path:
-    node = node[part]
-  node[last] = value
+  set_field(c, field, value)
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c)
 
