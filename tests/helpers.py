@@ -15,6 +15,7 @@ from flax import nnx
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax import loss as loss_lib
+from mtp_jax import steps as steps_lib
 from mtp_jax import moe as moe_lib
 from mtp_jax import steps as steps_lib
 
@@ -224,3 +225,13 @@ def set_field(config, dotted: str, value):
   for part in path:
     node = node[part]
   node[last] = value
+
+
+def step_losses(config, devices, batches):
+  """Train steps from a fresh sharded state over `batches`: (losses, the final state)."""
+  ts, state = steps_lib.setup(config, devices)
+  losses = []
+  for batch in batches:
+    state, m = steps_lib.run_step(ts, state, batch)
+    losses.append(float(m['loss']))
+  return losses, state

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import (REPO, load_config, loss_batch, loss_grads, synthetic_batches,
+from helpers import (REPO, load_config, loss_batch, loss_grads, step_losses, synthetic_batches,
                      tiny_model_config)
 from mtp_jax import config_lib, distributed, flops, sharding
-from mtp_jax import steps as steps_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax.model import MTPModel, ModelArgs, count_params
 
@@ -152,10 +151,5 @@ def test_scanned_rematerialised_step_on_eight_devices(devices):
                                          ('scan', devices, (2, 2, 2), 'full', True)]:
     config = tiny_model_config(2, remat=remat, scan_layers=scan)
     config.mesh.shape = shape
-    ts, state = steps_lib.setup(config, devs)
-    run = []
-    for batch in batches:
-      state, m = steps_lib.run_step(ts, state, batch)
-      run.append(float(m['loss']))
-    losses[name] = run
+    losses[name], _ = step_losses(config, devs, batches)
   np.testing.assert_allclose(losses['plain'], losses['scan'], rtol=2e-5)
