@@ -19,11 +19,18 @@ INSTALL_REQUIRES = [
     'tensorboardX>=2.6.5,<2.7',
     'matplotlib>=3.9,<4',
     'numpy>=2.0,<3',
+    # Interop (issues 11/13): Hugging Face-layout checkpoints and tokenizers, read from local
+    # directories only (nothing is fetched from a hub).
+    'safetensors>=0.8,<0.9',
+    'tokenizers>=0.23,<0.24',
 ]
 
 EXTRAS = {
     'test': ['pytest>=9.0,<10', 'scipy>=1.14,<2', 'nbclient>=0.10,<0.12', 'nbformat>=5.10,<6',
-             'ipykernel>=6.29,<8'],
+             'ipykernel>=6.29,<8',
+             # Reference outputs for the Hugging Face trunk tests; 2.13.0 is the CPU wheel on
+             # this machine's disk (a looser range pulls a multi-GB CUDA build from PyPI).
+             'torch==2.13.0', 'transformers>=5.24,<5.25', 'datasets>=5.2,<5.3'],
     'notebooks': ['jupyterlab>=4', 'nbclient>=0.10,<0.12', 'nbformat>=5.10,<6',
                   'ipykernel>=6.29,<8'],
 }
