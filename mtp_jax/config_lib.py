@@ -83,6 +83,8 @@ def base_config() -> ml_collections.ConfigDict:
   moe.num_experts_per_tok = 2  # K experts chosen per token (top-k of affinity + bias)
   moe.moe_intermediate_size = 128  # SwiGLU hidden width of each expert
   moe.routed_scaling_factor = 1.0  # gates = this x the top-k affinities normalised to sum 1
+  moe.n_group = 1  # node-limited routing: E experts in this many equal groups (1: off) ...
+  moe.topk_group = 1  # ... a token's top-k comes from its best this-many groups (DeepSeek-V3: 8, 4)
   moe.first_k_dense = 1  # the first this many trunk layers keep a dense MLP (mlp_dim)
   moe.bias_update_rate = 1e-3  # gamma of aux-loss-free balancing (0: bias update off)
   moe.balance_loss_weight = 1e-4  # alpha of the sequence-wise balance loss (0: off)
@@ -390,6 +392,16 @@ def _validate_block_kinds(config) -> None:
              f'model.moe.n_routed_experts ({mo.n_routed_experts})')
     _require(mo.first_k_dense <= m.n_layers,
              f'model.moe.first_k_dense ({mo.first_k_dense}) must be <= model.n_layers ({m.n_layers})')
+    g, tg = mo.get('n_group', 1), mo.get('topk_group', 1)
+    require_positive_int('model.moe.n_group', g)
+    require_positive_int('model.moe.topk_group', tg)
+    _require(mo.n_routed_experts % g == 0,
+             f'model.moe.n_routed_experts ({mo.n_routed_experts}) must be divisible by '
+             f'model.moe.n_group ({g})')
+    _require(tg <= g, f'model.moe.topk_group ({tg}) must be <= model.moe.n_group ({g})')
+    _require(g == 1 or tg * (mo.n_routed_experts // g) >= mo.num_experts_per_tok,
+             f'model.moe.topk_group ({tg}) groups of {mo.n_routed_experts // g} experts cannot '
+             f'hold model.moe.num_experts_per_tok ({mo.num_experts_per_tok})')
     _require(mo.routed_scaling_factor > 0,
              f'model.moe.routed_scaling_factor must be > 0, got {mo.routed_scaling_factor}')
     _require(mo.bias_update_rate >= 0 and mo.balance_loss_weight >= 0,

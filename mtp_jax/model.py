@@ -63,6 +63,8 @@ class ModelArgs:
   num_experts_per_tok: int = 2
   moe_intermediate_size: int = 128
   routed_scaling_factor: float = 1.0
+  n_group: int = 1  # node-limited routing: expert groups (1: off) ...
+  topk_group: int = 1  # ... and how many of them a token may use
   first_k_dense: int = 1
   attention_core: str = 'auto'  # attention core without a cache (layers.attention_impl)
   attention_block: int = 64
@@ -92,7 +94,7 @@ def _block_fields(config) -> dict:
                                 'qk_rope_head_dim', 'v_head_dim')),
                        ('moe', ('n_routed_experts', 'n_shared_experts', 'num_experts_per_tok',
                                 'moe_intermediate_size', 'routed_scaling_factor',
-                                'first_k_dense'))):
+                                'n_group', 'topk_group', 'first_k_dense'))):
     for name in names:
       value = config_lib.optional(config, f'model.{group}.{name}', None)
       if value is not None:

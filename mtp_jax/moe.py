@@ -2,6 +2,8 @@
 
   s_i   = sigmoid(u W_gate)_i                         affinity of routed expert i
   top-k by s_i + b_i                                  b: routing bias, selection only
+                                                      (within the top `topk_group` of
+                                                      `n_group` expert groups, below)
   g_i   = routed_scaling_factor * s_i / sum_{j in top-k} s_j   for selected i, else 0
   out   = shared_experts(u) + sum_i g_i FFN_i(u)
 
@@ -12,6 +14,13 @@ routed to expert i in the step. A small sequence-wise balance loss (eqs. 17-20),
   L_bal = alpha * sum_i f_i P_i,  f_i = E / (K T) * #{t : i in top-k(t)},
   P_i = mean_t s_i,t / sum_j s_j,t            (per sequence, then averaged),
 is added to the training loss by loss.py.
+
+Node-limited routing (report section 2.1.2, "each token will be sent to at most M
+nodes"): the E experts form `n_group` equal groups (one per node in DeepSeek-V3: 8 groups
+of 32, M = topk_group = 4); a group's score is the sum of its two highest s_i + b_i, and
+a token picks its top-k experts only inside its `topk_group` best groups. With
+n_group = 1 (the default) this is plain top-k. Like the bias, the group choice only
+selects: the gates stay the normalised affinities of the chosen experts.
 
 Dispatch is dropless and sort-based: the N*K (token, expert) pairs are sorted by expert
 and each expert's contiguous group is multiplied by its weights with
@@ -68,9 +77,21 @@ class Experts(nnx.Module):
     self.down_proj = nnx.Param(_init(('expert', 'mlp', 'embed'))(rngs.params(), (e, f, d)))
 
 
-def route(scores_NxE: Array, bias_E: Array, k: int, scaling: float) -> tuple[Array, Array]:
-  """(expert ids [N, K], gates [N, K]): top-k of scores + bias, gates from the scores alone."""
-  _, idx_NxK = jax.lax.top_k(scores_NxE + bias_E, k)
+def route(scores_NxE: Array, bias_E: Array, k: int, scaling: float, n_group: int = 1,
+          topk_group: int = 1) -> tuple[Array, Array]:
+  """(expert ids [N, K], gates [N, K]): top-k of scores + bias inside each token's best
+  `topk_group` of `n_group` expert groups (all experts when n_group == 1), gates from
+  the scores alone."""
+  sel_NxE = scores_NxE + bias_E
+  if n_group > 1:
+    n, e = sel_NxE.shape
+    grouped_NxGxS = sel_NxE.reshape(n, n_group, e // n_group)
+    group_NxG = jnp.sum(jax.lax.top_k(grouped_NxGxS, min(2, e // n_group))[0], axis=-1)
+    _, best_NxM = jax.lax.top_k(group_NxG, topk_group)
+    keep_NxG = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], best_NxM].set(True)
+    keep_NxE = jnp.repeat(keep_NxG, e // n_group, axis=1)
+    sel_NxE = jnp.where(keep_NxE, sel_NxE, -jnp.inf)
+  _, idx_NxK = jax.lax.top_k(sel_NxE, k)
   s_NxK = jnp.take_along_axis(scores_NxE, idx_NxK, axis=-1)
   return idx_NxK, scaling * s_NxK / jnp.sum(s_NxK, axis=-1, keepdims=True)
 
@@ -115,6 +136,7 @@ class MoE(nnx.Module):
     self.num_experts = cfg.n_routed_experts
     self.top_k = cfg.num_experts_per_tok
     self.scaling = cfg.routed_scaling_factor
+    self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
     self.dtype = cfg.dtype
 
   def __call__(self, x_BxTxD: Array) -> Array:
@@ -123,7 +145,8 @@ class MoE(nnx.Module):
     logits_NxE = jnp.dot(x_NxD.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))
     scores_NxE = jax.nn.sigmoid(logits_NxE)
     bias_E = jax.lax.stop_gradient(self.gate.e_score_correction_bias[...])
-    idx_NxK, gates_NxK = route(scores_NxE, bias_E, self.top_k, self.scaling)
+    idx_NxK, gates_NxK = route(scores_NxE, bias_E, self.top_k, self.scaling, self.n_group,
+                               self.topk_group)
     y_NxKxD = grouped_swiglu(x_NxD, idx_NxK, self.experts, self.num_experts, self.dtype)
     y_NxD = jnp.einsum('nk,nkd->nd', gates_NxK.astype(self.dtype), y_NxKxD)
     if self.shared_experts is not None:

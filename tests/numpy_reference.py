@@ -61,23 +61,37 @@ def mla_attention(a, h_TxD, pos_T, seg_T, eps, theta):
   return np.einsum('tnh,nhd->td', out, a['o_proj']['kernel'])
 
 
-def moe_route(m, h_TxD, top_k, scaling):
+def allowed_experts(sel_E, n_group, topk_group):
+  """Node-limited routing: the experts of the topk_group groups whose two best sel are
+  highest (all experts when n_group == 1)."""
+  e = len(sel_E)
+  if n_group == 1:
+    return np.arange(e)
+  size = e // n_group
+  group_score = [np.sort(sel_E[g * size:(g + 1) * size])[::-1][:2].sum() for g in range(n_group)]
+  best = np.argsort(-np.asarray(group_score), kind='stable')[:topk_group]
+  return np.concatenate([np.arange(g * size, (g + 1) * size) for g in sorted(best)])
+
+
+def moe_route(m, h_TxD, top_k, scaling, n_group=1, topk_group=1):
   """Per token: (selected experts, their gates, all sigmoid affinities), token by token."""
   bias = m['gate']['e_score_correction_bias']
   out = []
   for x in h_TxD:
     s = 1.0 / (1.0 + np.exp(-(x @ m['gate']['kernel'])))
-    chosen = list(np.argsort(-(s + bias), kind='stable')[:top_k])  # the bias picks ...
+    sel = s + bias  # the bias picks ...
+    ok = allowed_experts(sel, n_group, topk_group)
+    chosen = list(ok[np.argsort(-sel[ok], kind='stable')[:top_k]])
     g = s[chosen] / s[chosen].sum() * scaling  # ... the affinities weigh
     out.append((chosen, g, s))
   return out
 
 
-def moe_mlp(m, h_TxD, top_k, scaling):
+def moe_mlp(m, h_TxD, top_k, scaling, n_group=1, topk_group=1):
   """DeepSeekMoE: shared SwiGLU + gated sum of the selected routed SwiGLU experts."""
   e = m['experts']
   out = np.zeros_like(h_TxD)
-  for t, (chosen, g, _) in enumerate(moe_route(m, h_TxD, top_k, scaling)):
+  for t, (chosen, g, _) in enumerate(moe_route(m, h_TxD, top_k, scaling, n_group, topk_group)):
     x = h_TxD[t]
     for i, gi in zip(chosen, g):
       out[t] += gi * ((silu(x @ e['gate_proj'][i]) * (x @ e['up_proj'][i])) @ e['down_proj'][i])

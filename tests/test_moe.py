@@ -100,6 +100,35 @@ def _moe_input(params, p, tokens, pos, seg, j, want):
   return ref.rmsnorm(x, p['post_attention_layernorm']['scale'], eps)
 
 
+def test_node_limited_routing_matches_numpy():
+  """n_group / topk_group (DeepSeek-V3's node-limited routing): the MoE layer equals the
+  numpy reference, every token's experts lie in at most topk_group groups, and the limit
+  does change some selections against plain top-k."""
+  model = build(n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2)
+  layer = model.layers[1].mlp
+  d = layer.gate.kernel.shape[0]
+  bias = np.random.default_rng(1).normal(0, 0.05, 16).astype(np.float32)
+  layer.gate.e_score_correction_bias[...] = jnp.asarray(bias)
+  x = np.random.default_rng(2).normal(0, 1, (2, 12, d)).astype(np.float32)
+  m = {'gate': {'kernel': np.asarray(layer.gate.kernel[...]), 'e_score_correction_bias': bias},
+       'experts': {n: np.asarray(getattr(layer.experts, n)[...])
+                   for n in ('gate_proj', 'up_proj', 'down_proj')},
+       'shared_experts': {n: {'kernel': np.asarray(getattr(layer.shared_experts, n).kernel[...])}
+                          for n in ('gate_proj', 'up_proj', 'down_proj')}}
+  got = np.asarray(nnx.jit(lambda mod, v: mod(v))(layer, jnp.asarray(x)))
+  want = np.stack([ref.moe_mlp(m, xr, 3, 2.5, 4, 2) for xr in x])
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+  flat = x.reshape(-1, d)
+  limited = ref.moe_route(m, flat, 3, 2.5, 4, 2)
+  plain = ref.moe_route(m, flat, 3, 2.5)
+  assert all(len({i // 4 for i in c}) <= 2 for c, _, _ in limited)
+  assert sum(set(a[0]) != set(b[0]) for a, b in zip(limited, plain)) > 0
+  # The jitted route picks the reference's experts, token by token.
+  scores = 1 / (1 + np.exp(-(flat @ m['gate']['kernel'])))
+  idx, _ = moe.route(jnp.asarray(scores), jnp.asarray(bias), 3, 2.5, 4, 2)
+  assert [set(r) for r in np.asarray(idx).tolist()] == [set(c) for c, _, _ in limited]
+
+
 def test_update_bias_direction():
   model = build()
   load = jnp.array([[10., 2., 4., 0.], [3., 3., 3., 3.]])
@@ -180,6 +209,8 @@ def test_one_and_eight_devices_agree_with_experts_sharded(devices):
     ('moe.first_k_dense', 3, 'first_k_dense .3. must be <= model.n_layers'),
     ('scan_layers', True, 'scan_layers does not support MoE'),
     ('mtp.block_mlp', 'big', "model.mtp.block_mlp must be"),
+    ('moe.n_group', 3, r'n_routed_experts \(4\) must be divisible by model.moe.n_group \(3\)'),
+    ('moe.topk_group', 2, r'topk_group \(2\) must be <= model.moe.n_group \(1\)'),
 ])
 def test_bad_moe_fields(field, value, match):
   c = dsv3_model_config(1)
