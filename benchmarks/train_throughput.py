@@ -13,6 +13,9 @@ Sections (issues 4, 14):
   ab        speed changes A/B in one process, round robin (model.attention_core xla vs blocked
             on the stdlib_mtp and the MaxText-shape models)
   overhead  step time with D = 1, 2, 3 over D = 0 (same trunk), next to the FLOP ratio
+  moe       configs/dsv3_mini.py (MLA + DeepSeekMoE, issue 13): tokens/s, MFU counting active
+            parameters only, and the dispatch overhead against a dense control with the
+            same active FLOPs (and with 4x the routed experts), round robin
   memory    peak temporary memory of the compiled step (XLA memory analysis) at vocab
             32k, T = 1024, D = 1 vs D = 4, under XLA:CPU's default scheduler and its
             memory-aware one
@@ -275,6 +278,55 @@ def bench_overhead(rounds: int) -> dict:
   return out
 
 
+def moe_variants() -> dict:
+  """configs/dsv3_mini.py and two controls with the same active FLOPs per token: a dense
+  SwiGLU of width moe_intermediate_size x (K + shared) in place of each MoE layer, and
+  4x the routed experts at the same K."""
+  def build(**over):
+    c = load_config('dsv3_mini')
+    for k, v in over.items():
+      _set(c, k, v)
+    return c
+  mo = load_config('dsv3_mini').model.moe
+  active = mo.moe_intermediate_size * (mo.num_experts_per_tok + mo.n_shared_experts)
+  return {'dense_same_active': build(**{'model.mlp': 'dense', 'model.mlp_dim': active}),
+          'dsv3_mini': build(),
+          'moe_4x_experts': build(**{'model.moe.n_routed_experts': 4 * mo.n_routed_experts})}
+
+
+def _set(c, path, value):
+  *head, last = path.split('.')
+  for h in head:
+    c = c[h]
+  c[last] = value
+
+
+def bench_moe(rounds: int) -> dict:
+  """dsv3_mini's train step (MLA + DeepSeekMoE): tokens/s, MFU over the cached peak with
+  only the active parameters' FLOPs (flops.py), and the MoE dispatch overhead: step time
+  ratio against the same-active-FLOPs dense control over their FLOP ratio, round robin."""
+  load0 = _load()
+  peak = flops_lib.cpu_peak()
+  steps = {name: Step(c) for name, c in moe_variants().items()}
+  times = _round_robin(steps, rounds)
+  base = 'dense_same_active'
+  out = {'config': 'configs/dsv3_mini.py', 'peak_gflops_cached': peak['flops'] / 1e9,
+         'rounds': rounds, 'variants': {}}
+  for name, st in steps.items():
+    ratios = [t / t0 for t, t0 in zip(times[name], times[base])]
+    med = statistics.median(times[name])
+    flop_ratio = st.flops / steps[base].flops
+    out['variants'][name] = {
+        'step_time_best_s': min(times[name]), 'step_time_median_s': med,
+        'tokens_per_sec_median': st.tokens / med,
+        'mfu_best_step_over_peak': st.flops / min(times[name]) / peak['flops'],
+        'model_flops_per_step': st.flops, 'flop_ratio_vs_dense': flop_ratio,
+        'time_ratio_vs_dense_median': statistics.median(ratios),
+        'dispatch_overhead_time_over_flop_ratio': statistics.median(ratios) / flop_ratio}
+  out['load_average'] = {'start': load0, 'end': _load()}
+  return out
+
+
 def memory_config(depth: int, loss_chunk: int = 0, remat: str = 'none', scan: bool = False,
                   batch: int = 8):
   c = load_config('stdlib_mtp')
@@ -378,7 +430,7 @@ def main():
     t0 = time.time()
     result[name] = {'mfu': lambda: bench_mfu(a.rounds), 'overhead': lambda: bench_overhead(a.rounds),
                     'maxtext': lambda: bench_maxtext(a.rounds, a.depths, a.remat),
-                    'ab': lambda: bench_ab(a.rounds),
+                    'ab': lambda: bench_ab(a.rounds), 'moe': lambda: bench_moe(a.rounds),
                     'memory': bench_memory_both_schedulers, 'compile': bench_compile}[name]()
     result[name]['bench_seconds'] = time.time() - t0
     print(name, json.dumps(result[name], indent=1), flush=True)

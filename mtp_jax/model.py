@@ -65,6 +65,7 @@ class ModelArgs:
   routed_scaling_factor: float = 1.0
   n_group: int = 1  # node-limited routing: expert groups (1: off) ...
   topk_group: int = 1  # ... and how many of them a token may use
+  moe_dispatch: str = 'auto'  # grouped matmul: auto | ragged | blocks (moe.DISPATCHES)
   first_k_dense: int = 1
   attention_core: str = 'auto'  # attention core without a cache (layers.attention_impl)
   attention_block: int = 64
@@ -90,6 +91,9 @@ def _block_fields(config) -> dict:
          'mlp': config_lib.optional(config, 'model.mlp', 'dense'),
          'mtp_block_attention': config_lib.optional(config, 'model.mtp.block_attention', ''),
          'mtp_block_mlp': config_lib.optional(config, 'model.mtp.block_mlp', '')}
+  dispatch = config_lib.optional(config, 'model.moe.dispatch', None)
+  if dispatch is not None:
+    out['moe_dispatch'] = dispatch
   for group, names in (('mla', ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim',
                                 'qk_rope_head_dim', 'v_head_dim')),
                        ('moe', ('n_routed_experts', 'n_shared_experts', 'num_experts_per_tok',
