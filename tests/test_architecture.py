@@ -19,6 +19,7 @@ LAYERS = ('mtp_jax.train', 'mtp_jax.evaluation', 'mtp_jax.decode', 'mtp_jax.mode
 DEFERRED = {
     ('mtp_jax.metrics', 'tensorboardX'),
     ('mtp_jax.data.tokenizers', 'sentencepiece'),
+    ('mtp_jax.data.tokenizers', 'tokenizers'),
     ('mtp_jax.data.tokenizers', 'mtp_jax.data.stdlib_dataset'),
     ('mtp_jax.resilience', 'mtp_jax.data.pipeline'),
     ('mtp_jax.resilience', 'mtp_jax.data.stdlib_dataset'),
