@@ -365,6 +365,13 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(d.batch_size % (batch_ways * t.grad_accum) == 0,
              f'data.batch_size ({d.batch_size}) must be divisible by data x fsdp '
              f'({batch_ways}) x train.grad_accum ({t.grad_accum})')
+    rules = dict((r[0], r[1]) for r in config.mesh.rules)
+    vocab_axes = rules.get('vocab')
+    vocab_axes = vocab_axes if isinstance(vocab_axes, (tuple, list)) else (vocab_axes,)
+    vocab_ways = math.prod(shape[MESH_AXES.index(a)] for a in vocab_axes if a is not None)
+    _require(not m.vocab_size or m.vocab_size % vocab_ways == 0,
+             f'model.vocab_size ({m.vocab_size}) must be divisible by the mesh axes the '
+             f'vocab rule shards over ({vocab_ways} devices)')
     _require(m.n_kv_heads % shape[2] == 0 and m.n_heads % shape[2] == 0,
              f'model.n_heads ({m.n_heads}) and n_kv_heads ({m.n_kv_heads}) must be divisible '
              f'by the tensor axis ({shape[2]})')

@@ -31,6 +31,7 @@ from safetensors import safe_open
 
 from mtp_jax import config_lib
 from mtp_jax.config_lib import ConfigError
+from mtp_jax.data import tokenizers
 from mtp_jax.model import MTPModel, ModelArgs
 
 PREFIX = 'hf:'
@@ -220,6 +221,10 @@ def apply_to_config(config, directory: str) -> list[str]:
     put(m.rope_scaling, name, scaling.get(name, rs_default[name]), f'model.rope_scaling.{name}')
   put(config.data, 'tokenizer', 'hf', 'data.tokenizer')
   put(config.data, 'hf_tokenizer', directory, 'data.hf_tokenizer')
+  tok = tokenizers.HFTokenizer.from_dir(directory)  # its errors now, not after compiling
+  if tok.vocab_size > m.vocab_size:
+    raise _err(directory, f'tokenizer.json has {tok.vocab_size} tokens but config.json '
+               f'vocab_size is {m.vocab_size}')
   return changed
 
 

@@ -248,9 +248,11 @@ HF_FAMILIES = {
                               rope_scaling={'rope_type': 'llama3', 'factor': 8.0,
                                             'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
                                             'original_max_position_embeddings': 64})),
-    # Qwen2 style: q/k/v biases, tied embeddings, pad = eos = <|endoftext|>, linear RoPE.
+    # Qwen2 style: q/k/v biases, tied embeddings, pad = eos = <|endoftext|>, linear RoPE,
+    # a vocabulary padded to an even size (as Qwen's 151936 > 151665), so a tensor axis of
+    # 2 splits it.
     'qwen2': dict(cls='Qwen2ForCausalLM', specials=['<|endoftext|>', '<|im_start|>', '<|im_end|>'],
-                  bos=None, eos='<|endoftext|>', pad='<|endoftext|>', vocab_pad=0,
+                  bos=None, eos='<|endoftext|>', pad='<|endoftext|>', vocab_pad=1,
                   config=dict(tie_word_embeddings=True, rope_theta=1000.0,
                               rope_scaling={'rope_type': 'linear', 'factor': 2.0})),
 }
