@@ -54,7 +54,8 @@ def source_dir(init_from: str | None) -> str | None:
   """DIR of an `hf:DIR` --init_from, else None (an orbax workdir / checkpoint)."""
   if not init_from or not init_from.startswith(PREFIX):
     return None
-  return os.path.abspath(os.path.expanduser(init_from[len(PREFIX):]))
+  rest = init_from[len(PREFIX):].strip()
+  return os.path.abspath(os.path.expanduser(rest)) if rest else ''  # '': read_config says why
 
 
 def _err(directory: str, text: str) -> ConfigError:

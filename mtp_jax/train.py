@@ -87,8 +87,6 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   is_main = jax.process_index() == 0
   progress = metrics_lib.Progress(config.train.steps, enabled=config.train.progress and is_main)
   notify = _Notifier(progress, is_main)
-  if hf_changes:
-    notify(f'--init_from hf:{hf_dir} sets ' + '; '.join(hf_changes))
   created = resilience.check_workdir(workdir)
   lock = _lock_workdir(workdir, is_main, notify)
   config_dict = json.loads(config.to_json_best_effort())
@@ -102,6 +100,8 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
       resilience.remove_created(workdir, created)  # a failed start leaves no new workdir
     lock.release()
     raise
+  if hf_changes:  # only once the run can start: a refused one prints its error alone
+    notify(f'--init_from hf:{hf_dir} sets ' + '; '.join(hf_changes))
   checkpointer = None
   try:
     # Only under the lock: the writer's start-up removes incomplete saves.
