@@ -280,6 +280,9 @@ def validate(config, num_devices: int | None = None) -> None:
   _require(m.norm_eps > 0, f'model.norm_eps must be > 0, got {m.norm_eps}')
   _require(m.rope_theta > 0, f'model.rope_theta must be > 0, got {m.rope_theta}')
   _validate_rope_scaling(m.rope_scaling)
+  _require(not m.rope_scaling.kind or (m.attention == 'gqa'
+                                       and m.mtp.block_attention in ('', 'gqa')),
+           'model.rope_scaling applies to GQA attention only (MLA blocks keep unscaled RoPE)')
   _require(isinstance(m.max_positions, int) and m.max_positions >= 0,
            f'model.max_positions must be a non-negative integer, got {m.max_positions!r}')
   _require(not m.max_positions or d.seq_len <= m.max_positions,

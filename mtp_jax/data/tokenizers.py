@@ -92,12 +92,13 @@ class SentencePieceTokenizer:
     self._proto = model_proto
     self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
     self.vocab_size = self._sp.get_piece_size()
-    self.pad_id = self._sp.pad_id()
     self.eos_id = self._sp.eos_id()
-    if self.pad_id != PAD_ID or self.eos_id < 0:
-      raise ConfigError(
-          f'data.spm_model {path!r} has pad_id={self.pad_id}, eos_id={self.eos_id}; '
-          f'pad must be {PAD_ID} and eos must exist (train it with scripts/train_tokenizer.py)')
+    if self.eos_id < 0:
+      raise ConfigError(f'data.spm_model {path!r} has no eos piece (eos_id=-1); documents '
+                        'end with one (train a model with scripts/train_tokenizer.py)')
+    # A model without a pad piece (Llama 2's: pad_id=-1) pads with eos: padding is
+    # marked by segment_ids, never by the id.
+    self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
 
   @classmethod
   def from_file(cls, path: str) -> SentencePieceTokenizer:
@@ -132,9 +133,11 @@ class SentencePieceTokenizer:
   def token_bytes(self) -> np.ndarray:
     out = np.zeros([self.vocab_size], np.int32)
     for i in range(self.vocab_size):
-      if i == self.pad_id:
+      if i == self.eos_id:
+        out[i] = 1
+      elif i == self.pad_id or self._sp.is_control(i):  # pad, bos: no text
         out[i] = 0
-      elif self._sp.is_control(i) or self._sp.is_unknown(i) or self._sp.is_byte(i):
+      elif self._sp.is_unknown(i) or self._sp.is_byte(i):
         out[i] = 1
       else:
         out[i] = len(self._sp.id_to_piece(i).replace(_SPM_WS, ' ').encode('utf-8'))
