@@ -8,8 +8,9 @@ each with one-line errors naming the field or tensor, all before anything compil
   `check_weights`    every expected tensor present with its shape, nothing unknown
                      (safetensors headers only, no weight is read);
   `load_into`        tensor by tensor straight into the sharded target: each device's
-                     shard is sliced out of the file (`safe_open(...).get_slice`), so no
-                     host ever holds more than one tensor's shard at a time.
+                     block is sliced out of the file (`safe_open(...).get_slice`), so a
+                     host holds at most one tensor's local blocks at a time, never a
+                     full copy of the model.
 The MTP modules are not in a plain causal LM: they keep their fresh initialisation.
 
 Tensor names (this module's table, `tensor_table`): Hugging Face's Llama layout, which
@@ -387,10 +388,14 @@ def load_into(directory: str, args: ModelArgs, targets: dict) -> dict:
         with jax.default_device(cpu):
           opened[path] = safe_open(path, framework='flax')
       sl = opened[path].get_slice(t.name)
+      blocks = {}  # devices holding the same block (replicas) share one read
 
-      def block(index, sl=sl, t=t, target=target):
-        with jax.default_device(cpu):
-          return _shard(sl, t, index, target.shape).astype(target.dtype)
+      def block(index, sl=sl, t=t, target=target, blocks=blocks):
+        key = str(index)
+        if key not in blocks:
+          with jax.default_device(cpu):
+            blocks[key] = _shard(sl, t, index, target.shape).astype(target.dtype)
+        return blocks[key]
 
       out[t.path] = jax.make_array_from_callback(target.shape, target.sharding, block)
   finally:
