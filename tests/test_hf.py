@@ -351,18 +351,34 @@ def test_the_cli_exits_2_with_one_line(hf_models, stdlib_data_dir, tmp_path):
   assert 'model.layers.0.self_attn.k_proj.bias has shape [16]' in lines[0]
 
 
-@pytest.mark.parametrize('field, value, words', [
-    ('model.rope_scaling.kind', 'yarn', 'model.rope_scaling.kind'),
-    ('model.rope_scaling.factor', 0.0, 'model.rope_scaling.factor'),
-    ('model.max_positions', 8, r'data.seq_len \(256\) exceeds model.max_positions \(8\)'),
-    ('data.tokenizer', 'hf', 'data.hf_tokenizer must name a directory'),
+@pytest.mark.parametrize('fields, words', [
+    ({'model.rope_scaling.kind': 'yarn'}, 'model.rope_scaling.kind'),
+    ({'model.rope_scaling.kind': 'linear', 'model.rope_scaling.factor': 0.0},
+     'model.rope_scaling.factor'),
+    ({'model.rope_scaling.kind': 'llama3', 'model.rope_scaling.low_freq_factor': 4.0},
+     'low_freq_factor < high_freq_factor'),
+    ({'model.rope_scaling.kind': 'linear', 'model.attention': 'mla'},
+     'model.rope_scaling applies to GQA attention only'),
+    ({'model.max_positions': 8}, r'data.seq_len \(256\) exceeds model.max_positions \(8\)'),
+    ({'data.tokenizer': 'hf'}, 'data.hf_tokenizer must name a directory'),
 ])
-def test_new_config_fields_are_validated(field, value, words):
+def test_new_config_fields_are_validated(fields, words):
   c = load_config('tiny')
   c.data.seq_len = 256
-  node = c
-  for part in field.split('.')[:-1]:
-    node = node[part]
-  node[field.split('.')[-1]] = value
+  for field, value in fields.items():
+    node = c
+    for part in field.split('.')[:-1]:
+      node = node[part]
+    node[field.split('.')[-1]] = value
   with pytest.raises(ConfigError, match=words):
     config_lib.validate(c)
+
+
+def test_vocab_must_divide_over_its_mesh_axes():
+  c = load_config('tiny')
+  c.model.vocab_size = 303
+  c.mesh.shape = (4, 1, 2)
+  with pytest.raises(ConfigError, match=r'model.vocab_size \(303\) must be divisible'):
+    config_lib.validate(c, 8)
+  c.model.vocab_size = 304
+  config_lib.validate(c, 8)
