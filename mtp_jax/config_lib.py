@@ -54,6 +54,15 @@ def base_config() -> ml_collections.ConfigDict:
   m.mlp_dim = 768  # SwiGLU hidden width
   m.rope_theta = 10000.0  # RoPE base
   m.norm_eps = 1e-6  # RMSNorm epsilon
+  m.attention_bias = False  # biases on the q/k/v projections (Qwen2), none on o_proj
+  m.max_positions = 0  # positions the model supports (a loaded trunk's); data.seq_len must fit (0: no limit)
+  # RoPE frequency scaling, as Hugging Face's rope_scaling / rope_parameters (layers.rope_inv_freq).
+  rs = m.rope_scaling = ml_collections.ConfigDict()
+  rs.kind = ''  # '' none | linear (positions / factor) | llama3 (Llama 3.1's banded rule)
+  rs.factor = 1.0  # linear, llama3: the stretch factor
+  rs.low_freq_factor = 1.0  # llama3: wavelengths > original / this are stretched
+  rs.high_freq_factor = 4.0  # llama3: wavelengths < original / this are kept
+  rs.original_max_positions = 8192  # llama3: the context length before scaling
   m.tie_embeddings = True  # OutHead = Emb^T (False: a separate output kernel)
   m.dtype = 'float32'  # compute dtype (params stay float32)
   m.init_std = 0.02  # stddev of the embedding init
@@ -129,8 +138,9 @@ def base_config() -> ml_collections.ConfigDict:
   d.eval_split = 'validation'  # TFDS split for evaluation
   d.validation_percent = 5  # python_stdlib: percent of files (by path hash) held out
   d.corpus_dir = ''  # python_stdlib: root of the .py files ('' -> this interpreter's stdlib)
-  d.tokenizer = 'byte'  # byte | sentencepiece
+  d.tokenizer = 'byte'  # byte | sentencepiece | hf (a Hugging Face tokenizer.json; --init_from hf:DIR sets it)
   d.spm_model = ''  # path of a SentencePiece .model (scripts/train_tokenizer.py)
+  d.hf_tokenizer = ''  # tokenizer=hf: a local directory holding tokenizer.json (and its configs)
   d.seq_len = 256  # tokens per packed sequence T
   d.batch_size = 16  # global batch (sequences per optimizer step)
   d.shuffle_seed = 0  # seed of the document shuffle
@@ -272,6 +282,17 @@ def validate(config, num_devices: int | None = None) -> None:
            f'model.loss_chunk ({m.loss_chunk}) must be 0 or divide data.seq_len ({d.seq_len})')
   _require(m.norm_eps > 0, f'model.norm_eps must be > 0, got {m.norm_eps}')
   _require(m.rope_theta > 0, f'model.rope_theta must be > 0, got {m.rope_theta}')
+  _validate_rope_scaling(m.rope_scaling)
+  _require(not m.rope_scaling.kind or (m.attention == 'gqa'
+                                       and m.mtp.block_attention in ('', 'gqa')),
+           'model.rope_scaling applies to GQA attention only (MLA blocks keep unscaled RoPE)')
+  _require(isinstance(m.max_positions, int) and m.max_positions >= 0,
+           f'model.max_positions must be a non-negative integer, got {m.max_positions!r}')
+  _require(not m.max_positions or d.seq_len <= m.max_positions,
+           f'data.seq_len ({d.seq_len}) exceeds model.max_positions ({m.max_positions}), '
+           'the positions the model supports')
+  _require(not m.attention_bias or m.attention == 'gqa',
+           "model.attention_bias applies to model.attention='gqa' only")
 
   _require(isinstance(mtp.depth, int) and mtp.depth >= 0,
            f'model.mtp.depth must be a non-negative integer, got {mtp.depth!r}')
@@ -326,10 +347,13 @@ def validate(config, num_devices: int | None = None) -> None:
            'train.max_consecutive_skips must be a positive integer, '
            f'got {t.max_consecutive_skips!r}')
 
-  _require(d.tokenizer in ('byte', 'sentencepiece'),
-           f"data.tokenizer must be 'byte' or 'sentencepiece', got {d.tokenizer!r}")
+  _require(d.tokenizer in ('byte', 'sentencepiece', 'hf'),
+           f"data.tokenizer must be 'byte', 'sentencepiece' or 'hf', got {d.tokenizer!r}")
   if d.tokenizer == 'sentencepiece':
     _require(bool(d.spm_model), 'data.spm_model must name a .model file when data.tokenizer is sentencepiece')
+  if d.tokenizer == 'hf':
+    _require(bool(d.hf_tokenizer), 'data.hf_tokenizer must name a directory holding '
+             "tokenizer.json when data.tokenizer is 'hf'")
   _require(0 < d.validation_percent < 100,
            f'data.validation_percent must be in (0, 100), got {d.validation_percent}')
   _require(d.worker_count >= 0, f'data.worker_count must be >= 0, got {d.worker_count}')
@@ -347,6 +371,13 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(d.batch_size % (batch_ways * t.grad_accum) == 0,
              f'data.batch_size ({d.batch_size}) must be divisible by data x fsdp '
              f'({batch_ways}) x train.grad_accum ({t.grad_accum})')
+    rules = dict((r[0], r[1]) for r in config.mesh.rules)
+    vocab_axes = rules.get('vocab')
+    vocab_axes = vocab_axes if isinstance(vocab_axes, (tuple, list)) else (vocab_axes,)
+    vocab_ways = math.prod(shape[MESH_AXES.index(a)] for a in vocab_axes if a is not None)
+    _require(not m.vocab_size or m.vocab_size % vocab_ways == 0,
+             f'model.vocab_size ({m.vocab_size}) must be divisible by the mesh axes the '
+             f'vocab rule shards over ({vocab_ways} devices)')
     _require(m.n_kv_heads % shape[2] == 0 and m.n_heads % shape[2] == 0,
              f'model.n_heads ({m.n_heads}) and n_kv_heads ({m.n_kv_heads}) must be divisible '
              f'by the tensor axis ({shape[2]})')
@@ -357,6 +388,29 @@ def validate(config, num_devices: int | None = None) -> None:
       _require(m.moe.n_routed_experts % ways == 0,
                f'model.moe.n_routed_experts ({m.moe.n_routed_experts}) must be divisible by '
                f'the mesh axes the expert rule shards over ({ways} devices)')
+
+
+def _validate_rope_scaling(rs) -> None:
+  _require(rs.kind in ('', 'linear', 'llama3'),
+           f"model.rope_scaling.kind must be '', 'linear' or 'llama3', got {rs.kind!r}")
+  if rs.kind:
+    _require(rs.factor > 0, f'model.rope_scaling.factor must be > 0, got {rs.factor}')
+  if rs.kind == 'llama3':
+    _require(0 < rs.low_freq_factor < rs.high_freq_factor,
+             'model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got '
+             f'{rs.low_freq_factor}, {rs.high_freq_factor}')
+    require_positive_int('model.rope_scaling.original_max_positions', rs.original_max_positions)
+
+
+def rope_scaling_tuple(config) -> tuple:
+  """config.model.rope_scaling in layers.rope_inv_freq's form (() when off or absent)."""
+  rs = optional(config, 'model.rope_scaling', None)
+  if rs is None or not rs.kind:
+    return ()
+  if rs.kind == 'linear':
+    return ('linear', float(rs.factor))
+  return ('llama3', float(rs.factor), float(rs.low_freq_factor), float(rs.high_freq_factor),
+          int(rs.original_max_positions))
 
 
 def _validate_block_kinds(config) -> None:

@@ -40,10 +40,34 @@ def project(x_NxI: Array, kernel, dtype, in_dims: int = 1) -> Array:
   return jnp.dot(x_NxI.astype(dtype), w_IxO.astype(dtype))
 
 
-def apply_rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float) -> Array:
-  """Rotary embedding (rotate-half form) at the given integer positions."""
-  h = x_BxTxNxH.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple = ()) -> Array:
+  """[head_dim / 2] rotation frequencies: theta ** (-2i / head_dim), then `scaling`.
+
+  scaling: () none; ('linear', factor) positions divided by factor (Hugging Face's
+  'linear'); ('llama3', factor, low_freq_factor, high_freq_factor, original_max_positions):
+  Llama 3.1's rule: wavelengths longer than original / low_freq_factor are stretched by
+  factor, shorter than original / high_freq_factor kept, and the band between blended
+  (transformers' _compute_llama3_parameters, the formula of Meta's release).
+  """
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if not scaling:
+    return inv_freq
+  if scaling[0] == 'linear':
+    return inv_freq / scaling[1]
+  if scaling[0] == 'llama3':
+    _, factor, low, high, original = scaling
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return jnp.where(wavelen > original / low, inv_freq / factor,
+                     jnp.where(wavelen < original / high, inv_freq, blended))
+  raise ValueError(f'unknown RoPE scaling {scaling[0]!r}')
+
+
+def apply_rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float,
+               scaling: tuple = ()) -> Array:
+  """Rotary embedding (rotate-half form) at the given integer positions (see rope_inv_freq)."""
+  inv_freq = rope_inv_freq(x_BxTxNxH.shape[-1], theta, scaling)
   angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
   sin = jnp.sin(angles_BxTxF)[:, :, None, :]
   cos = jnp.cos(angles_BxTxF)[:, :, None, :]
@@ -218,18 +242,30 @@ class Attention(nnx.Module):
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     init = nnx.initializers.lecun_normal()
     dt = cfg.dtype
-    self.q_proj = nnx.Einsum('btd,dnh->btnh', (d, n, h), dtype=dt,
-                             kernel_init=_init(init, ('embed', 'heads', 'head_dim')), rngs=rngs)
-    self.k_proj = nnx.Einsum('btd,dkh->btkh', (d, k, h), dtype=dt,
-                             kernel_init=_init(init, ('embed', 'kv_heads', 'head_dim')), rngs=rngs)
-    self.v_proj = nnx.Einsum('btd,dkh->btkh', (d, k, h), dtype=dt,
-                             kernel_init=_init(init, ('embed', 'kv_heads', 'head_dim')), rngs=rngs)
+    # q/k/v biases (Qwen2; model.attention_bias): a `bias` [heads, head_dim] on each of
+    # the three projections, none (no parameter at all) otherwise.
+    bias = getattr(cfg, 'attention_bias', False)
+
+    def qkv(spec, heads_axis, heads):
+      return nnx.Einsum(spec, (d, heads, h), (heads, h) if bias else None, dtype=dt,
+                        kernel_init=_init(init, ('embed', heads_axis, 'head_dim')),
+                        bias_init=_init(nnx.initializers.zeros, (heads_axis, 'head_dim')),
+                        rngs=rngs)
+
+    self.q_proj = qkv('btd,dnh->btnh', 'heads', n)
+    self.k_proj = qkv('btd,dkh->btkh', 'kv_heads', k)
+    self.v_proj = qkv('btd,dkh->btkh', 'kv_heads', k)
     self.o_proj = nnx.Einsum('btnh,nhd->btd', (n, h, d), dtype=dt,
                              kernel_init=_init(init, ('heads', 'head_dim', 'embed')), rngs=rngs)
     self.rope_theta = cfg.rope_theta
+    self.rope_scaling = tuple(getattr(cfg, 'rope_scaling', ()))  # rope_inv_freq's form
     self.dtype = dt
     self.impl = attention_impl(cfg)  # resolved at build time: the backend is known by then
     self.block = getattr(cfg, 'attention_block', 64)
+
+  def rope(self, x_BxTxNxH, positions_BxT):
+    """apply_rope with this layer's theta and scaling."""
+    return apply_rope(x_BxTxNxH, positions_BxT, self.rope_theta, self.rope_scaling)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache=None, cache_index_B=None):
     """Attention over x (cache=None) or over a cache the new keys are written into.
@@ -242,10 +278,11 @@ class Attention(nnx.Module):
     x_NxD = x_BxTxD.reshape(b * t, -1)
 
     def heads(proj):  # [B*T, N*H] -> [B, T, N, H]
-      return project(x_NxD, proj.kernel, self.dtype).reshape(b, t, *proj.kernel.shape[1:])
+      out = project(x_NxD, proj.kernel, self.dtype).reshape(b, t, *proj.kernel.shape[1:])
+      return out if proj.bias is None else out + proj.bias[...].astype(out.dtype)
 
-    q = apply_rope(heads(self.q_proj), positions_BxT, self.rope_theta)
-    k = apply_rope(heads(self.k_proj), positions_BxT, self.rope_theta)
+    q = self.rope(heads(self.q_proj), positions_BxT)
+    k = self.rope(heads(self.k_proj), positions_BxT)
     v = heads(self.v_proj)
     q = constrain(q, ('batch', 'length', 'act_heads', None))
     if cache is not None:
@@ -274,9 +311,11 @@ class Attention(nnx.Module):
     g = n // kv
     x_NxD = x_BxTxD.reshape(b * t, d)
     proj = lambda m, *shape: decode_dot(x_NxD, m.kernel[...].reshape(d, -1)).reshape(b, t, *shape)  # noqa: E731
-    q = apply_rope(proj(self.q_proj, n, hd), positions_BxT, self.rope_theta)
-    k = apply_rope(proj(self.k_proj, kv, hd), positions_BxT, self.rope_theta)
-    v = proj(self.v_proj, kv, hd)
+    q, k, v = proj(self.q_proj, n, hd), proj(self.k_proj, kv, hd), proj(self.v_proj, kv, hd)
+    # Qwen2's q/k/v biases (model.attention_bias), then RoPE with this layer's scaling.
+    q, k, v = (x if m.bias is None else x + m.bias[...].astype(x.dtype)
+               for x, m in ((q, self.q_proj), (k, self.k_proj), (v, self.v_proj)))
+    q, k = self.rope(q, positions_BxT), self.rope(k, positions_BxT)
     k_cache = _write_heads_major(cache[0], k.transpose(0, 2, 1, 3), cache_index_B, axis=1)
     v_cache = _write_heads_major(cache[1], v.transpose(0, 2, 3, 1), cache_index_B, axis=2)
     # queries of one KV head: [B*K, G*T, H] (query head n = kv_head * G + g, as in GQA)

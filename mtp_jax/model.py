@@ -39,6 +39,8 @@ class ModelArgs:
   mlp_dim: int = 768
   rope_theta: float = 10000.0
   norm_eps: float = 1e-6
+  attention_bias: bool = False  # q/k/v biases (Qwen2)
+  rope_scaling: tuple = ()  # layers.rope_inv_freq's form (config_lib.rope_scaling_tuple)
   tie_embeddings: bool = True
   dtype: jnp.dtype = jnp.float32
   init_std: float = 0.02
@@ -82,6 +84,8 @@ class ModelArgs:
                remat=m.remat, scan_layers=m.scan_layers,
                attention_core=config_lib.optional(config, 'model.attention_core', 'auto'),
                attention_block=config_lib.optional(config, 'model.attention_block', 64),
+               attention_bias=config_lib.optional(config, 'model.attention_bias', False),
+               rope_scaling=config_lib.rope_scaling_tuple(config),
                **_block_fields(config))
 
 

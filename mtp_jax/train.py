@@ -20,8 +20,10 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax import evaluation
 from mtp_jax import flops as flops_lib
+from mtp_jax import hf
 from mtp_jax import loss as loss_lib
 from mtp_jax import metrics as metrics_lib
+from mtp_jax import model as model_lib
 from mtp_jax import moe
 from mtp_jax import resilience
 from mtp_jax import sharding
@@ -74,6 +76,10 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   """
   workdir = os.path.abspath(workdir)
   devices = jax.devices() if devices is None else devices
+  hf_dir = hf.source_dir(init_from)
+  # A Hugging Face trunk defines the model: config.json's sizes and the checkpoint's
+  # tokenizer replace the config's (also on resume, so the same command resumes).
+  hf_changes = hf.apply_to_config(config, hf_dir) if hf_dir is not None else []
   config_lib.validate(config, len(devices))
   resilience.validate_data(config, jax.process_count())
   resilience.check_document_lengths(config)
@@ -94,6 +100,8 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
       resilience.remove_created(workdir, created)  # a failed start leaves no new workdir
     lock.release()
     raise
+  if hf_changes:  # only once the run can start: a refused one prints its error alone
+    notify(f'--init_from hf:{hf_dir} sets ' + '; '.join(hf_changes))
   checkpointer = None
   try:
     # Only under the lock: the writer's start-up removes incomplete saves.
@@ -186,8 +194,11 @@ def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader, ini
     ckpt_lib.check_compatible(meta.get('config', {}), config_dict, reader.directory)
     break
   if init_from and not steps_saved:
-    # Quiet: init_from reports a broken step it skips once, when it loads.
-    ckpt_lib.check_init_from(init_from, config, config_dict, notify=lambda text: None)
+    if hf.source_dir(init_from) is not None:  # every tensor's name and shape, none read
+      hf.check_weights(hf.source_dir(init_from), model_lib.ModelArgs.from_config(config))
+    else:
+      # Quiet: init_from reports a broken step it skips once, when it loads.
+      ckpt_lib.check_init_from(init_from, config, config_dict, notify=lambda text: None)
   if config.model.mtp.freeze_trunk and not (init_from or steps_saved):
     raise config_lib.ConfigError(
         'model.mtp.freeze_trunk would train MTP modules on a randomly initialised, frozen '
@@ -238,6 +249,9 @@ class _Run:
              + (' (--init_from ignored: the run has checkpoints of its own.)'
                 if init_from else ''))
       self.last_saved = self.start_step
+    elif hf.source_dir(init_from) is not None:
+      self.state, self.init_desc = hf.init_state(hf.source_dir(init_from), self.config,
+                                                 self.state, notify)
     elif init_from:
       self.state, self.init_desc = ckpt_lib.init_from(
           init_from, self.config, self.config_dict, self.state, self.ts.abstract_state, notify)

@@ -19,7 +19,9 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (get_conf
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (default: runs/<config name>).')
 _INIT_FROM = flags.DEFINE_string(
     'init_from', None, 'A workdir or checkpoint whose trunk and shared embedding/head start '
-    'this run; new MTP depths are freshly initialised (ignored once --workdir has checkpoints).')
+    'this run; new MTP depths are freshly initialised (ignored once --workdir has checkpoints). '
+    'hf:DIR: a local Hugging Face Llama / Mistral / Qwen2 directory (config.json, '
+    '*.safetensors, tokenizer.json), which also sets config.model and the tokenizer.')
 
 # Multi-process jobs (mtp_jax/distributed.py; README "Scaling out"). Not config fields:
 # they describe one launch, not the experiment.

@@ -12,7 +12,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from helpers import REPO, TINY_DECODE, train_word_model  # noqa: E402
+from helpers import REPO, TINY_DECODE, make_hf_model, train_word_model  # noqa: E402
 
 # Many tests compile the same tiny programs (init, train step) in separate setups and
 # subprocesses; a persistent cache shared by the session compiles each once.
@@ -72,3 +72,14 @@ def trained(devices, tmp_path_factory):
   Shared by the decode, token-source and ablation tests: one training run.
   """
   return train_word_model(devices, tmp_path_factory)
+
+
+@pytest.fixture(scope='session')
+def hf_models(tmp_path_factory):
+  """{family: (directory, transformers model)}: tiny random Llama and Qwen2 checkpoints
+  saved once per session (helpers.HF_FAMILIES)."""
+  out = {}
+  for family in ('llama', 'qwen2'):
+    directory = tmp_path_factory.mktemp(f'hf_{family}')
+    out[family] = (str(directory), make_hf_model(str(directory), family))
+  return out

@@ -235,3 +235,73 @@ def step_losses(config, devices, batches):
     state, m = steps_lib.run_step(ts, state, batch)
     losses.append(float(m['loss']))
   return losses, state
+
+
+# -- tiny Hugging Face models (tests of mtp_jax/hf.py) ---------------------------------------
+HF_TOKENIZER_MERGES = 300  # byte-level BPE vocabulary before the special tokens
+HF_FAMILIES = {
+    # Llama 3 style: untied head, llama3 RoPE scaling (all three bands at head_dim 16), a
+    # bos added by the tokenizer, a model vocabulary padded past the tokenizer's, shards.
+    'llama': dict(cls='LlamaForCausalLM', specials=['<|begin_of_text|>', '<|end_of_text|>'],
+                  bos='<|begin_of_text|>', eos='<|end_of_text|>', pad=None, vocab_pad=18,
+                  config=dict(tie_word_embeddings=False, rope_theta=10000.0,
+                              rope_scaling={'rope_type': 'llama3', 'factor': 8.0,
+                                            'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+                                            'original_max_position_embeddings': 64})),
+    # Qwen2 style: q/k/v biases, tied embeddings, pad = eos = <|endoftext|>, linear RoPE,
+    # a vocabulary padded to an even size (as Qwen's 151936 > 151665), so a tensor axis of
+    # 2 splits it.
+    'qwen2': dict(cls='Qwen2ForCausalLM', specials=['<|endoftext|>', '<|im_start|>', '<|im_end|>'],
+                  bos=None, eos='<|endoftext|>', pad='<|endoftext|>', vocab_pad=1,
+                  config=dict(tie_word_embeddings=True, rope_theta=1000.0,
+                              rope_scaling={'rope_type': 'linear', 'factor': 2.0})),
+}
+
+
+def hf_tokenizer_texts():
+  """A few standard-library sources plus Unicode: what the tiny BPE is trained on."""
+  import json as json_mod
+  import textwrap
+  texts = [open(m.__file__, encoding='utf-8').read() for m in (json_mod, textwrap)]
+  return texts + ['unicode: é → 日本語 🐍 naïve café\n'] * 4
+
+
+def make_hf_model(directory, family, seed=0):
+  """save_pretrained a tiny random float32 `family` model (HF_FAMILIES) and its tokenizer.
+
+  2 layers, d 64, 4 heads / 2 KV heads, vocab ~300; every weight random, biases and norm
+  scales included (HF initialises those to 0 / 1, which would hide a mapping error).
+  """
+  # Deferred: torch / transformers are test extras, needed only by the HF tests.
+  import torch
+  import transformers
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+  spec = HF_FAMILIES[family]
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(hf_tokenizer_texts(), trainers.BpeTrainer(
+      vocab_size=HF_TOKENIZER_MERGES, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  tok.add_special_tokens(spec['specials'])  # ids at the end: eos / pad are not 0 or 1
+  if spec['bos']:
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{spec['bos']} $A", special_tokens=[(spec['bos'], tok.token_to_id(spec['bos']))])
+  fast = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tok, bos_token=spec['bos'], eos_token=spec['eos'], pad_token=spec['pad'])
+  fast.save_pretrained(directory)
+  vocab = tok.get_vocab_size() + spec['vocab_pad']
+  ids = {k: (tok.token_to_id(spec[k]) if spec[k] else None) for k in ('bos', 'eos', 'pad')}
+  config = getattr(transformers, spec['cls'].replace('ForCausalLM', 'Config'))(
+      vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+      rms_norm_eps=1e-5, bos_token_id=ids['bos'], eos_token_id=ids['eos'],
+      pad_token_id=ids['pad'], initializer_range=0.1, **spec['config'])
+  torch.manual_seed(seed)
+  model = getattr(transformers, spec['cls'])(config).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith('bias') or name.endswith('norm.weight'):
+        p.copy_((1.0 if name.endswith('norm.weight') else 0.0) + 0.2 * torch.randn_like(p))
+  model.save_pretrained(directory, max_shard_size='100KB' if family == 'llama' else '50GB')
+  return model

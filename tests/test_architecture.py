@@ -12,13 +12,14 @@ from helpers import REPO
 
 PACKAGE = os.path.join(REPO, 'mtp_jax')
 # Imports run this way only: no module may reach one to its left.
-LAYERS = ('mtp_jax.train', 'mtp_jax.evaluation', 'mtp_jax.decode', 'mtp_jax.model',
+LAYERS = ('mtp_jax.train', 'mtp_jax.evaluation', 'mtp_jax.decode', 'mtp_jax.hf', 'mtp_jax.model',
           'mtp_jax.moe', 'mtp_jax.mla', 'mtp_jax.layers', 'mtp_jax.sharding', 'mtp_jax.config_lib')
 # (module, imported module): deliberately deferred heavy or optional imports, each with a
 # `# Deferred: <why>` comment right above it.
 DEFERRED = {
     ('mtp_jax.metrics', 'tensorboardX'),
     ('mtp_jax.data.tokenizers', 'sentencepiece'),
+    ('mtp_jax.data.tokenizers', 'tokenizers'),
     ('mtp_jax.data.tokenizers', 'mtp_jax.data.stdlib_dataset'),
     ('mtp_jax.resilience', 'mtp_jax.data.pipeline'),
     ('mtp_jax.resilience', 'mtp_jax.data.stdlib_dataset'),

@@ -1,4 +1,5 @@
 """Tokenizers: exact round trips on code, id layout, byte counts, config errors."""
+import io
 import os
 import pickle
 import subprocess
@@ -6,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 
 from mtp_jax import config_lib
 from mtp_jax.config_lib import ConfigError
@@ -138,3 +140,19 @@ def test_train_tokenizer_script(tmp_path):
   assert 'round-trip failures: 0' in r.stdout and 'vocab 400' in r.stdout
   assert tokenizers.SentencePieceTokenizer.from_file(str(out)).vocab_size == 400
   assert os.path.isdir(tmp_path / 'tfds' / 'python_stdlib'), 'MTP_JAX_DATA_DIR is honoured'
+
+
+def test_sentencepiece_without_a_pad_piece_pads_with_eos(texts, tmp_path):
+  """A Llama 2-style model (unk 0, bos 1, eos 2, no pad): loads, pad = eos, bos counts no bytes."""
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(texts['validation'][:30]), model_writer=model, model_type='bpe',
+      vocab_size=600, hard_vocab_limit=False, byte_fallback=True, unk_id=0, bos_id=1, eos_id=2,
+      pad_id=-1, minloglevel=2, num_threads=1)
+  path = tmp_path / 'llama2_style.model'
+  path.write_bytes(model.getvalue())
+  tok = tokenizers.get_tokenizer(_data_config(tokenizer='sentencepiece', spm_model=str(path)))
+  assert (tok.pad_id, tok.eos_id) == (2, 2)
+  tb = tok.token_bytes()
+  assert (tb[0], tb[1], tb[2]) == (1, 0, 1)  # unk, bos, eos
+  assert tok.decode(tok.encode('x = 1') + [tok.eos_id]) == 'x = 1'

@@ -1,20 +1,28 @@
-"""Tokenizers that round-trip source code exactly: raw bytes, or a SentencePiece BPE.
+"""Tokenizers that round-trip source code exactly: raw bytes, a SentencePiece BPE, or a
+pretrained model's own Hugging Face tokenizer (tokenizer.json).
 
-Both share one id layout at the bottom: 0 = pad (never a target), 1 = eos
-(appended to every document). `token_bytes()` gives the UTF-8 bytes each id
-stands for, the denominator of bits-per-byte:
-  * pad -> 0 (padding is masked out of every loss anyway);
+The byte and SentencePiece tokenizers this project trains share one id layout at the
+bottom: 0 = pad, 1 = eos (appended to every document). A Hugging Face tokenizer keeps
+its checkpoint's ids (Llama 3: no pad, eos 128001; Qwen2: pad = eos = 151643): nothing
+downstream reads the pad id's value, since padding is marked by segment_ids = 0 and
+masked out of every loss, so `pad_id` is only the filler the tokenizer names.
+`token_bytes()` gives the UTF-8 bytes each id stands for, the denominator of
+bits-per-byte:
+  * pad -> 0 (padding is masked out of every loss anyway), unless it is also eos;
   * eos -> 1: the document boundary is charged as one separator byte, so its
-    loss counts and bits-per-byte stays comparable between the two tokenizers
-    (both emit exactly one eos per document);
-  * a byte / byte-fallback token -> 1; a SentencePiece piece -> len(utf-8 text).
-`decode` skips pad, eos and ids outside the vocabulary (a model's vocab is
-padded up to a multiple of 64, so a sampler can emit such ids).
+    loss counts and bits-per-byte stays comparable between tokenizers
+    (each emits exactly one eos per document);
+  * other special tokens (a Llama bos) -> 0: they stand for no text;
+  * a byte / byte-fallback token -> 1; a piece -> len(utf-8 text it decodes to).
+`decode` skips pad, eos (special tokens) and ids outside the vocabulary (a model's
+vocab may be padded past the tokenizer's, so a sampler can emit such ids).
 """
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -84,12 +92,13 @@ class SentencePieceTokenizer:
     self._proto = model_proto
     self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
     self.vocab_size = self._sp.get_piece_size()
-    self.pad_id = self._sp.pad_id()
     self.eos_id = self._sp.eos_id()
-    if self.pad_id != PAD_ID or self.eos_id < 0:
-      raise ConfigError(
-          f'data.spm_model {path!r} has pad_id={self.pad_id}, eos_id={self.eos_id}; '
-          f'pad must be {PAD_ID} and eos must exist (train it with scripts/train_tokenizer.py)')
+    if self.eos_id < 0:
+      raise ConfigError(f'data.spm_model {path!r} has no eos piece (eos_id=-1); documents '
+                        'end with one (train a model with scripts/train_tokenizer.py)')
+    # A model without a pad piece (Llama 2's: pad_id=-1) pads with eos: padding is
+    # marked by segment_ids, never by the id.
+    self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
 
   @classmethod
   def from_file(cls, path: str) -> SentencePieceTokenizer:
@@ -124,12 +133,157 @@ class SentencePieceTokenizer:
   def token_bytes(self) -> np.ndarray:
     out = np.zeros([self.vocab_size], np.int32)
     for i in range(self.vocab_size):
-      if i == self.pad_id:
+      if i == self.eos_id:
+        out[i] = 1
+      elif i == self.pad_id or self._sp.is_control(i):  # pad, bos: no text
         out[i] = 0
-      elif self._sp.is_control(i) or self._sp.is_unknown(i) or self._sp.is_byte(i):
+      elif self._sp.is_unknown(i) or self._sp.is_byte(i):
         out[i] = 1
       else:
         out[i] = len(self._sp.id_to_piece(i).replace(_SPM_WS, ' ').encode('utf-8'))
+    return out
+
+
+def _byte_level_chars() -> dict[str, int]:
+  """GPT-2's byte-level alphabet: the printable character standing for each byte."""
+  keep = [*range(ord('!'), ord('~') + 1), *range(ord('\xa1'), ord('\xac') + 1),
+          *range(ord('\xae'), ord('\xff') + 1)]
+  out, extra = {}, 0
+  for b in range(256):
+    if b in keep:
+      out[chr(b)] = b
+    else:
+      out[chr(256 + extra)] = b
+      extra += 1
+  return out
+
+
+_BYTE_PIECE = re.compile(r'<0x[0-9A-Fa-f]{2}>')  # SentencePiece byte fallback
+
+
+def _special_id(tok, value) -> int | None:
+  """A tokenizer_config.json token entry ('</s>' or {'content': '</s>', ...}) as an id."""
+  if isinstance(value, dict):
+    value = value.get('content')
+  return tok.token_to_id(value) if isinstance(value, str) else None
+
+
+def _first_id(value) -> int | None:
+  """config.json's eos_token_id / pad_token_id: an int, a list (first) or null."""
+  if isinstance(value, list):
+    value = value[0] if value else None
+  return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _hf_tokenizer(tokenizer_json: str):
+  # Deferred: the `tokenizers` library is needed only by data.tokenizer='hf' runs.
+  import tokenizers as hf_tokenizers  # pylint: disable=g-import-not-at-top
+  return hf_tokenizers.Tokenizer.from_str(tokenizer_json)
+
+
+class HFTokenizer:
+  """A pretrained model's tokenizer.json (the `tokenizers` library), ids as released.
+
+  encode adds the special tokens its post-processor adds (Llama's bos, as the model
+  saw in training); decode drops special tokens. eos: tokenizer_config.json's
+  eos_token, else config.json / generation_config.json's eos_token_id; pad: its
+  pad_token / pad_token_id, else eos. Picklable (grain workers): it keeps the JSON.
+  """
+
+  def __init__(self, tokenizer_json: str, eos_id: int, pad_id: int, path: str = ''):
+    self.path = path
+    self._json = tokenizer_json
+    self._tok = _hf_tokenizer(tokenizer_json)
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    self.eos_id, self.pad_id = int(eos_id), int(pad_id)
+    for name, i in (('eos', self.eos_id), ('pad', self.pad_id)):
+      if not 0 <= i < self.vocab_size:
+        raise ConfigError(f'data.hf_tokenizer {path!r}: {name} id {i} is outside the '
+                          f'tokenizer vocabulary [0, {self.vocab_size})')
+
+  @classmethod
+  def from_dir(cls, directory: str) -> HFTokenizer:
+    """The tokenizer of a Hugging Face model directory; ConfigError naming what is missing."""
+    directory = os.path.abspath(os.path.expanduser(directory))
+    field = 'data.hf_tokenizer'
+    if not os.path.isdir(directory):
+      raise ConfigError(f'{field} {directory!r} is not a directory (a local Hugging Face '
+                        'model directory holding tokenizer.json)')
+    path = os.path.join(directory, 'tokenizer.json')
+    if not os.path.isfile(path):
+      raise ConfigError(f'{field} {directory!r} has no tokenizer.json (only the fast '
+                        'tokenizer format is read; tokenizer.model alone is not)')
+    configs = {}
+    for name in ('tokenizer_config.json', 'config.json', 'generation_config.json'):
+      p = os.path.join(directory, name)
+      configs[name] = {}
+      if not os.path.isfile(p):
+        continue
+      try:
+        with open(p, encoding='utf-8') as f:
+          configs[name] = json.load(f)
+      except (OSError, ValueError) as e:
+        raise ConfigError(f'{field}: {p} cannot be read as JSON ({e})') from e
+      if not isinstance(configs[name], dict):
+        raise ConfigError(f'{field}: {p} is not a JSON object')
+    try:
+      with open(path, encoding='utf-8') as f:
+        text = f.read()
+      tok = _hf_tokenizer(text)
+    except Exception as e:  # pylint: disable=broad-except  (the library raises plain Exception)
+      raise ConfigError(f'{field}: {path} is not a tokenizer.json the tokenizers library '
+                        f'reads ({" ".join(str(e).split())[:200]})') from e
+    tc, mc, gc = (configs[n] for n in ('tokenizer_config.json', 'config.json',
+                                       'generation_config.json'))
+    eos = _special_id(tok, tc.get('eos_token'))
+    for source in (mc, gc):
+      eos = _first_id(source.get('eos_token_id')) if eos is None else eos
+    if eos is None:
+      raise ConfigError(f'{field} {directory!r}: no eos token (tokenizer_config.json '
+                        'eos_token or config.json eos_token_id)')
+    pad = _special_id(tok, tc.get('pad_token'))
+    pad = _first_id(mc.get('pad_token_id')) if pad is None else pad
+    return cls(text, eos, eos if pad is None else pad, directory)
+
+  def __getstate__(self):
+    return {'json': self._json, 'eos_id': self.eos_id, 'pad_id': self.pad_id, 'path': self.path}
+
+  def __setstate__(self, state):
+    self.__init__(state['json'], state['eos_id'], state['pad_id'], state['path'])
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text).ids
+
+  def encode_array(self, text: str | bytes) -> np.ndarray:
+    if not isinstance(text, str):
+      text = bytes(text).decode('utf-8', errors='replace')
+    return np.asarray(self.encode(text), np.int32)
+
+  def decode(self, ids: Iterable[int]) -> str:
+    ids = [int(i) for i in (ids.ravel() if isinstance(ids, np.ndarray) else ids)]
+    return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size],
+                            skip_special_tokens=True)
+
+  def token_bytes(self) -> np.ndarray:
+    spec = json.loads(self._json)
+    byte_level = 'ByteLevel' in json.dumps(spec.get('decoder'))  # GPT-2 style byte BPE
+    chars = _byte_level_chars()
+    added = {i: t for i, t in self._tok.get_added_tokens_decoder().items()}
+    out = np.zeros([self.vocab_size], np.int32)
+    for i in range(self.vocab_size):
+      piece = self._tok.id_to_token(i)
+      if i in added:  # added tokens are stored as their text, special ones stand for none
+        out[i] = 0 if added[i].special else len(added[i].content.encode('utf-8'))
+      elif piece is None:
+        out[i] = 0
+      elif byte_level:
+        out[i] = sum(1 if c in chars else len(c.encode('utf-8')) for c in piece)
+      elif _BYTE_PIECE.fullmatch(piece):
+        out[i] = 1
+      else:
+        out[i] = len(piece.replace(_SPM_WS, ' ').encode('utf-8'))
+    out[self.pad_id] = 0
+    out[self.eos_id] = 1
     return out
 
 
@@ -148,7 +302,12 @@ def get_tokenizer(data_config) -> Tokenizer:
       raise ConfigError(f'data.spm_model {path!r} does not exist '
                         '(train one with scripts/train_tokenizer.py)')
     return SentencePieceTokenizer.from_file(path)
-  raise ConfigError(f"data.tokenizer must be 'byte' or 'sentencepiece', got {kind!r}")
+  if kind == 'hf':
+    if not data_config.hf_tokenizer:
+      raise ConfigError("data.hf_tokenizer must name a directory holding tokenizer.json when "
+                        "data.tokenizer is 'hf' (--init_from hf:DIR sets it)")
+    return HFTokenizer.from_dir(data_config.hf_tokenizer)
+  raise ConfigError(f"data.tokenizer must be 'byte', 'sentencepiece' or 'hf', got {kind!r}")
 
 
 def vocab_size_for(data_config) -> int:
