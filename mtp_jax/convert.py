@@ -378,7 +378,7 @@ def from_hf(tensors, args: ModelArgs, layout: str = 'deepseek_v3', where: str = 
             'norm': {'scale': src.get('model.norm.weight', d)},
             'layers': {i: _block_from_hf(src, f'model.layers.{i}', args, i, mimo)
                        for i in range(args.n_layers)}}
-  if 'lm_head.weight' in src or not args.tie_embeddings or not mimo:
+  if 'lm_head.weight' in src or not args.tie_embeddings:  # tied checkpoints may omit it
     head = src.get('lm_head.weight', v, d)
   else:
     head = embed
