@@ -335,10 +335,11 @@ def to_hf(params: dict, args: ModelArgs, layout: str = 'deepseek_v3') -> dict:
   mimo = layout == 'mimo'
   embed = np.asarray(params['embed']['embedding'])
   head = embed if args.tie_embeddings else _t(params['lm_head']['kernel'])
+  # lm_head.weight even when tied: vLLM's MiMo MTP loads its own ParallelLMHead from it (and
+  # DeepSeek's layout has no tying); tying loaders (transformers, SGLang) skip or tie it.
   out = {'model.embed_tokens.weight': embed,
-         'model.norm.weight': np.asarray(params['norm']['scale'])}
-  if not (mimo and args.tie_embeddings):  # a tied Qwen2 checkpoint has no lm_head.weight
-    out['lm_head.weight'] = head
+         'model.norm.weight': np.asarray(params['norm']['scale']),
+         'lm_head.weight': head}
   for i in range(args.n_layers):
     out.update(_block_to_hf(params['layers'][i], f'model.layers.{i}', args, i, mimo))
   d = args.d_model
