@@ -392,6 +392,10 @@ def from_hf(tensors, args: ModelArgs, layout: str = 'deepseek_v3', where: str = 
   mtp = {}
   for k in range(1, args.mtp_depth + 1):
     pre = _mtp_prefix(layout, args, k)
+    if not any(name.startswith(f'{pre}.') for name in src.tensors):
+      raise ConvertError(f'{where}: num_nextn_predict_layers={args.mtp_depth} but no tensor '
+                         f'of MTP depth {k} ({pre}.*); transformers\' save_pretrained drops '
+                         'MTP layers')
     if mimo:
       names = ('token_layernorm', 'hidden_layernorm', 'input_proj', 'final_layernorm')
     else:

@@ -439,6 +439,8 @@ def test_bad_checkpoints_name_the_tensor_or_field(tmp_path, dsv3):
       (variant('copy', lambda t: t.update({'model.layers.2.embed_tokens.weight':
                                            t['model.embed_tokens.weight'] + 1})),
        'shares Emb and OutHead'),
+      (variant('no_mtp', lambda t: [t.pop(k) for k in list(t) if k.startswith('model.layers.3.')]),
+       'no tensor of MTP depth 2 (model.layers.3.*)'),
       (variant('llama', config={'model_type': 'llama'}), "model_type 'llama'"),
       (variant('yarn', config={'rope_scaling': {'type': 'yarn', 'factor': 40}}), "'yarn'"),
       (variant('groups', config={'n_group': 2, 'topk_group': 1}), 'group-limited routing'),
