@@ -1,17 +1,43 @@
-"""DeepSeek-V3 / Hugging Face weight layout: names, shapes, round trips both ways."""
+"""Hugging Face-layout import / export (mtp_jax/convert.py, scripts/export.py).
+
+DeepSeek-V3's layout is checked against its published names (README_WEIGHTS.md and
+inference/convert.py of github.com/deepseek-ai/DeepSeek-V3, and the tensor listing of the
+release's model.safetensors.index.json), MiMo's against the loaders that read it (vLLM's
+vllm/model_executor/models/mimo_mtp.py, SGLang's python/sglang/srt/models/mimo_mtp.py),
+and the RoPE row order against transformers' own DeepseekV3 forward.
+"""
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import save_file
 
-from helpers import tiny_model_config
-from mtp_jax import convert
+from helpers import REPO, dsv3_model_config, params_with_routing_bias, randomize, tiny_model_config
+from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import convert, layers
+from mtp_jax import state as state_lib
 from mtp_jax.model import MTPModel, ModelArgs
 
+SCRIPT = os.path.join(REPO, 'scripts', 'export.py')
+TOKENS = np.arange(12, dtype=np.int32)[None] * 5 % 64
 
-def _model(tie=True, seed=0, depth=2):
-  args = ModelArgs.from_config(tiny_model_config(depth, tie_embeddings=tie))
-  return args, MTPModel(args, rngs=nnx.Rngs(seed))
+
+def _model(config, seed=0):
+  args = ModelArgs.from_config(config)
+  model = MTPModel(args, rngs=nnx.Rngs(seed))
+  if args.mlp == 'moe':
+    params_with_routing_bias(model, seed + 5)
+  else:
+    randomize(model, seed + 1)
+  return args, model
 
 
 @nnx.jit
@@ -19,67 +45,477 @@ def _logits(model, tokens):
   return [model.logits(h, k) for k, h in enumerate(model(tokens))]
 
 
-def _pure(model):
-  return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+def _assert_same_tree(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(x, y)
+
+
+# -- DeepSeek-V3's published names ------------------------------------------------------------
+# README_WEIGHTS.md: model.embed_tokens.weight, model.layers.0 .. num_hidden_layers - 1,
+# model.norm.weight, lm_head.weight; MTP module k at layer num_hidden_layers + k - 1 with
+# embed_tokens, enorm, hnorm, eh_proj, shared_head (norm + head) and a hidden layer's
+# self_attn & mlp; FP8 weights carry a float32 weight_scale_inv per 128 x 128 block. Leaf
+# names: the keys of inference/convert.py's `mapping` (q_a_proj, q_a_layernorm, q_b_proj or
+# q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj, gate, gate_proj, up_proj,
+# down_proj, input_layernorm, post_attention_layernorm, norm, embed_tokens, lm_head) plus
+# e_score_correction_bias, experts.{j} and shared_experts. Which tensors are FP8 and the
+# wide types of the rest: the release's listing (float8_e4m3fn: every projection of the
+# decoder layers; float32: weight_scale_inv, e_score_correction_bias; bfloat16: the rest,
+# incl. mlp.gate.weight, eh_proj, the embedding and both heads).
+def published_tensors(c: dict) -> dict:
+  """{name: (torch shape, release dtype)} of a DeepSeek-V3 checkpoint with config c."""
+  d, n, v = c['hidden_size'], c['num_attention_heads'], c['vocab_size']
+  qr, kvr = c['q_lora_rank'], c['kv_lora_rank']
+  dn, dr, dv = c['qk_nope_head_dim'], c['qk_rope_head_dim'], c['v_head_dim']
+  e, f, shared = c['n_routed_experts'], c['moe_intermediate_size'], c['n_shared_experts']
+  out = {'model.embed_tokens.weight': ((v, d), 'BF16'), 'model.norm.weight': ((d,), 'BF16'),
+         'lm_head.weight': ((v, d), 'BF16')}
+
+  def proj(name, o, i):
+    out[name] = ((o, i), 'F8_E4M3')
+    out[f'{name}_scale_inv'] = ((-(-o // 128), -(-i // 128)), 'F32')
+
+  def swiglu(pre, width):
+    proj(f'{pre}.gate_proj.weight', width, d)
+    proj(f'{pre}.up_proj.weight', width, d)
+    proj(f'{pre}.down_proj.weight', d, width)
+
+  n_layers, depth = c['num_hidden_layers'], c['num_nextn_predict_layers']
+  for i in range(n_layers + depth):
+    pre = f'model.layers.{i}'
+    for norm in ('input_layernorm', 'post_attention_layernorm'):
+      out[f'{pre}.{norm}.weight'] = ((d,), 'BF16')
+    if qr:
+      proj(f'{pre}.self_attn.q_a_proj.weight', qr, d)
+      out[f'{pre}.self_attn.q_a_layernorm.weight'] = ((qr,), 'BF16')
+      proj(f'{pre}.self_attn.q_b_proj.weight', n * (dn + dr), qr)
+    else:
+      proj(f'{pre}.self_attn.q_proj.weight', n * (dn + dr), d)
+    proj(f'{pre}.self_attn.kv_a_proj_with_mqa.weight', kvr + dr, d)
+    out[f'{pre}.self_attn.kv_a_layernorm.weight'] = ((kvr,), 'BF16')
+    proj(f'{pre}.self_attn.kv_b_proj.weight', n * (dn + dv), kvr)
+    proj(f'{pre}.self_attn.o_proj.weight', d, n * dv)
+    if i < c['first_k_dense_replace']:
+      swiglu(f'{pre}.mlp', c['intermediate_size'])
+    else:
+      out[f'{pre}.mlp.gate.weight'] = ((e, d), 'BF16')
+      out[f'{pre}.mlp.gate.e_score_correction_bias'] = ((e,), 'F32')
+      for j in range(e):
+        swiglu(f'{pre}.mlp.experts.{j}', f)
+      swiglu(f'{pre}.mlp.shared_experts', f * shared)
+    if i >= n_layers:
+      for name, shape in (('embed_tokens', (v, d)), ('enorm', (d,)), ('hnorm', (d,)),
+                          ('eh_proj', (d, 2 * d)), ('shared_head.norm', (d,)),
+                          ('shared_head.head', (v, d))):
+        out[f'{pre}.{name}.weight'] = (shape, 'BF16')
+  return out
+
+
+# Entries of the release's listing (DeepSeek-V3 / R1: 61 layers + MTP layer 61, 256 experts).
+RELEASE_ROWS = {
+    'model.layers.0.mlp.down_proj.weight_scale_inv': ((56, 144), 'F32'),
+    'model.layers.5.self_attn.kv_a_proj_with_mqa.weight': ((576, 7168), 'F8_E4M3'),
+    'model.layers.5.self_attn.kv_a_proj_with_mqa.weight_scale_inv': ((5, 56), 'F32'),
+    'model.layers.5.self_attn.kv_b_proj.weight': ((32768, 512), 'F8_E4M3'),
+    'model.layers.5.self_attn.q_b_proj.weight_scale_inv': ((192, 12), 'F32'),
+    'model.layers.5.self_attn.o_proj.weight': ((7168, 16384), 'F8_E4M3'),
+    'model.layers.61.mlp.experts.255.down_proj.weight_scale_inv': ((56, 16), 'F32'),
+    'model.layers.3.mlp.gate.weight': ((256, 7168), 'BF16'),
+    'model.layers.3.mlp.gate.e_score_correction_bias': ((256,), 'F32'),
+    'model.layers.61.eh_proj.weight': ((7168, 14336), 'BF16'),
+    'model.layers.61.shared_head.head.weight': ((129280, 7168), 'BF16'),
+}
+V3_CONFIG = {'hidden_size': 7168, 'num_attention_heads': 128, 'vocab_size': 129280,
+             'q_lora_rank': 1536, 'kv_lora_rank': 512, 'qk_nope_head_dim': 128,
+             'qk_rope_head_dim': 64, 'v_head_dim': 128, 'n_routed_experts': 256,
+             'moe_intermediate_size': 2048, 'n_shared_experts': 1, 'num_hidden_layers': 61,
+             'num_nextn_predict_layers': 1, 'first_k_dense_replace': 3,
+             'intermediate_size': 18432}
+
+
+def test_published_name_list_reproduces_the_release():
+  """The expected-name function, given DeepSeek-V3's own config, gives the release's shapes,
+  dtypes and tensor count (91,991 in its index)."""
+  names = published_tensors(V3_CONFIG)
+  assert len(names) == 91991
+  for name, row in RELEASE_ROWS.items():
+    assert names[name] == row, name
+
+
+# -- RoPE ---------------------------------------------------------------------------------
+def test_rope_rows_permute_between_pair_and_half_order():
+  """DeepSeek's rotary dims in pair order (complex multiplication, inference/model.py's
+  apply_rotary_emb) equal layers.apply_rope on the rows convert puts in rotate-half order."""
+  rng = np.random.default_rng(0)
+  dr, t = 8, 5
+  x_pairs = rng.normal(size=(1, t, 2, dr)).astype(np.float32)
+  freqs = 1.0 / (10000.0 ** (np.arange(0, dr, 2) / dr))
+  angle = np.arange(t)[:, None] * freqs
+  z = (x_pairs[..., 0::2] + 1j * x_pairs[..., 1::2]) * np.exp(1j * angle)[None, :, None]
+  rotated_pairs = np.stack([z.real, z.imag], -1).reshape(x_pairs.shape)
+  pos = jnp.arange(t)[None]
+  got = layers.apply_rope(jnp.asarray(convert.rope_to_half(x_pairs, 0)), pos, 10000.0)
+  np.testing.assert_allclose(np.asarray(got), convert.rope_to_half(rotated_pairs, 0),
+                             rtol=1e-5, atol=1e-5)
+  w = rng.normal(size=(3, 4, 6 + dr))  # [in, heads, nope + rope]: only the rope tail moves
+  moved = convert.rope_to_pairs(w, 6)
+  np.testing.assert_array_equal(moved[..., :6], w[..., :6])
+  assert not np.array_equal(moved, w)
+  np.testing.assert_array_equal(convert.rope_to_half(moved, 6), w)
+
+
+# -- DeepSeek-V3 layout ---------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def dsv3(tmp_path_factory):
+  """A random MLA + MoE model with D = 2 (routing biases random), and its FP8 export."""
+  args, model = _model(dsv3_model_config(2))
+  out = str(tmp_path_factory.mktemp('dsv3') / 'fp8')
+  convert.export_model(model, out, 'deepseek_v3', fp8=True)
+  return args, model, out
+
+
+def test_deepseek_v3_names_dtypes_and_shapes_are_the_published_ones(dsv3):
+  args, _, out = dsv3
+  ckpt = convert.Checkpoint(out)
+  want = published_tensors(ckpt.config)
+  assert sorted(ckpt.keys()) == sorted(want)
+  wide = {'BF16', 'F32'}  # this export keeps the wide tensors float32, as trained
+  for name, (shape, dtype) in want.items():
+    got = ckpt[name]
+    assert tuple(got.shape) == shape, name
+    assert ckpt.dtype(name) == dtype or (dtype in wide and ckpt.dtype(name) == 'F32'), name
+  assert ckpt.config['num_nextn_predict_layers'] == 2
+  assert ckpt.config['quantization_config']['weight_block_size'] == [128, 128]
+  # DeepSeek's inference/convert.py: every key of layers < N names a leaf of its mapping.
+  leaves = {'embed_tokens', 'input_layernorm', 'post_attention_layernorm', 'q_proj', 'q_a_proj',
+            'q_a_layernorm', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_a_layernorm', 'kv_b_proj',
+            'o_proj', 'gate', 'gate_proj', 'down_proj', 'up_proj', 'norm', 'lm_head', 'scale'}
+  for name in ckpt.keys():
+    if int((re.match(r'model\.layers\.(\d+)\.', name) or [0, -1])[1]) >= args.n_layers:
+      continue
+    short = name.replace('weight_scale_inv', 'scale').replace('e_score_correction_bias', 'bias')
+    assert short.split('.')[-2] in leaves, name
+  # vLLM's deepseek_mtp.py: an MTP layer's own names, the rest go to its mtp_block.
+  n = args.n_layers
+  own = {f'model.layers.{n}.{x}.weight' for x in
+         ('embed_tokens', 'enorm', 'hnorm', 'eh_proj', 'shared_head.norm', 'shared_head.head')}
+  assert own <= set(ckpt.keys())
+
+
+def test_fp8_export_loads_as_its_dequantised_weights(dsv3):
+  """Loading dequantises each FP8 weight block by its scale; the rest is bit-exact."""
+  args, model, out = dsv3
+  ckpt = convert.Checkpoint(out)
+  _, loaded = convert.load_dir(out)
+  again = convert.to_hf(convert.model_params(loaded), args)
+  exact = convert.to_hf(convert.model_params(model), args)
+  assert sorted(again) == sorted(n for n in ckpt.keys() if not n.endswith('_scale_inv'))
+  for name, x in again.items():
+    if ckpt.dtype(name) == 'F8_E4M3':
+      np.testing.assert_array_equal(
+          x, convert.dequantize_fp8(ckpt[name], ckpt[f'{name}_scale_inv']))
+      scale = np.repeat(np.repeat(ckpt[f'{name}_scale_inv'], 128, 0), 128, 1)
+      err = np.abs(x - exact[name]) / scale[:x.shape[0], :x.shape[1]]
+      assert err.max() <= 16, name  # half an e4m3 step at the top binade (448: steps of 32)
+    else:
+      np.testing.assert_array_equal(x, exact[name])
+
+
+def _write_synthetic(directory, c, rng):
+  """Random tensors under DeepSeek-V3's published names, dtypes and shapes (FP8 weights with
+  weight_scale_inv, bfloat16 norms / embedding / router), in two shards + an index."""
+  want = published_tensors(c)
+  tensors = {}
+  for name, (shape, dtype) in want.items():
+    if dtype == 'F8_E4M3':
+      continue
+    if name.endswith('_scale_inv'):
+      w = rng.normal(size=want[name[:-len('_scale_inv')]][0]).astype(np.float32) * 0.2
+      tensors[name[:-len('_scale_inv')]], tensors[name] = convert.quantize_fp8(w)
+    elif len(shape) == 1 and 'bias' not in name:
+      tensors[name] = (1 + 0.3 * rng.normal(size=shape)).astype(ml_dtypes.bfloat16)
+    else:
+      x = 0.3 * rng.normal(size=shape)
+      tensors[name] = x.astype(np.float32 if dtype == 'F32' else ml_dtypes.bfloat16)
+  for k in range(c['num_nextn_predict_layers']):  # the release repeats the shared tensors
+    pre = f"model.layers.{c['num_hidden_layers'] + k}"
+    tensors[f'{pre}.embed_tokens.weight'] = tensors['model.embed_tokens.weight']
+    tensors[f'{pre}.shared_head.head.weight'] = tensors['lm_head.weight']
+  os.makedirs(directory)
+  names = sorted(tensors)
+  files = {'model-00001-of-00002.safetensors': names[::2],
+           'model-00002-of-00002.safetensors': names[1::2]}
+  for file, keys in files.items():
+    save_file({k: tensors[k] for k in keys}, os.path.join(directory, file),
+              metadata={'format': 'pt'})
+  with open(os.path.join(directory, convert.INDEX), 'w') as f:
+    json.dump({'weight_map': {k: file for file, keys in files.items() for k in keys}}, f)
+  with open(os.path.join(directory, 'config.json'), 'w') as f:
+    json.dump(c, f)
+  return tensors
+
+
+def _synthetic_config(q_lora_rank):
+  c = convert.hf_config(ModelArgs.from_config(dsv3_model_config(1, q_lora_rank=q_lora_rank)),
+                        'deepseek_v3', fp8=True)
+  c['moe_intermediate_size'] = 136  # > 128: a partial second FP8 block
+  c['rope_scaling'], c['rope_theta'] = None, 50000.0
+  c['tie_word_embeddings'] = False  # as the release
+  return c
+
+
+@pytest.mark.parametrize('q_lora_rank', [12, 0])
+def test_synthetic_release_layout_checkpoint_loads_and_round_trips(tmp_path, q_lora_rank):
+  """A checkpoint written independently of the exporter, in the release's exact layout
+  (FP8 + scales, bfloat16 rest, shards), loads; exporting the loaded model gives back every
+  tensor as its dequantised float32 value, bit for bit, under the same names."""
+  c = _synthetic_config(q_lora_rank)
+  src = _write_synthetic(str(tmp_path / 'v3'), c, np.random.default_rng(q_lora_rank))
+  config, model = convert.load_dir(str(tmp_path / 'v3'))
+  assert (config.model.mla.q_lora_rank, config.model.moe.moe_intermediate_size) == (q_lora_rank, 136)
+  assert config.model.rope_theta == 50000.0 and config.model.mtp.depth == 1
+  out = convert.to_hf(convert.model_params(model), model.args)
+  assert sorted(out) == sorted(k for k in src if not k.endswith('_scale_inv'))
+  for name, x in out.items():
+    want = src[name]
+    if want.dtype == ml_dtypes.float8_e4m3fn:
+      want = convert.dequantize_fp8(want, src[f'{name}_scale_inv'])
+    np.testing.assert_array_equal(x, want.astype(np.float32), err_msg=name)
+  bias = model.layers[1].mlp.gate.e_score_correction_bias[...]
+  np.testing.assert_array_equal(bias, src['model.layers.1.mlp.gate.e_score_correction_bias'])
+
+
+def test_export_reimport_is_bit_exact_and_computes_the_same(dsv3, tmp_path):
+  """float32 export (sharded: an index and several files) -> import: every tensor, the
+  routing biases included, and so every depth's logits are identical."""
+  args, model, _ = dsv3
+  out = str(tmp_path / 'f32')
+  written = convert.export_model(model, out, 'deepseek_v3', shard_bytes=40_000)
+  assert len([f for f in os.listdir(out) if f.endswith('.safetensors')]) > 2
+  assert all(x.dtype == np.float32 for x in written.values())
+  config, loaded = convert.load_dir(out)
+  unused = {'n_kv_heads': 0, 'head_dim': 0}  # GQA's widths: no config.json field for MLA
+  assert (dataclasses.replace(ModelArgs.from_config(config), **unused)
+          == dataclasses.replace(args, **unused))
+  _assert_same_tree(convert.model_params(loaded), convert.model_params(model))
+  for a, b in zip(_logits(model, TOKENS), _logits(loaded, TOKENS)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- MiMo layout ----------------------------------------------------------------------------
+# What vLLM's MiMoMultiTokenPredictorLayer (vllm/model_executor/models/mimo_mtp.py) and
+# SGLang's (python/sglang/srt/models/mimo_mtp.py) hold per MTP layer, named as the
+# checkpoint names them: model.mtp_layers.{i}. + these; their loaders send the first four to
+# the layer itself and the rest to its Qwen2DecoderLayer `mtp_block` (q/k/v with biases).
+MIMO_LAYER_KEYS = (
+    'token_layernorm.weight', 'hidden_layernorm.weight', 'input_proj.weight',
+    'final_layernorm.weight', 'input_layernorm.weight', 'post_attention_layernorm.weight',
+    'self_attn.q_proj.weight', 'self_attn.q_proj.bias', 'self_attn.k_proj.weight',
+    'self_attn.k_proj.bias', 'self_attn.v_proj.weight', 'self_attn.v_proj.bias',
+    'self_attn.o_proj.weight', 'mlp.gate_proj.weight', 'mlp.up_proj.weight',
+    'mlp.down_proj.weight')
+QWEN2_LAYER_KEYS = MIMO_LAYER_KEYS[4:]
 
 
 @pytest.mark.parametrize('tie', [True, False])
-def test_names_shapes_and_round_trip(tie):
-  args, model = _model(tie)
-  params = _pure(model)
-  hf = convert.to_hf(params, args)
-  n = args.n_layers  # MTP depth k lives at decoder layer n + k - 1, as in DeepSeek-V3
-  d, v = args.d_model, args.vocab_size
-  assert hf[f'model.layers.{n}.eh_proj.weight'].shape == (d, 2 * d)
-  assert hf[f'model.layers.{n + 1}.shared_head.norm.weight'].shape == (d,)
-  assert hf[f'model.layers.{n}.self_attn.q_proj.weight'].shape == (args.n_heads * args.head_dim, d)
-  assert hf[f'model.layers.{n}.self_attn.k_proj.weight'].shape == (args.n_kv_heads * args.head_dim, d)
-  assert hf[f'model.layers.{n}.mlp.down_proj.weight'].shape == (d, args.mlp_dim)
-  assert hf['lm_head.weight'].shape == (v, d)
-  assert f'model.layers.{n + 2}.enorm.weight' not in hf
-  np.testing.assert_array_equal(hf[f'model.layers.{n}.eh_proj.weight'],
-                                params['mtp'][0]['eh_proj']['kernel'].T)
-  back = convert.from_hf(hf, args)
-  assert jax.tree.structure(back) == jax.tree.structure(params)
-  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
-    np.testing.assert_array_equal(a, b)
+def test_mimo_names_and_round_trip(tie):
+  c = tiny_model_config(2, tie_embeddings=tie)
+  args, model = _model(c)
+  params = convert.model_params(model)
+  hf = convert.to_hf(params, args, 'mimo')
+  want = {'model.embed_tokens.weight', 'model.norm.weight', 'lm_head.weight'}
+  want |= {f'model.layers.{i}.{k}' for i in range(args.n_layers) for k in QWEN2_LAYER_KEYS}
+  want |= {f'model.mtp_layers.{i}.{k}' for i in range(2) for k in MIMO_LAYER_KEYS}
+  assert set(hf) == want
+  d = args.d_model
+  eh = params['mtp'][0]['eh_proj']['kernel']  # rows :d act on the embedding here
+  np.testing.assert_array_equal(hf['model.mtp_layers.0.input_proj.weight'][:, :d], eh[d:].T)
+  np.testing.assert_array_equal(hf['model.mtp_layers.0.input_proj.weight'][:, d:], eh[:d].T)
+  assert not np.any(hf['model.layers.1.self_attn.k_proj.bias'])
+  assert hf['model.layers.1.self_attn.k_proj.bias'].shape == (args.n_kv_heads * args.head_dim,)
+  _assert_same_tree(convert.from_hf(hf, args, 'mimo'), params)
+  cfg = convert.hf_config(args, 'mimo')
+  assert (cfg['model_type'], cfg['num_nextn_predict_layers']) == ('mimo', 2)
+  assert ModelArgs.from_config(convert.config_from_hf(cfg)) == args
 
 
-def test_synthetic_hf_tensors_load_and_compute_the_same():
-  """Random tensors in HF layout -> model -> HF again is the identity, and two models
-  loaded from the same tensors compute the same logits."""
-  args, model = _model(False, seed=1)
-  rng = np.random.default_rng(0)
-  names = convert.to_hf(_pure(model), args, with_shared_copies=False)
-  hf = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in names.items()}
-  params = convert.from_hf(hf, args)
-  again = convert.to_hf(params, args, with_shared_copies=False)
-  assert sorted(again) == sorted(hf)
-  for k in hf:
-    np.testing.assert_array_equal(again[k], hf[k])
-  outs = []
-  for seed in (2, 3):
-    _, m = _model(False, seed=seed)
-    state = nnx.state(m, nnx.Param)
-    nnx.replace_by_pure_dict(state, params)
-    nnx.update(m, state)
-    tokens = np.arange(16)[None] % args.vocab_size
-    outs.append([np.asarray(x) for x in _logits(m, tokens)])
-  for a, b in zip(*outs):
-    np.testing.assert_array_equal(a, b)
+# -- scripts/export.py ------------------------------------------------------------------------
+def _script():
+  spec = importlib.util.spec_from_file_location('export_script', SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
-def test_rejects_mismatched_tensors():
-  args, model = _model(True)
-  hf = convert.to_hf(_pure(model), args)
-  bad = dict(hf)
-  bad['model.layers.2.embed_tokens.weight'] = bad['model.layers.2.embed_tokens.weight'] + 1
-  with pytest.raises(ValueError, match='shares Emb and OutHead'):
-    convert.from_hf(bad, args)
-  extra = dict(hf, **{'model.layers.9.enorm.weight': np.ones(3)})
-  with pytest.raises(ValueError, match='unused tensors'):
-    convert.from_hf(extra, args)
-  pargs = ModelArgs.from_config(tiny_model_config(1, 'parallel'))
-  pmodel = MTPModel(pargs, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match='sequential MTP modules only'):
-    convert.to_hf(_pure(pmodel), pargs)
+def _workdir(path, config, seed):
+  """A workdir holding one checkpoint of a random model (routing biases random too)."""
+  model, optimizer = state_lib.create_model_and_optimizer(config)
+  if config.model.mlp == 'moe':
+    params_with_routing_bias(model, seed)
+  else:
+    randomize(model, seed)
+  ckpt = ckpt_lib.Checkpointer(os.path.join(path, 'checkpoints'), async_save=False)
+  state = nnx.state((model, optimizer))
+  ckpt.save(3, state, meta={'step': 3, 'config': json.loads(config.to_json_best_effort()),
+                            **ckpt_lib.integrity_meta(state)}, force=True)
+  ckpt.close()
+  return model
+
+
+@pytest.mark.parametrize('layout', ['deepseek_v3', 'mimo'])
+def test_export_script_round_trip_is_bit_exact(tmp_path, capsys, layout):
+  config = dsv3_model_config(1) if layout == 'deepseek_v3' else tiny_model_config(2)
+  model = _workdir(str(tmp_path / 'run'), config, seed=3)
+  out = str(tmp_path / 'hf')
+  assert _script().main(['--workdir', str(tmp_path / 'run'), '--out', out, '--layout', layout,
+                         '--json']) == 0
+  summary = json.loads(capsys.readouterr().out)
+  assert (summary['step'], summary['layout'], summary['mtp_depth']) == (3, layout,
+                                                                        config.model.mtp.depth)
+  _, loaded = convert.load_dir(out)
+  _assert_same_tree(convert.model_params(loaded), convert.model_params(model))
+
+
+def test_export_script_bad_input_is_one_line_exit_2(tmp_path, capsys):
+  gqa, mla = str(tmp_path / 'gqa'), str(tmp_path / 'mla')
+  _workdir(gqa, tiny_model_config(1), seed=1)
+  _workdir(mla, dsv3_model_config(1), seed=1)
+  os.makedirs(tmp_path / 'full')
+  open(tmp_path / 'full' / 'x', 'w').close()
+  out = str(tmp_path / 'o')
+  cases = [
+      (['--workdir', str(tmp_path / 'nope'), '--out', out, '--layout', 'mimo'], 'does not exist'),
+      (['--workdir', gqa, '--out', out, '--layout', 'llama'], "invalid choice: 'llama'"),
+      (['--workdir', gqa, '--out', out, '--layout', 'deepseek_v3'], 'needs MLA attention'),
+      (['--workdir', mla, '--out', out, '--layout', 'mimo'], 'dense GQA'),
+      (['--workdir', gqa, '--out', out, '--layout', 'mimo', '--fp8'], '--fp8'),
+      (['--workdir', gqa, '--out', str(tmp_path / 'full'), '--layout', 'mimo'],
+       'not an empty directory'),
+      (['--workdir', gqa, '--out', out, '--layout', 'mimo', '--step', '9'], 'steps [3] only'),
+      (['--workdir', gqa, '--out', out, '--layout', 'mimo', '--shard_mb', '0'], 'positive'),
+  ]
+  for argv, message in cases:
+    code = _run(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, (argv, err)
+    assert len(err) == 1 and err[0].startswith('error: ') and message in err[0], (argv, err)
+  assert not os.path.exists(out)
+
+
+def _run(argv) -> int:
+  """The script's exit code, flag errors (argparse's SystemExit) included."""
+  try:
+    return _script().main(argv)
+  except SystemExit as e:
+    return e.code
+
+
+# -- bad checkpoints --------------------------------------------------------------------------
+def test_bad_checkpoints_name_the_tensor_or_field(tmp_path, dsv3):
+  args, model, fp8_dir = dsv3
+  good = str(tmp_path / 'good')
+  convert.export_model(model, good, 'deepseek_v3')
+  ckpt = convert.Checkpoint(good)
+  tensors = {k: ckpt[k] for k in ckpt.keys()}
+
+  def variant(name, change=None, config=None):
+    d = str(tmp_path / name)
+    t = dict(tensors)
+    if change:
+      change(t)
+    convert.write_dir(d, t, dict(ckpt.config, **(config or {})))
+    return d
+
+  q = 'model.layers.1.self_attn.q_b_proj.weight'
+  cases = [
+      (str(tmp_path / 'absent'), 'is not a directory'),
+      (variant('no_tensor', lambda t: t.pop('model.layers.2.mlp.gate.weight')),
+       'lacks tensor model.layers.2.mlp.gate.weight'),
+      (variant('shape', lambda t: t.update({q: t[q][:-1]})), f'tensor {q} has shape'),
+      (variant('extra', lambda t: t.update({'model.layers.9.enorm.weight': np.ones(3)})),
+       'not part of this model'),
+      (variant('copy', lambda t: t.update({'model.layers.2.embed_tokens.weight':
+                                           t['model.embed_tokens.weight'] + 1})),
+       'shares Emb and OutHead'),
+      (variant('no_mtp', lambda t: [t.pop(k) for k in list(t) if k.startswith('model.layers.3.')]),
+       'no tensor of MTP depth 2 (model.layers.3.*)'),
+      (variant('llama', config={'model_type': 'llama'}), "model_type 'llama'"),
+      (variant('yarn', config={'rope_scaling': {'type': 'yarn', 'factor': 40}}), "'yarn'"),
+      (variant('groups', config={'n_group': 2, 'topk_group': 1}), 'group-limited routing'),
+      (variant('softmax', config={'scoring_func': 'softmax'}), 'scoring_func'),
+  ]
+  os.makedirs(tmp_path / 'no_config')
+  cases.append((str(tmp_path / 'no_config'), 'has no config.json'))
+  fp8 = convert.Checkpoint(fp8_dir)
+  no_scale = {k: fp8[k] for k in fp8.keys() if k != f'{q}_scale_inv'}
+  convert.write_dir(str(tmp_path / 'no_scale'), no_scale, fp8.config)
+  cases.append((str(tmp_path / 'no_scale'), f'{q} has no {q}_scale_inv'))
+  for directory, message in cases:
+    with pytest.raises(convert.ConvertError, match=re.escape(message)) as e:
+      convert.load_dir(directory)
+    assert '\n' not in str(e.value) and e.value.exit_code == 2
+  biased = convert.to_hf(convert.model_params(_model(tiny_model_config(1))[1]),
+                         ModelArgs.from_config(tiny_model_config(1)), 'mimo')
+  biased['model.layers.0.self_attn.v_proj.bias'] += 1
+  with pytest.raises(convert.ConvertError, match='v_proj.bias is not zero'):
+    convert.from_hf(biased, ModelArgs.from_config(tiny_model_config(1)), 'mimo')
+  with pytest.raises(convert.ConvertError, match='sequential MTP modules only'):
+    convert.check_layout(ModelArgs.from_config(tiny_model_config(1, 'parallel')), 'mimo')
+
+
+# -- against transformers' DeepseekV3 (torch, a test extra) -----------------------------------
+@pytest.mark.slow
+def test_logits_match_transformers_deepseek_v3_both_ways(tmp_path):
+  """A transformers DeepseekV3ForCausalLM (interleaved RoPE) saved with save_pretrained loads
+  here with its logits (max abs diff <= 1e-4), and this project's export loads in
+  transformers with this project's logits: the rotary rows are permuted the right way."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  mcfg = dsv3_model_config(1)
+  args = ModelArgs.from_config(mcfg)
+  hf_cfg = convert.hf_config(args, 'deepseek_v3')
+  hf_cfg['num_nextn_predict_layers'] = 0  # transformers builds no MTP layer
+  torch.manual_seed(0)
+  ref = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**hf_cfg)).eval()
+  with torch.no_grad():
+    for _, p in ref.named_parameters():
+      p.copy_((1.0 if p.ndim == 1 else 0.0) + 0.3 * torch.randn_like(p))
+    for name, b in ref.named_buffers():
+      if 'e_score_correction_bias' in name:
+        b.copy_(0.3 * torch.randn_like(b))
+  ref.save_pretrained(str(tmp_path / 'ref'))
+  tokens = torch.tensor(TOKENS, dtype=torch.long)
+  with torch.no_grad():
+    want = ref(tokens).logits.numpy()
+  _, loaded = convert.load_dir(str(tmp_path / 'ref'))
+  assert loaded.args.mtp_depth == 0
+  got = np.asarray(_logits(loaded, TOKENS)[0])
+  assert np.abs(got - want).max() <= 1e-4 and np.abs(want).max() > 1
+  _, model = _model(mcfg, seed=4)  # the other way, with an MTP layer transformers skips
+  convert.export_model(model, str(tmp_path / 'ours'), 'deepseek_v3')
+  back = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / 'ours')).eval()
+  with torch.no_grad():
+    theirs = back(tokens).logits.numpy()
+  ours = np.asarray(_logits(model, TOKENS)[0])
+  assert np.abs(ours - theirs).max() <= 1e-4 and np.abs(ours).max() > 1
+
+
+@pytest.mark.slow
+def test_mimo_export_trunk_is_a_qwen2_model(tmp_path):
+  """transformers' Qwen2ForCausalLM reads the mimo export's trunk (zero q/k/v biases) and
+  computes this project's main logits; the MTP layers are the extra MiMo names it skips."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  _, model = _model(tiny_model_config(1, tie_embeddings=False), seed=6)
+  convert.export_model(model, str(tmp_path / 'mimo'), 'mimo')
+  with open(tmp_path / 'mimo' / 'config.json') as f:
+    cfg = json.load(f)
+  cfg.pop('model_type')
+  qwen = transformers.Qwen2ForCausalLM.from_pretrained(
+      str(tmp_path / 'mimo'), config=transformers.Qwen2Config(**cfg)).eval()
+  with torch.no_grad():
+    theirs = qwen(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+  ours = np.asarray(_logits(model, TOKENS)[0])
+  assert np.abs(ours - theirs).max() <= 1e-4 and np.abs(ours).max() > 1

@@ -304,9 +304,3 @@ def test_fp8_block_dequantisation():
   np.testing.assert_allclose(got, w, rtol=2 ** -3, atol=float(scale.max()) * 2 ** -6)
   with pytest.raises(ValueError, match='expected \\(2, 3\\)'):
     convert.dequantize_fp8(q, scale[:, :2])
-
-
-def test_converter_refuses_mla_moe_models():
-  args = ModelArgs.from_config(dsv3_model_config(1))
-  with pytest.raises(ValueError, match='MLA / MoE names are not implemented'):
-    convert.to_hf({}, args)
