@@ -281,7 +281,8 @@ def bench_overhead(rounds: int) -> dict:
 def moe_variants() -> dict:
   """configs/dsv3_mini.py and two controls with the same active FLOPs per token: a dense
   SwiGLU of width moe_intermediate_size x (K + shared) in place of each MoE layer, and
-  4x the routed experts at the same K."""
+  4x the routed experts at the same K; dsv3_mini and the 4x one also with the 'ragged'
+  dispatch (moe.py), for the A/B of the CPU grouped matmul."""
   def build(**over):
     c = load_config('dsv3_mini')
     for k, v in over.items():
@@ -291,7 +292,11 @@ def moe_variants() -> dict:
   active = mo.moe_intermediate_size * (mo.num_experts_per_tok + mo.n_shared_experts)
   return {'dense_same_active': build(**{'model.mlp': 'dense', 'model.mlp_dim': active}),
           'dsv3_mini': build(),
-          'moe_4x_experts': build(**{'model.moe.n_routed_experts': 4 * mo.n_routed_experts})}
+          'moe_4x_experts': build(**{'model.moe.n_routed_experts': 4 * mo.n_routed_experts}),
+          # The same two with jax.lax.ragged_dot (a masked dense product on XLA:CPU)
+          'dsv3_mini_ragged': build(**{'model.moe.dispatch': 'ragged'}),
+          'moe_4x_experts_ragged': build(**{'model.moe.n_routed_experts': 4 * mo.n_routed_experts,
+                                            'model.moe.dispatch': 'ragged'})}
 
 
 def _set(c, path, value):
