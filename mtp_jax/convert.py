@@ -472,7 +472,8 @@ def hf_config(args: ModelArgs, layout: str, dtype: str = 'float32', fp8: bool = 
            n_shared_experts=args.n_shared_experts, num_experts_per_tok=args.num_experts_per_tok,
            moe_intermediate_size=args.moe_intermediate_size,
            routed_scaling_factor=args.routed_scaling_factor, scoring_func='sigmoid',
-           topk_method='noaux_tc', norm_topk_prob=True, n_group=1, topk_group=1)
+           topk_method='noaux_tc', norm_topk_prob=True, n_group=args.n_group,
+           topk_group=args.topk_group)
   if fp8:
     c['quantization_config'] = {'activation_scheme': 'dynamic', 'fmt': 'e4m3',
                                 'quant_method': 'fp8', 'weight_block_size': [FP8_BLOCK] * 2}
@@ -554,10 +555,6 @@ def config_from_hf(cfg: dict, where: str = 'checkpoint', base=None):
     got = _field(cfg, name, where, want)
     if got != want:
       raise ConvertError(f'{where}: config.json {name}={got!r}: only {want!r} is implemented')
-  groups, top_groups = int(_field(cfg, 'n_group', where, 1)), int(_field(cfg, 'topk_group', where, 1))
-  if top_groups < groups:
-    raise ConvertError(f'{where}: config.json n_group={groups}, topk_group={top_groups}: '
-                       'group-limited routing is not implemented (only topk_group = n_group)')
   m.mlp = 'moe'
   m.moe.n_routed_experts = e
   m.moe.first_k_dense = first
@@ -565,6 +562,11 @@ def config_from_hf(cfg: dict, where: str = 'checkpoint', base=None):
   m.moe.num_experts_per_tok = int(_field(cfg, 'num_experts_per_tok', where))
   m.moe.moe_intermediate_size = int(_field(cfg, 'moe_intermediate_size', where))
   m.moe.routed_scaling_factor = float(_field(cfg, 'routed_scaling_factor', where, 1.0))
+  # Node-limited routing (moe.route): DeepSeek-V3's own is n_group 8, topk_group 4.
+  m.moe.n_group = int(_field(cfg, 'n_group', where, 1))
+  m.moe.topk_group = int(_field(cfg, 'topk_group', where, m.moe.n_group))
+  if m.moe.topk_group == m.moe.n_group:  # every group allowed: plain top-k
+    m.moe.n_group = m.moe.topk_group = 1
   return c
 
 

@@ -12,8 +12,8 @@ rotate, and their key is one per token, as in multi-query attention), dv = v_hea
 
 Parameter names are Hugging Face's DeepSeek-V3 ones under `self_attn`. The rotary dims
 use this package's rotate-half RoPE (layers.apply_rope); DeepSeek's released weights use
-the interleaved-pair form, so a converter must permute the rotary rows of q_b_proj and
-kv_a_proj_with_mqa (not done yet: mtp_jax/convert.py has no MLA names).
+the interleaved-pair form, so convert.py permutes the rotary rows of q_b_proj / q_proj and
+kv_a_proj_with_mqa on import and export (convert.rope_to_half / rope_to_pairs).
 
 Only the uncached (training / teacher-forced) form is implemented; the absorbed-latent
 decode (caching c_kv and k_r only) is not, and decode.Decoder rejects MLA models.
