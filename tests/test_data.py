@@ -514,7 +514,7 @@ def _user_error_cases(root):
        ["data.text_key 'body' is not a field", 'int.jsonl line 1', "['text']"]),
       ('ids outside the vocabulary', dict(source='jsonl', path=f'{r}/ids.jsonl',
                                           tokens_key='tokens'),
-       ["data.tokens_key 'tokens'", '300000', '258-token vocabulary']),
+       ["data.tokens_key 'tokens'", '300000', "model's 320-token vocabulary"]),
       ('hash split name', dict(source='jsonl', path=f'{r}/good.jsonl', eval_split='test'),
        ["data.eval_split 'test'", 'split by hash', "('train', 'validation')"]),
       ('not parquet', dict(source='parquet', path=f'{r}/fake.parquet'),

@@ -171,14 +171,19 @@ def validate_data_config(config, process_count: int = 1) -> None:
     if not user_data.is_user_source(d):
       stdlib_dataset.check_text_key(d, first)
     elif d.tokens_key:
-      _check_token_ids(d, tokenizer, first[d.tokens_key])
+      _check_token_ids(config, tokenizer, first[d.tokens_key])
 
 
-def _check_token_ids(d, tokenizer, ids) -> None:
-  """Stored ids must index the tokenizer's vocabulary (they were made with another one if not)."""
+def _check_token_ids(config, tokenizer, ids) -> None:
+  """Stored ids must index the model's vocabulary (they were made with another one if not).
+
+  The model's, not the tokenizer's: a model samples (self_distill) from all its rows.
+  """
+  d, m = config.data, config.model
+  # As model.resolve_vocab_size (not imported: the data layer starts no JAX).
+  size = m.vocab_size or -(-tokenizer.vocab_size // m.vocab_multiple) * m.vocab_multiple
   ids = np.asarray(ids)
-  size = tokenizer.vocab_size
   if ids.size and (ids.min() < 0 or ids.max() >= size):
     raise ConfigError(f'data.tokens_key {d.tokens_key!r} of {user_data.describe(d)} holds ids '
-                      f'in [{ids.min()}, {ids.max()}], outside the {size}-token vocabulary of '
-                      f'data.tokenizer {d.tokenizer!r}: were they made with another tokenizer?')
+                      f'in [{ids.min()}, {ids.max()}], outside the model\'s {size}-token '
+                      f'vocabulary (data.tokenizer {d.tokenizer!r}): made with another tokenizer?')
