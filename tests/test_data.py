@@ -2,6 +2,7 @@
 config errors."""
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -458,6 +459,22 @@ def test_user_source_packs_each_document_once_per_process(user_sources, kind):
   assert set(epochs[0]) | set(epochs[1]) == train
   eval_batch = pipeline.make_eval_batches(config, num_batches=1)[0]
   _check_rows(eval_batch, config.data.seq_len, config.data.batch_size)
+
+
+@pytest.mark.parametrize('kind', USER_KINDS)
+def test_user_sources_pickle_for_grain_workers(user_sources, kind):
+  """data.worker_count > 0 sends the source to worker processes: it must pickle, open
+  files afresh there (no descriptor or loaded column travels) and read the same records."""
+  config, _ = user_sources[kind]
+  source = stdlib_dataset.data_source(config.data, config.data.train_split)
+  source[len(source) - 1]  # pylint: disable=pointless-statement  (opens a file / a column)
+  copy = pickle.loads(pickle.dumps(source))
+  assert len(copy) == len(source)
+  for i in (0, len(source) - 1):
+    a, b = source[i], copy[i]
+    assert a.keys() == b.keys()
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
 
 
 def test_a_bad_record_later_in_a_file_names_file_and_line(user_sources, tmp_path):
