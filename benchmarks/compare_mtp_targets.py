@@ -64,10 +64,15 @@ def _finished(workdir: str, step: int) -> bool:
 
 
 def _stage(name, cmd, root, done, log_runs):
-  """Runs cmd (logged to root/name.log) unless done; records command, wall time, uptime."""
+  """Runs cmd (logged to root/name.log) unless done; records command, wall time, uptime.
+
+  Records persist in root/stages.json, so a rerun that skips a finished stage keeps them.
+  """
+  path = os.path.join(root, 'stages.json')
+  saved = json.load(open(path)) if os.path.exists(path) else {}
   entry = {'command': ' '.join(cmd[1:]).replace(REPO + '/', '')}
   if done():
-    entry['skipped'] = 'already finished'
+    entry = saved.get(name, dict(entry, skipped='finished before stages were recorded'))
   else:
     start, entry['uptime_before'] = time.time(), _uptime()
     with open(os.path.join(root, f'{name}.log'), 'w') as log:
@@ -76,12 +81,14 @@ def _stage(name, cmd, root, done, log_runs):
     if proc.returncode:
       sys.exit(f'stage {name} failed (exit {proc.returncode}); see {root}/{name}.log')
     entry.update(wall_s=round(time.time() - start, 1), uptime_after=_uptime())
-  log_runs[name] = entry
+  log_runs[name] = saved[name] = entry
+  with open(path, 'w') as f:
+    json.dump(saved, f, indent=1)
 
 
 def train_all(root: str, stages: dict) -> str:
   py = sys.executable
-  trunk, distilled = os.path.join(root, 'trunk'), os.path.join(root, 'distilled')
+  trunk, distilled = os.path.join(root, 'trunk'), os.path.join(root, 'distilled_data')
   _stage('trunk', [py, 'scripts/train.py', *MODEL, f'--workdir={trunk}',
                    '--config.model.mtp.depth=0', f'--config.train.steps={TRUNK_STEPS}',
                    '--config.train.warmup_steps=40', '--config.train.eval_every=200',
@@ -92,7 +99,7 @@ def train_all(root: str, stages: dict) -> str:
          root, lambda: os.path.exists(os.path.join(distilled, 'meta.json')), stages)
   for name, (targets, on_distilled) in RUNS.items():
     workdir = os.path.join(root, name)
-    data = (['--config.data.source=jsonl', f'--config.data.path={distilled}',
+    data = (['--config.data.source=jsonl', f'--config.data.path={distilled}/data.jsonl',
              '--config.data.tokens_key=tokens'] if on_distilled else [])
     _stage(name, [py, 'scripts/train.py', *MODEL, f'--workdir={workdir}', f'--init_from={trunk}',
                   f'--config.model.mtp.depth={DEPTH}', '--config.model.mtp.freeze_trunk=True',

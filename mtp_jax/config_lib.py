@@ -130,7 +130,7 @@ def base_config() -> ml_collections.ConfigDict:
   d.tokens_key = ''  # record field of token ids used as stored, instead of tokenizing text_key
   d.dataset = 'python_stdlib'  # TFDS name; python_stdlib is built from this interpreter
   d.data_dir = ''  # TFDS data_dir ('' -> ~/.cache/mtp_jax/tensorflow_datasets)
-  d.text_key = 'text'  # feature holding the document text
+  d.text_key = 'text'  # record field holding the document text (TFDS feature, JSON key, column)
   d.train_split = 'train'  # TFDS split to train on
   d.eval_split = 'validation'  # TFDS split for evaluation
   d.validation_percent = 5  # python_stdlib: percent of files (by path hash) held out

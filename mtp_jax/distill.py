@@ -180,8 +180,10 @@ def self_distill(workdir: str, out_dir: str, settings: Settings,
       'model_vocab_size': resolve_vocab_size(config),
       'prompt_data': {k: d[k] for k in ('source', 'path', 'dataset', 'corpus_dir', 'text_key',
                                         'tokens_key', 'train_split', 'validation_percent')},
-      # Train on it: the trunk's tokenizer, and the ids as stored.
-      'train_overrides': {'data.source': 'jsonl', 'data.path': os.path.abspath(out_dir),
+      # Train on it: the trunk's tokenizer, the ids as stored; the file, not the folder (a
+      # workdir put there would add its metrics.jsonl).
+      'train_overrides': {'data.source': 'jsonl',
+                          'data.path': os.path.abspath(os.path.join(out_dir, DATA_FILE)),
                           'data.tokens_key': 'tokens', 'data.text_key': 'text',
                           'data.tokenizer': d.tokenizer, 'data.spm_model': d.spm_model},
   }
