@@ -1,6 +1,7 @@
 """Which training signal makes the best drafts for a frozen trunk? (issue 11, FastMTP recipe)
 
-  python benchmarks/compare_mtp_targets.py [--root /tmp/mtp_targets] [--out benchmarks/compare_mtp_targets.json]
+  python benchmarks/compare_mtp_targets.py [--root /tmp/mtp_targets]
+      [--out benchmarks/compare_mtp_targets.json] [--num_prompts 32] [--sample_seeds 2]
 
 One command, four stages (a stage whose workdir already holds its last checkpoint is
 skipped, so an interrupted run picks up where it stopped):
@@ -163,7 +164,8 @@ def evaluate_all(root: str, trunk: str, args) -> dict:
         'eval_tokens': ev[metric_key('eval', 'tokens')],
         'greedy_tau': g['mean_accepted_length'],
         'greedy_accept': g['acceptance_per_depth'],
-        'greedy_identical_to_ar': all(np.array_equal(a, b) for a, b in zip(ar.tokens, greedy.tokens)),
+        'greedy_identical_to_ar': all(np.array_equal(a, b)
+                                      for a, b in zip(ar.tokens, greedy.tokens)),
         'sampled_tau': sum(s['committed'] for s in sampled) / max(steps_t1, 1),
         'sampled_tau_per_seed': [s['mean_accepted_length'] for s in sampled],
         'sampled_accept': [sum(s['acceptance_per_depth'][k] * s['verify_steps'] for s in sampled)
@@ -188,7 +190,8 @@ def main(argv=None) -> int:
       'command': 'python benchmarks/compare_mtp_targets.py ' + ' '.join(argv or sys.argv[1:]),
       'machine': f'{os.cpu_count()} CPU cores (shared); ' + _uptime(),
       'uptime_before': up, 'uptime_after': _uptime(),
-      'wall_s_total': round(time.time() - start, 1), 'wall_s_eval': round(time.time() - eval_start, 1),
+      'wall_s_total': round(time.time() - start, 1),
+      'wall_s_eval': round(time.time() - eval_start, 1),
       'trunk': {'model_flags': ' '.join(MODEL).replace(REPO + '/', ''), 'steps': TRUNK_STEPS},
       'mtp': {'depth': DEPTH, 'steps': MTP_STEPS, 'freeze_trunk': True},
       'self_distill': DISTILL,

@@ -14,7 +14,7 @@ import pytest
 import helpers
 from mtp_jax import config_lib
 from mtp_jax.config_lib import ConfigError
-from mtp_jax.data import corpus, pipeline, stdlib_dataset, tokenizers, user_data
+from mtp_jax.data import corpus, pipeline, stdlib_dataset, tokenizers
 
 EOS = tokenizers.EOS_ID
 

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import REPO
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import cli, decode, train
+from mtp_jax import decode, train
 from mtp_jax import state as state_lib
 from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
 

@@ -20,7 +20,7 @@ TRAIN, VALIDATION = 'train', 'validation'
 SPLITS = (TRAIN, VALIDATION)
 # Third-party code is not part of the standard library; caches are not source.
 _SKIP_DIRS = frozenset({'site-packages', 'dist-packages', '__pycache__'})
-_HASH_BUCKETS = 10_000  # split granularity: validation_percent to 0.01 %
+HASH_BUCKETS = 10_000  # split granularity: validation_percent to 0.01 %
 
 
 def stdlib_root() -> str:
@@ -61,8 +61,8 @@ def list_files(root: str, extensions: Sequence[str] = ('.py',), *,
 
 def split_of(relpath: str, validation_percent: float) -> str:
   """'validation' for about validation_percent % of paths, stable across runs and machines."""
-  bucket = int.from_bytes(hashlib.sha1(relpath.encode('utf-8')).digest()[:8], 'big') % _HASH_BUCKETS
-  return VALIDATION if bucket < validation_percent * (_HASH_BUCKETS // 100) else TRAIN
+  bucket = int.from_bytes(hashlib.sha1(relpath.encode('utf-8')).digest()[:8], 'big') % HASH_BUCKETS
+  return VALIDATION if bucket < validation_percent * (HASH_BUCKETS // 100) else TRAIN
 
 
 def split_files(paths: Sequence[str], validation_percent: float) -> dict[str, list[str]]:

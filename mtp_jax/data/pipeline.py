@@ -31,7 +31,8 @@ _RENAME = {'tokens': _KEY, 'segment_ids': f'{_KEY}_segment_ids',
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)
 
 
-def document_ids(tokenizer: tokenizers.Tokenizer, data_config, record: dict[str, Any]) -> np.ndarray:
+def document_ids(tokenizer: tokenizers.Tokenizer, data_config,
+                 record: dict[str, Any]) -> np.ndarray:
   """A record's token ids without eos: data.tokens_key's ids as stored, else its encoded text."""
   tokens_key = data_config.tokens_key
   if tokens_key:

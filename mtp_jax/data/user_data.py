@@ -67,7 +67,7 @@ def _root(path: str) -> str:
 
 
 def _record_buckets(file_key: str, n: int) -> np.ndarray:
-  """[n] hash buckets in [0, corpus._HASH_BUCKETS) of rows 0..n-1 of one file, stable anywhere.
+  """[n] hash buckets in [0, corpus.HASH_BUCKETS) of rows 0..n-1 of one file, stable anywhere.
 
   splitmix64 of (sha1 of the file's relative path + row): vectorised, so a million rows
   take milliseconds.
@@ -78,11 +78,11 @@ def _record_buckets(file_key: str, n: int) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     z = z ^ (z >> np.uint64(31))
-  return (z % np.uint64(corpus._HASH_BUCKETS)).astype(np.int64)  # pylint: disable=protected-access
+  return (z % np.uint64(corpus.HASH_BUCKETS)).astype(np.int64)
 
 
 def _in_split(buckets: np.ndarray, split: str, validation_percent: float) -> np.ndarray:
-  held_out = buckets < validation_percent * (corpus._HASH_BUCKETS // 100)  # pylint: disable=protected-access
+  held_out = buckets < validation_percent * (corpus.HASH_BUCKETS // 100)
   return held_out if split == corpus.VALIDATION else ~held_out
 
 
