@@ -266,8 +266,11 @@ class ParquetSource:
 
   def __init__(self, files: Sequence[tuple[str, str]], fields: _Fields, split: str,
                validation_percent: float):
-    # Deferred: pyarrow is needed only for parquet data (an optional dependency).
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    try:
+      # Deferred: pyarrow is needed only for parquet data (an optional dependency).
+      import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise ConfigError('data.source parquet needs pyarrow: pip install "mtp_jax[data]"') from e
     self.paths = [p for p, _ in files]
     self.rels = [r for _, r in files]
     self.fields = fields
@@ -341,8 +344,11 @@ def _hf_source(d, split: str, fields: _Fields) -> HFDiskSource:
   if not os.path.isdir(root):
     raise ConfigError(f'data.path {root!r} is not a directory (data.source hf_disk reads '
                       'what datasets.Dataset.save_to_disk wrote)')
-  # Deferred: `datasets` is an optional dependency, and slow to import (≈ 1 s).
-  import datasets  # pylint: disable=g-import-not-at-top
+  try:
+    # Deferred: `datasets` is an optional dependency, and slow to import (≈ 1 s).
+    import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ConfigError('data.source hf_disk needs datasets: pip install "mtp_jax[data]"') from e
   try:
     loaded = datasets.load_from_disk(root)
   except Exception as e:  # pylint: disable=broad-except
