@@ -30,7 +30,10 @@ EXTRAS = {
              'ipykernel>=6.29,<8',
              # Reference outputs for the Hugging Face trunk tests; 2.13.0 is the CPU wheel on
              # this machine's disk (a looser range pulls a multi-GB CUDA build from PyPI).
-             'torch==2.13.0', 'transformers>=5.24,<5.25', 'datasets>=5.2,<5.3'],
+             'torch==2.13.0', 'transformers>=5.24,<5.25', 'datasets>=5.2,<5.3',
+             'pyarrow>=26,<27'],  # tests/test_data.py writes parquet files itself
+    # User data (mtp_jax/data/user_data.py): data.source=parquet needs pyarrow, hf_disk datasets.
+    'data': ['pyarrow>=26,<27', 'datasets>=5.2,<5.3'],
     'notebooks': ['jupyterlab>=4', 'nbclient>=0.10,<0.12', 'nbformat>=5.10,<6',
                   'ipykernel>=6.29,<8'],
 }

@@ -131,9 +131,18 @@ def base_config() -> ml_collections.ConfigDict:
   lo.mtp_targets = 'data'
 
   d = c.data = ml_collections.ConfigDict()
+  # Where documents come from: tfds (data.dataset by its TFDS name) | files (data.path: a
+  # folder, one document per file ending in data.extensions) | jsonl | parquet (data.path: a
+  # file or a folder of them, one record per line / row) | hf_disk (data.path: a directory
+  # written by datasets' save_to_disk). Records split into train / validation by hash unless
+  # a saved DatasetDict names its splits (mtp_jax/data/user_data.py).
+  d.source = 'tfds'
+  d.path = ''  # data.source files / jsonl / parquet / hf_disk: what to read ('' with tfds)
+  d.extensions = ('.py',)  # data.source files: the file-name endings read, e.g. ('.md', '.txt')
+  d.tokens_key = ''  # record field of token ids used as stored, instead of tokenizing text_key
   d.dataset = 'python_stdlib'  # TFDS name; python_stdlib is built from this interpreter
   d.data_dir = ''  # TFDS data_dir ('' -> ~/.cache/mtp_jax/tensorflow_datasets)
-  d.text_key = 'text'  # feature holding the document text
+  d.text_key = 'text'  # record field holding the document text (TFDS feature, JSON key, column)
   d.train_split = 'train'  # TFDS split to train on
   d.eval_split = 'validation'  # TFDS split for evaluation
   d.validation_percent = 5  # python_stdlib: percent of files (by path hash) held out
@@ -358,6 +367,7 @@ def validate(config, num_devices: int | None = None) -> None:
            f'data.validation_percent must be in (0, 100), got {d.validation_percent}')
   _require(d.worker_count >= 0, f'data.worker_count must be >= 0, got {d.worker_count}')
   _require(isinstance(d.corpus_dir, str), f'data.corpus_dir must be a path string, got {d.corpus_dir!r}')
+  validate_data_source(d)
 
   for rule in config.mesh.rules:
     _require(len(rule) == 2, f'mesh.rules entries must be (logical, mesh_axes) pairs, got {rule!r}')
@@ -411,6 +421,30 @@ def rope_scaling_tuple(config) -> tuple:
     return ('linear', float(rs.factor))
   return ('llama3', float(rs.factor), float(rs.low_freq_factor), float(rs.high_freq_factor),
           int(rs.original_max_positions))
+
+
+DATA_SOURCES = ('tfds', 'files', 'jsonl', 'parquet', 'hf_disk')  # mtp_jax/data/user_data.py
+
+
+def validate_data_source(d) -> None:
+  """data.source / path / extensions / tokens_key values (the data layer reads the disk)."""
+  _require(d.source in DATA_SOURCES, f'data.source must be one of {DATA_SOURCES}, got {d.source!r}')
+  _require(isinstance(d.path, str), f'data.path must be a path string, got {d.path!r}')
+  _require(d.source == 'tfds' or bool(d.path), f'data.source {d.source!r} reads data.path, which is empty')
+  _require(d.source != 'tfds' or not d.path,
+           f'data.path ({d.path!r}) is read only when data.source is one of {DATA_SOURCES[1:]}; '
+           'set data.source, or data.dataset for a TFDS dataset')
+  ext = d.extensions
+  _require(isinstance(ext, (tuple, list)) and bool(ext)
+           and all(isinstance(e, str) and len(e) > 1 and e.startswith('.') and '/' not in e
+                   for e in ext),
+           "data.extensions must be a non-empty tuple of file-name endings such as "
+           f"('.md', '.txt'), got {ext!r}")
+  _require(isinstance(d.tokens_key, str),
+           f'data.tokens_key must be a field name or empty, got {d.tokens_key!r}')
+  _require(d.source != 'files' or not d.tokens_key,
+           f'data.tokens_key ({d.tokens_key!r}) names a field of records, but data.source files '
+           'reads plain text files: leave it empty')
 
 
 def _validate_block_kinds(config) -> None:

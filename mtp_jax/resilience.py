@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 
 from mtp_jax.cli import one_line
 from mtp_jax.config_lib import ConfigError
-from mtp_jax.data import tokenizers
+from mtp_jax.data import tokenizers, user_data
 from mtp_jax.metrics import depth_names
 
 
@@ -228,6 +228,8 @@ def check_document_lengths(config) -> None:
   """
   # Deferred: stdlib_dataset imports tensorflow_datasets (seconds), needed only to train.
   from mtp_jax.data import stdlib_dataset  # pylint: disable=g-import-not-at-top
+  # Deferred: as stdlib_dataset (pipeline imports it); its document_ids reads data.tokens_key.
+  from mtp_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   depth = config.model.mtp.depth
   need = depth + 2
   d = config.data
@@ -236,16 +238,15 @@ def check_document_lengths(config) -> None:
   n = min(len(source), _DOC_SAMPLE)
   longest = 0
   for i in range(n):
-    text = source[i][d.text_key]
-    if not len(text):
+    length = len(pipeline.document_ids(tokenizer, d, source[i]))
+    if not length:
       continue
-    length = len(tokenizer.encode_array(text)) + 1  # + eos
-    longest = max(longest, length)
+    longest = max(longest, length + 1)  # + eos
     if longest >= need:
       return
   raise ConfigError(
-      f'data: the {n} documents checked in split {d.train_split!r} of data.dataset '
-      f'{d.dataset!r} are all shorter than model.mtp.depth + 2 = {need} tokens (longest '
+      f'data: the {n} documents checked in split {d.train_split!r} of {user_data.describe(d)} '
+      f'are all shorter than model.mtp.depth + 2 = {need} tokens (longest '
       f'{longest} with eos), so MTP depth {depth} would never have a target; lower '
       'model.mtp.depth or use longer documents')
 

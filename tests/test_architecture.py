@@ -26,6 +26,8 @@ DEFERRED = {
     ('mtp_jax.resilience', 'jax._src'),  # its distributed module, private
     ('mtp_jax.evaluation', 'mtp_jax.data.stdlib_dataset'),
     ('mtp_jax.evaluation', 'mtp_jax.data.pipeline'),
+    ('mtp_jax.data.user_data', 'pyarrow.parquet'),  # optional: parquet data only
+    ('mtp_jax.data.user_data', 'datasets'),  # optional: data.source hf_disk only
 }
 
 

@@ -1,5 +1,8 @@
-"""Data layer: corpus split, TFDS dataset, packed grain batches, resume, config errors."""
+"""Data layer: corpus split, TFDS dataset, user data sources, packed grain batches, resume,
+config errors."""
+import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -8,6 +11,7 @@ import grain
 import numpy as np
 import pytest
 
+import helpers
 from mtp_jax import config_lib
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import corpus, pipeline, stdlib_dataset, tokenizers
@@ -102,8 +106,8 @@ def _byte_piece(ids):
   return bytes(np.where(ids == EOS, 0, ids - 2).astype(np.uint8))
 
 
-def _first_epoch(config, process_index, process_count, num_batches):
-  """Documents (as text) of one process's stream, up to the first repeat."""
+def _first_epoch(config, process_index, process_count, num_batches, as_ids=False):
+  """Documents (as text, or tuples of ids) of one process's stream, up to the first repeat."""
   it = pipeline.make_train_iter(config, process_index=process_index,
                                 process_count=process_count)
   stream = []
@@ -114,7 +118,7 @@ def _first_epoch(config, process_index, process_count, num_batches):
   docs, cur = [], []
   for t in stream:
     if t == EOS:
-      docs.append(tokenizers.ByteTokenizer().decode(cur))
+      docs.append(tuple(cur) if as_ids else tokenizers.ByteTokenizer().decode(cur))
       cur = []
     else:
       cur.append(t)
@@ -279,7 +283,17 @@ def _assert_same(xs, ys):
       np.testing.assert_array_equal(x[k], y[k])
 
 
-def test_iterator_state_resumes_exactly(cfg, tmp_path):
+@pytest.fixture(params=['python_stdlib', 'files', 'jsonl', 'parquet', 'hf_disk', 'hf_dict',
+                        'tokens'])
+def any_source(request, stdlib_data_dir, user_sources):
+  """A config of each data source: the stdlib corpus (seq_len 64) or a user source (16)."""
+  if request.param == 'python_stdlib':
+    return _config(stdlib_data_dir)
+  return user_sources[request.param][0]
+
+
+def test_iterator_state_resumes_exactly(any_source, tmp_path):
+  cfg = any_source
   it = pipeline.make_train_iter(cfg)
   _take(it, 7)
   state = it.get_state()
@@ -312,6 +326,235 @@ def test_multiprocess_workers_resume_exactly(cfg):
   fresh.set_state(state)
   _assert_same(_take(fresh, 3), want)
   fresh.close()
+
+
+# ----------------------------------------------------------------------------- user data
+
+def _ids(text):
+  return tuple(tokenizers.ByteTokenizer().encode(text))
+
+
+# Token-id documents as self_distill writes them: sampled bytes need not be valid UTF-8
+# (0xff -> id 257), so no text could carry them exactly.
+_TOKEN_DOCS = [tuple(int(t) for t in np.random.default_rng(i).integers(2, 258, 5 + 3 * i))
+               for i in range(20)]
+
+
+@pytest.fixture(scope='session')
+def user_sources(tmp_path_factory):
+  """{kind: (config, {'all' or split: [documents as id tuples]})} of each user data source.
+
+  The same unique documents (_TINY_DOCS) as a folder of .md / .txt files, two .jsonl files,
+  two parquet files, a saved datasets Dataset and a DatasetDict with named splits; plus
+  a .jsonl of token ids. Each holds things the reader must skip or tell apart.
+  """
+  import datasets  # pylint: disable=g-import-not-at-top  (optional: the test extra)
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp('user_data')
+  texts = list(_TINY_DOCS.values())
+  out = {}
+
+  def config(kind, source, path, **data):
+    c = _config('', source=source, path=str(path), validation_percent=25, seq_len=16,
+                batch_size=2, **data)
+    config_lib.validate(c)
+    pipeline.validate_data_config(c)
+    return c
+
+  files = root / 'folder'
+  for i, text in enumerate(texts):  # nested, two extensions
+    (files / f'd{i % 3}').mkdir(parents=True, exist_ok=True)
+    (files / f'd{i % 3}' / f'n{i:02d}{".md" if i % 2 else ".txt"}').write_text(text)
+  (files / 'code.py').write_text('not read: .py is not among the extensions\n')
+  (files / '.git').mkdir()
+  (files / '.git' / 'HEAD.md').write_text('hidden directory, skipped\n')
+  (files / 'empty.md').write_bytes(b'')
+  (files / 'blob.txt').write_bytes(b'\x00\x01binary')
+  out['files'] = (config('files', 'files', files, extensions=('.md', '.txt')),
+                  {'all': [_ids(t) for t in texts]})
+
+  jsonl = root / 'jsonl'
+  (jsonl / 'part').mkdir(parents=True)
+  with open(jsonl / 'a.jsonl', 'w') as f:
+    for t in texts[:10]:
+      f.write(json.dumps({'text': t, 'meta': {'n': len(t)}}) + '\n')
+    f.write('\n   \n')  # blank lines are not records
+  with open(jsonl / 'part' / 'b.jsonl', 'w') as f:
+    f.write('\r\n'.join(json.dumps({'text': t}) for t in texts[10:]))  # no final newline
+  (jsonl / 'notes.txt').write_text('not a .jsonl file')
+  out['jsonl'] = (config('jsonl', 'jsonl', jsonl), {'all': [_ids(t) for t in texts]})
+
+  pq_dir = root / 'parquet'
+  pq_dir.mkdir()
+  pq.write_table(pa.table({'content': texts[:15], 'n': list(range(15))}), pq_dir / 'a.parquet',
+                 row_group_size=4)
+  pq.write_table(pa.table({'content': texts[15:]}), pq_dir / 'b.parquet')
+  out['parquet'] = (config('parquet', 'parquet', pq_dir, text_key='content'),
+                    {'all': [_ids(t) for t in texts]})
+
+  datasets.disable_progress_bars()
+  ds = datasets.Dataset.from_dict({'text': texts, 'id': list(range(len(texts)))})
+  ds.save_to_disk(str(root / 'hf'))
+  out['hf_disk'] = (config('hf_disk', 'hf_disk', root / 'hf'), {'all': [_ids(t) for t in texts]})
+  dd = datasets.DatasetDict({'train': datasets.Dataset.from_dict({'body': texts[:20]}),
+                             'test': datasets.Dataset.from_dict({'body': texts[20:]})})
+  dd.save_to_disk(str(root / 'hf_dict'))
+  out['hf_dict'] = (config('hf_dict', 'hf_disk', root / 'hf_dict', text_key='body',
+                           eval_split='test'),
+                    {'train': [_ids(t) for t in texts[:20]],
+                     'test': [_ids(t) for t in texts[20:]]})
+
+  with open(root / 'tokens.jsonl', 'w') as f:
+    for ids in _TOKEN_DOCS:
+      f.write(json.dumps({'tokens': list(ids), 'prompt_len': 2}) + '\n')
+  out['tokens'] = (config('tokens', 'jsonl', root / 'tokens.jsonl', tokens_key='tokens'),
+                   {'all': list(_TOKEN_DOCS)})
+  return out
+
+
+USER_KINDS = ['files', 'jsonl', 'parquet', 'hf_disk', 'hf_dict', 'tokens']
+
+
+def _split_ids(config, split):
+  """Every non-empty document of a split, read straight from the source, as id tuples
+  (empty and binary files read as empty documents, which the pipeline skips)."""
+  d = config.data
+  source = stdlib_dataset.data_source(d, split)
+  tok = tokenizers.get_tokenizer(d)
+  docs = [tuple(pipeline.document_ids(tok, d, source[i]).tolist()) for i in range(len(source))]
+  return [doc for doc in docs if doc]
+
+
+@pytest.mark.parametrize('kind', USER_KINDS)
+def test_user_source_splits_every_document_once(user_sources, kind):
+  config, docs = user_sources[kind]
+  d = config.data
+  train, val = _split_ids(config, d.train_split), _split_ids(config, d.eval_split)
+  assert train and val, 'the tiny sets must give both splits documents'
+  if 'all' in docs:  # split by hash: disjoint, complete, the same on a second read
+    assert sorted(train + val) == sorted(docs['all']) and not set(train) & set(val)
+    assert _split_ids(config, d.train_split) == train
+  else:  # a DatasetDict's own splits, in its order
+    assert train == docs['train'] and val == docs['test']
+  if kind == 'files':  # the path hash of python_stdlib decides, read only .md / .txt
+    rels = corpus.list_files(d.path, ('.md', '.txt'), skip_hidden=True, field='data.path')
+    assert '.git/HEAD.md' not in rels and 'code.py' not in rels and 'blob.txt' in rels
+    want = corpus.split_files(rels, d.validation_percent)['validation']
+    source = stdlib_dataset.data_source(d, 'validation')
+    assert [source[i]['path'] for i in range(len(source))] == want
+  if kind == 'tokens':  # invalid UTF-8 and all: the ids as stored
+    assert any(257 in ids for ids in train + val)
+
+
+@pytest.mark.parametrize('kind', USER_KINDS)
+def test_user_source_packs_each_document_once_per_process(user_sources, kind):
+  """The stdlib corpus's packing check: two process shards, disjoint, covering the split."""
+  config, _ = user_sources[kind]
+  train = set(_split_ids(config, config.data.train_split))
+  total = sum(len(t) + 1 for t in train)
+  num_batches = total // (config.data.batch_size // 2 * config.data.seq_len) + 4
+  epochs = [_first_epoch(config, i, 2, num_batches, as_ids=True) for i in range(2)]
+  assert not set(epochs[0]) & set(epochs[1])
+  assert set(epochs[0]) | set(epochs[1]) == train
+  eval_batch = pipeline.make_eval_batches(config, num_batches=1)[0]
+  _check_rows(eval_batch, config.data.seq_len, config.data.batch_size)
+
+
+@pytest.mark.parametrize('kind', USER_KINDS)
+def test_user_sources_pickle_for_grain_workers(user_sources, kind):
+  """data.worker_count > 0 sends the source to worker processes: it must pickle, open
+  files afresh there (no descriptor or loaded column travels) and read the same records."""
+  config, _ = user_sources[kind]
+  source = stdlib_dataset.data_source(config.data, config.data.train_split)
+  source[len(source) - 1]  # pylint: disable=pointless-statement  (opens a file / a column)
+  copy = pickle.loads(pickle.dumps(source))
+  assert len(copy) == len(source)
+  for i in (0, len(source) - 1):
+    a, b = source[i], copy[i]
+    assert a.keys() == b.keys()
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_a_bad_record_later_in_a_file_names_file_and_line(user_sources, tmp_path):
+  config, _ = user_sources['jsonl']
+  config = config.copy_and_resolve_references()
+  lines = [json.dumps({'text': f'document number {i}'}) for i in range(40)]
+  lines[31] = json.dumps({'body': 'wrong field'})
+  (tmp_path / 'x.jsonl').write_text('\n'.join(lines))
+  config.data.path = str(tmp_path / 'x.jsonl')
+  config.data.validation_percent = 1
+  pipeline.validate_data_config(config)  # the first record is fine
+  source = stdlib_dataset.data_source(config.data, 'train')
+  with pytest.raises(ConfigError) as e:
+    [source[i] for i in range(len(source))]  # pylint: disable=expression-not-assigned
+  assert "data.text_key 'text' is not a field of data.path: x.jsonl line 32" in str(e.value)
+
+
+def _user_error_cases(root):
+  """(name, data fields, words in the one-line error) of user-data mistakes."""
+  import datasets  # pylint: disable=g-import-not-at-top  (optional: the test extra)
+  (root / 'notes').mkdir()
+  (root / 'notes' / 'a.txt').write_text('text')
+  (root / 'bad.jsonl').write_text('{"text": "ok"\n')
+  (root / 'int.jsonl').write_text('{"text": 3}\n')
+  (root / 'good.jsonl').write_text('{"text": "fine"}\n')
+  (root / 'ids.jsonl').write_text('{"tokens": [5, 300000]}\n')
+  (root / 'fake.parquet').write_text('not parquet')
+  datasets.Dataset.from_dict({'content': ['a b c d e f']}).save_to_disk(str(root / 'hf'))
+  datasets.DatasetDict({'train': datasets.Dataset.from_dict({'text': ['x' * 20]})}).save_to_disk(
+      str(root / 'hfd'))
+  r = str(root)
+  return [
+      ('unknown source', dict(source='csv', path=r), ['data.source', "'csv'"]),
+      ('source without path', dict(source='jsonl'), ['data.source', 'data.path', 'empty']),
+      ('path with tfds', dict(path=r), ['data.path', 'data.source']),
+      ('extension without dot', dict(source='files', path=r, extensions=('md',)),
+       ['data.extensions', "('md',)"]),
+      ('no extensions', dict(source='files', path=r, extensions=()), ['data.extensions']),
+      ('missing folder', dict(source='files', path=f'{r}/nope'),
+       ['data.path', f'{r}/nope', 'not a readable directory']),
+      ('no matching files', dict(source='files', path=f'{r}/notes', extensions=('.md', '.rst')),
+       ['data.path', 'contains no .md or .rst files']),
+      ('tokens_key with files', dict(source='files', path=r, tokens_key='ids'),
+       ['data.tokens_key', 'plain text files']),
+      ('missing jsonl', dict(source='jsonl', path=f'{r}/none.jsonl'),
+       ['data.path', 'neither a .jsonl file nor a directory']),
+      ('no jsonl in folder', dict(source='jsonl', path=f'{r}/notes'),
+       ['data.path', 'contains no .jsonl files']),
+      ('invalid json', dict(source='jsonl', path=f'{r}/bad.jsonl'),
+       ['data.path', 'bad.jsonl line 1', 'not valid JSON']),
+      ('text not a string', dict(source='jsonl', path=f'{r}/int.jsonl'),
+       ["data.text_key 'text'", 'int.jsonl line 1', 'must hold text']),
+      ('missing jsonl field', dict(source='jsonl', path=f'{r}/int.jsonl', text_key='body'),
+       ["data.text_key 'body' is not a field", 'int.jsonl line 1', "['text']"]),
+      ('ids outside the vocabulary', dict(source='jsonl', path=f'{r}/ids.jsonl',
+                                          tokens_key='tokens'),
+       ["data.tokens_key 'tokens'", '300000', "model's 320-token vocabulary"]),
+      ('hash split name', dict(source='jsonl', path=f'{r}/good.jsonl', eval_split='test'),
+       ["data.eval_split 'test'", 'split by hash', "('train', 'validation')"]),
+      ('not parquet', dict(source='parquet', path=f'{r}/fake.parquet'),
+       ['data.path', 'fake.parquet is not a readable parquet file']),
+      ('not a saved dataset', dict(source='hf_disk', path=f'{r}/notes'),
+       ['data.path', 'is not a saved datasets dataset']),
+      ('hf column', dict(source='hf_disk', path=f'{r}/hf'),
+       ["data.text_key 'text' is not a column", "['content']"]),
+      ('hf split', dict(source='hf_disk', path=f'{r}/hfd'),
+       ["has no split 'validation' (data.eval_split)", "['train']"]),
+  ]
+
+
+def test_user_data_errors_name_the_field(tmp_path):
+  for name, fields, words in _user_error_cases(tmp_path):
+    c = _config('', **fields)
+    with pytest.raises(ConfigError) as e:
+      config_lib.validate(c)
+      pipeline.validate_data_config(c)
+    line = str(e.value)
+    assert '\n' not in line, name
+    for w in words:
+      assert w in line, (name, w, line)
 
 
 # ----------------------------------------------------------------------------- config errors
@@ -360,3 +603,29 @@ def test_batch_must_split_over_processes(cfg):
   with pytest.raises(ConfigError, match='data.batch_size'):
     pipeline.validate_data_config(cfg, process_count=3)
   assert pipeline.per_process_batch_size(cfg, 2) == 2
+
+
+def test_user_data_errors_stop_a_run_before_compiling(devices, tmp_path, monkeypatch):
+  """As test_bad_input's catalogue: exit code 2, one line, steps.setup never reached."""
+  from mtp_jax import cli, train  # pylint: disable=g-import-not-at-top  (JAX-heavy)
+  from mtp_jax import steps as steps_lib  # pylint: disable=g-import-not-at-top
+
+  def tripwire(*a, **k):
+    raise AssertionError('reached compilation: the input error was not caught before it')
+  monkeypatch.setattr(steps_lib, 'setup', tripwire)
+  (tmp_path / 'd.jsonl').write_text('{"body": "x"}\n' * 8)
+  c = helpers.load_config('tiny')
+  c.train.progress = False
+  cases = [(dict(source='jsonl', path=str(tmp_path / 'd.jsonl')),
+            ["data.text_key 'text' is not a field", 'd.jsonl line 1']),
+           (dict(source='files', path=str(tmp_path), extensions=('txt',)), ['data.extensions'])]
+  for fields, words in cases:
+    cfg = c.copy_and_resolve_references()
+    for k, v in fields.items():
+      cfg.data[k] = v
+    with pytest.raises(Exception) as e:
+      train.train_and_evaluate(cfg, str(tmp_path / 'run'), devices=devices[:1])
+    assert cli.exit_code_of(e.value) == 2, repr(e.value)
+    line = cli.one_line(e.value)
+    assert '\n' not in line and all(w in line for w in words), line
+    assert not os.path.exists(tmp_path / 'run'), 'a failed start leaves no workdir'

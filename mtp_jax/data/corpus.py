@@ -20,7 +20,7 @@ TRAIN, VALIDATION = 'train', 'validation'
 SPLITS = (TRAIN, VALIDATION)
 # Third-party code is not part of the standard library; caches are not source.
 _SKIP_DIRS = frozenset({'site-packages', 'dist-packages', '__pycache__'})
-_HASH_BUCKETS = 10_000  # split granularity: validation_percent to 0.01 %
+HASH_BUCKETS = 10_000  # split granularity: validation_percent to 0.01 %
 
 
 def stdlib_root() -> str:
@@ -33,27 +33,36 @@ def resolve_root(corpus_dir: str = '') -> str:
   return os.path.abspath(os.path.expanduser(corpus_dir)) if corpus_dir else stdlib_root()
 
 
-def list_files(root: str) -> list[str]:
-  """Sorted relative POSIX paths of the `.py` files under root; ConfigError when none."""
+def list_files(root: str, extensions: Sequence[str] = ('.py',), *,
+               skip_dirs: frozenset = _SKIP_DIRS, skip_hidden: bool = False,
+               field: str = 'data.corpus_dir') -> list[str]:
+  """Sorted relative POSIX paths of the files under root ending in one of `extensions`.
+
+  ConfigError naming `field` when root is not a readable directory or holds no such file.
+  skip_hidden: also leave out directories whose names start with '.' (.git, .venv).
+  """
   if not os.path.isdir(root) or not os.access(root, os.R_OK | os.X_OK):
-    raise ConfigError(f'data.corpus_dir: corpus root {root!r} is not a readable directory')
+    raise ConfigError(f'{field}: corpus root {root!r} is not a readable directory')
+  ends = tuple(extensions)
   paths = []
   for dirpath, dirnames, filenames in os.walk(root):  # does not follow dir symlinks
-    dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+    dirnames[:] = [d for d in dirnames
+                   if d not in skip_dirs and not (skip_hidden and d.startswith('.'))]
     rel_dir = os.path.relpath(dirpath, root)
     for name in filenames:
-      if name.endswith('.py') and os.path.isfile(os.path.join(dirpath, name)):
+      if name.endswith(ends) and os.path.isfile(os.path.join(dirpath, name)):
         rel = name if rel_dir == '.' else os.path.join(rel_dir, name)
         paths.append(rel.replace(os.sep, '/'))
   if not paths:
-    raise ConfigError(f'data.corpus_dir: corpus root {root!r} contains no .py files')
+    what = ' or '.join(ends) if len(ends) > 1 else ends[0]
+    raise ConfigError(f'{field}: corpus root {root!r} contains no {what} files')
   return sorted(paths)
 
 
 def split_of(relpath: str, validation_percent: float) -> str:
   """'validation' for about validation_percent % of paths, stable across runs and machines."""
-  bucket = int.from_bytes(hashlib.sha1(relpath.encode('utf-8')).digest()[:8], 'big') % _HASH_BUCKETS
-  return VALIDATION if bucket < validation_percent * (_HASH_BUCKETS // 100) else TRAIN
+  bucket = int.from_bytes(hashlib.sha1(relpath.encode('utf-8')).digest()[:8], 'big') % HASH_BUCKETS
+  return VALIDATION if bucket < validation_percent * (HASH_BUCKETS // 100) else TRAIN
 
 
 def split_files(paths: Sequence[str], validation_percent: float) -> dict[str, list[str]]:

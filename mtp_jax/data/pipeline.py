@@ -20,7 +20,7 @@ import numpy as np
 
 from mtp_jax import config_lib
 from mtp_jax.config_lib import ConfigError
-from mtp_jax.data import stdlib_dataset, tokenizers
+from mtp_jax.data import stdlib_dataset, tokenizers, user_data
 
 _KEY = 'tokens'
 _RENAME = {'tokens': _KEY, 'segment_ids': f'{_KEY}_segment_ids',
@@ -31,26 +31,49 @@ _RENAME = {'tokens': _KEY, 'segment_ids': f'{_KEY}_segment_ids',
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)
 
 
-class _Tokenize:
-  """record -> {'tokens': int32 ids + eos}; a class so grain workers can pickle it."""
+def document_ids(tokenizer: tokenizers.Tokenizer, data_config,
+                 record: dict[str, Any]) -> np.ndarray:
+  """A record's token ids without eos: data.tokens_key's ids as stored, else its encoded text."""
+  tokens_key = data_config.tokens_key
+  if tokens_key:
+    return np.asarray(record[tokens_key], np.int32)
+  return tokenizer.encode_array(record[data_config.text_key])
 
-  def __init__(self, tokenizer: tokenizers.Tokenizer, text_key: str):
+
+class _Tokenize:
+  """record -> {'tokens': int32 ids + eos}; a class so grain workers can pickle it.
+
+  tokens_key: the record already holds the ids (data.tokens_key), taken as they are.
+  """
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, text_key: str, tokens_key: str = ''):
     self.tokenizer = tokenizer
     self.text_key = text_key
+    self.tokens_key = tokens_key
 
   def __call__(self, record: dict[str, Any]) -> dict[str, np.ndarray]:
-    ids = self.tokenizer.encode_array(record[self.text_key])
+    if self.tokens_key:
+      ids = np.asarray(record[self.tokens_key], np.int32)
+    else:
+      ids = self.tokenizer.encode_array(record[self.text_key])
     return {_KEY: np.append(ids, np.int32(self.tokenizer.eos_id)).astype(np.int32)}
 
 
 class _NonEmpty:
-  """Keeps records whose text is non-empty."""
+  """Keeps records whose text (or token ids) are non-empty."""
 
-  def __init__(self, text_key: str):
-    self.text_key = text_key
+  def __init__(self, key: str):
+    self.key = key
 
   def __call__(self, record: dict[str, Any]) -> bool:
-    return len(record[self.text_key]) > 0
+    return len(record[self.key]) > 0
+
+
+def _tokenize_steps(config, tokenizer):
+  """(filter, map) of a split's records: skip empty documents, then tokens + eos."""
+  d = config.data
+  tokens_key = d.tokens_key
+  return _NonEmpty(tokens_key or d.text_key), _Tokenize(tokenizer, d.text_key, tokens_key)
 
 
 def _rename(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -85,7 +108,7 @@ def _documents(config, split: str, process_index: int, process_count: int) -> gr
   _check_shard(process_index, process_count)
   source = stdlib_dataset.data_source(config.data, split)
   if len(source) < process_count:
-    raise ConfigError(f'data.dataset {config.data.dataset!r} split {split!r} has {len(source)} '
+    raise ConfigError(f'{user_data.describe(config.data)} split {split!r} has {len(source)} '
                       f'documents, fewer than the {process_count} processes reading it')
   return grain.MapDataset.source(source)[process_index::process_count]
 
@@ -100,10 +123,10 @@ def make_train_iter(config, *, process_index: int = 0,
   """
   d = config.data
   batch = per_process_batch_size(config, process_count)
-  tokenizer = tokenizers.get_tokenizer(d)
+  non_empty, tokenize = _tokenize_steps(config, tokenizers.get_tokenizer(d))
   docs = (_documents(config, d.train_split, process_index, process_count)
           .seed(d.shuffle_seed).shuffle().repeat()
-          .filter(_NonEmpty(d.text_key)).map(_Tokenize(tokenizer, d.text_key))
+          .filter(non_empty).map(tokenize)
           .to_iter_dataset(_READ_OPTIONS))
   ds = pack_and_batch(docs, seq_len=d.seq_len, batch_size=batch)
   if d.worker_count > 0:
@@ -123,9 +146,9 @@ def make_eval_batches(config, *, num_batches: int, process_index: int = 0,
   """
   d = config.data
   batch = per_process_batch_size(config, process_count)
-  tokenizer = tokenizers.get_tokenizer(d)
+  non_empty, tokenize = _tokenize_steps(config, tokenizers.get_tokenizer(d))
   docs = (_documents(config, d.eval_split, process_index, process_count).repeat()
-          .filter(_NonEmpty(d.text_key)).map(_Tokenize(tokenizer, d.text_key))
+          .filter(non_empty).map(tokenize)
           .to_iter_dataset(_READ_OPTIONS))
   it = iter(pack_and_batch(docs, seq_len=d.seq_len, batch_size=batch))
   return [next(it) for _ in range(num_batches)]
@@ -134,13 +157,34 @@ def make_eval_batches(config, *, num_batches: int, process_index: int = 0,
 def validate_data_config(config, process_count: int = 1) -> None:
   """Fails early, with a ConfigError naming the field, on any data setting that cannot work.
 
-  Prepares python_stdlib if needed (≈ 1-2 s once), so nothing later waits on it.
+  Prepares python_stdlib if needed (≈ 1-2 s once), so nothing later waits on it. User
+  data (data.source): the path, files and the first record's field are checked here.
   """
   d = config.data
   for name in ('seq_len', 'batch_size'):
     config_lib.require_positive_int(f'data.{name}', d[name])
   per_process_batch_size(config, process_count)
-  tokenizers.get_tokenizer(d)  # unknown tokenizer, missing / invalid spm model
+  user_data.check_fields(d)
+  tokenizer = tokenizers.get_tokenizer(d)  # unknown tokenizer, missing / invalid spm model
   for split_field in ('train_split', 'eval_split'):
     source = stdlib_dataset.data_source(d, d[split_field])  # unknown / unprepared dataset
-    stdlib_dataset.check_text_key(d, source[0])
+    first = source[0]  # user sources check their field while reading
+    if not user_data.is_user_source(d):
+      stdlib_dataset.check_text_key(d, first)
+    elif d.tokens_key:
+      _check_token_ids(config, tokenizer, first[d.tokens_key])
+
+
+def _check_token_ids(config, tokenizer, ids) -> None:
+  """Stored ids must index the model's vocabulary (they were made with another one if not).
+
+  The model's, not the tokenizer's: a model samples (self_distill) from all its rows.
+  """
+  d, m = config.data, config.model
+  # As model.resolve_vocab_size (not imported: the data layer starts no JAX).
+  size = m.vocab_size or -(-tokenizer.vocab_size // m.vocab_multiple) * m.vocab_multiple
+  ids = np.asarray(ids)
+  if ids.size and (ids.min() < 0 or ids.max() >= size):
+    raise ConfigError(f'data.tokens_key {d.tokens_key!r} of {user_data.describe(d)} holds ids '
+                      f'in [{ids.min()}, {ids.max()}], outside the model\'s {size}-token '
+                      f'vocabulary (data.tokenizer {d.tokenizer!r}): made with another tokenizer?')

@@ -22,7 +22,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import tqdm_utils
 
 from mtp_jax.config_lib import ConfigError
-from mtp_jax.data import corpus
+from mtp_jax.data import corpus, user_data
 
 STDLIB_NAME = 'python_stdlib'
 DATA_DIR_ENV = 'MTP_JAX_DATA_DIR'
@@ -163,8 +163,10 @@ def data_source(data_config, split: str) -> Any:
   """A random-access source (len, [i]) of dicts for one split; ConfigError if unavailable.
 
   Reads through `tfds.data_source(name, data_dir=..., download=False)`: nothing
-  is ever downloaded from here.
+  is ever downloaded from here. data.source other than tfds: user_data's readers.
   """
+  if user_data.is_user_source(data_config):
+    return user_data.data_source(data_config, split)
   name = resolve_dataset_name(data_config)
   data_dir = resolve_data_dir(data_config.data_dir)
   where = f'data.dataset {data_config.dataset!r} in data.data_dir {data_dir!r}'
