@@ -1,7 +1,8 @@
 """Hugging Face trunks: `--init_from hf:DIR` loads a local Llama / Mistral / Qwen2 model.
 
 DIR is a directory in the standard layout (config.json, model.safetensors or shards with
-model.safetensors.index.json, tokenizer.json); nothing is ever downloaded. Three steps,
+model.safetensors.index.json, tokenizer.json or else a SentencePiece tokenizer.model);
+nothing is ever downloaded. Three steps,
 each with one-line errors naming the field or tensor, all before anything compiles:
   `apply_to_config`  config.json -> config.model (sizes, RoPE, norms, biases, vocab) and
                      data.tokenizer = 'hf' on DIR's tokenizer;
@@ -221,11 +222,20 @@ def apply_to_config(config, directory: str) -> list[str]:
   rs_default = config_lib.base_config().model.rope_scaling
   for name in rs_default.keys():
     put(m.rope_scaling, name, scaling.get(name, rs_default[name]), f'model.rope_scaling.{name}')
-  put(config.data, 'tokenizer', 'hf', 'data.tokenizer')
-  put(config.data, 'hf_tokenizer', directory, 'data.hf_tokenizer')
-  tok = tokenizers.HFTokenizer.from_dir(directory)  # its errors now, not after compiling
+  spm_path = os.path.join(os.path.abspath(os.path.expanduser(directory)), 'tokenizer.model')
+  if (not os.path.isfile(os.path.join(directory, 'tokenizer.json'))
+      and os.path.isfile(spm_path)):
+    # A slow-tokenizer-only release (Llama 2 style): its SentencePiece model, ids as
+    # released; no bos is added (documents are separated by eos), pad falls back to eos.
+    put(config.data, 'tokenizer', 'sentencepiece', 'data.tokenizer')
+    put(config.data, 'spm_model', spm_path, 'data.spm_model')
+    tok, name = tokenizers.SentencePieceTokenizer.from_file(spm_path), 'tokenizer.model'
+  else:
+    put(config.data, 'tokenizer', 'hf', 'data.tokenizer')
+    put(config.data, 'hf_tokenizer', directory, 'data.hf_tokenizer')
+    tok, name = tokenizers.HFTokenizer.from_dir(directory), 'tokenizer.json'  # errors now
   if tok.vocab_size > m.vocab_size:
-    raise _err(directory, f'tokenizer.json has {tok.vocab_size} tokens but config.json '
+    raise _err(directory, f'{name} has {tok.vocab_size} tokens but config.json '
                f'vocab_size is {m.vocab_size}')
   return changed
 

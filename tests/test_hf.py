@@ -11,6 +11,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import sentencepiece as spm
 import pytest
 import torch
 from flax import nnx
@@ -176,6 +177,29 @@ def test_tokenizer_round_trips_code_and_unicode_with_the_checkpoints_ids(hf_mode
   assert tok.decode(ids + [tok.eos_id, tok.pad_id, tok.vocab_size + 5]) == CODE
   copy = pickle.loads(pickle.dumps(tok))
   assert copy.encode(CODE) == ids and copy.eos_id == tok.eos_id
+
+
+def test_a_sentencepiece_only_directory_takes_its_tokenizer_model(hf_models, tmp_path):
+  """No tokenizer.json but a tokenizer.model (Llama 2-style releases): the data tokenizer
+  becomes that SentencePiece model with its own ids; its vocab must fit config.json's."""
+  src = hf_models['llama'][0]
+  d = tmp_path / 'spm_only'
+  shutil.copytree(src, d)
+  os.remove(d / 'tokenizer.json')
+  proto = tokenizers.train_sentencepiece([CODE * 20, 'class A:\n    pass\n' * 20], vocab_size=295,
+                                         num_threads=1)
+  (d / 'tokenizer.model').write_bytes(proto)
+  c = hf_config(str(d))
+  assert c.data.tokenizer == 'sentencepiece' and c.data.spm_model == str(d / 'tokenizer.model')
+  tok = tokenizers.get_tokenizer(c.data)
+  ref = spm.SentencePieceProcessor(model_proto=proto)
+  assert tok.encode(CODE) == ref.encode(CODE) and tok.decode(tok.encode(CODE)) == CODE
+  assert tok.eos_id == ref.eos_id()
+  cfg = json.loads((d / 'config.json').read_text())
+  cfg['vocab_size'] = 100  # fewer ids than the model's 259+ (256 byte-fallback pieces)
+  (d / 'config.json').write_text(json.dumps(cfg))
+  with pytest.raises(ConfigError, match=r'tokenizer.model has \d+ tokens but config.json vocab_size is 100'):
+    hf_config(str(d))
 
 
 # ------------------------------------------------------------ frozen-trunk MTP training

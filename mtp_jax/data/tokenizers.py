@@ -211,8 +211,8 @@ class HFTokenizer:
                         'model directory holding tokenizer.json)')
     path = os.path.join(directory, 'tokenizer.json')
     if not os.path.isfile(path):
-      raise ConfigError(f'{field} {directory!r} has no tokenizer.json (only the fast '
-                        'tokenizer format is read; tokenizer.model alone is not)')
+      raise ConfigError(f'{field} {directory!r} has no tokenizer.json (nor a SentencePiece '
+                        'tokenizer.model, which --init_from hf:DIR would take instead)')
     configs = {}
     for name in ('tokenizer_config.json', 'config.json', 'generation_config.json'):
       p = os.path.join(directory, name)
