@@ -9,6 +9,7 @@ import json
 import os
 
 import matplotlib
+import numpy as np
 
 matplotlib.use('Agg')  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
@@ -180,3 +181,131 @@ def plot_decode_acceptance(stats: dict, accepted_hist, path: str) -> str:
   for a in (a1, a2):
     a.grid(alpha=0.3, axis='y')
   return _save(fig, path)
+
+
+# -- multi-seed sweeps (scripts/ablation.py's JSON) --------------------------------------------
+VARIANT_COLORS = {'d0': '#424242', 'd1': '#1e88e5', 'd3': '#e53935', 'd3p': '#fb8c00'}
+
+
+def _group_by_variant(results: list[dict]) -> dict[str, list[dict]]:
+  out = {}
+  for r in sorted(results, key=lambda r: (r['depth'], r['mtp_kind'] or '', r['seed'])):
+    out.setdefault(r['variant'], []).append(r)
+  return out
+
+
+def _variant_label(rs: list[dict]) -> str:
+  r = rs[0]
+  kind = f' {r["mtp_kind"]}' if r['depth'] else ''
+  return f'{r["variant"]}: D = {r["depth"]}{kind} (n = {len(rs)})'
+
+
+def _mean_band(ax, xs, ys_by_seed, color, label):
+  """Mean over seeds with a ±1 std band, on the x points every seed has."""
+  n = min(len(y) for y in ys_by_seed)
+  ys = np.asarray([y[:n] for y in ys_by_seed], np.float64)
+  mean = ys.mean(0)
+  std = ys.std(0, ddof=1) if len(ys) > 1 else np.zeros_like(mean)
+  ax.plot(xs[:n], mean, color=color, label=label)
+  ax.fill_between(xs[:n], mean - std, mean + std, color=color, alpha=0.25, linewidth=0)
+
+
+def plot_sweep_loss(results: list[dict], path: str) -> str:
+  """Main-head training loss vs training FLOPs per variant, mean ± std over seeds.
+
+  Each point is the mean over a log window (10 steps) of fresh training batches; the
+  dotted line is D = 0's budget, where the equal-FLOP table reads each run.
+  """
+  fig, ax = plt.subplots(figsize=(7.5, 4.5))
+  by = _group_by_variant(results)
+  for v, rs in by.items():
+    curves = [[p for p in r['curve'] if 'train_loss' in p] for r in rs]
+    xs = np.asarray([p['flops'] / 1e12 for p in curves[0]])
+    ys = [[p['train_loss'][0] for p in c] for c in curves]
+    _mean_band(ax, xs, ys, VARIANT_COLORS.get(v), _variant_label(rs))
+  base = [r for r in results if r['depth'] == 0]
+  if base:
+    ax.axvline(base[0]['steps'] * base[0]['flops_per_step'] / 1e12, color='k', ls=':', lw=1,
+               label='equal-FLOP budget (D = 0 at its last step)')
+  ax.set_xlabel('training FLOPs (TFLOP, mtp_jax/flops.py)')
+  ax.set_ylabel('main-head train loss (nats / byte)')
+  ax.set_ylim(top=min(ax.get_ylim()[1], 4.0))
+  ax.set_title('Main-head loss vs training compute (band: ±1 std over seeds)')
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  return _save(fig, path)
+
+
+def plot_induction(results: list[dict], path: str, chance: float | None = None) -> str:
+  """Copy accuracy on the second occurrence vs training steps and vs FLOPs, seed bands."""
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.3), sharey=True)
+  for v, rs in _group_by_variant(results).items():
+    curves = [[p for p in r['curve'] if 'copy_acc' in p] for r in rs]
+    ys = [[p['copy_acc'] for p in c] for c in curves]
+    for ax, key, scale in ((axes[0], 'step', 1.0), (axes[1], 'flops', 1e12)):
+      xs = np.asarray([p[key] / scale for p in curves[0]])
+      _mean_band(ax, xs, ys, VARIANT_COLORS.get(v), _variant_label(rs))
+  for ax, xl in zip(axes, ('training step', 'training FLOPs (TFLOP)')):
+    if chance:
+      ax.axhline(chance, color='grey', ls=':', lw=1, label=f'chance ({chance:.3f})')
+    ax.set_xlabel(xl)
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel('accuracy on the 2nd occurrence')
+  axes[0].set_ylim(0, 1)
+  axes[0].legend(fontsize=8)
+  axes[0].set_title('Induction vs steps (band: ±1 std)')
+  axes[1].set_title('Induction vs compute (equal-FLOP budgets)')
+  return _save(fig, path)
+
+
+def plot_sweep_acceptance(results: list[dict], path: str, budget: str = 'equal_tokens') -> str:
+  """Free-running acceptance per depth (greedy, T = 1, T = 0.7), mean ± std over seeds,
+  with the teacher-forced agreement per depth (held-out) as black marks."""
+  by = {v: rs for v, rs in _group_by_variant(results).items() if rs[0]['depth']}
+  temps = [('T0', 'greedy'), ('T1', 'T = 1'), ('T0.7', 'T = 0.7')]
+  fig, axes = plt.subplots(1, 3, figsize=(13, 4.3), sharey=True)
+  width = 0.8 / max(len(by), 1)
+  for ax, (t, name) in zip(axes, temps):
+    for i, (v, rs) in enumerate(by.items()):
+      depth = rs[0]['depth']
+      acc = np.asarray([r['evals'][budget]['decode'][t]['acceptance_per_depth'] for r in rs])
+      agree = np.asarray([r['evals'][budget]['heldout']['agree'] for r in rs])
+      xs = np.arange(1, depth + 1) + (i - (len(by) - 1) / 2) * width
+      ax.bar(xs, acc.mean(0), width, yerr=acc.std(0, ddof=1) if len(rs) > 1 else None,
+             color=VARIANT_COLORS.get(v), label=_variant_label(rs), capsize=2)
+      ax.plot(xs, agree.mean(0), 'k_', ms=12, mew=2,
+              label='teacher-forced agreement' if i == 0 else None)
+    ax.set_xticks(range(1, 4))
+    ax.set_xlabel('draft depth k')
+    ax.set_title(f'{name}: P(first k drafts accepted)')
+    ax.grid(alpha=0.3, axis='y')
+  axes[0].set_ylabel('acceptance')
+  axes[0].set_ylim(0, 1)
+  axes[0].legend(fontsize=7)
+  fig.suptitle(f'Held-out prompts, {budget.replace("_", " ")} (error bars: ±1 std over seeds)',
+               fontsize=10)
+  return _save(fig, path)
+
+
+def plot_sweep(out_dir: str, fig_dir: str | None = None) -> list[str]:
+  """The sweep's figures from OUT/lm/*.json and OUT/induction/*.json; their paths."""
+  fig_dir = fig_dir or out_dir
+  groups = {}
+  for g in ('lm', 'induction'):
+    d = os.path.join(out_dir, g)
+    if os.path.isdir(d):
+      groups[g] = [json.load(open(os.path.join(d, n))) for n in sorted(os.listdir(d))
+                   if n.endswith('.json')]
+  if not any(groups.values()):
+    raise FileNotFoundError(f'no lm/*.json or induction/*.json under {out_dir}')
+  paths = []
+  if groups.get('lm'):
+    paths.append(plot_sweep_loss(groups['lm'], os.path.join(fig_dir, 'loss_vs_flops.png')))
+    if any(r['depth'] for r in groups['lm']):
+      paths.append(plot_sweep_acceptance(groups['lm'],
+                                         os.path.join(fig_dir, 'acceptance_per_depth.png')))
+  if groups.get('induction'):
+    alphabet = groups['induction'][0].get('task', {}).get('alphabet')
+    paths.append(plot_induction(groups['induction'], os.path.join(fig_dir, 'induction.png'),
+                                1 / alphabet if alphabet else None))
+  return paths

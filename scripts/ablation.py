@@ -61,6 +61,8 @@ def parse(argv):
   p.add_argument('--no_run', action='store_true', help='only tabulate what is there')
   p.add_argument('--smoke', action='store_true', help='tiny configs, a few steps (tests)')
   p.add_argument('--data_dir', default='', help='data.data_dir of the stdlib data set')
+  p.add_argument('--temperatures', default='0,1,0.7',
+                 help='decode temperatures of the lm runs (0 = greedy)')
   args = p.parse_args(argv)
   try:
     args.seeds = [int(s) for s in args.seeds.split(',')]
@@ -68,6 +70,12 @@ def parse(argv):
     p.error(f'--seeds must be comma-separated integers, got {args.seeds!r}')
   if len(set(args.seeds)) != len(args.seeds) or any(s < 0 for s in args.seeds):
     p.error(f'--seeds must be distinct non-negative integers, got {args.seeds}')
+  try:
+    args.temperatures = [float(t) for t in args.temperatures.split(',')]
+  except ValueError:
+    p.error(f'--temperatures must be comma-separated numbers, got {args.temperatures!r}')
+  if any(not t >= 0 for t in args.temperatures):
+    p.error(f'--temperatures must be >= 0, got {args.temperatures}')
   args.groups = args.groups.split(',')
   bad = [g for g in args.groups if g not in GROUPS]
   if bad:
@@ -128,7 +136,8 @@ def make_sweep(args, runs):
     sweep.lm_eval = research.LMEvaluator(
         lm[0].config, eval_batches=2 if args.smoke else 32,
         num_prompts=2 if args.smoke else 16, prompt_len=16 if args.smoke else 64,
-        new_tokens=8 if args.smoke else 64, heldout_rule=rule)
+        new_tokens=8 if args.smoke else 64, heldout_rule=rule,
+        temperatures=args.temperatures)
   ind = [r for r in runs if r.kind == 'induction']
   if ind:
     rows = INDUCTION.SMOKE_EVAL_ROWS if args.smoke else INDUCTION.EVAL_ROWS
@@ -265,7 +274,7 @@ def markdown(summary: dict) -> str:
       m = row['metrics']
       agree = ' / '.join(_pm(m[f'heldout_agree_{k}'], '{:.2f}')
                          for k in range(1, row['depth'] + 1)) or 'n.a.'
-      taus = [_pm(m.get(f'tau_{t}'), '{:.2f}') if row['depth'] else '1' for t in TEMPS]
+      taus = [_pm(m.get(f'tau_{t}'), '{:.2f}') if row['depth'] else '1 (n.a.)' for t in TEMPS]
       out.append(f'| {_label(v, row)} | {_pm(m["steps"], "{:.0f}")} | '
                  f'{_pm(m["train_tflop"], "{:.2f}")} | {_pm(m["stdlib_bpb"])} | '
                  f'{_pm(m["heldout_bpb"])} | {agree} | {" | ".join(taus)} |')
@@ -278,9 +287,9 @@ def markdown(summary: dict) -> str:
             'tau T = 0.7 | acceptance per depth, T = 1 (mean) |', '|---|---|---|---|---|---|---|']
     for v, row in table.items():
       m = row['metrics']
-      taus = [_seeds(m[f'tau_{t}'], '{:.2f}') if row['depth'] else 'n.a.' for t in TEMPS]
-      acc = ' / '.join(f'{m[f"accept_T1_{k}"]["mean"]:.2f}'
-                       for k in range(1, row['depth'] + 1)) or 'n.a.'
+      taus = [_seeds(m[f'tau_{t}'], '{:.2f}') if f'tau_{t}' in m else 'n.a.' for t in TEMPS]
+      acc = ' / '.join(f'{m[f"accept_T1_{k}"]["mean"]:.2f}' for k in range(1, row['depth'] + 1)
+                       if f'accept_T1_{k}' in m) or 'n.a.'
       out.append(f'| {_label(v, row)} | {_seeds(m["stdlib_bpb"])} | {_seeds(m["heldout_bpb"])} | '
                  f'{" | ".join(taus)} | {acc} |')
     tests = summary['tests'].get(budget, {})
