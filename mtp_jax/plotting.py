@@ -262,8 +262,11 @@ def plot_sweep_acceptance(results: list[dict], path: str, budget: str = 'equal_t
   """Free-running acceptance per depth (greedy, T = 1, T = 0.7), mean ± std over seeds,
   with the teacher-forced agreement per depth (held-out) as black marks."""
   by = {v: rs for v, rs in _group_by_variant(results).items() if rs[0]['depth']}
-  temps = [('T0', 'greedy'), ('T1', 'T = 1'), ('T0.7', 'T = 0.7')]
-  fig, axes = plt.subplots(1, 3, figsize=(13, 4.3), sharey=True)
+  present = next(iter(by.values()))[0]['evals'][budget]['decode']
+  temps = [(t, 'greedy' if t == 'T0' else f'T = {t[1:]}') for t in present]
+  fig, axes = plt.subplots(1, len(temps), figsize=(4.4 * len(temps), 4.3), sharey=True,
+                           squeeze=False)
+  axes = axes[0]
   width = 0.8 / max(len(by), 1)
   for ax, (t, name) in zip(axes, temps):
     for i, (v, rs) in enumerate(by.items()):

@@ -404,15 +404,16 @@ class Sweep:
     ckpt_dir = os.path.join(self.workdir, run.group, run.name)
     ckpt = ckpt_lib.Checkpointer(ckpt_dir, max_to_keep=1, async_save=False)
     result = {'curve': [], 'evals': {}, 'train_seconds': 0.0}
-    start = 0
+    start, window = 0, []  # window: per-depth losses of the steps since the last log line
     if ckpt.latest_step() is not None:
       state, meta = ckpt.restore(ckpt.latest_step(), ts.abstract_state, data_iter)
       start, result = int(meta['step']), meta['result']
+      window = [np.asarray(w) for w in meta['window']]
       self.log(f'{run.group}/{run.name}: resumed at step {start}')
     per_step = flops_per_step(config)
     if run.kind == 'induction' and start == 0:
       result['curve'].append({'step': 0, 'flops': 0.0, **self.induction_eval(ts, state)})
-    window, t_start = [], time.time()
+    t_start = time.time()
     for step in range(start + 1, run.steps + 1):
       state, m = steps_lib.run_step(ts, state, next_batch(step))
       m = jax.device_get({k: m[k] for k in ('loss_sum', 'count')})
@@ -438,7 +439,8 @@ class Sweep:
                  f'({time.time() - t0:.0f} s)')
         t_start = time.time()
       if step % run.save_every == 0 and step < run.steps:
-        ckpt.save(step, state, data_iter, {'step': step, 'result': result}, force=True)
+        ckpt.save(step, state, data_iter, {'step': step, 'result': result,
+                                           'window': [w.tolist() for w in window]}, force=True)
         t_start = time.time()
         if self.stop_at == step:
           ckpt.close()
