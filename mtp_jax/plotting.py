@@ -86,9 +86,10 @@ def plot_acceptance(rows: list[dict], path: str) -> str | None:
   return _save(fig, path)
 
 
-def _save(fig, path: str) -> str:
+def _save(fig, path: str, layout: bool = True) -> str:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.tight_layout()
+  if layout:
+    fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
@@ -188,8 +189,10 @@ VARIANT_COLORS = {'d0': '#424242', 'd1': '#1e88e5', 'd3': '#e53935', 'd3p': '#fb
 
 
 def _group_by_variant(results: list[dict]) -> dict[str, list[dict]]:
+  order = list(VARIANT_COLORS)
+  rank = lambda v: order.index(v) if v in order else len(order)  # noqa: E731
   out = {}
-  for r in sorted(results, key=lambda r: (r['depth'], r['mtp_kind'] or '', r['seed'])):
+  for r in sorted(results, key=lambda r: (rank(r['variant']), r['variant'], r['seed'])):
     out.setdefault(r['variant'], []).append(r)
   return out
 
@@ -200,10 +203,18 @@ def _variant_label(rs: list[dict]) -> str:
   return f'{r["variant"]}: D = {r["depth"]}{kind} (n = {len(rs)})'
 
 
-def _mean_band(ax, xs, ys_by_seed, color, label):
+def _smooth(y, width: int):
+  """Trailing mean over `width` points (fewer at the start): the same x, less noise."""
+  c = np.cumsum(np.insert(np.asarray(y, np.float64), 0, 0.0))
+  i = np.arange(1, len(y) + 1)
+  lo = np.maximum(i - width, 0)
+  return (c[i] - c[lo]) / (i - lo)
+
+
+def _mean_band(ax, xs, ys_by_seed, color, label, smooth: int = 1):
   """Mean over seeds with a ±1 std band, on the x points every seed has."""
   n = min(len(y) for y in ys_by_seed)
-  ys = np.asarray([y[:n] for y in ys_by_seed], np.float64)
+  ys = np.asarray([_smooth(y[:n], smooth) for y in ys_by_seed], np.float64)
   mean = ys.mean(0)
   std = ys.std(0, ddof=1) if len(ys) > 1 else np.zeros_like(mean)
   ax.plot(xs[:n], mean, color=color, label=label)
@@ -213,16 +224,18 @@ def _mean_band(ax, xs, ys_by_seed, color, label):
 def plot_sweep_loss(results: list[dict], path: str) -> str:
   """Main-head training loss vs training FLOPs per variant, mean ± std over seeds.
 
-  Each point is the mean over a log window (10 steps) of fresh training batches; the
-  dotted line is D = 0's budget, where the equal-FLOP table reads each run.
+  Each point is the mean over the last `smooth` log windows (10 steps each) of fresh
+  training batches; the dotted line is D = 0's budget, where the equal-FLOP table reads
+  each run.
   """
+  smooth = 5
   fig, ax = plt.subplots(figsize=(7.5, 4.5))
   by = _group_by_variant(results)
   for v, rs in by.items():
     curves = [[p for p in r['curve'] if 'train_loss' in p] for r in rs]
     xs = np.asarray([p['flops'] / 1e12 for p in curves[0]])
     ys = [[p['train_loss'][0] for p in c] for c in curves]
-    _mean_band(ax, xs, ys, VARIANT_COLORS.get(v), _variant_label(rs))
+    _mean_band(ax, xs, ys, VARIANT_COLORS.get(v), _variant_label(rs), smooth)
   base = [r for r in results if r['depth'] == 0]
   if base:
     ax.axvline(base[0]['steps'] * base[0]['flops_per_step'] / 1e12, color='k', ls=':', lw=1,
@@ -230,7 +243,8 @@ def plot_sweep_loss(results: list[dict], path: str) -> str:
   ax.set_xlabel('training FLOPs (TFLOP, mtp_jax/flops.py)')
   ax.set_ylabel('main-head train loss (nats / byte)')
   ax.set_ylim(top=min(ax.get_ylim()[1], 4.0))
-  ax.set_title('Main-head loss vs training compute (band: ±1 std over seeds)')
+  ax.set_title(f'Main-head train loss vs compute (trailing mean of {10 * smooth} steps; '
+               'band: ±1 std over seeds)', fontsize=10)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   return _save(fig, path)
@@ -284,10 +298,12 @@ def plot_sweep_acceptance(results: list[dict], path: str, budget: str = 'equal_t
     ax.grid(alpha=0.3, axis='y')
   axes[0].set_ylabel('acceptance')
   axes[0].set_ylim(0, 1)
-  axes[0].legend(fontsize=7)
+  handles, labels = axes[0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc='lower center', ncol=len(labels), fontsize=8)
   fig.suptitle(f'Held-out prompts, {budget.replace("_", " ")} (error bars: ±1 std over seeds)',
                fontsize=10)
-  return _save(fig, path)
+  fig.tight_layout(rect=(0, 0.08, 1, 1))
+  return _save(fig, path, layout=False)
 
 
 def plot_sweep(out_dir: str, fig_dir: str | None = None) -> list[str]:

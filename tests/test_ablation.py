@@ -226,8 +226,11 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
   text = A.markdown(summary)
   assert text.count('| d1 (D = 1 sequential) |') == 4 and 'Welch t' in text
 
-  from mtp_jax import plotting  # pylint: disable=g-import-not-at-top
-  figs = plotting.plot_sweep(out, str(tmp_path / 'figs'))
+  proc = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'plot.py'),
+                         f'--sweep={out}', f'--out={tmp_path / "figs"}'],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  figs = proc.stdout.split()
   assert [os.path.basename(p) for p in figs] == ['loss_vs_flops.png', 'acceptance_per_depth.png']
   for p in figs:
     data = open(p, 'rb').read()
