@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from scipy import stats
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import evaluation
@@ -39,7 +40,7 @@ from mtp_jax import flops as flops_lib
 from mtp_jax import sharding
 from mtp_jax import state as state_lib
 from mtp_jax import steps as steps_lib
-from mtp_jax.data import corpus, induction, tokenizers
+from mtp_jax.data import corpus, induction, pipeline, tokenizers
 
 RESULT_VERSION = 1
 
@@ -186,7 +187,6 @@ def mean_std(xs: Sequence[float]) -> tuple[float, float]:
 
 def welch(a: Sequence[float], b: Sequence[float]) -> dict:
   """Welch's t test of mean(a) - mean(b): t, Welch-Satterthwaite dof, two-sided p."""
-  from scipy import stats  # deferred: only the tables need it
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
   se = math.sqrt(va + vb)
@@ -200,7 +200,6 @@ def welch(a: Sequence[float], b: Sequence[float]) -> dict:
 
 def paired(a: Sequence[float], b: Sequence[float]) -> dict:
   """Paired t test of a - b (same seeds: same data order and trunk initialisation)."""
-  from scipy import stats  # deferred: only the tables need it
   d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
   m, s = mean_std(d)
   if s == 0:
@@ -254,7 +253,6 @@ class LMEvaluator:
   def __init__(self, config, *, eval_batches: int, num_prompts: int, prompt_len: int,
                new_tokens: int, temperatures: Sequence[float] = (0.0, 1.0, 0.7),
                heldout_rule: HeldoutRule = HeldoutRule(), decode_seed: int = 0):
-    from mtp_jax.data import pipeline  # deferred: imports tensorflow_datasets (seconds)
     tok = tokenizers.get_tokenizer(config.data)
     self.token_bytes = evaluation.padded_token_bytes(config, tok)
     self.batch_size, self.eval_batches = config.data.batch_size, eval_batches
@@ -393,7 +391,6 @@ class Sweep:
     _, state, _, _ = state_lib.init_state(config, ts.mesh, ts.rules)
     data_iter, next_batch = None, None
     if run.kind == 'lm':
-      from mtp_jax.data import pipeline  # deferred: imports tensorflow_datasets (seconds)
       data_iter = pipeline.make_train_iter(config)
       next_batch = lambda step: next(data_iter)  # noqa: E731
     else:

@@ -170,9 +170,20 @@ def induction_metrics(r: dict) -> dict:
   curve = [p for p in r['curve'] if 'copy_acc' in p]
   out = {'steps': r['steps'], 'train_tflop': r['steps'] * r['flops_per_step'] / 1e12,
          'copy_acc_final': curve[-1]['copy_acc'], 'other_acc_final': curve[-1]['other_acc']}
-  above = [p['step'] for p in curve if p['copy_acc'] >= 0.5]
-  out['steps_to_50pct'] = above[0] if above else None
+  # Speed of learning at equal compute: the accuracy after a quarter and a half of the
+  # budget (the last evaluation at or before that step).
+  for name, frac in (('copy_acc_quarter', 0.25), ('copy_acc_half', 0.5)):
+    out[name] = [p for p in curve if p['step'] <= frac * r['steps']][-1]['copy_acc']
   return out
+
+
+def eval_se_of_difference(a: dict, b: dict, budget: str, corpus: str) -> float:
+  """Standard error, from eval sampling alone, of bpb(a) - bpb(b): both runs are scored
+  on the same batches, so the per-batch differences give it (research.batch_bpb_se)."""
+  from mtp_jax import research
+  ea, eb = a['evals'][budget][corpus], b['evals'][budget][corpus]
+  diff = np.subtract(ea['batch_loss_sum_main'], eb['batch_loss_sum_main'])
+  return research.batch_bpb_se(diff, ea['batch_bytes_main'])
 
 
 def aggregate(per_run: dict[int, dict]) -> dict:
@@ -210,14 +221,18 @@ def tabulate(out_dir: str, seeds=None) -> dict:
     for v in order:
       if v == ABLATION.BASELINE or base is None:
         continue
-      for metric in ('stdlib_bpb', 'heldout_bpb'):
+      for metric, corpus in (('stdlib_bpb', 'stdlib_val'), ('heldout_bpb', 'heldout')):
         a, b = table[v]['metrics'][metric]['per_seed'], base['metrics'][metric]['per_seed']
         common = sorted(set(a) & set(b))
         if len(common) >= 2:
+          runs_a = {r['seed']: r for r in by_variant[v]}
+          runs_b = {r['seed']: r for r in by_variant[ABLATION.BASELINE]}
           tests[f'{v} - d0 {metric}'] = {
               'welch': research.welch([a[s] for s in a], [b[s] for s in b]),
               'paired': research.paired([a[s] for s in common], [b[s] for s in common]),
-              'n': len(common)}
+              'n': len(common),
+              'eval_se_of_difference': float(np.mean([eval_se_of_difference(
+                  runs_a[s], runs_b[s], budget, corpus) for s in common]))}
     if 'd3' in table and 'd3p' in table:
       for metric in ('heldout_bpb', 'heldout_agree_1', 'heldout_agree_3'):
         a, b = table['d3']['metrics'][metric]['per_seed'], table['d3p']['metrics'][metric]['per_seed']
@@ -234,14 +249,17 @@ def tabulate(out_dir: str, seeds=None) -> dict:
     summary['induction'][v] = {
         'depth': ind_by[v][0]['depth'], 'seeds': sorted(r['seed'] for r in ind_by[v]),
         'metrics': aggregate({r['seed']: induction_metrics(r) for r in ind_by[v]})}
+  if ind:
+    summary['induction_task'] = ind[0].get('task', {})
   base = summary['induction'].get(INDUCTION.BASELINE)
   for v, row in summary['induction'].items():
     if v != INDUCTION.BASELINE and base:
-      a = list(row['metrics']['copy_acc_final']['per_seed'].values())
-      b = list(base['metrics']['copy_acc_final']['per_seed'].values())
-      if len(a) >= 2 and len(b) >= 2:
-        summary['tests'].setdefault('induction', {})[f'{v} - d0 copy_acc_final'] = {
-            'welch': research.welch(a, b)}
+      for metric in ('copy_acc_half', 'copy_acc_final'):
+        a = list(row['metrics'][metric]['per_seed'].values())
+        b = list(base['metrics'][metric]['per_seed'].values())
+        if len(a) >= 2 and len(b) >= 2:
+          summary['tests'].setdefault('induction', {})[f'{v} - d0 {metric}'] = {
+              'welch': research.welch(a, b)}
   return summary
 
 
@@ -300,26 +318,32 @@ def markdown(summary: dict) -> str:
         w = t['welch']
         line = f'- {name}: {w["diff"]:+.4f}, Welch t = {w["t"]:.2f}, p = {w["p"]:.3f}'
         if 'paired' in t:
-          line += f'; paired t = {t["paired"]["t"]:.2f}, p = {t["paired"]["p"]:.3f}'
+          line += (f'; paired t = {t["paired"]["t"]:.2f}, p = {t["paired"]["p"]:.3f}; eval '
+                   f'SE of one seed\'s difference {t["eval_se_of_difference"]:.4f}')
         out.append(line)
     out.append('')
   ind = summary['induction']
   if ind:
+    alphabet = ind_alphabet(summary)
     out += ['**Induction** (equal training FLOPs; copy accuracy = top-1 accuracy of the main '
-            'head on the second occurrence of the repeated span, chance 1/32)', '',
-            '| variant | steps | train TFLOP | copy accuracy at the end | each seed | '
-            'first step with accuracy >= 0.5 (each seed) |', '|---|---|---|---|---|---|']
+            'head on the second occurrence of the repeated span, after its first token; '
+            f'chance 1/{alphabet})', '',
+            '| variant | steps | train TFLOP | copy accuracy after 1/4 of the FLOPs | '
+            'after 1/2 | at the end | at the end, each seed |', '|---|---|---|---|---|---|---|']
     for v, row in ind.items():
       m = row['metrics']
-      first = ' / '.join('never' if s is None else str(s)
-                         for s in m['steps_to_50pct']['per_seed'].values())
       out.append(f'| {v} (D = {row["depth"]}) | {_pm(m["steps"], "{:.0f}")} | '
-                 f'{_pm(m["train_tflop"], "{:.3f}")} | {_pm(m["copy_acc_final"])} | '
-                 f'{_seeds(m["copy_acc_final"])} | {first} |')
+                 f'{_pm(m["train_tflop"], "{:.3f}")} | {_pm(m["copy_acc_quarter"])} | '
+                 f'{_pm(m["copy_acc_half"])} | {_pm(m["copy_acc_final"])} | '
+                 f'{_seeds(m["copy_acc_final"])} |')
     for name, t in summary['tests'].get('induction', {}).items():
       w = t['welch']
       out.append(f'\n- {name}: {w["diff"]:+.3f}, Welch t = {w["t"]:.2f}, p = {w["p"]:.3f}')
   return '\n'.join(out)
+
+
+def ind_alphabet(summary: dict):
+  return summary.get('induction_task', {}).get('alphabet', '?')
 
 
 def _label(v: str, row: dict) -> str:
