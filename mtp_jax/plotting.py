@@ -253,9 +253,11 @@ def plot_sweep_loss(results: list[dict], path: str) -> str:
 def plot_induction(results: list[dict], path: str, chance: float | None = None) -> str:
   """Copy accuracy on the second occurrence vs training steps and vs FLOPs, seed bands."""
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.3), sharey=True)
+  top = 0.0
   for v, rs in _group_by_variant(results).items():
     curves = [[p for p in r['curve'] if 'copy_acc' in p] for r in rs]
     ys = [[p['copy_acc'] for p in c] for c in curves]
+    top = max(top, max(max(y) for y in ys))
     for ax, key, scale in ((axes[0], 'step', 1.0), (axes[1], 'flops', 1e12)):
       xs = np.asarray([p[key] / scale for p in curves[0]])
       _mean_band(ax, xs, ys, VARIANT_COLORS.get(v), _variant_label(rs))
@@ -265,9 +267,9 @@ def plot_induction(results: list[dict], path: str, chance: float | None = None) 
     ax.set_xlabel(xl)
     ax.grid(alpha=0.3)
   axes[0].set_ylabel('accuracy on the 2nd occurrence')
-  axes[0].set_ylim(0, 1)
+  axes[0].set_ylim(0, min(1.0, top * 1.25 + 0.02))
   axes[0].legend(fontsize=8)
-  axes[0].set_title('Induction vs steps (band: ±1 std)')
+  axes[0].set_title('Induction vs steps (band: ±1 std over seeds)')
   axes[1].set_title('Induction vs compute (equal-FLOP budgets)')
   return _save(fig, path)
 
