@@ -245,10 +245,18 @@ def tabulate(out_dir: str, seeds=None) -> dict:
   ind_by = {}
   for r in ind:
     ind_by.setdefault(r['variant'], []).append(r)
+  base_runs = {r['seed']: r for r in ind_by.get(INDUCTION.BASELINE, [])}
   for v in [v for v in INDUCTION.VARIANTS if v in ind_by]:
+    per = {}
+    for r in ind_by[v]:
+      per[r['seed']] = induction_metrics(r)
+      if r['seed'] in base_runs:  # equal steps (= tokens): D = 0's accuracy at this run's end
+        curve = [p for p in base_runs[r['seed']]['curve'] if 'copy_acc' in p]
+        per[r['seed']]['d0_copy_acc_same_step'] = [
+            p for p in curve if p['step'] <= r['steps']][-1]['copy_acc']
     summary['induction'][v] = {
         'depth': ind_by[v][0]['depth'], 'seeds': sorted(r['seed'] for r in ind_by[v]),
-        'metrics': aggregate({r['seed']: induction_metrics(r) for r in ind_by[v]})}
+        'metrics': aggregate(per)}
   if ind:
     summary['induction_task'] = ind[0].get('task', {})
   base = summary['induction'].get(INDUCTION.BASELINE)
@@ -258,8 +266,16 @@ def tabulate(out_dir: str, seeds=None) -> dict:
         a = list(row['metrics'][metric]['per_seed'].values())
         b = list(base['metrics'][metric]['per_seed'].values())
         if len(a) >= 2 and len(b) >= 2:
-          summary['tests'].setdefault('induction', {})[f'{v} - d0 {metric}'] = {
+          summary['tests'].setdefault('induction', {})[f'{v} - d0 {metric} (equal FLOPs)'] = {
               'welch': research.welch(a, b)}
+      a = row['metrics']['copy_acc_final']['per_seed']
+      b = row['metrics']['d0_copy_acc_same_step']['per_seed']
+      common = [s for s in a if b.get(s) is not None]
+      if len(common) >= 2:
+        summary['tests'].setdefault('induction', {})[
+            f'{v} - d0 copy accuracy at {v}\'s last step (equal steps and tokens)'] = {
+                'welch': research.welch([a[s] for s in common], [b[s] for s in common]),
+                'paired': research.paired([a[s] for s in common], [b[s] for s in common])}
   return summary
 
 
@@ -286,16 +302,19 @@ def markdown(summary: dict) -> str:
             'bpb = bits per byte of the main head; agreement = teacher-forced agreement of '
             'MTP depth k with the main head, held-out; tau = tokens per verify step)', '',
             '| variant | steps | train TFLOP | stdlib val bpb | held-out bpb | '
-            'agreement per depth | tau greedy | tau T = 1 | tau T = 0.7 |',
-            '|---|---|---|---|---|---|---|---|---|']
+            'agreement per depth | tau greedy | tau T = 1 | tau T = 0.7 | '
+            'distinct 4-grams, greedy / T = 1 |',
+            '|---|---|---|---|---|---|---|---|---|---|']
     for v, row in table.items():
       m = row['metrics']
       agree = ' / '.join(_pm(m[f'heldout_agree_{k}'], '{:.2f}')
                          for k in range(1, row['depth'] + 1)) or 'n.a.'
       taus = [_pm(m.get(f'tau_{t}'), '{:.2f}') if row['depth'] else '1 (n.a.)' for t in TEMPS]
+      distinct = ' / '.join(f'{m[f"distinct4_{t}"]["mean"]:.2f}' for t in ('T0', 'T1')
+                            if f'distinct4_{t}' in m) or 'n.a.'
       out.append(f'| {_label(v, row)} | {_pm(m["steps"], "{:.0f}")} | '
                  f'{_pm(m["train_tflop"], "{:.2f}")} | {_pm(m["stdlib_bpb"])} | '
-                 f'{_pm(m["heldout_bpb"])} | {agree} | {" | ".join(taus)} |')
+                 f'{_pm(m["heldout_bpb"])} | {agree} | {" | ".join(taus)} | {distinct} |')
     se = [row['metrics'][k]['mean'] for row in table.values()
           for k in ('stdlib_bpb_se', 'heldout_bpb_se')]
     out += ['', f'Standard error of one run\'s bpb estimate (eval sampling, batch-level): '
@@ -329,16 +348,22 @@ def markdown(summary: dict) -> str:
             'head on the second occurrence of the repeated span, after its first token; '
             f'chance 1/{alphabet})', '',
             '| variant | steps | train TFLOP | copy accuracy after 1/4 of the FLOPs | '
-            'after 1/2 | at the end | at the end, each seed |', '|---|---|---|---|---|---|---|']
+            'after 1/2 | at the end | at the end, each seed | D = 0 at the same step |',
+            '|---|---|---|---|---|---|---|---|']
     for v, row in ind.items():
       m = row['metrics']
       out.append(f'| {v} (D = {row["depth"]}) | {_pm(m["steps"], "{:.0f}")} | '
                  f'{_pm(m["train_tflop"], "{:.3f}")} | {_pm(m["copy_acc_quarter"])} | '
                  f'{_pm(m["copy_acc_half"])} | {_pm(m["copy_acc_final"])} | '
-                 f'{_seeds(m["copy_acc_final"])} |')
+                 f'{_seeds(m["copy_acc_final"])} | '
+                 f'{_pm(m.get("d0_copy_acc_same_step")) if row["depth"] else "-"} |')
+    out.append('')
     for name, t in summary['tests'].get('induction', {}).items():
       w = t['welch']
-      out.append(f'\n- {name}: {w["diff"]:+.3f}, Welch t = {w["t"]:.2f}, p = {w["p"]:.3f}')
+      line = f'- {name}: {w["diff"]:+.3f}, Welch t = {w["t"]:.2f}, p = {w["p"]:.3f}'
+      if 'paired' in t:
+        line += f'; paired t = {t["paired"]["t"]:.2f}, p = {t["paired"]["p"]:.3f}'
+      out.append(line)
   return '\n'.join(out)
 
 
