@@ -298,7 +298,7 @@ def markdown(summary: dict) -> str:
     if not table:
       continue
     ns = sorted({len(row['seeds']) for row in table.values()})
-    out += [f'**{title.capitalize()}** (mean ± std over seeds, n = {"/".join(map(str, ns))}; '
+    out += [f'**{title[0].upper() + title[1:]}** (mean ± std over seeds, n = {"/".join(map(str, ns))}; '
             'bpb = bits per byte of the main head; agreement = teacher-forced agreement of '
             'MTP depth k with the main head, held-out; tau = tokens per verify step)', '',
             '| variant | steps | train TFLOP | stdlib val bpb | held-out bpb | '
