@@ -13,8 +13,9 @@ end with, so one run per variant and seed gives both budgets (scripts/ablation.p
 - equal training FLOPs: D = 0 at STEPS, variant v at equal_flop_steps(v), the most
   steps whose FLOPs (mtp_jax/flops.py, 3 x forward matmuls) do not exceed D = 0's.
 
-Sized for the whole 3-seed sweep (with configs/induction.py) in about 45 minutes on
-2 shared CPU cores: see README, Research results.
+Sized for the whole 3-seed sweep (with configs/induction.py) in about 40 minutes of
+unpaused wall time on 2 shared CPU cores (measured: benchmarks/RESULTS.md, Research
+sweep); results in README, Research results.
 `,smoke` is the same on configs/tiny.py's shapes with a few steps (tests).
 """
 from mtp_jax import config_lib

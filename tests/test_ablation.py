@@ -155,7 +155,7 @@ def _per_run_metric(r, budget, metric):
           'tau_T1': ev['decode'].get('T1', {}).get('tau')}[metric]
 
 
-@pytest.mark.slow  # ~37 s at load 8-10 on 2 cores: 4 tiny runs, 2 compiled steps and one decoder
+@pytest.mark.slow  # 21 s at load 1, 37 s at load 8-10 (2 cores): 4 tiny runs, 2 steps, 1 decoder
 def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, tmp_path):
   """2 seeds x 2 variants, a few steps: tables = mean/std of the per-run JSON; a rerun
   skips finished runs; a run stopped after a checkpoint resumes to the same result."""
