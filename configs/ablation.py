@@ -1,26 +1,30 @@
-"""Head-kind ablation at equal training compute: `--config configs/ablation.py:<variant>`.
+"""MTP ablation on the stdlib corpus: `--config configs/ablation.py:<variant>[,smoke]`.
 
-Variants (DESIGN.md §2): `none` (D = 0, plain next-token model), `sequential`
-(DeepSeek-V3 MTP modules, D = 2) and `parallel` (D = 2 independent blocks on h^0,
-Gloeckle et al. 2024). Every variant has the same trunk, tokens per step, optimizer,
-LR-schedule shape and evaluation; only the heads and the number of steps differ. The
-steps are the training-FLOP budget over the variant's FLOPs per step (mtp_jax/flops.py,
-3 x forward matmul FLOPs), rounded down, so D = 0 gets proportionally more steps.
+Variants (DESIGN.md §2): `d0` (plain next-token model), `d1` and `d3` (DeepSeek-V3
+sequential MTP modules, D = 1 and 3) and `d3p` (D = 3 parallel heads on h^0,
+Gloeckle et al. 2024). Every variant has the same trunk (d 128, 2 layers, byte level,
+T 128), tokens per step, optimizer and evaluation; only the heads differ.
 
-Budget: BUDGET_FLOPS = 10 TFLOP per variant (d 128, 4 layers, 2,048 tokens per step:
-794 / 489 / 509 steps for none / sequential / parallel), sized for about 25-30 minutes
-of training for all three on 2 shared CPU cores; measured 15-32 min of training steps
-(18-41 min for the whole run) at load 4-8 (README, research recipe on head kinds).
-`:<variant>,smoke` is the same ablation on a tiny model with a tiny budget (tests: the
-whole script end to end in about a minute).
-`scripts/ablation.py` trains all three and tabulates them.
+The schedule is a linear warmup of WARMUP steps, then a CONSTANT learning rate (no
+decay), and every variant trains STEPS steps. With a schedule that does not depend on
+the run's length, the state of a run at step n is the state a run of n steps would
+end with, so one run per variant and seed gives both budgets (scripts/ablation.py):
+- equal tokens (the DeepSeek-V3 framing, MTP added on top): every variant at STEPS;
+- equal training FLOPs: D = 0 at STEPS, variant v at equal_flop_steps(v), the most
+  steps whose FLOPs (mtp_jax/flops.py, 3 x forward matmuls) do not exceed D = 0's.
+
+Sized for the whole 3-seed sweep (with configs/induction.py) in about 40 minutes of
+unpaused wall time on 2 shared CPU cores (measured: benchmarks/RESULTS.md, Research
+sweep); results in README, Research results.
+`,smoke` is the same on configs/tiny.py's shapes with a few steps (tests).
 """
 from mtp_jax import config_lib
 
-VARIANTS = {'none': (0, 'sequential'), 'sequential': (2, 'sequential'),
-            'parallel': (2, 'parallel')}  # variant -> (model.mtp.depth, model.mtp.kind)
-BUDGET_FLOPS = 10e12  # training FLOPs per variant (flops.py's count)
-SMOKE_BUDGET_FLOPS = 1e10  # tiny model: 25 / 11 / 11 steps
+VARIANTS = {'d0': (0, 'sequential'), 'd1': (1, 'sequential'), 'd3': (3, 'sequential'),
+            'd3p': (3, 'parallel')}  # variant -> (model.mtp.depth, model.mtp.kind)
+BASELINE = 'd0'
+STEPS, WARMUP = 320, 20
+SMOKE_STEPS, SMOKE_WARMUP = 12, 2
 
 
 def _base(smoke: bool):
@@ -28,29 +32,25 @@ def _base(smoke: bool):
   if smoke:  # configs/tiny.py's model and data shapes
     c.model.d_model, c.model.n_layers, c.model.mlp_dim = 64, 2, 192
     c.model.n_heads, c.model.n_kv_heads, c.model.head_dim = 4, 2, 16
-    c.data.seq_len, c.data.batch_size = 64, 8
-    c.train.eval_batches = 2
+    c.data.seq_len, c.data.batch_size = 64, 4
   else:
     c.model.d_model = 128
-    c.model.n_layers = 4
+    c.model.n_layers = 2
     c.model.n_heads = 2
     c.model.n_kv_heads = 2
     c.model.head_dim = 64
     c.model.mlp_dim = 384
-    c.data.seq_len = 256
-    c.data.batch_size = 8  # 2,048 tokens per step: more updates for a small budget
-    c.train.eval_batches = 16  # 32,768 validation tokens, the same for every variant
+    c.data.seq_len = 128
+    c.data.batch_size = 8  # 1,024 tokens per step
   c.data.tokenizer = 'byte'
-  # Document order: with seed 0, pydoc_data/topics.py (757 KB of English prose, ~370
-  # steps) starts at step 608, so only D = 0 (794 steps) would end its training on
-  # non-code text, and its validation loss on code rose from step 600 to 794. Seed 1
-  # has no file over 150 KB in the first 1.6 M tokens (README, Research recipes).
-  c.data.shuffle_seed = 1
   c.model.mtp.lambda_values = (0.3,)  # DeepSeek-V3's first-phase lambda, constant here
   c.train.lr = 3e-3
+  c.train.min_lr_ratio = 1.0  # constant after warmup: see the module docstring
+  c.train.steps, c.train.warmup_steps = (SMOKE_STEPS, SMOKE_WARMUP) if smoke else (STEPS, WARMUP)
   c.train.log_every = 10
-  c.train.eval_every = 0  # evaluate once, at the end (same for every variant)
-  c.train.checkpoint_every = 100  # resumable; a killed variant redoes < 100 steps
+  c.train.eval_every = 0
+  c.train.progress = False
+  c.mesh.shape = (1, 1, 1)
   return c
 
 
@@ -61,16 +61,17 @@ def step_flops(config) -> float:
   return flops.config_flops_per_token(config).train * tokens
 
 
-def get_config(arg: str = 'sequential'):
+def equal_flop_steps(config, baseline) -> int:
+  """The most steps of `config` whose training FLOPs do not exceed `baseline`'s run."""
+  return max(1, int(step_flops(baseline) * baseline.train.steps // step_flops(config)))
+
+
+def get_config(arg: str = 'd3'):
   variant, *opts = arg.split(',')
   if variant not in VARIANTS or any(o != 'smoke' for o in opts):
     raise ValueError(f'configs/ablation.py: unknown argument {arg!r}; use '
                      f'configs/ablation.py:<variant>[,smoke] with variant one of '
                      f'{", ".join(VARIANTS)}')
-  smoke = 'smoke' in opts
-  c = _base(smoke)
+  c = _base('smoke' in opts)
   c.model.mtp.depth, c.model.mtp.kind = VARIANTS[variant]
-  budget = SMOKE_BUDGET_FLOPS if smoke else BUDGET_FLOPS
-  c.train.steps = max(1, int(budget // step_flops(c)))
-  c.train.warmup_steps = c.train.steps // 10  # same schedule shape for every variant
   return c

@@ -9,6 +9,7 @@ import json
 import os
 
 import matplotlib
+import numpy as np
 
 matplotlib.use('Agg')  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
@@ -85,9 +86,10 @@ def plot_acceptance(rows: list[dict], path: str) -> str | None:
   return _save(fig, path)
 
 
-def _save(fig, path: str) -> str:
+def _save(fig, path: str, layout: bool = True) -> str:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.tight_layout()
+  if layout:
+    fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
@@ -180,3 +182,151 @@ def plot_decode_acceptance(stats: dict, accepted_hist, path: str) -> str:
   for a in (a1, a2):
     a.grid(alpha=0.3, axis='y')
   return _save(fig, path)
+
+
+# -- multi-seed sweeps (scripts/ablation.py's JSON) --------------------------------------------
+VARIANT_COLORS = {'d0': '#424242', 'd1': '#1e88e5', 'd3': '#e53935', 'd3p': '#fb8c00'}
+
+
+def _group_by_variant(results: list[dict]) -> dict[str, list[dict]]:
+  order = list(VARIANT_COLORS)
+  rank = lambda v: order.index(v) if v in order else len(order)  # noqa: E731
+  out = {}
+  for r in sorted(results, key=lambda r: (rank(r['variant']), r['variant'], r['seed'])):
+    out.setdefault(r['variant'], []).append(r)
+  return out
+
+
+def _variant_label(rs: list[dict]) -> str:
+  r = rs[0]
+  kind = f' {r["mtp_kind"]}' if r['depth'] else ''
+  return f'{r["variant"]}: D = {r["depth"]}{kind} (n = {len(rs)})'
+
+
+def _smooth(y, width: int):
+  """Trailing mean over `width` points (fewer at the start): the same x, less noise."""
+  c = np.cumsum(np.insert(np.asarray(y, np.float64), 0, 0.0))
+  i = np.arange(1, len(y) + 1)
+  lo = np.maximum(i - width, 0)
+  return (c[i] - c[lo]) / (i - lo)
+
+
+def _mean_band(ax, xs, ys_by_seed, color, label, smooth: int = 1):
+  """Mean over seeds with a ±1 std band, on the x points every seed has."""
+  n = min(len(y) for y in ys_by_seed)
+  ys = np.asarray([_smooth(y[:n], smooth) for y in ys_by_seed], np.float64)
+  mean = ys.mean(0)
+  std = ys.std(0, ddof=1) if len(ys) > 1 else np.zeros_like(mean)
+  ax.plot(xs[:n], mean, color=color, label=label)
+  ax.fill_between(xs[:n], mean - std, mean + std, color=color, alpha=0.25, linewidth=0)
+
+
+def plot_sweep_loss(results: list[dict], path: str) -> str:
+  """Main-head training loss vs training FLOPs per variant, mean ± std over seeds.
+
+  Each point is the mean over the last `smooth` log windows (10 steps each) of fresh
+  training batches; the dotted line is D = 0's budget, where the equal-FLOP table reads
+  each run.
+  """
+  smooth = 5
+  fig, ax = plt.subplots(figsize=(7.5, 4.5))
+  by = _group_by_variant(results)
+  for v, rs in by.items():
+    curves = [[p for p in r['curve'] if 'train_loss' in p] for r in rs]
+    xs = np.asarray([p['flops'] / 1e12 for p in curves[0]])
+    ys = [[p['train_loss'][0] for p in c] for c in curves]
+    _mean_band(ax, xs, ys, VARIANT_COLORS.get(v), _variant_label(rs), smooth)
+  base = [r for r in results if r['depth'] == 0]
+  if base:
+    ax.axvline(base[0]['steps'] * base[0]['flops_per_step'] / 1e12, color='k', ls=':', lw=1,
+               label='equal-FLOP budget (D = 0 at its last step)')
+  ax.set_xlabel('training FLOPs (TFLOP, mtp_jax/flops.py)')
+  ax.set_ylabel('main-head train loss (nats / byte)')
+  ax.set_ylim(top=min(ax.get_ylim()[1], 4.0))
+  ax.set_title(f'Main-head train loss vs compute (trailing mean of {10 * smooth} steps; '
+               'band: ±1 std over seeds)', fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  return _save(fig, path)
+
+
+def plot_induction(results: list[dict], path: str, chance: float | None = None) -> str:
+  """Copy accuracy on the second occurrence vs training steps and vs FLOPs, seed bands."""
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.3), sharey=True)
+  top = 0.0
+  for v, rs in _group_by_variant(results).items():
+    curves = [[p for p in r['curve'] if 'copy_acc' in p] for r in rs]
+    ys = [[p['copy_acc'] for p in c] for c in curves]
+    top = max(top, max(max(y) for y in ys))
+    for ax, key, scale in ((axes[0], 'step', 1.0), (axes[1], 'flops', 1e12)):
+      xs = np.asarray([p[key] / scale for p in curves[0]])
+      _mean_band(ax, xs, ys, VARIANT_COLORS.get(v), _variant_label(rs))
+  for ax, xl in zip(axes, ('training step', 'training FLOPs (TFLOP)')):
+    if chance:
+      ax.axhline(chance, color='grey', ls=':', lw=1, label=f'chance ({chance:.3f})')
+    ax.set_xlabel(xl)
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel('accuracy on the 2nd occurrence')
+  axes[0].set_ylim(0, min(1.0, top * 1.25 + 0.02))
+  axes[0].legend(fontsize=8)
+  axes[0].set_title('Induction vs steps (band: ±1 std over seeds)')
+  axes[1].set_title('Induction vs compute (equal-FLOP budgets)')
+  return _save(fig, path)
+
+
+def plot_sweep_acceptance(results: list[dict], path: str, budget: str = 'equal_tokens') -> str:
+  """Free-running acceptance per depth (greedy, T = 1, T = 0.7), mean ± std over seeds,
+  with the teacher-forced agreement per depth (held-out) as black marks."""
+  by = {v: rs for v, rs in _group_by_variant(results).items() if rs[0]['depth']}
+  present = next(iter(by.values()))[0]['evals'][budget]['decode']
+  temps = [(t, 'greedy' if t == 'T0' else f'T = {t[1:]}') for t in present]
+  fig, axes = plt.subplots(1, len(temps), figsize=(4.4 * len(temps), 4.3), sharey=True,
+                           squeeze=False)
+  axes = axes[0]
+  width = 0.8 / max(len(by), 1)
+  for ax, (t, name) in zip(axes, temps):
+    for i, (v, rs) in enumerate(by.items()):
+      depth = rs[0]['depth']
+      acc = np.asarray([r['evals'][budget]['decode'][t]['acceptance_per_depth'] for r in rs])
+      agree = np.asarray([r['evals'][budget]['heldout']['agree'] for r in rs])
+      xs = np.arange(1, depth + 1) + (i - (len(by) - 1) / 2) * width
+      ax.bar(xs, acc.mean(0), width, yerr=acc.std(0, ddof=1) if len(rs) > 1 else None,
+             color=VARIANT_COLORS.get(v), label=_variant_label(rs), capsize=2)
+      ax.plot(xs, agree.mean(0), 'k_', ms=12, mew=2,
+              label='teacher-forced agreement' if i == 0 else None)
+    ax.set_xticks(range(1, 4))
+    ax.set_xlabel('draft depth k')
+    ax.set_title(f'{name}: P(first k drafts accepted)')
+    ax.grid(alpha=0.3, axis='y')
+  axes[0].set_ylabel('acceptance')
+  axes[0].set_ylim(0, 1)
+  handles, labels = axes[0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc='lower center', ncol=len(labels), fontsize=8)
+  fig.suptitle(f'Held-out prompts, {budget.replace("_", " ")} (error bars: ±1 std over seeds)',
+               fontsize=10)
+  fig.tight_layout(rect=(0, 0.08, 1, 1))
+  return _save(fig, path, layout=False)
+
+
+def plot_sweep(out_dir: str, fig_dir: str | None = None) -> list[str]:
+  """The sweep's figures from OUT/lm/*.json and OUT/induction/*.json; their paths."""
+  fig_dir = fig_dir or out_dir
+  groups = {}
+  for g in ('lm', 'induction'):
+    d = os.path.join(out_dir, g)
+    if os.path.isdir(d):
+      groups[g] = [json.load(open(os.path.join(d, n))) for n in sorted(os.listdir(d))
+                   if n.endswith('.json')]
+  if not any(groups.values()):
+    raise FileNotFoundError(f'no lm/*.json or induction/*.json under {out_dir}')
+  paths = []
+  if groups.get('lm'):
+    paths.append(plot_sweep_loss(groups['lm'], os.path.join(fig_dir, 'loss_vs_flops.png')))
+    if any(r['depth'] for r in groups['lm']):
+      paths.append(plot_sweep_acceptance(groups['lm'],
+                                         os.path.join(fig_dir, 'acceptance_per_depth.png')))
+  if groups.get('induction'):
+    alphabet = groups['induction'][0].get('task', {}).get('alphabet')
+    paths.append(plot_induction(groups['induction'], os.path.join(fig_dir, 'induction.png'),
+                                1 / alphabet if alphabet else None))
+  return paths

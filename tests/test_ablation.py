@@ -1,7 +1,8 @@
-"""The head-kind ablation: equal-FLOP variants, the tabulating script, trained parallel heads."""
+"""The research sweep: configs, the induction task, the held-out corpus, the sweep machinery
+(resumable runs, mean/std tables against the per-run JSON), the sweep figures, and
+trained parallel heads decoding losslessly."""
 import importlib.util
 import json
-import math
 import os
 import subprocess
 import sys
@@ -10,18 +11,24 @@ import numpy as np
 import pytest
 
 from helpers import REPO, byte_config, byte_ids
-from mtp_jax import config_lib, decode
+from mtp_jax import config_lib, decode, research
 from mtp_jax import steps as steps_lib
+from mtp_jax.data import induction
 from flax import nnx
 
-_spec = importlib.util.spec_from_file_location('configs_ablation',
-                                               os.path.join(REPO, 'configs', 'ablation.py'))
-ABLATION = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ABLATION)  # its VARIANTS, budgets and step_flops, not only get_config
 SCRIPT = os.path.join(REPO, 'scripts', 'ablation.py')
-# Fields that are allowed to differ between variants; everything else must be identical.
-VARYING = {('model', 'mtp', 'depth'), ('model', 'mtp', 'kind'), ('train', 'steps'),
-           ('train', 'warmup_steps')}
+
+
+def _load_script():
+  spec = importlib.util.spec_from_file_location('ablation_script', SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+A = _load_script()
+# Fields that may differ between variants; everything else must be identical.
+VARYING = {('model', 'mtp', 'depth'), ('model', 'mtp', 'kind')}
 
 
 def _flat(d, prefix=()):
@@ -31,85 +38,204 @@ def _flat(d, prefix=()):
   return out
 
 
+@pytest.mark.parametrize('group', ['lm', 'induction'])
 @pytest.mark.parametrize('smoke', [False, True])
-def test_variants_are_equal_flop_and_otherwise_identical(smoke):
-  budget = ABLATION.SMOKE_BUDGET_FLOPS if smoke else ABLATION.BUDGET_FLOPS
-  configs = {v: ABLATION.get_config(v + (',smoke' if smoke else '')) for v in ABLATION.VARIANTS}
-  flops = {}
-  for v, c in configs.items():
+def test_variants_differ_only_in_heads_and_equal_flop_steps_fit_the_budget(group, smoke):
+  mod = A.CONFIGS[group]
+  opt = ',smoke' if smoke else ''
+  base = mod.get_config(mod.BASELINE + opt)
+  budget = A.ABLATION.step_flops(base) * base.train.steps
+  flat_base = _flat(json.loads(base.to_json_best_effort()))
+  steps = {}
+  for v, (depth, kind) in mod.VARIANTS.items():
+    c = mod.get_config(v + opt)
     config_lib.validate(c)
-    per_step = ABLATION.step_flops(c)
-    flops[v] = per_step * c.train.steps
-    assert budget - per_step < flops[v] <= budget, (v, c.train.steps, per_step)  # within a step
-    assert (c.model.mtp.depth, c.model.mtp.kind) == ABLATION.VARIANTS[v]
-  steps = {v: c.train.steps for v, c in configs.items()}
-  # D = 0 trains longest; sequential's eh_proj makes it the most expensive per step.
-  assert steps['none'] > steps['parallel'] >= steps['sequential'], steps
-  flat = {v: _flat(json.loads(c.to_json_best_effort())) for v, c in configs.items()}
-  for v in ('sequential', 'parallel'):
-    differ = {k for k in flat[v].keys() | flat['none'].keys()
-              if flat[v].get(k) != flat['none'].get(k)}
+    assert (c.model.mtp.depth, c.model.mtp.kind) == (depth, kind)
+    assert c.train.min_lr_ratio == 1.0  # constant after warmup: budgets are prefixes of runs
+    flat = _flat(json.loads(c.to_json_best_effort()))
+    differ = {k for k in flat.keys() | flat_base.keys() if flat.get(k) != flat_base.get(k)}
     assert differ <= VARYING, differ - VARYING
+    n = A.ABLATION.equal_flop_steps(c, base)
+    per_step = A.ABLATION.step_flops(c)
+    assert budget - per_step < n * per_step <= budget, (v, n)  # within one step
+    steps[v] = n
+  assert steps['d0'] == base.train.steps and steps['d0'] > steps['d1'] > steps['d3']
+  if 'd3p' in steps:  # a parallel head has no eh_proj: cheaper than a sequential module
+    assert steps['d3'] <= steps['d3p'] < steps['d1']
 
 
-def test_bad_variant_is_a_clear_error(tmp_path):
-  for arg in ('seq', 'parallel,big'):
-    with pytest.raises(ValueError, match='none, sequential, parallel'):
-      ABLATION.get_config(arg)
-  proc = subprocess.run(
-      [sys.executable, os.path.join(REPO, 'scripts', 'train.py'), '--config',
-       os.path.join(REPO, 'configs', 'ablation.py:paralel'), f'--workdir={tmp_path}'],
-      capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, XLA_FLAGS=''))
-  assert proc.returncode == 2 and "unknown argument 'paralel'" in proc.stderr, proc.stderr
-  proc = subprocess.run([sys.executable, SCRIPT, '--workdir', str(tmp_path), '--variants', 'x'],
-                        capture_output=True, text=True, timeout=60)
-  assert proc.returncode == 2 and 'unknown variant' in proc.stderr
+def test_bad_input_is_one_clear_error():
+  for mod, arg in ((A.ABLATION, 'd2'), (A.ABLATION, 'd1,big'), (A.INDUCTION, 'd3p')):
+    with pytest.raises(ValueError, match='unknown argument'):
+      mod.get_config(arg)
+  for flags, msg in ((['--seeds', '0,x'], 'comma-separated integers'),
+                     (['--seeds', '1,1'], 'distinct'), (['--groups', 'lm,x'], 'unknown group'),
+                     (['--variants', 'd9'], 'unknown variant'),
+                     (['--temperatures', '-1'], '>= 0')):
+    proc = subprocess.run([sys.executable, SCRIPT, '--no_run', *flags], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and msg in proc.stderr, (flags, proc.stderr[-500:])
 
 
-def _script(*args):
-  env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu')
-  proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                        env=env, timeout=900, cwd=REPO)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return proc
+def test_induction_rows_are_deterministic_and_scored_on_the_second_occurrence():
+  task = induction.InductionTask(seq_len=64, alphabet=16, span_min=6, span_max=12, repeats=3)
+  a, b = task.batch(3, 7, 32), task.batch(3, 7, 32)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  assert not np.array_equal(a['tokens'], task.batch(3, 8, 32)['tokens'])
+  assert not np.array_equal(a['tokens'], task.batch(4, 7, 32)['tokens'])
+  tok, mask = a['tokens'], a['copy_mask']
+  assert tok.min() >= task.first_id and tok.max() < task.first_id + task.alphabet
+  for r in range(len(tok)):
+    idx = np.flatnonzero(mask[r])
+    length = len(idx) + 1  # the span's first copied token is not scored
+    assert task.span_min <= length <= task.span_max and np.all(np.diff(idx) == 1)
+    b0 = idx[0] - 1  # start of the second occurrence; the first is just before it
+    np.testing.assert_array_equal(tok[r, b0:b0 + length], tok[r, b0 - length:b0])
+    np.testing.assert_array_equal(tok[r, b0 + length:b0 + 2 * length], tok[r, b0:b0 + length])
+  # A perfect copier scores 1; a predictor of the previous token scores about chance.
+  copier = np.zeros_like(tok)
+  for r in range(len(tok)):
+    idx = np.flatnonzero(mask[r])
+    length = len(idx) + 1
+    copier[r, idx - 1] = tok[r, idx - length]  # pred at i-1 of token i: the first occurrence
+  assert induction.copy_accuracy(copier, a) == 1.0
+  assert induction.copy_accuracy(tok, a) < 0.3
+  with pytest.raises(ValueError, match='do not fit'):
+    induction.InductionTask(seq_len=32, span_min=8, span_max=12, repeats=3)
 
 
-@pytest.mark.slow  # three training subprocesses and six decode compilations: ~2 min
-def test_ablation_script_end_to_end(stdlib_data_dir, tmp_path):
-  """--run --smoke trains the three tiny variants, then tabulates them; a rerun trains nothing."""
-  root = str(tmp_path / 'ablation')
-  common = ['--workdir', root, '--smoke', '--num_prompts', '2', '--json',
-            f'--train_flag=--config.data.data_dir={stdlib_data_dir}']
-  rows = json.loads(_script(*common, '--run').stdout)['variants']
-  by = {r['variant']: r for r in rows}
-  assert set(by) == set(ABLATION.VARIANTS) and all(r['finished'] for r in rows)
-  for r in rows:
-    assert ABLATION.SMOKE_BUDGET_FLOPS - r['flops_per_step'] < r['train_flops'] <= \
-        ABLATION.SMOKE_BUDGET_FLOPS
-    assert 0 < r['val_loss_main'] < math.log(320) and r['val_bpb_main'] > 0  # it learned
-    assert len(r['val_loss_per_depth']) == r['depth'] == len(r['acceptance_per_depth'])
-  assert by['none']['steps'] > by['parallel']['steps'] >= by['sequential']['steps']
-  assert by['none']['tau'] == 1.0 and by['none']['identical_to_ar'] is None
-  for v in ('sequential', 'parallel'):
-    assert by[v]['kind'] == v and by[v]['identical_to_ar'] is True
-    assert 1.0 <= by[v]['tau'] <= 3.0
-    assert all(np.isfinite(by[v]['val_loss_per_depth']))
-  proc = _script(*common, '--run', '--variants', 'none')
-  assert 'none: finished, not retrained' in proc.stderr
-  untimed = lambda r: {k: v for k, v in r.items() if 'per_sec' not in k}  # noqa: E731
-  assert [untimed(r) for r in json.loads(proc.stdout)['variants']] == [untimed(by['none'])]
-  table = _load_script().markdown(rows + [{'variant': 'other', 'finished': False}]).splitlines()
-  assert table[0].startswith('| variant |') and len(table) == 6
-  assert '| none | 0 |' in table[2] and '1 (n.a.)' in table[2]
-  assert table[4].startswith('| parallel | 2 |') and '| yes |' in table[4]
-  assert 'not finished' in table[5]
+def test_heldout_corpus_is_deterministic_and_excludes_stdlib_copies(tmp_path):
+  root = tmp_path / 'site'
+  (root / 'pkg').mkdir(parents=True)
+  stdlib_file = os.path.join(research.corpus.stdlib_root(), 'textwrap.py')
+  with open(stdlib_file, 'rb') as f:
+    (root / 'pkg' / 'vendored_textwrap.py').write_bytes(f.read())  # a stdlib copy: excluded
+  for i in range(6):
+    (root / 'pkg' / f'm{i}.py').write_text(f'def f{i}(x):\n  return x + {i}\n' * 80)
+  (root / 'pkg' / 'dup.py').write_text('def f0(x):\n  return x + 0\n' * 80)  # = m0.py
+  (root / 'pkg' / 'tiny.py').write_text('x = 1\n')  # under min_bytes
+  rule = research.HeldoutRule(root=str(root), min_bytes=100, cap_bytes=10**6)
+  docs, desc = research.heldout_documents(rule)
+  names = [d[0] for d in docs]
+  assert sorted(names) == [f'pkg/m{i}.py' for i in range(6)] or \
+      sorted(names) == sorted([f'pkg/m{i}.py' for i in range(1, 6)] + ['pkg/dup.py'])
+  assert desc['scanned']['duplicate'] == 2 and desc['documents'] == 6
+  assert research.heldout_documents(rule) == (docs, desc)
+  tok = research.tokenizers.ByteTokenizer()
+  rows = research.pack_rows([t for _, t in docs], tok, 64, 8)
+  assert rows['tokens'].shape == (8, 64) and rows['segment_ids'].min() >= 1
+  first = tok.encode_array(docs[0][1])
+  np.testing.assert_array_equal(rows['tokens'][0], first[:64])
+  np.testing.assert_array_equal(rows['positions'][1], np.arange(64))  # a new piece per row
+  with pytest.raises(ValueError, match='fills'):
+    research.pack_rows([t for _, t in docs], tok, 64, 10**4)
 
 
-def _load_script():
-  spec = importlib.util.spec_from_file_location('ablation_script', SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def test_statistics():
+  m, s = research.mean_std([1.0, 2.0, 4.0])
+  assert m == pytest.approx(7 / 3) and s == pytest.approx(np.std([1, 2, 4], ddof=1))
+  w = research.welch([1.0, 1.1, 0.9], [2.0, 2.2, 1.8])
+  assert w['diff'] == pytest.approx(-1.0) and w['t'] < -5 and w['p'] < 0.01
+  assert research.welch([1.0, 2.0, 3.0], [1.5, 2.5, 2.0])['p'] > 0.5
+  p = research.paired([1.0, 2.0, 3.0], [1.1, 2.1, 3.2])
+  assert p['diff'] == pytest.approx(-4 / 30) and p['t'] < 0
+  # Equal batches: the ratio estimator's standard error is 0; noisy ones: about std / sqrt(n).
+  assert research.batch_bpb_se([2.0] * 8, [1.0] * 8) == 0.0
+  rng = np.random.default_rng(0)
+  se = research.batch_bpb_se(rng.normal(2.0, 0.1, 400), np.ones(400))
+  assert se == pytest.approx(0.1 / 20 / np.log(2), rel=0.15)
+
+
+def _per_run_metric(r, budget, metric):
+  """The figure straight from a run's JSON, not through the script's lm_metrics."""
+  ev = r['evals'][budget]
+  return {'stdlib_bpb': ev['stdlib_val']['bpb'][0], 'heldout_bpb': ev['heldout']['bpb'][0],
+          'steps': ev['step'], 'heldout_agree_1': (ev['heldout']['agree'] or [None])[0],
+          'tau_T1': ev['decode'].get('T1', {}).get('tau')}[metric]
+
+
+@pytest.mark.slow  # 21 s at load 1, 37 s at load 8-10 (2 cores): 4 tiny runs, 2 steps, 1 decoder
+def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, tmp_path):
+  """2 seeds x 2 variants, a few steps: tables = mean/std of the per-run JSON; a rerun
+  skips finished runs; a run stopped after a checkpoint resumes to the same result."""
+  out, work = str(tmp_path / 'out'), str(tmp_path / 'work')
+  args = A.parse(['--smoke', '--seeds', '0,1', '--groups', 'lm', '--variants', 'd0,d1',
+                  '--temperatures', '1', '--out', out, '--workdir', work,
+                  '--data_dir', stdlib_data_dir])
+  runs = A.make_runs(args)
+  assert [(r.variant, r.seed) for r in runs] == [('d0', 0), ('d1', 0), ('d0', 1), ('d1', 1)]
+  sweep = A.make_sweep(args, runs)
+  # Stop d1 seed 1 after its first checkpoint, as a killed sweep would; then resume it.
+  last = runs[-1]
+  for r in runs[:-1]:
+    sweep.run(r)
+  sweep.stop_at = last.save_every
+  with pytest.raises(research.Interrupted):
+    sweep.run(last)
+  assert not os.path.exists(sweep.result_path(last))
+  sweep.stop_at = None
+  logs = []
+  sweep.log = logs.append
+  sweep.run(last)
+  assert any(f'resumed at step {last.save_every}' in s for s in logs), logs
+  resumed = json.load(open(sweep.result_path(last)))
+  # The same run uninterrupted (a fresh output folder, the same compiled steps).
+  fresh = research.Sweep(work + '2', out + '2')
+  fresh._setups, fresh.lm_eval = sweep._setups, sweep.lm_eval  # pylint: disable=protected-access
+  uninterrupted = fresh.run(last)
+  for a, b in zip(resumed['curve'], uninterrupted['curve']):
+    assert a['step'] == b['step']
+    np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-5)
+  for budget in A.BUDGETS:
+    np.testing.assert_allclose(resumed['evals'][budget]['heldout']['bpb'],
+                               uninterrupted['evals'][budget]['heldout']['bpb'], rtol=1e-5)
+  logs.clear()
+  sweep.run(runs[0])
+  assert any('finished, not rerun' in s for s in logs), logs
+
+  summary = A.tabulate(out, {0, 1})
+  files = sorted(os.listdir(os.path.join(out, 'lm')))
+  assert files == ['d0_s0.json', 'd0_s1.json', 'd1_s0.json', 'd1_s1.json']
+  results = {(r['variant'], r['seed']): r for r in research.load_results(out, 'lm')}
+  for budget in A.BUDGETS:
+    for v in ('d0', 'd1'):
+      row = summary['lm'][budget][v]
+      assert row['seeds'] == [0, 1]
+      for metric in ('stdlib_bpb', 'heldout_bpb', 'steps', 'heldout_agree_1', 'tau_T1'):
+        vals = [_per_run_metric(results[(v, s)], budget, metric) for s in (0, 1)]
+        if v == 'd0' and metric in ('heldout_agree_1', 'tau_T1'):
+          assert metric not in row['metrics']  # no MTP depth, no drafts
+          continue
+        m = row['metrics'][metric]
+        assert m['per_seed'] == {0: vals[0], 1: vals[1]}
+        assert m['mean'] == pytest.approx(np.mean(vals))
+        assert m['std'] == pytest.approx(np.std(vals, ddof=1))
+    assert summary['lm'][budget]['d1']['metrics']['steps']['mean'] == (
+        runs[1].eval_at[budget])
+    t = summary['tests'][budget]['d1 - d0 heldout_bpb']
+    diff = [_per_run_metric(results[('d1', s)], budget, 'heldout_bpb')
+            - _per_run_metric(results[('d0', s)], budget, 'heldout_bpb') for s in (0, 1)]
+    assert t['paired']['diff'] == pytest.approx(np.mean(diff))
+  eq = summary['lm']['equal_flops']
+  assert eq['d1']['metrics']['steps']['mean'] < eq['d0']['metrics']['steps']['mean']
+  assert eq['d1']['metrics']['train_tflop']['mean'] <= eq['d0']['metrics']['train_tflop']['mean']
+  r = results[('d1', 0)]
+  assert 0 < r['evals']['equal_tokens']['heldout']['tokens'] <= 2 * 4 * 64  # 2 batches of 4 x 64
+  assert r['evaluation']['heldout']['documents'] > 0
+  assert 0 <= r['evals']['equal_tokens']['decode']['T1']['acceptance_per_depth'][0] <= 1
+  text = A.markdown(summary)
+  assert text.count('| d1 (D = 1 sequential) |') == 4 and 'Welch t' in text
+
+  proc = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'plot.py'),
+                         f'--sweep={out}', f'--out={tmp_path / "figs"}'],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  figs = proc.stdout.split()
+  assert [os.path.basename(p) for p in figs] == ['loss_vs_flops.png', 'acceptance_per_depth.png']
+  for p in figs:
+    data = open(p, 'rb').read()
+    assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 10_000
 
 
 ALPHABET = 'abcdefghijklmnopqrstuvwxyz'

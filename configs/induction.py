@@ -1,0 +1,41 @@
+"""The synthetic induction benchmark (mtp_jax/data/induction.py): `configs/induction.py:<v>`.
+
+Rows of 64 tokens uniform over a 32-letter alphabet in which one span of 8-16
+tokens occurs three times in a row; the score is the main head's accuracy on the
+second occurrence (chance 1/32). Variants `d0`, `d1`, `d3` (sequential MTP), all with the same 2-layer
+d 64 trunk, 16 x 64 tokens per step, optimizer and warmup-then-constant learning rate, at EQUAL TRAINING
+FLOPs: D = 0 trains STEPS steps, D = k the most steps that fit the same FLOPs
+(configs/ablation.py's equal_flop_steps). scripts/ablation.py evaluates every
+EVAL_EVERY steps on EVAL_ROWS fixed rows (a seed no training batch uses).
+`,smoke`: a few steps of a smaller model (tests).
+"""
+from mtp_jax import config_lib
+
+VARIANTS = {'d0': (0, 'sequential'), 'd1': (1, 'sequential'), 'd3': (3, 'sequential')}
+BASELINE = 'd0'
+STEPS, WARMUP, EVAL_EVERY, EVAL_ROWS = 1200, 20, 40, 256
+SMOKE_STEPS, SMOKE_EVAL_EVERY, SMOKE_EVAL_ROWS = 8, 4, 8
+TASK = {'alphabet': 32, 'span_min': 8, 'span_max': 16, 'repeats': 3}
+SMOKE_TASK = {'alphabet': 16, 'span_min': 4, 'span_max': 8, 'repeats': 3}
+
+
+def get_config(arg: str = 'd0'):
+  variant, *opts = arg.split(',')
+  if variant not in VARIANTS or any(o != 'smoke' for o in opts):
+    raise ValueError(f'configs/induction.py: unknown argument {arg!r}; use '
+                     f'configs/induction.py:<variant>[,smoke] with variant one of '
+                     f'{", ".join(VARIANTS)}')
+  smoke = 'smoke' in opts
+  c = config_lib.base_config()
+  c.model.d_model, c.model.n_layers, c.model.mlp_dim = 64, 2, 192
+  c.model.n_heads, c.model.n_kv_heads, c.model.head_dim = 2, 2, 32
+  c.data.seq_len, c.data.batch_size = (32, 4) if smoke else (64, 16)
+  c.data.tokenizer = 'byte'
+  c.model.mtp.depth, c.model.mtp.kind = VARIANTS[variant]
+  c.model.mtp.lambda_values = (0.3,)
+  c.train.lr = 3e-3
+  c.train.min_lr_ratio = 1.0
+  c.train.steps, c.train.warmup_steps = (SMOKE_STEPS, 2) if smoke else (STEPS, WARMUP)
+  c.train.progress = False
+  c.mesh.shape = (1, 1, 1)
+  return c

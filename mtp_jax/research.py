@@ -1,0 +1,488 @@
+"""Multi-seed research sweeps: resumable in-process runs, evaluations, statistics.
+
+scripts/ablation.py drives it. One process trains every run of a sweep one after the
+other; runs of one variant share a compiled train step (only the seed differs), and
+each run checkpoints its state, data iterator and results so far every `save_every`
+steps, so a killed sweep resumes the interrupted run where its last checkpoint left
+it and skips every run whose JSON is already written.
+
+Two kinds of run:
+- `lm`: byte-level language modelling on the stdlib corpus (data.shuffle_seed and the
+  init seed are the run's seed). It is evaluated at named steps (`eval_at`: e.g. the
+  equal-FLOP and the equal-token budget of one schedule) on the stdlib validation
+  split and on the held-out corpus (`heldout_documents`), teacher-forced per depth
+  with per-batch figures for standard errors, and by free-running decoding of
+  held-out prompts, greedy and sampled.
+- `induction`: mtp_jax.data.induction batches; accuracy on the copyable second
+  occurrence every `eval_every` steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import sysconfig
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from scipy import stats
+
+from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import evaluation
+from mtp_jax import flops as flops_lib
+from mtp_jax import sharding
+from mtp_jax import state as state_lib
+from mtp_jax import steps as steps_lib
+from mtp_jax.data import corpus, induction, pipeline, tokenizers
+
+RESULT_VERSION = 1
+
+
+# -- the held-out corpus ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HeldoutRule:
+  """Which third-party sources form the held-out corpus (deterministic for one install).
+
+  Every `.py` file under `root` (default: this interpreter's purelib, i.e. the venv's
+  site-packages) of [min_bytes, max_bytes] bytes, minus __pycache__ and editable-install
+  shims, ordered by sha1(relative path) (which interleaves packages) and taken in that
+  order until cap_bytes, skipping files with NUL bytes or invalid UTF-8 and every file
+  whose content equals a stdlib file's or an already taken file's: a fixed list for a
+  given set of installed package versions.
+  """
+  root: str = ''
+  min_bytes: int = 1_000
+  max_bytes: int = 64_000
+  cap_bytes: int = 1_000_000
+
+
+def _sha1(b: bytes) -> str:
+  return hashlib.sha1(b).hexdigest()
+
+
+def stdlib_hashes() -> set[str]:
+  root = corpus.stdlib_root()
+  out = set()
+  for rel in corpus.list_files(root):
+    try:
+      with open(os.path.join(root, rel), 'rb') as f:
+        out.add(_sha1(f.read()))
+    except OSError:
+      continue
+  return out
+
+
+def heldout_documents(rule: HeldoutRule = HeldoutRule()) -> tuple[list[tuple[str, str]], dict]:
+  """([(relpath, text)] in the rule's order, a description with a fingerprint).
+
+  Only sizes are read for the whole tree; files are opened in the rule's order until
+  the cap is reached, so a large site-packages costs one directory walk.
+  """
+  root = rule.root or sysconfig.get_paths()['purelib']
+  if not os.path.isdir(root):
+    raise ValueError(f'held-out corpus root {root!r} is not a directory')
+  counts = {'files': 0, 'size': 0, 'binary_or_bad_utf8': 0, 'duplicate': 0}
+  candidates = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = [d for d in dirnames if d != '__pycache__']
+    for name in filenames:
+      if not name.endswith('.py') or name.startswith('__editable__'):
+        continue
+      path = os.path.join(dirpath, name)
+      counts['files'] += 1
+      try:
+        size = os.path.getsize(path)
+      except OSError:
+        continue
+      if not rule.min_bytes <= size <= rule.max_bytes:
+        counts['size'] += 1
+        continue
+      rel = os.path.relpath(path, root).replace(os.sep, '/')
+      candidates.append((_sha1(rel.encode()), rel))
+  candidates.sort()
+  seen = stdlib_hashes()  # content seen: the stdlib's, then every file taken
+  docs, total, digest = [], 0, hashlib.sha1()
+  for _, rel in candidates:
+    if total >= rule.cap_bytes:
+      break
+    with open(os.path.join(root, rel), 'rb') as f:
+      raw = f.read()
+    h = _sha1(raw)
+    if h in seen:
+      counts['duplicate'] += 1
+      continue
+    seen.add(h)
+    try:
+      text = raw.decode('utf-8')
+    except UnicodeDecodeError:
+      text = None
+    if text is None or '\x00' in text:
+      counts['binary_or_bad_utf8'] += 1
+      continue
+    docs.append((rel, text))
+    total += len(raw)
+    digest.update(f'{rel}\t{h}\n'.encode())
+  desc = {'root': root, 'rule': dataclasses.asdict(rule), 'scanned': counts,
+          'eligible_by_size': len(candidates), 'documents': len(docs), 'bytes': total,
+          'packages': sorted({d[0].split('/')[0] for d in docs}),
+          'fingerprint': digest.hexdigest()[:12]}
+  return docs, desc
+
+
+def pack_rows(docs: Sequence[str], tokenizer, seq_len: int, rows: int) -> dict[str, np.ndarray]:
+  """Documents (+ EOS each) concatenated and cut into `rows` rows of seq_len tokens.
+
+  The packing of the training pipeline: a row holds pieces of several documents, each
+  its own segment (ids from 1) with positions from 0 at the piece's start.
+  """
+  tokens = np.zeros((rows, seq_len), np.int32)
+  seg = np.zeros((rows, seq_len), np.int32)
+  pos = np.zeros((rows, seq_len), np.int32)
+  r = c = 0
+  s = 1
+  for text in docs:
+    ids = np.append(tokenizer.encode_array(text), tokenizer.eos_id).astype(np.int32)
+    while len(ids) and r < rows:
+      n = min(len(ids), seq_len - c)
+      tokens[r, c:c + n], seg[r, c:c + n], pos[r, c:c + n] = ids[:n], s, np.arange(n)
+      ids, c, s = ids[n:], c + n, s + 1
+      if c == seq_len:
+        r, c, s = r + 1, 0, 1
+    if r == rows:
+      break
+  if r < rows:
+    raise ValueError(f'the held-out corpus fills {r} of the {rows} rows of {seq_len} tokens '
+                     'asked for; raise HeldoutRule.cap_bytes or ask for fewer')
+  return {'tokens': tokens, 'segment_ids': seg, 'positions': pos}
+
+
+def prompts_from(docs: Sequence[str], tokenizer, n: int, length: int) -> list[list[int]]:
+  """n prompts of `length` tokens, one per document evenly spaced through docs, each
+  starting at a line a third into its document (past license headers and imports)."""
+  long = [d for d in docs if len(tokenizer.encode(d)) >= 4 * length]
+  step = max(1, len(long) // n)
+  out = []
+  for doc in long[::step][:n]:
+    lines = doc.splitlines(keepends=True)
+    start = sum(len(line) for line in lines[:len(lines) // 3])
+    out.append(list(tokenizer.encode(doc[start:]))[:length])
+  if len(out) < n:
+    raise ValueError(f'only {len(out)} held-out documents have {4 * length}+ tokens')
+  return out
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def mean_std(xs: Sequence[float]) -> tuple[float, float]:
+  """Mean and sample standard deviation (ddof 1; 0 for one value)."""
+  a = np.asarray(xs, np.float64)
+  return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
+
+
+def welch(a: Sequence[float], b: Sequence[float]) -> dict:
+  """Welch's t test of mean(a) - mean(b): t, Welch-Satterthwaite dof, two-sided p."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+  se = math.sqrt(va + vb)
+  diff = float(a.mean() - b.mean())
+  if se == 0:
+    return {'diff': diff, 't': math.inf if diff else 0.0, 'dof': None, 'p': 0.0 if diff else 1.0}
+  dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+  t = diff / se
+  return {'diff': diff, 't': t, 'dof': dof, 'p': float(2 * stats.t.sf(abs(t), dof))}
+
+
+def paired(a: Sequence[float], b: Sequence[float]) -> dict:
+  """Paired t test of a - b (same seeds: same data order and trunk initialisation)."""
+  d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+  m, s = mean_std(d)
+  if s == 0:
+    return {'diff': m, 't': math.inf if m else 0.0, 'p': 0.0 if m else 1.0}
+  t = m / (s / math.sqrt(len(d)))
+  return {'diff': m, 't': t, 'p': float(2 * stats.t.sf(abs(t), len(d) - 1))}
+
+
+def batch_bpb_se(loss_sums: Sequence[float], bytes_: Sequence[float]) -> float:
+  """Standard error of the corpus bpb from per-batch (loss, bytes) sums: ratio estimator
+  over batches (contiguous packed text), so within-batch correlation is accounted for."""
+  ls, by = np.asarray(loss_sums, np.float64), np.asarray(bytes_, np.float64)
+  n = len(ls)
+  r = ls.sum() / by.sum()
+  resid = (ls - r * by) / by.mean()
+  return float(math.sqrt((resid ** 2).sum() / (n * (n - 1))) / math.log(2)) if n > 1 else 0.0
+
+
+# -- one run ------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Run:
+  """One training run of a sweep: a variant's config at one seed."""
+  group: str  # output subfolder, e.g. 'lm' or 'induction'
+  variant: str
+  seed: int
+  config: object  # ml_collections ConfigDict; its seed / shuffle_seed are set by the sweep
+  kind: str = 'lm'  # 'lm' | 'induction'
+  eval_at: dict = dataclasses.field(default_factory=dict)  # name -> step ('lm')
+  eval_every: int = 0  # 'induction': accuracy every this many steps (and at 0)
+  task: dict = dataclasses.field(default_factory=dict)  # 'induction': InductionTask fields
+  log_every: int = 10
+  save_every: int = 50
+
+  @property
+  def name(self) -> str:
+    return f'{self.variant}_s{self.seed}'
+
+  @property
+  def steps(self) -> int:
+    return int(self.config.train.steps)
+
+
+def flops_per_step(config) -> float:
+  tokens = config.data.batch_size * config.data.seq_len
+  return float(flops_lib.config_flops_per_token(config).train * tokens)
+
+
+class LMEvaluator:
+  """The fixed evaluation sets of an lm sweep: stdlib validation, held-out, prompts."""
+
+  def __init__(self, config, *, eval_batches: int, num_prompts: int, prompt_len: int,
+               new_tokens: int, temperatures: Sequence[float] = (0.0, 1.0, 0.7),
+               heldout_rule: HeldoutRule = HeldoutRule(), decode_seed: int = 0):
+    tok = tokenizers.get_tokenizer(config.data)
+    self.token_bytes = evaluation.padded_token_bytes(config, tok)
+    self.batch_size, self.eval_batches = config.data.batch_size, eval_batches
+    self.sets = {'stdlib_val': pipeline.make_eval_batches(config, num_batches=eval_batches)}
+    docs, self.heldout_desc = heldout_documents(heldout_rule)
+    texts = [t for _, t in docs]
+    rows = pack_rows(texts, tok, config.data.seq_len, eval_batches * self.batch_size)
+    b = self.batch_size
+    self.sets['heldout'] = [{k: v[i * b:(i + 1) * b] for k, v in rows.items()}
+                            for i in range(eval_batches)]
+    self.prompts = prompts_from(texts, tok, num_prompts, prompt_len) if num_prompts else []
+    self.new_tokens, self.temperatures, self.decode_seed = new_tokens, temperatures, decode_seed
+    self.describe = {'eval_batches': eval_batches, 'tokens_per_set': eval_batches * b *
+                     config.data.seq_len, 'heldout': self.heldout_desc,
+                     'decode': {'prompts': len(self.prompts), 'prompt_len': prompt_len,
+                                'new_tokens': new_tokens, 'temperatures': list(temperatures),
+                                'eos': None, 'seed': decode_seed}}
+
+  def teacher_forced(self, ts, state) -> dict:
+    out = {}
+    with sharding.use_mesh(ts.mesh, ts.rules):
+      tb = jax.device_put(jnp.asarray(self.token_bytes, jnp.int32), sharding.replicated(ts.mesh))
+      for name, batches in self.sets.items():
+        per = [jax.device_get(ts.eval_step(state, sharding.host_batch_to_global(bt, ts.mesh), tb))
+               for bt in batches]
+        tot = {k: np.sum([p[k] for p in per], axis=0) for k in per[0]}
+        count = np.maximum(tot['count'], 1)
+        depths = len(count)
+        bpb = tot['loss_sum'] / (math.log(2) * np.maximum(tot['bytes'], 1))
+        out[name] = {
+            'bpb': bpb.tolist(), 'loss': (tot['loss_sum'] / count).tolist(),
+            'acc': (tot['correct'] / count).tolist(),
+            'agree': (tot['agree'] / count).tolist()[1:],
+            'bpb_se_main': batch_bpb_se([p['loss_sum'][0] for p in per],
+                                        [p['bytes'][0] for p in per]),
+            'batch_loss_sum_main': [float(p['loss_sum'][0]) for p in per],
+            'batch_bytes_main': [float(p['bytes'][0]) for p in per],
+            'tokens': float(tot['count'][0]), 'depths': depths}
+    return out
+
+  def decode(self, ts, state, depth: int) -> dict:
+    if not depth or not self.prompts:
+      return {}
+    dec = evaluation.local_decoder(ts.graphdef, state, ts.mesh)
+    out = {}
+    for temp in self.temperatures:
+      res = dec.generate(self.prompts, self.new_tokens, num_drafts=depth, temperature=temp,
+                         eos_id=None, seed=self.decode_seed)
+      st = res.stats()
+      out[f'T{temp:g}'] = {'tau': st['mean_accepted_length'],
+                           'acceptance_per_depth': st['acceptance_per_depth'],
+                           'conditional_acceptance': st['conditional_acceptance'],
+                           'verify_steps': st['verify_steps'], 'new_tokens': st['new_tokens'],
+                           'distinct_4grams': distinct_ngrams(res.tokens, 4)}
+    return out
+
+
+def distinct_ngrams(rows: Sequence[np.ndarray], n: int) -> float:
+  """Distinct n-grams / n-grams over the generated rows: near 0 when the text loops."""
+  total, distinct = 0, 0
+  for r in rows:
+    grams = [tuple(r[i:i + n]) for i in range(len(r) - n + 1)]
+    total += len(grams)
+    distinct += len(set(grams))
+  return distinct / max(total, 1)
+
+
+class InductionEvaluator:
+  def __init__(self, task: induction.InductionTask, rows: int):
+    self.task, self.batch = task, task.eval_batch(rows)
+    self._fns = {}  # id(TrainSetup) -> the jitted main-head argmax of its model
+
+  def __call__(self, ts, state) -> dict:
+    if id(ts) not in self._fns:
+      graphdef = ts.graphdef
+
+      def predict(state, tokens, positions, seg):
+        model, _ = nnx.merge(graphdef, state)
+        hiddens = model(tokens, positions, seg)
+        return jnp.argmax(model.logits(hiddens[0], 0), axis=-1)
+      self._fns[id(ts)] = jax.jit(predict)
+    b = self.batch
+    with sharding.use_mesh(ts.mesh, ts.rules):
+      pred = np.asarray(self._fns[id(ts)](state, b['tokens'], b['positions'],
+                                          b['segment_ids']))
+    # Also the accuracy on the random (unpredictable) tokens: chance, a sanity check.
+    rand = ~b['copy_mask'][:, 1:]
+    return {'copy_acc': induction.copy_accuracy(pred, b),
+            'other_acc': float(((pred[:, :-1] == b['tokens'][:, 1:]) & rand).sum() / rand.sum())}
+
+
+class Interrupted(RuntimeError):
+  """Sweep.stop_at reached (tests of resumption)."""
+
+
+class Sweep:
+  """Runs a list of Runs; results to `out_dir/<group>/<run>.json`, checkpoints to workdir."""
+
+  def __init__(self, workdir: str, out_dir: str, *, log: Callable[[str], None] = print,
+               devices=None):
+    self.workdir, self.out_dir, self.log = workdir, out_dir, log
+    self.devices = (jax.devices() if devices is None else devices)[:1]
+    self._setups = {}  # variant key -> TrainSetup (one compiled step for every seed)
+    self.stop_at: int | None = None  # tests: raise Interrupted after saving this step
+    self.lm_eval: LMEvaluator | None = None
+    self.induction_eval: InductionEvaluator | None = None
+
+  def result_path(self, run: Run) -> str:
+    return os.path.join(self.out_dir, run.group, run.name + '.json')
+
+  def finished(self, run: Run) -> bool:
+    path = self.result_path(run)
+    if not os.path.isfile(path):
+      return False
+    with open(path) as f:
+      saved = json.load(f)
+    if saved.get('config') != _config_dict(run.config):
+      raise ValueError(f'{path} holds a run of another config; move it away to rerun')
+    return True
+
+  def _setup(self, run: Run):
+    key = (run.group, run.variant)
+    if key not in self._setups:
+      cfg = run.config.copy_and_resolve_references()
+      cfg.seed = 0
+      self._setups[key] = steps_lib.setup(cfg, self.devices)[0]
+    return self._setups[key]
+
+  def run(self, run: Run) -> dict:
+    if self.finished(run):
+      self.log(f'{run.group}/{run.name}: finished, not rerun ({self.result_path(run)})')
+      with open(self.result_path(run)) as f:
+        return json.load(f)
+    config = run.config
+    ts = self._setup(run)
+    _, state, _, _ = state_lib.init_state(config, ts.mesh, ts.rules)
+    data_iter, next_batch = None, None
+    if run.kind == 'lm':
+      data_iter = pipeline.make_train_iter(config)
+      next_batch = lambda step: next(data_iter)  # noqa: E731
+    else:
+      task = induction.InductionTask(seq_len=config.data.seq_len, **run.task)
+      b = config.data.batch_size
+      next_batch = lambda step: {k: v for k, v in task.batch(run.seed, step, b).items()  # noqa: E731
+                                 if k != 'copy_mask'}
+    ckpt_dir = os.path.join(self.workdir, run.group, run.name)
+    ckpt = ckpt_lib.Checkpointer(ckpt_dir, max_to_keep=1, async_save=False)
+    result = {'curve': [], 'evals': {}, 'train_seconds': 0.0}
+    start, window = 0, []  # window: per-depth losses of the steps since the last log line
+    if ckpt.latest_step() is not None:
+      state, meta = ckpt.restore(ckpt.latest_step(), ts.abstract_state, data_iter)
+      start, result = int(meta['step']), meta['result']
+      window = [np.asarray(w) for w in meta['window']]
+      self.log(f'{run.group}/{run.name}: resumed at step {start}')
+    per_step = flops_per_step(config)
+    if run.kind == 'induction' and start == 0:
+      result['curve'].append({'step': 0, 'flops': 0.0, **self.induction_eval(ts, state)})
+    t_start = time.time()
+    for step in range(start + 1, run.steps + 1):
+      state, m = steps_lib.run_step(ts, state, next_batch(step))
+      m = jax.device_get({k: m[k] for k in ('loss_sum', 'count')})
+      window.append(m['loss_sum'] / np.maximum(m['count'], 1))
+      if step % run.log_every == 0 or step == run.steps:
+        result['train_seconds'] += time.time() - t_start
+        losses = np.mean(window, axis=0)
+        point = {'step': step, 'flops': step * per_step, 'train_loss': losses.tolist()}
+        if run.kind == 'induction' and (step % run.eval_every == 0 or step == run.steps):
+          point.update(self.induction_eval(ts, state))
+        result['curve'].append(point)
+        window = []
+        t_start = time.time()
+      names = [name for name, at in run.eval_at.items() if at == step]
+      if names:
+        t0 = time.time()
+        ev = {'step': step, 'flops': step * per_step, **self.lm_eval.teacher_forced(ts, state),
+              'decode': self.lm_eval.decode(ts, state, config.model.mtp.depth)}
+        for name in names:
+          result['evals'][name] = ev
+        self.log(f'{run.group}/{run.name}: eval {"/".join(names)} @ {step}: stdlib bpb '
+                 f'{ev["stdlib_val"]["bpb"][0]:.4f}  held-out bpb {ev["heldout"]["bpb"][0]:.4f} '
+                 f'({time.time() - t0:.0f} s)')
+        t_start = time.time()
+      if step % run.save_every == 0 and step < run.steps:
+        ckpt.save(step, state, data_iter, {'step': step, 'result': result,
+                                           'window': [w.tolist() for w in window]}, force=True)
+        t_start = time.time()
+        if self.stop_at == step:
+          ckpt.close()
+          raise Interrupted(f'{run.name}: stopped after saving step {step}')
+      if step == start + 1:  # the first step of a process compiles: not training time
+        jax.block_until_ready(state)
+        t_start = time.time()
+    out = {'version': RESULT_VERSION, 'group': run.group, 'variant': run.variant,
+           'seed': run.seed, 'kind': run.kind, 'steps': run.steps,
+           'depth': int(config.model.mtp.depth),
+           'mtp_kind': config.model.mtp.kind if config.model.mtp.depth else None,
+           'tokens_per_step': config.data.batch_size * config.data.seq_len,
+           'flops_per_step': per_step, 'eval_at': dict(run.eval_at),
+           'config': _config_dict(config), **result}
+    if run.kind == 'lm':
+      out['evaluation'] = self.lm_eval.describe
+    else:
+      out['task'] = dict(run.task)
+    _write_json(self.result_path(run), out)
+    ckpt.close()
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    self.log(f'{run.group}/{run.name}: done, {result["train_seconds"]:.0f} s of training '
+             f'steps -> {self.result_path(run)}')
+    return out
+
+
+def _config_dict(config) -> dict:
+  return json.loads(config.to_json_best_effort())
+
+
+def _write_json(path: str, obj) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)  # a killed sweep never leaves half a JSON that looks finished
+
+
+def load_results(out_dir: str, group: str) -> list[dict]:
+  d = os.path.join(out_dir, group)
+  if not os.path.isdir(d):
+    return []
+  out = []
+  for name in sorted(os.listdir(d)):
+    if name.endswith('.json'):
+      with open(os.path.join(d, name)) as f:
+        out.append(json.load(f))
+  return out
