@@ -27,7 +27,8 @@ Parallel heads read only h^0, so their window is the verify window.
 
 Here: the program, its state, the while loop and the host-side `Decoder`. The cached
 block math is the model's own (layers.Block.decode, MTPModel.decode_trunk /
-decode_mtp_step / decode_logits, with the few-row matmul rule in layers.decode_dot). The sampling
+decode_mtp_step / decode_logits, over the decode weight layout of MTPModel.for_decoding,
+with the few-row matmul rule in layers.decode_dot). The sampling
 math and the acceptance rule are in sampling.py; prompts from text, decoding a training
 workdir and token provenance in generate.py.
 """
@@ -336,7 +337,9 @@ class Decoder:
       raise RequestError(f'cache_layout must be one of {layers.CACHE_LAYOUTS}, got {layout!r}')
     self.args = model.args
     self.weight_dtype, self.layout = weight_dtype, layout
-    self.graphdef, params = nnx.split(model)
+    # The decode layout (layers.DecodeWeight): the decode path's matrices transposed and
+    # fused once here, on a copy; the caller's model is untouched.
+    self.graphdef, params = nnx.split(model.for_decoding(layout))
     if weight_dtype != 'float32':
       wdt = jnp.dtype(weight_dtype)
       params = jax.tree.map(
