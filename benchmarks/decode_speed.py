@@ -60,9 +60,10 @@ def main(argv=None):
 
   config, step = checkpoint.load_workdir(args.workdir)
   depth = int(config.model.mtp.depth)
-  model = state.restore_model(config, args.workdir, step)
   wdts = args.weight_dtypes.split(',')
-  decs = {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
+  if args.batch_sizes:  # '': cost probes of random models only, no checkpoint read
+    model = state.restore_model(config, args.workdir, step)
+    decs = {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
   tokenizer = tokenizers.get_tokenizer(config.data)
   drafts = [int(d) for d in args.drafts.split(',')] if args.drafts else [depth]
   report = {

@@ -183,6 +183,27 @@ def test_lossless_greedy_bf16_and_recursive(models, weights, num_drafts):
     assert same > 0.5, same
 
 
+@pytest.mark.parametrize('threshold', [0.6, 0.95])
+def test_adaptive_draft_length_is_lossless(models, threshold):
+  """Confidence-adaptive draft length: greedy == AR, drafts == the uncached chain's, and
+  the verify window really narrows (rows per iteration below D + 1) on some iterations."""
+  model = models['trained']
+  dec = decode.Decoder(model)
+  prompts = word_prompts(8, seed=2)
+  ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
+  sp = dec.generate(prompts, MAX_NEW, eos_id=None, draft_threshold=threshold, record=True)
+  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
+    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
+  check_stats(sp, MAX_NEW)
+  st = sp.stats()
+  d = model.args.mtp_depth
+  assert 1 <= st['verify_rows_per_iteration'] < d + 1, st
+  assert st['mean_accepted_length'] > 1.5, st  # confident drafts are still proposed
+  check_drafts(model, prompts, sp)
+  full = dec.generate(prompts, MAX_NEW, eos_id=None).stats()
+  assert full['verify_rows_per_iteration'] == d + 1
+
+
 def test_eos_and_max_new_inside_accepted_blocks(models):
   """Rows stop at EOS or their own max_new_tokens in the middle of an accepted block."""
   dec = decode.Decoder(models['trained'])
@@ -353,7 +374,8 @@ def chi2_pvalue(samples_NxM, probs):
     dict(scale=0.15, temperature=1.0),
     dict(scale=0.15, temperature=0.8, top_k=5, top_p=0.9),
     dict(scale=0.1, temperature=1.0, draft_argmax=True),
-], ids=['sampled-drafts', 'sampled-drafts-topk-topp', 'argmax-drafts'])
+    dict(scale=0.15, temperature=1.0, draft_threshold=0.25),
+], ids=['sampled-drafts', 'sampled-drafts-topk-topp', 'argmax-drafts', 'adaptive-length'])
 def test_lossless_sampling(small_vocab_models, setting):
   """Chi-square: the first 4 sampled tokens (one full D = 3 block) follow plain sampling.
 
@@ -375,6 +397,9 @@ def test_lossless_sampling(small_vocab_models, setting):
   assert spec_x.shape == ar_x.shape == (N_SAMPLES, 4)
   acc = spec.stats()['acceptance_per_depth']
   assert 0.05 < acc[0] < 0.95 and acc[1] > 0.002, acc  # accept and reject paths both taken
+  if setting.get('draft_threshold'):  # the stop was active: fewer drafts were proposed
+    full = dec.generate(prompts, 4, eos_id=None, seed=1, temperature=setting['temperature'])
+    assert acc[2] < 0.9 * full.stats()['acceptance_per_depth'][2], (acc, full.stats())
   assert chi2_pvalue(ar_x, exact) > 1e-3  # the harness: plain sampling fits its own law
   assert chi2_pvalue(spec_x, exact) > 1e-3
   # Power: the same test rejects the drafts' own (unverified) law by a wide margin.
