@@ -12,6 +12,8 @@ times, interleaved per (shape, M) in one process:
   xWt      lax.dot_general contracting the last dims of x and W_t, W_t stored O x I
   Wt_x     lax.dot_general contracting W_t's axis 1 with x's axis 1: the tall-skinny
            [O, M] product W_t x^T (a GEMV at M = 1), then transposed to [M, O]
+  Wt_x_bar Wt_x with the [O, M] product behind lax.optimization_barrier before the
+           transpose (else XLA:CPU may lay the dot's output out as [M, O]: a GEMM again)
   Wx       M = 1 only: jnp.dot(W_t, x[0]), the matrix-vector form of the tied head
   rows_xW  M in {2, 4}, float32: one 1-row jnp.dot(x[i:i+1], W) per row, concatenated
            (the decoder's per-row split before the transposed layout)
@@ -62,6 +64,7 @@ def shapes(d: int) -> dict:
 
 def variants(m: int, sname: str) -> list:
   out = [(v, dt) for v in ('xW', 'xWt', 'Wt_x') for dt in ('float32', 'bfloat16')]
+  out += [('Wt_x_bar', 'float32')]
   if m == 1:
     out += [('Wx', 'float32'), ('pad2_xWt', 'bfloat16'), ('pad2_Wt_x', 'bfloat16')]
   elif m <= 4 and not sname.startswith('head'):
@@ -80,6 +83,8 @@ def product(jnp, lax, name, x_MxI, w_IxO, wt_OxI):
     return dot_t(x_MxI, wt_OxI)
   if name == 'Wt_x':
     return dot_t(wt_OxI, x_MxI).T
+  if name == 'Wt_x_bar':
+    return lax.optimization_barrier(dot_t(wt_OxI, x_MxI)).T
   if name == 'Wx':
     return jnp.dot(wt_OxI, x_MxI[0], preferred_element_type=f32)[None]
   if name == 'pad2_xWt':

@@ -159,8 +159,9 @@ def decode_kernel(kernel, in_dims: int = 1) -> Array:
 # The few-row matmul rule, in this one place. XLA:CPU, jax 0.10.2, float32 weights
 # (benchmarks/few_row_matmul.py, JSON benchmarks/few_row_matmul.json, RESULTS.md "Few-row
 # products"): with W_t stored O x I the tall-skinny product W_t x^T (dot_general over W_t's
-# axis 1 and x's axis 1, output [O, M], then the small result transposed) costs about one
-# 1-row weight read at every M up to TALL_ROWS, whereas x @ W (I x O) and x W_t^T with 2-8
+# axis 1 and x's axis 1, output [O, M] kept in that layout by an optimization barrier,
+# then the small result transposed) costs near one 1-row weight read at M up to TALL_ROWS,
+# whereas x @ W (I x O) and x W_t^T with 2-8
 # rows go to a GEMM that costs 1.5-4x that, and one GEMV per row costs M x. More rows (a
 # prefill, large batches) are a real GEMM: x W_t^T. bfloat16 weights (activations cast to
 # bfloat16, float32 accumulation): x W_t^T, a 1-row product padded to 2 rows (a 1-row bf16
@@ -186,8 +187,15 @@ def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
     y = jax.lax.dot_general(x, w_OxI, _CONTRACT_1_1, preferred_element_type=f32)
     return (y[:1] if pad else y).astype(out_dtype)
   w_OxI = w_OxI.astype(out_dtype)
+  if m == 1:  # a GEMV; its [O, 1] -> [1, O] transpose is a bitcast
+    return jax.lax.dot_general(x_MxI, w_OxI, _CONTRACT_1_1, preferred_element_type=f32
+                               ).astype(out_dtype)
   if m <= TALL_ROWS:
-    y_OxM = jax.lax.dot_general(w_OxI, x_MxI, _CONTRACT_1_1, preferred_element_type=f32)
+    # The barrier keeps the [O, M] product in that layout: without it XLA:CPU's layout
+    # assignment makes the transpose free by laying the dot's output out as [M, O],
+    # which is the slow GEMM again (1.5-3x at 2-8 rows, few_row_matmul.py Wt_x vs Wt_x_bar).
+    y_OxM = jax.lax.optimization_barrier(
+        jax.lax.dot_general(w_OxI, x_MxI, _CONTRACT_1_1, preferred_element_type=f32))
     return y_OxM.T.astype(out_dtype)
   return jax.lax.dot_general(x_MxI, w_OxI, _CONTRACT_1_1,
                              preferred_element_type=f32).astype(out_dtype)
