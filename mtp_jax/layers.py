@@ -158,7 +158,8 @@ def decode_kernel(kernel, in_dims: int = 1) -> Array:
 
 # The few-row matmul rule, in this one place. XLA:CPU, jax 0.10.2, float32 weights
 # (benchmarks/few_row_matmul.py, JSON benchmarks/few_row_matmul.json, RESULTS.md "Few-row
-# products"): with W_t stored O x I the tall-skinny product W_t x^T (dot_general over W_t's
+# products", and a 768 x 2048 check of 1-128 rows: the barrier form beats x W_t^T up to 64
+# rows, 882 vs 1185 us at 32, equal at 128): with W_t stored O x I the tall-skinny product W_t x^T (dot_general over W_t's
 # axis 1 and x's axis 1, output [O, M] kept in that layout by an optimization barrier,
 # then the small result transposed) costs near one 1-row weight read at M up to TALL_ROWS,
 # whereas x @ W (I x O) and x W_t^T with 2-8
@@ -166,7 +167,7 @@ def decode_kernel(kernel, in_dims: int = 1) -> Array:
 # prefill, large batches) are a real GEMM: x W_t^T. bfloat16 weights (activations cast to
 # bfloat16, float32 accumulation): x W_t^T, a 1-row product padded to 2 rows (a 1-row bf16
 # dot converts the whole weight to float32 first). Other backends: x W_t^T as it is.
-TALL_ROWS = 16
+TALL_ROWS = 64
 WRITE_LOOP_ROWS = 6  # cache updates: one in-place update per row up to here, else a scatter
 
 _CONTRACT_1_1 = (((1,), (1,)), ((), ()))
@@ -190,7 +191,7 @@ def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
   if m == 1:  # a GEMV; its [O, 1] -> [1, O] transpose is a bitcast
     return jax.lax.dot_general(x_MxI, w_OxI, _CONTRACT_1_1, preferred_element_type=f32
                                ).astype(out_dtype)
-  if m <= TALL_ROWS:
+  if m <= TALL_ROWS:  # verify / MTP windows, up to batch 8-16
     # The barrier keeps the [O, M] product in that layout: without it XLA:CPU's layout
     # assignment makes the transpose free by laying the dot's output out as [M, O],
     # which is the slow GEMM again (1.5-3x at 2-8 rows, few_row_matmul.py Wt_x vs Wt_x_bar).

@@ -111,7 +111,7 @@ def _chunked_forward(model, tokens_BxT, layout='heads_major'):
   main = tuple(cache() for _ in model.layers)
   mtp = [cache() for _ in model.mtp]
   outs = [[] for _ in range(model.args.mtp_depth + 1)]
-  for start, width in [(0, 3), (3, 9)]:  # 3b rows (tall-skinny), 9b (a GEMM at b = 2)
+  for start, width in [(0, 3), (3, 9)]:  # 3b and 9b rows: tall-skinny (the prefill: GEMM)
     s = jnp.full((b,), start, jnp.int32)
     h, main = decode._main_pass(prog, model, tokens_BxT[:, start:start + width], s, main)
     outs[0].append(h)
@@ -127,7 +127,7 @@ def _chunked_forward(model, tokens_BxT, layout='heads_major'):
 @pytest.mark.parametrize('batch,layout', [(1, 'heads_major'), (2, 'heads_major'), (2, 'bskh')])
 def test_decode_forward_matches_the_model(models, batch, layout):
   """The layers' decode path (both cache layouts, the decode weight layout, tall-skinny
-  products of 3-9 rows and a GEMM of 18) == the model's forward."""
+  products of 3-18 rows) == the model's forward."""
   model = models['trained']
   rng = np.random.default_rng(21)
   tokens = jnp.asarray([byte_ids(word_text(rng, 12)[:12]) for _ in range(batch)], jnp.int32)
