@@ -35,6 +35,9 @@ def parse(argv):
   p.add_argument('--drafts', default='',
                  help='numbers of drafts to try (default: the depth; more than the depth: '
                       'the last MTP module recursively)')
+  p.add_argument('--draft_thresholds', default='0',
+                 help='comma-separated confidence thresholds of the adaptive draft length '
+                      '(0: every draft; each > 0 is one more speculative variant)')
   p.add_argument('--repeats', type=int, default=3, help='timed runs per prompt; the fastest counts')
   p.add_argument('--temperatures', default='0',
                  help='comma-separated; 0: greedy (spec output must equal AR), > 0: sampling '
@@ -60,9 +63,10 @@ def main(argv=None):
 
   config, step = checkpoint.load_workdir(args.workdir)
   depth = int(config.model.mtp.depth)
-  model = state.restore_model(config, args.workdir, step)
   wdts = args.weight_dtypes.split(',')
-  decs = {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
+  if args.batch_sizes:  # '': cost probes of random models only, no checkpoint read
+    model = state.restore_model(config, args.workdir, step)
+    decs = {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
   tokenizer = tokenizers.get_tokenizer(config.data)
   drafts = [int(d) for d in args.drafts.split(',')] if args.drafts else [depth]
   report = {
@@ -80,30 +84,35 @@ def main(argv=None):
     prompts = evaluation.validation_prompts(config, tokenizer, n, args.prompt_len)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     kw = dict(eos_id=None, pad_to=(args.prompt_len, args.max_new_tokens))
+    thresholds = [float(t) for t in args.draft_thresholds.split(',')]
     for nd in drafts:
+      # variants (drafts, draft_threshold): AR, then speculative at each threshold
+      variants = [(0, 0.0)] + [(nd, t) for t in thresholds]
       t0 = time.perf_counter()
       for w in wdts:
-        for n in (0, nd):
+        for n, t in variants:
           decs[w].compile(decs[w].program(batch, args.prompt_len, args.max_new_tokens,
-                                          num_drafts=n, temperature=temp))
+                                          num_drafts=n, temperature=temp, draft_threshold=t))
       compile_s = time.perf_counter() - t0
-      best = {(w, n): [np.inf] * len(batches) for w in wdts for n in (0, nd)}
+      best = {(w, v): [np.inf] * len(batches) for w in wdts for v in variants}
       runs = {}
       for _ in range(args.repeats):
         for i, b in enumerate(batches):
           for w in wdts:  # alternate: every variant sees the same background load
-            for n in (0, nd):
-              r = decs[w].generate(b, args.max_new_tokens, num_drafts=n, temperature=temp,
-                                   seed=i, **kw)
-              best[w, n][i] = min(best[w, n][i], r.seconds)
-              runs[(w, n, i)] = r
+            for v in variants:
+              r = decs[w].generate(b, args.max_new_tokens, num_drafts=v[0], temperature=temp,
+                                   seed=i, draft_threshold=v[1], **kw)
+              best[w, v][i] = min(best[w, v][i], r.seconds)
+              runs[(w, v, i)] = r
       for w in wdts:
-        report['results'].append(_row(args, batches, runs, best, w, nd, temp, batch,
-                                      compile_s) | _vs_f32(best, w, nd))
-        print(json.dumps(report['results'][-1]), file=sys.stderr)
+        for v in variants[1:]:
+          report['results'].append(_row(args, batches, runs, best, w, v, temp, batch,
+                                        compile_s) | _vs_f32(best, w, v))
+          print(json.dumps(report['results'][-1]), file=sys.stderr)
   if args.cost_probe:
     taus = {r['num_drafts']: r['mean_accepted_length'] for r in report['results']
-            if r['batch_size'] == 1 and r['temperature'] == 0 and r['weight_dtype'] == wdts[0]}
+            if r['batch_size'] == 1 and r['temperature'] == 0 and r['weight_dtype'] == wdts[0]
+            and r['draft_threshold'] == 0}
     report['cost_probe'] = cost_probe(config, args, taus, wdts)
   if args.peer_shape:
     report['peer_shape'] = peer_shape(config, args)
@@ -111,20 +120,22 @@ def main(argv=None):
   print(json.dumps(report, indent=1))
 
 
-def _vs_f32(best, w, nd) -> dict:
-  if w == 'float32' or ('float32', 0) not in best:
+def _vs_f32(best, w, v) -> dict:
+  ar = (0, 0.0)
+  if w == 'float32' or ('float32', ar) not in best:
     return {}
-  return {'speedup_vs_float32_ar': sum(best['float32', 0]) / sum(best[w, nd]),
-          'ar_speedup_vs_float32_ar': sum(best['float32', 0]) / sum(best[w, 0])}
+  return {'speedup_vs_float32_ar': sum(best['float32', ar]) / sum(best[w, v]),
+          'ar_speedup_vs_float32_ar': sum(best['float32', ar]) / sum(best[w, ar])}
 
 
-def _row(args, batches, runs, best, w, nd, temp, batch, compile_s) -> dict:
-  ar = [runs[(w, 0, i)] for i in range(len(batches))]
-  sp = [runs[(w, nd, i)] for i in range(len(batches))]
+def _row(args, batches, runs, best, w, v, temp, batch, compile_s) -> dict:
+  nd, threshold = v
+  ar = [runs[(w, (0, 0.0), i)] for i in range(len(batches))]
+  sp = [runs[(w, v, i)] for i in range(len(batches))]
   identical = None if temp > 0 else all(  # sampling: same distribution, other draws
       np.array_equal(a, s) for x, y in zip(ar, sp) for a, s in zip(x.tokens, y.tokens))
   new = sum(r.new_tokens for r in sp)
-  ar_s, sp_s = sum(best[w, 0]), sum(best[w, nd])
+  ar_s, sp_s = sum(best[w, (0, 0.0)]), sum(best[w, v])
   ar_steps = sum(r.steps for r in ar)
   sp_steps = sum(r.steps for r in sp)
   verify = sum(int(r.verify_steps.sum()) for r in sp)
@@ -132,8 +143,10 @@ def _row(args, batches, runs, best, w, nd, temp, batch, compile_s) -> dict:
   hist = sum(r.accepted.sum(0) for r in sp)
   tau = committed / verify
   at_least = [float(hist[k:].sum() / verify) for k in range(1, nd + 1)]
+  rows = sum(int(r.verify_rows.sum()) for r in sp)
   return {
       'weight_dtype': w, 'batch_size': batch, 'temperature': temp, 'num_drafts': nd,
+      'draft_threshold': threshold, 'verify_rows_per_iteration': rows / verify,
       'prompts': sum(len(b) for b in batches), 'identical': identical, 'new_tokens': new,
       'ar_tokens_per_sec': new / ar_s, 'spec_tokens_per_sec': new / sp_s,
       'speedup': ar_s / sp_s,

@@ -10,11 +10,14 @@ times, interleaved per (shape, M) in one process:
 
   xW       jnp.dot(x, W), W stored I x O (the layout of the model's kernels)
   xWt      lax.dot_general contracting the last dims of x and W_t, W_t stored O x I
+  Wt_x     lax.dot_general contracting W_t's axis 1 with x's axis 1: the tall-skinny
+           [O, M] product W_t x^T (a GEMV at M = 1), then transposed to [M, O]
+  Wt_x_bar Wt_x with the [O, M] product behind lax.optimization_barrier before the
+           transpose (else XLA:CPU may lay the dot's output out as [M, O]: a GEMM again)
   Wx       M = 1 only: jnp.dot(W_t, x[0]), the matrix-vector form of the tied head
-  rows_xW  M in {2, 4}: one 1-row jnp.dot(x[i:i+1], W) per row, concatenated (the
-           current decoder's _dot up to SPLIT_ROWS; not for the head)
-  rows_Wx  M in {2, 4}, head only: one jnp.dot(W_t, x[i]) per row (the current _dot_t)
-  pad2_xW, pad2_xWt   M = 1 only: the row padded to 2 rows, row 0 of the result kept
+  rows_xW  M in {2, 4}, float32: one 1-row jnp.dot(x[i:i+1], W) per row, concatenated
+           (the decoder's per-row split before the transposed layout)
+  pad2_xWt, pad2_Wt_x   M = 1, bfloat16 only: the row padded to 2 rows, row 0 kept
 
 each with float32 weights and with bfloat16 weights (x cast to bf16, f32 accumulation via
 preferred_element_type). Every product reads one of `copies` distinct weight copies in
@@ -25,7 +28,7 @@ a decode step of a model larger than the L3. Smaller shapes are read from the L3
 in a model that fits there (d 256 / L 4: 13 MB); their ratios need not carry over to
 memory-bound sizes. (More copies are unrolled dots, slow to compile; a lax.scan over
 stacked copies measured 2x slower, as it copies each slice first.) With --flags both
-(the default) each XLA flag setting runs in its own subprocess (XLA_FLAGS is read once
+each XLA flag setting runs in its own subprocess (XLA_FLAGS is read once
 per process; the no_ynn_dot run covers --flag_dims only): `default` and `no_ynn_dot`, which keeps XLA:CPU's YNNPACK fusion to elementwise
 ops (--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_ELTWISE), so dots go to
 XLA's own (Eigen) kernels. Times are medians over --reps interleaved calls; the JSON holds
@@ -48,9 +51,11 @@ MLP_DIM = {256: 768, 512: 1536, 768: 2048, 1024: 2816}  # 768: stdlib_mtp; 2048:
 
 
 def shapes(d: int) -> dict:
-  """name -> (I, O) of the weights a decode step multiplies by at width d."""
+  """name -> (I, O) of the weights a decode step multiplies by at width d.
+
+  qkv and gate_up are the fused products of the decode layout (layers.prepare_decode)."""
   f = MLP_DIM.get(d, 8 * d // 3)
-  out = {'o': (d, d), 'qkv': (d, 3 * d), 'gate_up': (d, f), 'down': (f, d),
+  out = {'qkv': (d, 3 * d), 'o': (d, d), 'gate_up': (d, 2 * f), 'down': (f, d),
          'eh_proj': (2 * d, d), 'head_v256': (d, 256)}
   if d == 256:  # the peer comparison's shape: 4 layers, d 256, V 4096
     out['head_v4096'] = (d, 4096)
@@ -58,12 +63,13 @@ def shapes(d: int) -> dict:
 
 
 def variants(m: int, sname: str) -> list:
-  base = ['xW', 'xWt']
+  out = [(v, dt) for v in ('xW', 'xWt', 'Wt_x') for dt in ('float32', 'bfloat16')]
+  out += [('Wt_x_bar', 'float32')]
   if m == 1:
-    base += ['Wx', 'pad2_xW', 'pad2_xWt']
-  elif m <= 4:  # the current decoder splits up to SPLIT_ROWS = 6 rows (the head: rows_Wx)
-    base += ['rows_Wx' if sname.startswith('head') else 'rows_xW']
-  return [(v, dt) for v in base for dt in ('float32', 'bfloat16')]
+    out += [('Wx', 'float32'), ('pad2_xWt', 'bfloat16'), ('pad2_Wt_x', 'bfloat16')]
+  elif m <= 4 and not sname.startswith('head'):
+    out += [('rows_xW', 'float32')]
+  return out
 
 
 def product(jnp, lax, name, x_MxI, w_IxO, wt_OxI):
@@ -75,17 +81,19 @@ def product(jnp, lax, name, x_MxI, w_IxO, wt_OxI):
     return jnp.dot(x_MxI, w_IxO, preferred_element_type=f32)
   if name == 'xWt':
     return dot_t(x_MxI, wt_OxI)
+  if name == 'Wt_x':
+    return dot_t(wt_OxI, x_MxI).T
+  if name == 'Wt_x_bar':
+    return lax.optimization_barrier(dot_t(wt_OxI, x_MxI)).T
   if name == 'Wx':
     return jnp.dot(wt_OxI, x_MxI[0], preferred_element_type=f32)[None]
-  if name == 'pad2_xW':
-    return jnp.dot(jnp.concatenate([x_MxI, x_MxI], 0), w_IxO, preferred_element_type=f32)[:1]
   if name == 'pad2_xWt':
     return dot_t(jnp.concatenate([x_MxI, x_MxI], 0), wt_OxI)[:1]
+  if name == 'pad2_Wt_x':
+    return dot_t(wt_OxI, jnp.concatenate([x_MxI, x_MxI], 0))[:, :1].T
   if name == 'rows_xW':
     return jnp.concatenate(
         [jnp.dot(x_MxI[i:i + 1], w_IxO, preferred_element_type=f32) for i in range(m)], 0)
-  if name == 'rows_Wx':
-    return jnp.stack([jnp.dot(wt_OxI, x_MxI[i], preferred_element_type=f32) for i in range(m)])
   raise ValueError(name)
 
 
@@ -179,11 +187,11 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--dims', default='256,512,768,1024')
   p.add_argument('--flag_dims', default='256,768', help='--dims of the no_ynn_dot run')
-  p.add_argument('--rows', default='1,2,4,8,16')
+  p.add_argument('--rows', default='1,2,4,8')
   p.add_argument('--reps', type=int, default=5)
   p.add_argument('--cycle_mb', type=int, default=96, help='weight bytes cycled (L3: 32 MiB)')
   p.add_argument('--max_copies', type=int, default=8, help='cap on copies (compile time)')
-  p.add_argument('--flags', default='both', choices=['both'] + list(FLAGS))
+  p.add_argument('--flags', default='default', choices=['both'] + list(FLAGS))
   p.add_argument('--out', default='')
   p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
   p.add_argument('--flag', default='default', help=argparse.SUPPRESS)

@@ -27,7 +27,8 @@ Parallel heads read only h^0, so their window is the verify window.
 
 Here: the program, its state, the while loop and the host-side `Decoder`. The cached
 block math is the model's own (layers.Block.decode, MTPModel.decode_trunk /
-decode_mtp_step / decode_logits, with the few-row matmul rule in layers.decode_dot). The sampling
+decode_mtp_step / decode_logits, over the decode weight layout of MTPModel.for_decoding,
+with the few-row matmul rule in layers.decode_dot). The sampling
 math and the acceptance rule are in sampling.py; prompts from text, decoding a training
 workdir and token provenance in generate.py.
 """
@@ -71,6 +72,15 @@ class Program:
   top_p: bool = False  # top-p filtering compiled in (its p is a traced value)
   layout: str = 'heads_major'  # KV cache layout (layers.CACHE_LAYOUTS)
   weights: str = 'float32'  # dtype of the weight matrices the program reads
+  adaptive: bool = False  # confidence-adaptive draft length (verify_widths buckets)
+
+  @property
+  def verify_widths(self) -> tuple:
+    """Static verify-window widths: powers of two below D + 1, then D + 1; adaptive
+    iterations verify the narrowest one that holds every active row's proposals."""
+    if not self.adaptive:
+      return (self.num_drafts + 1,)
+    return tuple(w for w in (1, 2, 4, 8) if w < self.num_drafts + 1) + (self.num_drafts + 1,)
 
   @property
   def offset(self) -> int:  # cache slot of position 0
@@ -98,6 +108,7 @@ class DecodeState:
   mtp_cache: tuple  # per drafting depth, the same
   hidden: tuple  # sequential: h^k at position n-1-k, k = 1..D-1, each [B, d]
   drafts: Array  # [B, D] proposals for positions n..n+D-1
+  proposed: Array  # [B] how many leading drafts are proposed (adaptive; else D)
   draft_probs: Array  # [B, D, V] q each draft was sampled from ([B, D, 0] when greedy)
   keys: Array  # [B] per-row PRNG keys
   step: Array  # loop iterations so far
@@ -105,6 +116,7 @@ class DecodeState:
   committed: Array  # [B] tokens committed by verify steps (the prefill's first one excluded)
   accepted: Array  # [B, D+1] how many verify steps accepted exactly j drafts
   dropped: Array  # [B] accepted tokens discarded because the row stopped inside the block
+  verify_rows: Array  # [B] positions verified (window widths summed over active iterations)
   history_drafts: Array  # [Nb or 0, B, D] drafts verified at each iteration (record)
   history_length: Array  # [Nb or 0, B] n at that iteration, -1 when the row was done
 
@@ -134,12 +146,17 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
 
   h0_BxWxD: verified h^0 at positions start..start+W-1, true for the first a+1 of them;
   u_BxU: t_{start+1}, t_{start+2}, ...: a+1 committed tokens, then room for drafts.
-  Returns (drafts [B, D], q [B, D, V or 0], hidden, caches).
+  Returns (drafts [B, D], q [B, D, V or 0], confidence [B, D], hidden, caches); the
+  confidence at depth k is the largest probability of the distribution d_k is drawn
+  from (greedy: the head's softmax), what an adaptive draft length stops on. It is a
+  function of that distribution, not of the draw: a stop that looked at the drawn
+  token's own probability would change the proposal law and bias speculative
+  sampling (test_lossless_sampling[adaptive-length] rejects that at p ~ 1e-169).
   """
   sequential = model.args.mtp_kind == 'sequential'
   width = h0_BxWxD.shape[1]
   rows = jnp.arange(h0_BxWxD.shape[0])
-  drafts, probs, new_hidden, new_caches = [], [], [], []
+  drafts, probs, confs, new_hidden, new_caches = [], [], [], [], []
   h_prev = h0_BxWxD
   for k in range(1, prog.num_drafts + 1):
     if sequential:  # window: positions start-k+1 .. start+W-1, query at n'-2
@@ -157,6 +174,10 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
     d, q = sampling_lib.draw(prog.greedy, logits, sampling, row_keys(keys_B, k))
     drafts.append(d)
     probs.append(q)
+    if prog.adaptive:
+      dist = (jax.nn.softmax(logits, -1) if prog.greedy
+              else sampling_lib.adjusted_probs(logits, sampling))
+      confs.append(jnp.max(dist, -1))
     if sequential and k < prog.num_drafts:
       u_BxU = u_BxU.at[rows, a_B + k].set(d)
       new_hidden.append(take_rows(h_k, a_B))
@@ -164,12 +185,48 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
   b = h0_BxWxD.shape[0]
   if not drafts:
     v = 0 if prog.greedy else model.args.vocab_size
-    return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v)), (), ()
-  return jnp.stack(drafts, 1), jnp.stack(probs, 1), tuple(new_hidden), tuple(new_caches)
+    return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v)), jnp.ones((b, 0)), (), ()
+  conf = jnp.stack(confs, 1) if confs else jnp.ones((b, prog.num_drafts))
+  return (jnp.stack(drafts, 1), jnp.stack(probs, 1), conf, tuple(new_hidden),
+          tuple(new_caches))
+
+
+def _proposed(conf_BxD, threshold):
+  """The adaptive draft length: drafts up to the first one below the threshold."""
+  return jnp.sum(jnp.cumprod((conf_BxD >= threshold).astype(jnp.int32), 1), 1)
+
+
+def _verify(prog, model, st: DecodeState, start_B):
+  """The main pass over [x, d_1..] and its logits, each padded to D + 1 positions.
+
+  Adaptive programs verify the narrowest static width holding every active row's
+  proposals (lax.switch over prog.verify_widths): the positions past it would be
+  rejected anyway. Returns ((h^0, logits, main caches), the width). Padded h^0 positions only feed MTP-window entries past the accepted
+  ones, which the next window rewrites before they are read.
+  """
+  x = take_rows(st.tokens, start_B)
+  tokens = jnp.concatenate([x[:, None], st.drafts], 1)
+  full = prog.num_drafts + 1
+
+  def at_width(w, cache):
+    h0, cache = _main_pass(prog, model, tokens[:, :w], start_B, cache)
+    b, _, d = h0.shape
+    logits = model.decode_logits(h0.reshape(b * w, d), 0).reshape(b, w, -1)
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, full - w), (0, 0)))  # noqa: E731
+    return pad(h0), pad(logits), cache
+
+  widths = prog.verify_widths
+  if len(widths) == 1:
+    return at_width(full, st.main_cache), full
+  need = jnp.max(jnp.where(st.done, 0, st.proposed)) + 1
+  idx = jnp.sum(jnp.asarray(widths) < need)
+  return jax.lax.switch(idx, [functools.partial(at_width, w) for w in widths],
+                        st.main_cache), jnp.asarray(widths)[idx]
 
 
 # -- prefill and one iteration ---------------------------------------------------------------
-def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, keys_B):
+def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, keys_B,
+             threshold):
   b, p = prompts_BxP.shape
   zero_B = jnp.zeros((b,), jnp.int32)
   main_cache = tuple(layers.empty_cache(model.args, b, prog.cache_len, prog.layout)
@@ -188,7 +245,7 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
   # u = t_1..t_P (prompt[1:] then x), then room for drafts.
   u = jnp.concatenate([prompts_BxP[:, 1:], jnp.zeros((b, max(dn, 1)), jnp.int32)], 1)
   u = u.at[jnp.arange(b), prompt_len_B - 1].set(x)
-  drafts, probs, hidden, mtp_cache = _mtp_pass(
+  drafts, probs, conf, hidden, mtp_cache = _mtp_pass(
       prog, model, h0, zero_B, u, prompt_len_B - 1, hidden, mtp_cache, sampling,
       row_keys(pkeys, 1))
   if prog.greedy:
@@ -197,24 +254,21 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
   return DecodeState(
       tokens=tokens, length=prompt_len_B + 1, prompt_len=prompt_len_B, max_new=max_new_B,
       done=(x == eos) | (max_new_B <= 1), main_cache=main_cache, mtp_cache=mtp_cache,
-      hidden=hidden, drafts=drafts, draft_probs=probs.astype(jnp.float32), keys=keys_B,
+      hidden=hidden, drafts=drafts, proposed=_proposed(conf, threshold),
+      draft_probs=probs.astype(jnp.float32), keys=keys_B,
       step=jnp.zeros((), jnp.int32), verify_steps=zero_B, committed=zero_B,
-      accepted=jnp.zeros((b, dn + 1), jnp.int32), dropped=zero_B,
+      accepted=jnp.zeros((b, dn + 1), jnp.int32), dropped=zero_B, verify_rows=zero_B,
       history_drafts=jnp.zeros((nb, b, dn), jnp.int32),
       history_length=jnp.zeros((nb, b), jnp.int32))
 
 
-def _iteration(prog, model, st: DecodeState, eos, sampling) -> DecodeState:
+def _iteration(prog, model, st: DecodeState, eos, sampling, threshold) -> DecodeState:
   dn = prog.num_drafts
   keys = row_keys(st.keys, st.step + 1)
   start = st.length - 1
-  x = take_rows(st.tokens, start)
-  h0, main_cache = _main_pass(prog, model, jnp.concatenate([x[:, None], st.drafts], 1),
-                              start, st.main_cache)
-  b, w, d = h0.shape
-  logits = model.decode_logits(h0.reshape(b * w, d), 0).reshape(b, w, -1)
+  (h0, logits, main_cache), width = _verify(prog, model, st, start)
   a, cand = sampling_lib.accept(prog.greedy, logits, st.drafts, st.draft_probs, sampling,
-                                row_keys(keys, 0))
+                                row_keys(keys, 0), st.proposed if prog.adaptive else None)
 
   # Stop inside the block at EOS or max_new_tokens.
   j = jnp.arange(dn + 1)
@@ -227,7 +281,7 @@ def _iteration(prog, model, st: DecodeState, eos, sampling) -> DecodeState:
   tokens = _write_rows(st.tokens, jnp.where(j < m[:, None], cand, PAD_ID), st.length)
 
   u = jnp.concatenate([cand, jnp.zeros((cand.shape[0], max(dn - 1, 0)), jnp.int32)], 1)
-  drafts, probs, hidden, mtp_cache = _mtp_pass(
+  drafts, probs, conf, hidden, mtp_cache = _mtp_pass(
       prog, model, h0, start, u, a, st.hidden, st.mtp_cache, sampling, row_keys(keys, 1))
   if prog.greedy:
     probs = st.draft_probs
@@ -239,15 +293,17 @@ def _iteration(prog, model, st: DecodeState, eos, sampling) -> DecodeState:
   return DecodeState(
       tokens=tokens, length=st.length + m, prompt_len=st.prompt_len, max_new=st.max_new,
       done=done, main_cache=main_cache, mtp_cache=mtp_cache, hidden=hidden, drafts=drafts,
+      proposed=_proposed(conf, threshold) if prog.adaptive else st.proposed,
       draft_probs=probs.astype(jnp.float32), keys=st.keys, step=st.step + 1,
       verify_steps=st.verify_steps + act, committed=st.committed + m,
       accepted=st.accepted + act[:, None] * (j == a[:, None]),
-      dropped=st.dropped + jnp.where(active, a + 1 - m, 0), history_drafts=hd,
+      dropped=st.dropped + jnp.where(active, a + 1 - m, 0),
+      verify_rows=st.verify_rows + act * width, history_drafts=hd,
       history_length=hl)
 
 
 def _decode(prog: Program, graphdef, treedef, leaves, prompts_BxP, prompt_len_B, max_new_B, eos,
-            sampling, seed):
+            sampling, seed, threshold):
   """Prefill, then the while loop until every row is done. Returns the final DecodeState.
 
   The parameters come as a flat list of arrays (flattening an nnx.State on every call
@@ -257,13 +313,13 @@ def _decode(prog: Program, graphdef, treedef, leaves, prompts_BxP, prompt_len_B,
   keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(
       jnp.arange(prog.batch))
   st = _prefill(prog, nnx.merge(graphdef, params), prompts_BxP, prompt_len_B, max_new_B, eos,
-                sampling, keys)
+                sampling, keys, threshold)
 
   def cond(st):
     return (st.step < prog.max_new) & jnp.any(~st.done)
 
   def body(st):
-    return _iteration(prog, nnx.merge(graphdef, params), st, eos, sampling)
+    return _iteration(prog, nnx.merge(graphdef, params), st, eos, sampling, threshold)
 
   return jax.lax.while_loop(cond, body, st)
 
@@ -284,6 +340,7 @@ class DecodeResult:
   committed: np.ndarray  # [B] tokens committed by verify steps
   accepted: np.ndarray  # [B, D+1] histogram of accepted drafts per verify step
   dropped: np.ndarray  # [B]
+  verify_rows: np.ndarray | None = None  # [B] positions verified, summed over iterations
   seconds: float = 0.0  # wall time of the compiled call (compilation excluded)
   history_drafts: np.ndarray | None = None  # record: [iterations, B, D]
   history_length: np.ndarray | None = None  # record: [iterations, B], -1 once done
@@ -307,6 +364,8 @@ class DecodeResult:
         'conditional_acceptance': [c / max(prev, 1) for c, prev in
                                    zip(at_least, [steps] + at_least[:-1])],
         'dropped_at_stop': int(self.dropped.sum()),
+        'verify_rows_per_iteration': (float(self.verify_rows.sum() / max(steps, 1))
+                                      if self.verify_rows is not None else None),
         'seconds': self.seconds,
         'tokens_per_sec': self.new_tokens / self.seconds if self.seconds else None,
     }
@@ -336,7 +395,9 @@ class Decoder:
       raise RequestError(f'cache_layout must be one of {layers.CACHE_LAYOUTS}, got {layout!r}')
     self.args = model.args
     self.weight_dtype, self.layout = weight_dtype, layout
-    self.graphdef, params = nnx.split(model)
+    # The decode layout (layers.DecodeWeight): the decode path's matrices transposed and
+    # fused once here, on a copy; the caller's model is untouched.
+    self.graphdef, params = nnx.split(model.for_decoding(layout))
     if weight_dtype != 'float32':
       wdt = jnp.dtype(weight_dtype)
       params = jax.tree.map(
@@ -350,7 +411,7 @@ class Decoder:
 
   def program(self, batch: int, prompt_len: int, max_new: int, *, num_drafts: int | None = None,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-              record: bool = False) -> Program:
+              record: bool = False, draft_threshold: float = 0.0) -> Program:
     num_drafts = self.args.mtp_depth if num_drafts is None else num_drafts
     depth = self.args.mtp_depth
     # Sequential modules chain, so the last one can run again (recursive drafts).
@@ -363,10 +424,10 @@ class Decoder:
     return Program(batch, bucket(prompt_len), bucket(max_new), num_drafts, greedy=greedy,
                    record=record, top_k=not greedy and top_k > 0,
                    top_p=not greedy and top_p < 1.0, layout=self.layout,
-                   weights=self.weight_dtype)
+                   weights=self.weight_dtype, adaptive=draft_threshold > 0 and num_drafts > 0)
 
   def _inputs(self, prog, prompts, max_new, eos_id, temperature, top_k, top_p, seed,
-              draft_argmax=False):
+              draft_argmax=False, draft_threshold=0.0):
     b = len(prompts)
     padded = np.zeros((b, prog.prompt_len), np.int32)
     for i, p in enumerate(prompts):
@@ -377,7 +438,7 @@ class Decoder:
                         np.int32(top_k), np.float32(top_p), np.bool_(draft_argmax),
                         use_top_k=prog.top_k, use_top_p=prog.top_p)
     return (self._leaves, padded, lens, max_new, np.int32(-1 if eos_id is None else eos_id),
-            sampling, np.int32(seed))
+            sampling, np.int32(seed), np.float32(draft_threshold))
 
   def compile(self, prog: Program):
     """The ahead-of-time compiled program (cached), so timings exclude compilation."""
@@ -396,40 +457,48 @@ class Decoder:
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
                num_drafts: int | None = None, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, eos_id: int | None = 1, seed: int = 0,
-               draft_argmax: bool = False, max_len: int | None = None,
-               pad_to: tuple[int, int] = (1, 1), record: bool = False) -> DecodeResult:
+               draft_argmax: bool = False, draft_threshold: float = 0.0,
+               max_len: int | None = None, pad_to: tuple[int, int] = (1, 1),
+               record: bool = False) -> DecodeResult:
     """Decodes a batch of token-id prompts (different lengths allowed).
 
     max_new_tokens: one int or one per row. num_drafts: drafting depths to use (default
     all of the model's; 0 = plain autoregressive decoding). temperature 0 is greedy;
     otherwise drafts are sampled from the MTP heads' adjusted distributions (or taken
     by argmax with draft_argmax) and accepted by the speculative sampling rule.
+    draft_threshold > 0: confidence-adaptive draft length; a row proposes its drafts up
+    to the first drawn from a distribution whose largest probability is below the
+    threshold, and each iteration verifies the narrowest static window that holds
+    every row's proposals (Program.verify_widths). Lossless either way: the stop is
+    decided from the drafts' side alone.
     eos_id None: never stop early. max_len: limit on prompt + new tokens per row.
     pad_to: (prompt length, max_new_tokens) to size the program for at least, so calls
     with different requests can share one compiled program.
     """
     check_request(prompts, max_new_tokens, temperature, top_k, top_p,
                   vocab_size=self.args.vocab_size, max_len=max_len)
+    if not 0 <= draft_threshold <= 1:
+      raise RequestError(f'draft_threshold must be in [0, 1], got {draft_threshold}')
     mn = np.broadcast_to(np.asarray(max_new_tokens), (len(prompts),))
     prog = self.program(len(prompts), max(pad_to[0], *(len(p) for p in prompts)),
                         max(pad_to[1], int(mn.max())),
                         num_drafts=num_drafts, temperature=temperature, top_k=top_k,
-                        top_p=top_p, record=record)
+                        top_p=top_p, record=record, draft_threshold=draft_threshold)
     fn = self.compile(prog)
     inputs = self._inputs(prog, prompts, mn, eos_id, temperature, top_k, top_p, seed,
-                          draft_argmax)
+                          draft_argmax, draft_threshold)
     t0 = time.perf_counter()
     st = jax.block_until_ready(fn(*inputs))
     seconds = time.perf_counter() - t0
     h = {k: np.asarray(getattr(st, k)) for k in (
         'tokens', 'length', 'prompt_len', 'step', 'verify_steps', 'committed', 'accepted',
-        'dropped', 'history_drafts', 'history_length')}
+        'dropped', 'verify_rows', 'history_drafts', 'history_length')}
     steps = int(h['step'])
     return DecodeResult(
         tokens=[h['tokens'][i, h['prompt_len'][i]:h['length'][i]] for i in range(len(prompts))],
         num_drafts=prog.num_drafts, steps=steps, verify_steps=h['verify_steps'],
         committed=h['committed'], accepted=h['accepted'], dropped=h['dropped'],
-        seconds=seconds,
+        verify_rows=h['verify_rows'], seconds=seconds,
         history_drafts=h['history_drafts'][:steps] if record else None,
         history_length=h['history_length'][:steps] if record else None)
 
@@ -491,4 +560,5 @@ def _merge_results(parts) -> DecodeResult:
       committed=np.concatenate([r.committed[:n] for r, n in parts]),
       accepted=np.concatenate([r.accepted[:n] for r, n in parts]),
       dropped=np.concatenate([r.dropped[:n] for r, n in parts]),
+      verify_rows=np.concatenate([r.verify_rows[:n] for r, n in parts]),
       seconds=sum(r.seconds for r, _ in parts))

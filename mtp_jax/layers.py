@@ -166,53 +166,64 @@ def empty_cache(cfg, batch: int, slots: int, layout: str):
   return (jnp.zeros((batch * k, slots, h), cfg.dtype), jnp.zeros((batch * k, h, slots), cfg.dtype))
 
 
-# The few-row matmul rule, in this one place (XLA:CPU, jax 0.10.2; API_NOTES.md and
-# benchmarks/few_row_matmul.py): with float32 weights a 1-row product is a GEMV and
-# 2..SPLIT_ROWS rows of a weight small enough to stay in a core's L2 between rows run as
-# one GEMV per row (XLA:CPU's GEMM for 2-6 rows cost several times that at d 256); larger
-# weights and more rows go to one GEMM. bfloat16 weights: activations cast to bfloat16,
-# float32 accumulation, and a 1-row product padded to 2 rows (a 1-row bf16 dot converts
-# the whole weight to float32 first: 6-7 GB/s instead of 64-83).
-SPLIT_ROWS = 6  # covers the verify (D+1) and MTP (D+k) windows of D = 3 at batch 1
-SPLIT_MAX_BYTES = 1 << 20  # only weights that stay in a core's L2 between rows
+# The decode weight layout: every matrix a decode step multiplies by is stored O x I (the
+# transpose of the model's [in..., out...] kernels), q/k/v fused into one matrix and gate/up
+# into another (fewer, larger products), by the modules' `prepare_decode`; the Decoder does
+# this once, on its own copy of the model (model.MTPModel.for_decoding).
+class DecodeWeight(nnx.Variable):
+  """A weight matrix [O, I] of the decode layout (see prepare_decode); decode-only."""
+
+
+def decode_kernel(kernel, in_dims: int = 1) -> Array:
+  """A kernel [in..., out...] as the decode layout's [O, I] matrix."""
+  w = kernel[...]
+  return w.reshape(math.prod(w.shape[:in_dims]), -1).T
+
+
+# The few-row matmul rule, in this one place. XLA:CPU, jax 0.10.2, float32 weights
+# (benchmarks/few_row_matmul.py, JSON benchmarks/few_row_matmul.json, RESULTS.md "Few-row
+# products", and a 768 x 2048 check of 1-128 rows: the barrier form beats x W_t^T up to 64
+# rows, 882 vs 1185 us at 32, equal at 128): with W_t stored O x I the tall-skinny product W_t x^T (dot_general over W_t's
+# axis 1 and x's axis 1, output [O, M] kept in that layout by an optimization barrier,
+# then the small result transposed) costs near one 1-row weight read at M up to TALL_ROWS,
+# whereas x @ W (I x O) and x W_t^T with 2-8
+# rows go to a GEMM that costs 1.5-4x that, and one GEMV per row costs M x. More rows (a
+# prefill, large batches) are a real GEMM: x W_t^T. bfloat16 weights (activations cast to
+# bfloat16, float32 accumulation): x W_t^T, a 1-row product padded to 2 rows (a 1-row bf16
+# dot converts the whole weight to float32 first). Other backends: x W_t^T as it is.
+TALL_ROWS = 64
 WRITE_LOOP_ROWS = 6  # cache updates: one in-place update per row up to here, else a scatter
 
-
-def _split(m: int, w) -> bool:
-  return (jax.default_backend() == 'cpu' and 1 < m <= SPLIT_ROWS
-          and w.size * w.dtype.itemsize <= SPLIT_MAX_BYTES)
+_CONTRACT_1_1 = (((1,), (1,)), ((), ()))
 
 
-def _few_rows(dot, row_dot, x_MxI, w, per_row_at_1: bool):
-  """dot(x, w) by the rule above (row_dot: the one-row [I] -> [O] form); x's dtype out."""
-  m, out_dtype = x_MxI.shape[0], x_MxI.dtype
-  if w.dtype == jnp.bfloat16:
-    x = x_MxI.astype(jnp.bfloat16)
-    if m == 1 and jax.default_backend() == 'cpu':
-      return dot(jnp.concatenate([x, jnp.zeros_like(x)], 0), w)[:1].astype(out_dtype)
-    return dot(x, w).astype(out_dtype)
-  w = w.astype(out_dtype)
-  if _split(m, w) or (m == 1 and per_row_at_1):
-    return jnp.stack([row_dot(x_MxI[i], w) for i in range(m)], 0)
-  return dot(x_MxI, w)
+def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
+  """x @ w_OxI.T for a decode step of M = batch x window rows, by the rule above.
 
-
-def decode_dot(x_MxI: Array, w_IxO: Array) -> Array:
-  """x @ w for a decode step of M = batch x window rows."""
-  f32 = jnp.float32
-  return _few_rows(lambda x, w: jnp.dot(x, w, preferred_element_type=f32),
-                   lambda x, w: jnp.dot(x, w, preferred_element_type=f32), x_MxI, w_IxO, False)
-
-
-def decode_dot_t(x_MxI: Array, w_OxI: Array) -> Array:
-  """x @ w.T without transposing w (the tied output head: the embedding table).
-
-  One float32 row is the matrix-vector product w x.
+  Accumulates in float32; returns x's dtype.
   """
+  m, out_dtype = x_MxI.shape[0], x_MxI.dtype
   f32 = jnp.float32
-  return _few_rows(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
-                                                    preferred_element_type=f32),
-                   lambda x, w: jnp.dot(w, x, preferred_element_type=f32), x_MxI, w_OxI, True)
+  if w_OxI.dtype == jnp.bfloat16 or jax.default_backend() != 'cpu':
+    x = x_MxI.astype(w_OxI.dtype)
+    pad = m == 1 and w_OxI.dtype == jnp.bfloat16 and jax.default_backend() == 'cpu'
+    if pad:
+      x = jnp.concatenate([x, jnp.zeros_like(x)], 0)
+    y = jax.lax.dot_general(x, w_OxI, _CONTRACT_1_1, preferred_element_type=f32)
+    return (y[:1] if pad else y).astype(out_dtype)
+  w_OxI = w_OxI.astype(out_dtype)
+  if m == 1:  # a GEMV; its [O, 1] -> [1, O] transpose is a bitcast
+    return jax.lax.dot_general(x_MxI, w_OxI, _CONTRACT_1_1, preferred_element_type=f32
+                               ).astype(out_dtype)
+  if m <= TALL_ROWS:  # verify / MTP windows, up to batch 8-16
+    # The barrier keeps the [O, M] product in that layout: without it XLA:CPU's layout
+    # assignment makes the transpose free by laying the dot's output out as [M, O],
+    # which is the slow GEMM again (1.5-3x at 2-8 rows, few_row_matmul.py Wt_x vs Wt_x_bar).
+    y_OxM = jax.lax.optimization_barrier(
+        jax.lax.dot_general(w_OxI, x_MxI, _CONTRACT_1_1, preferred_element_type=f32))
+    return y_OxM.T.astype(out_dtype)
+  return jax.lax.dot_general(x_MxI, w_OxI, _CONTRACT_1_1,
+                             preferred_element_type=f32).astype(out_dtype)
 
 
 def _write_heads_major(cache_BKx, new_BxKx, index_B, axis):
@@ -230,9 +241,6 @@ def _write_heads_major(cache_BKx, new_BxKx, index_B, axis):
     start[axis] = index_B[row]
     cache_BKx = jax.lax.dynamic_update_slice(cache_BKx, new_BxKx[row], start)
   return cache_BKx
-
-
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # as jax.nn.dot_product_attention
 
 
 class Attention(nnx.Module):
@@ -299,23 +307,33 @@ class Attention(nnx.Module):
     return o_NxD.reshape(b, t, -1), cache
 
 
-  def decode(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache, cache_index_B):
-    """Attention of T new tokens over a 'heads_major' cache (see CACHE_LAYOUTS).
+  def prepare_decode(self) -> None:
+    """The decode layout (see DecodeWeight): [q; k; v] as one [(N + 2K) H, d] matrix
+    (and their biases as one [(N + 2K) H] vector, if any), o as [d, N H]. The projections
+    are dropped: the module then runs `decode` only."""
+    d, n, h = self.q_proj.kernel.shape
+    self.decode_heads = (n, self.k_proj.kernel.shape[1], h)
+    self.qkv_t = DecodeWeight(jnp.concatenate(
+        [decode_kernel(p.kernel) for p in (self.q_proj, self.k_proj, self.v_proj)], 0))
+    self.o_t = DecodeWeight(decode_kernel(self.o_proj.kernel, in_dims=2))
+    projs = (self.q_proj, self.k_proj, self.v_proj)
+    self.qkv_bias = (None if projs[0].bias is None else DecodeWeight(
+        jnp.concatenate([p.bias[...].reshape(-1) for p in projs], 0)))
+    del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
-    Returns (out_BxTxD, new cache).
-    """
+  def decode(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache, cache_index_B):
+    """Attention of T new tokens over a 'heads_major' cache (see CACHE_LAYOUTS), with the
+    decode layout's weights (prepare_decode). Returns (out_BxTxD, new cache)."""
     b, t, d = x_BxTxD.shape
     dt = x_BxTxD.dtype
-    n, hd = self.q_proj.kernel.shape[1:]
-    kv = self.k_proj.kernel.shape[1]
+    n, kv, hd = self.decode_heads
     g = n // kv
-    x_NxD = x_BxTxD.reshape(b * t, d)
-    proj = lambda m, *shape: decode_dot(x_NxD, m.kernel[...].reshape(d, -1)).reshape(b, t, *shape)  # noqa: E731
-    q, k, v = proj(self.q_proj, n, hd), proj(self.k_proj, kv, hd), proj(self.v_proj, kv, hd)
-    # Qwen2's q/k/v biases (model.attention_bias), then RoPE with this layer's scaling.
-    q, k, v = (x if m.bias is None else x + m.bias[...].astype(x.dtype)
-               for x, m in ((q, self.q_proj), (k, self.k_proj), (v, self.v_proj)))
-    q, k = self.rope(q, positions_BxT), self.rope(k, positions_BxT)
+    qkv = decode_dot(x_BxTxD.reshape(b * t, d), self.qkv_t[...])
+    if self.qkv_bias is not None:  # Qwen2's q/k/v biases (model.attention_bias)
+      qkv = qkv + self.qkv_bias[...].astype(qkv.dtype)
+    q = self.rope(qkv[:, :n * hd].reshape(b, t, n, hd), positions_BxT)
+    k = self.rope(qkv[:, n * hd:(n + kv) * hd].reshape(b, t, kv, hd), positions_BxT)
+    v = qkv[:, (n + kv) * hd:].reshape(b, t, kv, hd)
     k_cache = _write_heads_major(cache[0], k.transpose(0, 2, 1, 3), cache_index_B, axis=1)
     v_cache = _write_heads_major(cache[1], v.transpose(0, 2, 3, 1), cache_index_B, axis=2)
     # queries of one KV head: [B*K, G*T, H] (query head n = kv_head * G + g, as in GQA)
@@ -329,8 +347,7 @@ class Attention(nnx.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum('xqs,xhs->xqh', probs, v_cache.astype(dt))  # [B*K, G*T, H]
     out = out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b * t, n * hd)
-    o = decode_dot(out, self.o_proj.kernel[...].reshape(n * hd, d))
-    return o.reshape(b, t, d), (k_cache, v_cache)
+    return decode_dot(out, self.o_t[...]).reshape(b, t, d), (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -356,13 +373,22 @@ class MLP(nnx.Module):
     return project(h_NxF, self.down_proj.kernel, self.dtype).reshape(b, t, -1)
 
 
+  def prepare_decode(self) -> None:
+    """The decode layout (see DecodeWeight): [gate; up] as one [2F, d] matrix, down as
+    [d, F]. The projections are dropped: the module then runs `decode` only."""
+    self.decode_mlp_dim = self.gate_proj.kernel.shape[1]
+    self.gate_up_t = DecodeWeight(jnp.concatenate(
+        [decode_kernel(self.gate_proj.kernel), decode_kernel(self.up_proj.kernel)], 0))
+    self.down_t = DecodeWeight(decode_kernel(self.down_proj.kernel))
+    del self.gate_proj, self.up_proj, self.down_proj
+
   def decode(self, x_BxTxD):
-    """__call__ for a decode step: decode_dot's few-row rule, float32 out."""
+    """__call__ for a decode step, with the decode layout's weights (prepare_decode)."""
     b, t, d = x_BxTxD.shape
-    x_NxD = x_BxTxD.reshape(b * t, d)
-    h_NxF = (jax.nn.silu(decode_dot(x_NxD, self.gate_proj.kernel[...]))
-             * decode_dot(x_NxD, self.up_proj.kernel[...]))
-    return decode_dot(h_NxF, self.down_proj.kernel[...]).reshape(b, t, d)
+    f = self.decode_mlp_dim
+    gu_NxF2 = decode_dot(x_BxTxD.reshape(b * t, d), self.gate_up_t[...])
+    h_NxF = jax.nn.silu(gu_NxF2[:, :f]) * gu_NxF2[:, f:]
+    return decode_dot(h_NxF, self.down_t[...]).reshape(b, t, d)
 
 
 class Block(nnx.Module):
@@ -385,9 +411,18 @@ class Block(nnx.Module):
     x = x + self.mlp(self.post_attention_layernorm(x))
     return constrain(x, ('batch', 'length', 'act_embed')), cache
 
+  def prepare_decode(self, layout: str) -> None:
+    """The decode layout's weights for `layout` (CACHE_LAYOUTS): 'heads_major' runs the
+    layers' `decode` (prepare_decode of each); 'bskh' runs __call__ and keeps its kernels."""
+    if layout != 'bskh':
+      self.self_attn.prepare_decode()
+      self.mlp.prepare_decode()
+
   def decode(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache, cache_index_B,
              layout: str = 'heads_major'):
-    """__call__ through a KV cache of `layout` (CACHE_LAYOUTS); (x, new cache)."""
+    """__call__ through a KV cache of `layout` (CACHE_LAYOUTS); (x, new cache).
+
+    heads_major needs prepare_decode('heads_major') first."""
     if layout == 'bskh':  # the library path: __call__ itself
       return self(x_BxTxD, positions_BxT, mask_Bx1xTxS, cache, cache_index_B)
     a, cache = self.self_attn.decode(self.input_layernorm(x_BxTxD), positions_BxT,

@@ -240,14 +240,20 @@ class SequentialMTP(nnx.Module):
   def combine(self, h_prev_BxTxD: Array, emb_BxTxD: Array, decode: bool = False) -> Array:
     """eh_proj([enorm(emb) ; hnorm(h)]): the order of DeepSeek's released weights.
 
-    decode: the product by layers.decode_dot's few-row rule (a decode step).
+    decode: a decode step (layers.decode_dot's rule, the decode layout's eh_t).
     """
     b, t, d = emb_BxTxD.shape
     x = jnp.concatenate([self.enorm(emb_BxTxD), self.hnorm(h_prev_BxTxD)], axis=-1)
     x = x.reshape(b * t, 2 * d)
-    h = (layers.decode_dot(x, self.eh_proj.kernel[...]) if decode
+    h = (layers.decode_dot(x, self.eh_t[...]) if decode
          else layers.project(x, self.eh_proj.kernel, self.eh_proj.dtype))
     return constrain(h.reshape(b, t, d), ('batch', 'length', 'act_embed'))
+
+  def prepare_decode(self, layout: str) -> None:
+    """The decode layout (layers.DecodeWeight): eh_proj as eh_t [d, 2d], the block's."""
+    self.eh_t = layers.DecodeWeight(layers.decode_kernel(self.eh_proj.kernel))
+    del self.eh_proj
+    self.block.prepare_decode(layout)
 
 
 class ParallelHead(nnx.Module):
@@ -256,6 +262,9 @@ class ParallelHead(nnx.Module):
   def __init__(self, args: ModelArgs, rngs: nnx.Rngs):
     self.block = layers.Block(args, rngs, *block_classes(args, args.n_layers))
     self.shared_head = SharedHead(args, rngs)
+
+  def prepare_decode(self, layout: str) -> None:
+    self.block.prepare_decode(layout)
 
 
 class MTPModel(nnx.Module):
@@ -321,6 +330,24 @@ class MTPModel(nnx.Module):
     return module.block(x, positions_BxT, mask, cache, cache_index_B)
 
   # -- the decode path: few-token steps through KV caches (layers.Block.decode) --------
+  def for_decoding(self, layout: str) -> 'MTPModel':
+    """A copy of the model in the decode layout (layers.DecodeWeight) for cache `layout`.
+
+    It shares this model's norms and embedding and holds every other matrix transposed
+    (O x I, q/k/v and gate/up fused) for layers.decode_dot; the 'bskh' layout keeps the
+    blocks' kernels (it runs __call__, the library path). The copy runs the decode_*
+    methods only: its blocks may lack what __call__ and the training path read.
+    """
+    model = nnx.merge(*nnx.split(self))  # new modules over the same arrays
+    for block in model.layers:
+      block.prepare_decode(layout)
+    for module in model.mtp:
+      module.prepare_decode(layout)
+    if not model.args.tie_embeddings:
+      model.head_t = layers.DecodeWeight(layers.decode_kernel(model.lm_head.kernel))
+      del model.lm_head
+    return model
+
   def mtp_module(self, depth: int):
     """Module of drafting depth k; depths past D reuse the last module (recursive drafts)."""
     return self.mtp[min(depth, self.args.mtp_depth) - 1]
@@ -330,12 +357,12 @@ class MTPModel(nnx.Module):
     return jnp.take(self.embed.embedding[...], tokens_BxT, axis=0).astype(self.args.dtype)
 
   def decode_logits(self, h_NxD: Array, depth: int = 0) -> Array:
-    """logits(h, depth) for a few rows [N, d] (layers.decode_dot's rule), float32."""
+    """logits(h, depth) for a few rows [N, d] (layers.decode_dot's rule), float32.
+
+    The tied head is the embedding table itself, already [V, d] (O x I)."""
     norm = self.norm if depth == 0 else self.mtp_module(depth).shared_head.norm
-    x = norm(h_NxD)
-    if self.args.tie_embeddings:
-      return layers.decode_dot_t(x, self.embed.embedding[...]).astype(jnp.float32)
-    return layers.decode_dot(x, self.lm_head.kernel[...]).astype(jnp.float32)
+    w_VxD = self.embed.embedding[...] if self.args.tie_embeddings else self.head_t[...]
+    return layers.decode_dot(norm(h_NxD), w_VxD).astype(jnp.float32)
 
   def decode_trunk(self, tokens_BxT, positions_BxT, mask, caches, cache_index_B, layout):
     """h^0 of new tokens through the trunk's per-layer caches; (h, new caches)."""

@@ -104,14 +104,14 @@ def uncached_greedy(model, prompts, max_new):
 # -- the decoder's forward -----------------------------------------------------------------------
 @functools.partial(nnx.jit, static_argnums=2)
 def _chunked_forward(model, tokens_BxT, layout='heads_major'):
-  """The decoder's cached forward over chunks of 4 then 8 tokens, every depth."""
+  """The decoder's cached forward over chunks of 3 then 9 tokens, every depth."""
   b, t = tokens_BxT.shape
   prog = decode.Program(b, 16, 16, model.args.mtp_depth, True, layout=layout)
   cache = lambda: layers.empty_cache(model.args, b, prog.cache_len, layout)  # noqa: E731
   main = tuple(cache() for _ in model.layers)
   mtp = [cache() for _ in model.mtp]
   outs = [[] for _ in range(model.args.mtp_depth + 1)]
-  for start, width in [(0, 4), (4, 8)]:  # 4 rows (split matmuls) then 8b rows (one GEMM)
+  for start, width in [(0, 3), (3, 9)]:  # 3b and 9b rows: tall-skinny (the prefill: GEMM)
     s = jnp.full((b,), start, jnp.int32)
     h, main = decode._main_pass(prog, model, tokens_BxT[:, start:start + width], s, main)
     outs[0].append(h)
@@ -126,12 +126,13 @@ def _chunked_forward(model, tokens_BxT, layout='heads_major'):
 
 @pytest.mark.parametrize('batch,layout', [(1, 'heads_major'), (2, 'heads_major'), (2, 'bskh')])
 def test_decode_forward_matches_the_model(models, batch, layout):
-  """The layers' decode path (both cache layouts, split matmuls) == the model's forward."""
+  """The layers' decode path (both cache layouts, the decode weight layout, tall-skinny
+  products of 3-18 rows) == the model's forward."""
   model = models['trained']
   rng = np.random.default_rng(21)
   tokens = jnp.asarray([byte_ids(word_text(rng, 12)[:12]) for _ in range(batch)], jnp.int32)
   want = model(tokens)
-  got = _chunked_forward(model, tokens, layout)
+  got = _chunked_forward(model.for_decoding(layout), tokens, layout)
   for k, (w, g) in enumerate(zip(want, got)):
     n = 12 - k  # depth k reads t_{i+k}: the last k positions see padding
     np.testing.assert_allclose(np.asarray(g)[:, :n], np.asarray(w)[:, :n], atol=2e-5, rtol=1e-4,
@@ -180,6 +181,27 @@ def test_lossless_greedy_bf16_and_recursive(models, weights, num_drafts):
     f32 = decode.Decoder(models['trained']).generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
     same = np.mean([np.mean(a == b) for a, b in zip(ar.tokens, f32.tokens)])
     assert same > 0.5, same
+
+
+@pytest.mark.parametrize('threshold', [0.6, 0.95])
+def test_adaptive_draft_length_is_lossless(models, threshold):
+  """Confidence-adaptive draft length: greedy == AR, drafts == the uncached chain's, and
+  the verify window really narrows (rows per iteration below D + 1) on some iterations."""
+  model = models['trained']
+  dec = decode.Decoder(model)
+  prompts = word_prompts(8, seed=2)
+  ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
+  sp = dec.generate(prompts, MAX_NEW, eos_id=None, draft_threshold=threshold, record=True)
+  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
+    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
+  check_stats(sp, MAX_NEW)
+  st = sp.stats()
+  d = model.args.mtp_depth
+  assert 1 <= st['verify_rows_per_iteration'] < d + 1, st
+  assert st['mean_accepted_length'] > 1.5, st  # confident drafts are still proposed
+  check_drafts(model, prompts, sp)
+  full = dec.generate(prompts, MAX_NEW, eos_id=None).stats()
+  assert full['verify_rows_per_iteration'] == d + 1
 
 
 def test_eos_and_max_new_inside_accepted_blocks(models):
@@ -244,11 +266,7 @@ def test_draft_consistency(models, name):
   assert hist[0] > 0, hist  # rejections happened
   if name == 'trained':
     assert hist[1:].sum() > 0 and hist[-1] > 0, hist  # partial and full acceptances too
-  assert check_drafts(dec_model(dec), prompts, r) > 50
-
-
-def dec_model(dec):
-  return nnx.merge(dec.graphdef, dec.params)
+  assert check_drafts(models[name], prompts, r) > 50
 
 
 def test_batch_independence(models):
@@ -356,7 +374,8 @@ def chi2_pvalue(samples_NxM, probs):
     dict(scale=0.15, temperature=1.0),
     dict(scale=0.15, temperature=0.8, top_k=5, top_p=0.9),
     dict(scale=0.1, temperature=1.0, draft_argmax=True),
-], ids=['sampled-drafts', 'sampled-drafts-topk-topp', 'argmax-drafts'])
+    dict(scale=0.15, temperature=1.0, draft_threshold=0.25),
+], ids=['sampled-drafts', 'sampled-drafts-topk-topp', 'argmax-drafts', 'adaptive-length'])
 def test_lossless_sampling(small_vocab_models, setting):
   """Chi-square: the first 4 sampled tokens (one full D = 3 block) follow plain sampling.
 
@@ -378,6 +397,9 @@ def test_lossless_sampling(small_vocab_models, setting):
   assert spec_x.shape == ar_x.shape == (N_SAMPLES, 4)
   acc = spec.stats()['acceptance_per_depth']
   assert 0.05 < acc[0] < 0.95 and acc[1] > 0.002, acc  # accept and reject paths both taken
+  if setting.get('draft_threshold'):  # the stop was active: fewer drafts were proposed
+    full = dec.generate(prompts, 4, eos_id=None, seed=1, temperature=setting['temperature'])
+    assert acc[2] < 0.9 * full.stats()['acceptance_per_depth'][2], (acc, full.stats())
   assert chi2_pvalue(ar_x, exact) > 1e-3  # the harness: plain sampling fits its own law
   assert chi2_pvalue(spec_x, exact) > 1e-3
   # Power: the same test rejects the drafts' own (unverified) law by a wide margin.
