@@ -24,7 +24,8 @@ mimo  Xiaomi MiMo's MTP layers on a Qwen2 trunk, as vLLM's
   token_layernorm(emb)] (the opposite order of DeepSeek's eh_proj: its column halves are
   swapped), a Qwen2 decoder layer's names directly under the prefix, and `final_layernorm`
   (= shared_head.norm); embedding and head are the trunk's. Qwen2's q/k/v projections have
-  biases, this project's GQA has none: they are written as zeros and must be zero on load.
+  biases: the model's own when it has them (model.attention_bias, e.g. an hf: Qwen2 trunk,
+  flagged by attention_bias=true in config.json), otherwise zeros, which must be zero on load.
 
 RoPE: this project rotates in the rotate-half form (layers.apply_rope); DeepSeek's weights
 keep each rotary pair (x_2i, x_2i+1) adjacent (inference/model.py's apply_rotary_emb views
@@ -148,9 +149,11 @@ def _attn_to_hf(a: dict, args: ModelArgs, kind, zero_bias: bool) -> dict:
            'k_proj.weight': _t(a['k_proj']['kernel'].reshape(d, -1)),
            'v_proj.weight': _t(a['v_proj']['kernel'].reshape(d, -1)),
            'o_proj.weight': _t(a['o_proj']['kernel'].reshape(-1, d))}
-    if zero_bias:  # Qwen2's attention biases, which this model does not have
+    if zero_bias:  # Qwen2's attention biases: the model's own (an hf: Qwen2 trunk), or zeros
       for name in ('q', 'k', 'v'):
-        out[f'{name}_proj.bias'] = np.zeros(out[f'{name}_proj.weight'].shape[0], np.float32)
+        b = a[f'{name}_proj'].get('bias')
+        out[f'{name}_proj.bias'] = (np.zeros(out[f'{name}_proj.weight'].shape[0], np.float32)
+                                    if b is None else np.asarray(b).reshape(-1))
     return out
   dn, kvr = args.qk_nope_head_dim, args.kv_lora_rank
   out = {}
@@ -240,9 +243,12 @@ def _attn_from_hf(src: _Source, pre: str, args: ModelArgs, kind, zero_bias: bool
            'o_proj': {'kernel': src.get(f'{pre}.o_proj.weight', d, n * h).T.reshape(n, h, d)}}
     if zero_bias:
       for name, heads in (('q', n), ('k', k), ('v', k)):
-        if np.any(src.get(f'{pre}.{name}_proj.bias', heads * h)):
-          raise ConvertError(f'{src.where}: {pre}.{name}_proj.bias is not zero; this '
-                             "project's attention has no biases")
+        b = src.get(f'{pre}.{name}_proj.bias', heads * h)
+        if args.attention_bias:
+          out[f'{name}_proj']['bias'] = b.reshape(heads, h)
+        elif np.any(b):
+          raise ConvertError(f'{src.where}: {pre}.{name}_proj.bias is not zero but config.json '
+                             'has no attention_bias=true (a model without q/k/v biases)')
     return out
   qr, kvr = args.q_lora_rank, args.kv_lora_rank
   dn, dr, dv = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
@@ -305,6 +311,9 @@ def check_layout(args: ModelArgs, layout: str) -> None:
   if args.mtp_depth and args.mtp_kind != 'sequential':
     raise ConvertError(f'the {layout} layout holds sequential MTP modules only, not '
                        f'model.mtp.kind={args.mtp_kind!r}')
+  if args.rope_scaling:
+    raise ConvertError(f'the {layout} layout is written with unscaled RoPE; this model has '
+                       f'model.rope_scaling {args.rope_scaling[0]!r} (not exported yet)')
   kinds = [block_classes(args, i) for i in range(args.n_layers + (args.mtp_depth > 0))]
   if layout == 'deepseek_v3':
     if any(a is not mla.MLAttention for a, _ in kinds):
@@ -455,6 +464,9 @@ def hf_config(args: ModelArgs, layout: str, dtype: str = 'float32', fp8: bool = 
        'torch_dtype': dtype, 'attention_dropout': 0.0, 'initializer_range': args.init_std,
        'use_cache': True}
   if layout == 'mimo':
+    # Qwen2 always carries q/k/v biases; attention_bias says they are real (not zeros) to
+    # this converter's import (Qwen2 loaders ignore the field).
+    c['attention_bias'] = bool(args.attention_bias)
     c.update(architectures=['MiMoForCausalLM'], model_type='mimo',
              num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
              use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers)
@@ -535,6 +547,7 @@ def config_from_hf(cfg: dict, where: str = 'checkpoint', base=None):
     raise ConvertError(f'{where}: config.json hidden_act {act!r}: only silu (SwiGLU) is built')
   if layout == 'mimo':
     m.attention, m.mlp = 'gqa', 'dense'
+    m.attention_bias = bool(_field(cfg, 'attention_bias', where, False))
     m.n_kv_heads = int(_field(cfg, 'num_key_value_heads', where, m.n_heads))
     m.head_dim = int(_field(cfg, 'head_dim', where, m.d_model // m.n_heads))
     return c

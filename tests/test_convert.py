@@ -341,6 +341,28 @@ def test_mimo_names_and_round_trip(tie):
   assert ModelArgs.from_config(convert.config_from_hf(cfg)) == args
 
 
+def test_mimo_keeps_a_qwen2_trunks_biases_and_refuses_scaled_rope():
+  """A model with q/k/v biases (an hf: Qwen2 trunk) exports them, flagged attention_bias,
+  and reads back bit-exactly; scaled RoPE is refused rather than written unscaled."""
+  args, model = _model(tiny_model_config(2, attention_bias=True))
+  params = convert.model_params(model)
+  assert np.any(params['layers'][1]['self_attn']['k_proj']['bias'])
+  hf = convert.to_hf(params, args, 'mimo')
+  np.testing.assert_array_equal(hf['model.layers.1.self_attn.k_proj.bias'],
+                                np.asarray(params['layers'][1]['self_attn']['k_proj']['bias']).reshape(-1))
+  cfg = convert.hf_config(args, 'mimo')
+  assert cfg['attention_bias'] is True
+  back = ModelArgs.from_config(convert.config_from_hf(cfg))
+  assert back == args
+  _assert_same_tree(convert.from_hf(hf, back, 'mimo'), params)
+  plain, _ = _model(tiny_model_config(2))
+  with pytest.raises(convert.ConvertError, match='q_proj.bias is not zero but config.json'):
+    convert.from_hf(hf, plain, 'mimo')
+  scaled = dataclasses.replace(args, rope_scaling=('linear', 2.0))
+  with pytest.raises(convert.ConvertError, match="model.rope_scaling 'linear'"):
+    convert.hf_config(scaled, 'mimo')
+
+
 # -- scripts/export.py ------------------------------------------------------------------------
 def _script():
   spec = importlib.util.spec_from_file_location('export_script', SCRIPT)
