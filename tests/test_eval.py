@@ -178,8 +178,11 @@ def test_local_decoder_gathers_sharded_parameters(devices):
   ts, state = steps_lib.setup(config, devices)
   decoder = evaluation.local_decoder(ts.graphdef, state, ts.mesh)
   model, _ = nnx.merge(ts.graphdef, state)
-  want = jax.tree.leaves(nnx.state(model))
-  assert any(len(x.sharding.device_set) > 1 for x in want)
+  assert any(len(x.sharding.device_set) > 1 for x in jax.tree.leaves(nnx.state(model)))
+  # The reference: the Decoder's own decode layout (MTPModel.for_decoding) of a whole copy.
+  whole, _ = nnx.merge(ts.graphdef, jax.tree.map(lambda x: jax.numpy.asarray(np.asarray(x)), state))
+  want = jax.tree.leaves(decode.Decoder(whole).params)
+  assert len(want) == len(jax.tree.leaves(decoder.params))
   for got, ref in zip(jax.tree.leaves(decoder.params), want):
     assert got.sharding.device_set == {jax.local_devices()[0]}
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
