@@ -66,6 +66,8 @@ def equal_flop_steps(config, baseline) -> int:
   return max(1, int(step_flops(baseline) * baseline.train.steps // step_flops(config)))
 
 
+DEVICES = 1  # mesh.shape below: the research sweep runs each variant on one device
+
 def get_config(arg: str = 'd3'):
   variant, *opts = arg.split(',')
   if variant not in VARIANTS or any(o != 'smoke' for o in opts):
