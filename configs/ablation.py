@@ -68,6 +68,7 @@ def equal_flop_steps(config, baseline) -> int:
 
 DEVICES = 1  # mesh.shape below: the research sweep runs each variant on one device
 
+
 def get_config(arg: str = 'd3'):
   variant, *opts = arg.split(',')
   if variant not in VARIANTS or any(o != 'smoke' for o in opts):

@@ -21,6 +21,7 @@ SMOKE_TASK = {'alphabet': 16, 'span_min': 4, 'span_max': 8, 'repeats': 3}
 
 DEVICES = 1  # mesh.shape below: the research sweep runs each variant on one device
 
+
 def get_config(arg: str = 'd0'):
   variant, *opts = arg.split(',')
   if variant not in VARIANTS or any(o != 'smoke' for o in opts):

@@ -84,6 +84,20 @@ def split_texts(data_config, split: str) -> list[str]:
           for i in range(min(len(source), MAX_PLAIN_DOCS))]
 
 
+def prompts_from_docs(docs: Sequence[str], tokenizer, n: int, length: int) -> list[list[int]]:
+  """Up to n prompts of at most `length` tokens, one per document of >= 4 * length tokens,
+  evenly spaced through docs, each starting at a line a third into its document (past
+  license headers and imports). Fewer than n when too few documents are that long."""
+  docs = [d for d in docs if len(tokenizer.encode(d)) >= 4 * length]
+  step = max(1, len(docs) // n)
+  prompts = []
+  for doc in docs[::step][:n]:
+    lines = doc.splitlines(keepends=True)
+    start = sum(len(line) for line in lines[:len(lines) // 3])
+    prompts.append(list(tokenizer.encode(doc[start:]))[:length])
+  return prompts
+
+
 def validation_prompts(config, tokenizer, n: int, length: int,
                        split: str | None = None) -> list[list[int]]:
   """n prompts of at most `length` tokens from n different held-out documents.
@@ -93,13 +107,7 @@ def validation_prompts(config, tokenizer, n: int, length: int,
   license header and imports. ConfigError when too few documents are that long.
   """
   split = split or config.data.eval_split
-  docs = [d for d in split_texts(config.data, split) if len(tokenizer.encode(d)) >= 4 * length]
-  step = max(1, len(docs) // n)
-  prompts = []
-  for doc in docs[::step][:n]:
-    lines = doc.splitlines(keepends=True)
-    start = sum(len(line) for line in lines[:len(lines) // 3])
-    prompts.append(list(tokenizer.encode(doc[start:]))[:length])
+  prompts = prompts_from_docs(split_texts(config.data, split), tokenizer, n, length)
   if len(prompts) < n:
     raise ConfigError(f'split {split!r} of data.dataset {config.data.dataset!r} has only '
                       f'{len(prompts)} documents of {4 * length}+ tokens, too few for {n} '

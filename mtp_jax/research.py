@@ -164,15 +164,8 @@ def pack_rows(docs: Sequence[str], tokenizer, seq_len: int, rows: int) -> dict[s
 
 
 def prompts_from(docs: Sequence[str], tokenizer, n: int, length: int) -> list[list[int]]:
-  """n prompts of `length` tokens, one per document evenly spaced through docs, each
-  starting at a line a third into its document (past license headers and imports)."""
-  long = [d for d in docs if len(tokenizer.encode(d)) >= 4 * length]
-  step = max(1, len(long) // n)
-  out = []
-  for doc in long[::step][:n]:
-    lines = doc.splitlines(keepends=True)
-    start = sum(len(line) for line in lines[:len(lines) // 3])
-    out.append(list(tokenizer.encode(doc[start:]))[:length])
+  """evaluation.prompts_from_docs, ValueError unless all n prompts exist."""
+  out = evaluation.prompts_from_docs(docs, tokenizer, n, length)
   if len(out) < n:
     raise ValueError(f'only {len(out)} held-out documents have {4 * length}+ tokens')
   return out
