@@ -48,7 +48,7 @@ from flax import nnx
 from mtp_jax import layers
 from mtp_jax import sampling as sampling_lib
 from mtp_jax.cli import RequestError
-from mtp_jax.model import MTPModel, uses_latent_or_experts
+from mtp_jax.model import MTPModel
 from mtp_jax.sampling import PAD_ID, Sampling, row_keys, take_rows
 
 Array = jax.Array
@@ -229,8 +229,7 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
              threshold):
   b, p = prompts_BxP.shape
   zero_B = jnp.zeros((b,), jnp.int32)
-  main_cache = tuple(layers.empty_cache(model.args, b, prog.cache_len, prog.layout)
-                     for _ in model.layers)
+  main_cache = model.trunk_caches(b, prog.cache_len, prog.layout)
   h0, main_cache = _main_pass(prog, model, prompts_BxP, zero_B, main_cache)
   logits = model.decode_logits(take_rows(h0, prompt_len_B - 1), 0)
   pkeys = row_keys(keys_B, 0)  # iteration i uses salt i + 1
@@ -238,8 +237,7 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
   tokens = jnp.zeros((b, prog.buffer_len), jnp.int32).at[:, :p].set(prompts_BxP)
   tokens = tokens.at[jnp.arange(b), prompt_len_B].set(x)
   dn = prog.num_drafts
-  mtp_cache = tuple(layers.empty_cache(model.args, b, prog.cache_len, prog.layout)
-                    for _ in range(dn))
+  mtp_cache = model.mtp_caches(dn, b, prog.cache_len, prog.layout)
   hidden = tuple(jnp.zeros((b, model.args.d_model), model.args.dtype) for _ in range(dn - 1)
                  if model.args.mtp_kind == 'sequential')
   # u = t_1..t_P (prompt[1:] then x), then room for drafts.
@@ -385,9 +383,6 @@ class Decoder:
     in float32, norms, activations and KV caches stay in the model's dtype.
     cache_layout: layers.CACHE_LAYOUTS (default: layers.default_cache_layout()).
     """
-    if uses_latent_or_experts(model.args):  # its block path is dense GQA only (issue 13)
-      raise RequestError('decoding supports GQA + dense-MLP blocks only; '
-                         'this model has MLA or MoE blocks')
     if weight_dtype not in WEIGHT_DTYPES:
       raise RequestError(f'weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}')
     layout = cache_layout or layers.default_cache_layout()

@@ -159,11 +159,15 @@ def default_cache_layout() -> str:
 
 
 def empty_cache(cfg, batch: int, slots: int, layout: str):
-  """One layer's zero KV cache of `slots` positions in `layout`."""
-  k, h = cfg.n_kv_heads, cfg.head_dim
+  """One GQA layer's zero KV cache of `slots` positions in `layout` (Attention.empty_cache
+  of a model's own layers; MLA's differs: Block.empty_cache)."""
+  return _empty_kv(batch, slots, cfg.n_kv_heads, cfg.head_dim, cfg.dtype, layout)
+
+
+def _empty_kv(batch: int, slots: int, k: int, h: int, dtype, layout: str) -> tuple:
   if layout == 'bskh':
-    return (jnp.zeros((batch, slots, k, h), cfg.dtype),) * 2
-  return (jnp.zeros((batch * k, slots, h), cfg.dtype), jnp.zeros((batch * k, h, slots), cfg.dtype))
+    return (jnp.zeros((batch, slots, k, h), dtype),) * 2
+  return (jnp.zeros((batch * k, slots, h), dtype), jnp.zeros((batch * k, h, slots), dtype))
 
 
 # The decode weight layout: every matrix a decode step multiplies by is stored O x I (the
@@ -268,6 +272,7 @@ class Attention(nnx.Module):
     self.rope_theta = cfg.rope_theta
     self.rope_scaling = tuple(getattr(cfg, 'rope_scaling', ()))  # rope_inv_freq's form
     self.dtype = dt
+    self.cache_heads = (k, h)  # (KV heads, head_dim) of empty_cache
     self.impl = attention_impl(cfg)  # resolved at build time: the backend is known by then
     self.block = getattr(cfg, 'attention_block', 64)
 
@@ -306,6 +311,10 @@ class Attention(nnx.Module):
     o_NxD = project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
     return o_NxD.reshape(b, t, -1), cache
 
+
+  def empty_cache(self, batch: int, slots: int, layout: str) -> tuple:
+    """(k, v): this layer's zero KV cache of `slots` positions in `layout` (CACHE_LAYOUTS)."""
+    return _empty_kv(batch, slots, *self.cache_heads, self.dtype, layout)
 
   def prepare_decode(self) -> None:
     """The decode layout (see DecodeWeight): [q; k; v] as one [(N + 2K) H, d] matrix
@@ -410,6 +419,10 @@ class Block(nnx.Module):
     x = x_BxTxD + a
     x = x + self.mlp(self.post_attention_layernorm(x))
     return constrain(x, ('batch', 'length', 'act_embed')), cache
+
+  def empty_cache(self, batch: int, slots: int, layout: str) -> tuple:
+    """This block's zero cache for `layout`: its attention's (GQA k / v, MLA's latent)."""
+    return self.self_attn.empty_cache(batch, slots, layout)
 
   def prepare_decode(self, layout: str) -> None:
     """The decode layout's weights for `layout` (CACHE_LAYOUTS): 'heads_major' runs the

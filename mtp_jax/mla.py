@@ -15,8 +15,19 @@ use this package's rotate-half RoPE (layers.apply_rope); DeepSeek's released wei
 the interleaved-pair form, so convert.py permutes the rotary rows of q_b_proj / q_proj and
 kv_a_proj_with_mqa on import and export (convert.rope_to_half / rope_to_pairs).
 
-Only the uncached (training / teacher-forced) form is implemented; the absorbed-latent
-decode (caching c_kv and k_r only) is not, and decode.Decoder rejects MLA models.
+Cached decoding (DeepSeek-V2 section 2.1.2, "absorbed" form) keeps per position only
+what MLA compresses into: the latent [kv_a_layernorm(c_kv) ; RoPE(k_r)], kv_lora_rank +
+qk_rope_head_dim numbers per layer (GQA keeps 2 K H). The up-projections move to the
+query and output side: with W_kb, W_vb the k_n and v parts of kv_b_proj,
+  q_lat_n = W_kb_n q_n                     per head, into latent space [kv_lora_rank]
+  score(n, s) = ([q_lat_n ; RoPE(q_r)_n] . latent_s) / sqrt(dn + dr)
+             = (q_n . k_n,s + RoPE(q_r)_n . RoPE(k_r)_s) / sqrt(dn + dr)
+  out = sum_n (sum_s p_n,s c_kv_s) W_vb_n W_o_n
+so no per-head key or value is ever formed (latent_attention). The output side is
+either one absorbed [n kv_lora_rank -> d] matrix (W_vb_n W_o_n stacked) or the two steps
+W_vb then o_proj, whichever holds fewer numbers (MLAttention.prepare_decode): a decode
+step reads every weight once, and for DeepSeek-V3's widths (kv_lora_rank 512 > v_head_dim
+128) the absorbed matrix would be 3.7x larger than the two.
 """
 from __future__ import annotations
 
@@ -56,7 +67,13 @@ def attention_core(q_BxTxNxH, k_BxSxNxH, v_BxSxNxV, mask_Bx1xTxS, scale: float) 
 
 
 class MLAttention(nnx.Module):
-  """Causal multi-head latent attention; the call signature of layers.Attention."""
+  """Causal multi-head latent attention; the call signature of layers.Attention.
+
+  Its cache (empty_cache) is the latent only, one [B, S, kv_lora_rank + qk_rope_head_dim]
+  array per layer, the same in both layers.CACHE_LAYOUTS: 'bskh' runs __call__ with the
+  training kernels and 'heads_major' runs `decode` with the decode layout
+  (prepare_decode); both are the absorbed-latent path (latent_attention).
+  """
 
   def __init__(self, cfg, rngs: nnx.Rngs):
     d, n = cfg.d_model, cfg.n_heads
@@ -83,10 +100,29 @@ class MLAttention(nnx.Module):
     self.rope_theta = cfg.rope_theta
     self.dtype = dt
 
+  def _latent(self, kv_a_NxC: Array, positions_BxT: Array) -> Array:
+    """[kv_a_layernorm(c_kv) ; RoPE(k_r)] per token, [B, T, kvr + dr]: what the cache holds."""
+    _, _, kvr, _, dr, _ = self.dims
+    b, t = positions_BxT.shape
+    c_kv = self.kv_a_layernorm(kv_a_NxC[:, :kvr]).reshape(b, t, kvr)
+    k_rope = layers.apply_rope(kv_a_NxC[:, kvr:].reshape(b, t, 1, dr), positions_BxT,
+                               self.rope_theta)
+    return jnp.concatenate([c_kv, k_rope[:, :, 0].astype(c_kv.dtype)], axis=-1)
+
+  def empty_cache(self, batch: int, slots: int, layout: str) -> tuple:
+    """(latent [B, S, kvr + dr],): one layer's zero cache, the same in either layout."""
+    del layout  # one latent per position has no heads to order
+    _, _, kvr, _, dr, _ = self.dims
+    return (jnp.zeros((batch, slots, kvr + dr), self.dtype),)
+
   def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache=None, cache_index_B=None):
-    """(out_BxTxD, None); a KV cache is not supported (see the module docstring)."""
-    if cache is not None:
-      raise NotImplementedError('MLA has no cached decode path yet (issue 13)')
+    """(out_BxTxD, new cache or None).
+
+    cache=None: the explicit form (per-head keys and values, training / prefill).
+    cache=(latent_BxSxC,) from empty_cache: the T new latents of row b land at
+    cache_index_B[b] .. +T and the queries attend through the absorbed form
+    (latent_attention), with these training-layout kernels (the 'bskh' decode path).
+    """
     n, qr, kvr, dn, dr, dv = self.dims
     b, t, _ = x_BxTxD.shape
     x_NxD = x_BxTxD.reshape(b * t, -1)
@@ -97,20 +133,114 @@ class MLAttention(nnx.Module):
       q = layers.project(x_NxD, self.q_proj.kernel, self.dtype)
     q_BxTxNxQ = q.reshape(b, t, n, dn + dr)
     q_rope = layers.apply_rope(q_BxTxNxQ[..., dn:], positions_BxT, self.rope_theta)
+    latent_BxTxC = self._latent(
+        layers.project(x_NxD, self.kv_a_proj_with_mqa.kernel, self.dtype), positions_BxT)
+    scale = 1.0 / math.sqrt(dn + dr)
+    if cache is not None:
+      latent_BxSxC = layers.write_cache(cache[0], latent_BxTxC, cache_index_B)
+      w_kvb = self.kv_b_proj.kernel[...].astype(self.dtype)  # [kvr, n, dn + dv]
+      q_lat = jnp.einsum('btnh,rnh->btnr', q_BxTxNxQ[..., :dn], w_kvb[..., :dn])
+      lat = latent_attention(q_lat, q_rope, latent_BxSxC, mask_Bx1xTxS, scale)
+      out = jnp.einsum('btnr,rnv->btnv', lat, w_kvb[..., dn:])
+      o_NxD = layers.project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
+      return o_NxD.reshape(b, t, -1), (latent_BxSxC,)
     q_BxTxNxQ = jnp.concatenate([q_BxTxNxQ[..., :dn], q_rope], axis=-1)
-
-    kv_a = layers.project(x_NxD, self.kv_a_proj_with_mqa.kernel, self.dtype)
-    c_kv_NxR = self.kv_a_layernorm(kv_a[:, :kvr])
-    k_rope_BxTx1xR = layers.apply_rope(kv_a[:, kvr:].reshape(b, t, 1, dr), positions_BxT,
-                                       self.rope_theta)
+    c_kv_NxR = latent_BxTxC[..., :kvr].reshape(b * t, kvr)
+    k_rope_BxTx1xR = latent_BxTxC[:, :, None, kvr:]
     kv_BxTxNxK = layers.project(c_kv_NxR, self.kv_b_proj.kernel, self.dtype).reshape(
         b, t, n, dn + dv)
     k_BxTxNxQ = jnp.concatenate(
         [kv_BxTxNxK[..., :dn], jnp.broadcast_to(k_rope_BxTx1xR, (b, t, n, dr))], axis=-1)
     v_BxTxNxV = kv_BxTxNxK[..., dn:]
     q_BxTxNxQ = constrain(q_BxTxNxQ, ('batch', 'length', 'act_heads', None))
-    out = attention_core(q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV, mask_Bx1xTxS,
-                         1.0 / math.sqrt(dn + dr))
+    out = attention_core(q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV, mask_Bx1xTxS, scale)
     out = constrain(out, ('batch', 'length', 'act_heads', None))
     o_NxD = layers.project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
     return o_NxD.reshape(b, t, -1), None
+
+  # -- the decode layout (layers.DecodeWeight) and its few-token step ------------------------
+  def prepare_decode(self, absorb_output: bool | None = None) -> None:
+    """The decode layout for `decode`; the projections are dropped.
+
+    in_t [(qr or n (dn + dr)) + kvr + dr, d]: the q (q_a_proj or q_proj) and
+    kv_a_proj_with_mqa rows fused (both read x); q_b_t [n (dn + dr), qr]; kb_t [n, kvr, dn]
+    per head (W_kb_n, O x I). Output: absorb_output (default: when it holds fewer numbers,
+    kvr d <= dv (kvr + d)) vo_t [d, n kvr] = (W_vb_n W_o_n) stacked and transposed; else
+    vb_t [n, dv, kvr] (W_vb_n^T) and o_t [d, n dv].
+    """
+    n, qr, kvr, dn, dr, dv = self.dims
+    first = self.q_a_proj if qr else self.q_proj
+    d = self.kv_a_proj_with_mqa.kernel.shape[0]
+    self.in_t = layers.DecodeWeight(jnp.concatenate(
+        [layers.decode_kernel(first.kernel),
+         layers.decode_kernel(self.kv_a_proj_with_mqa.kernel)], 0))
+    if qr:
+      self.q_b_t = layers.DecodeWeight(layers.decode_kernel(self.q_b_proj.kernel))
+      del self.q_a_proj, self.q_b_proj
+    else:
+      del self.q_proj
+    w_kvb = self.kv_b_proj.kernel[...]  # [kvr, n, dn + dv]
+    self.kb_t = layers.DecodeWeight(jnp.transpose(w_kvb[..., :dn], (1, 0, 2)))
+    if absorb_output is None:
+      absorb_output = kvr * d <= dv * (kvr + d)
+    self.absorb_output = bool(absorb_output)
+    if self.absorb_output:
+      w_vo = jnp.einsum('rnv,nvd->nrd', w_kvb[..., dn:], self.o_proj.kernel[...])
+      self.vo_t = layers.DecodeWeight(w_vo.reshape(n * kvr, d).T)
+    else:
+      self.vb_t = layers.DecodeWeight(jnp.transpose(w_kvb[..., dn:], (1, 2, 0)))
+      self.o_t = layers.DecodeWeight(layers.decode_kernel(self.o_proj.kernel, in_dims=2))
+    del self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj
+
+  def decode(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache, cache_index_B):
+    """Attention of T new tokens through the latent cache (empty_cache), absorbed form,
+    with the decode layout's weights (prepare_decode). Returns (out_BxTxD, new cache)."""
+    n, qr, kvr, dn, dr, dv = self.dims
+    b, t, d = x_BxTxD.shape
+    a = layers.decode_dot(x_BxTxD.reshape(b * t, d), self.in_t[...])
+    nq = qr or n * (dn + dr)
+    q = layers.decode_dot(self.q_a_layernorm(a[:, :qr]), self.q_b_t[...]) if qr else a[:, :nq]
+    q_BxTxNxQ = q.reshape(b, t, n, dn + dr)
+    latent = self._latent(a[:, nq:], positions_BxT)
+    # One "KV head" ([B, 1, T, C] new entries): the writer of the heads-major caches,
+    # one in-place update per row for few rows.
+    latent_BxSxC = layers._write_heads_major(cache[0], latent[:, None], cache_index_B, axis=1)
+    q_lat = _head_dot(q_BxTxNxQ[..., :dn], self.kb_t[...])
+    q_rope = layers.apply_rope(q_BxTxNxQ[..., dn:], positions_BxT, self.rope_theta)
+    lat = latent_attention(q_lat, q_rope, latent_BxSxC, mask_Bx1xTxS, 1.0 / math.sqrt(dn + dr))
+    if self.absorb_output:
+      out = layers.decode_dot(lat.reshape(b * t, n * kvr), self.vo_t[...])
+    else:
+      out = layers.decode_dot(_head_dot(lat, self.vb_t[...]).reshape(b * t, n * dv),
+                              self.o_t[...])
+    return out.reshape(b, t, d), (latent_BxSxC,)
+
+
+def _head_dot(x_BxTxNxI: Array, w_NxOxI: Array) -> Array:
+  """Per head n: x_n @ w_n^T, accumulated in float32 (x cast to w's dtype, as
+  layers.decode_dot does), returned in x's dtype."""
+  return jnp.einsum('btni,noi->btno', x_BxTxNxI.astype(w_NxOxI.dtype), w_NxOxI,
+                    preferred_element_type=jnp.float32).astype(x_BxTxNxI.dtype)
+
+
+def latent_attention(q_lat_BxTxNxR: Array, q_rope_BxTxNxE: Array, latent_BxSxC: Array,
+                     mask_Bx1xTxS: Array, scale: float) -> Array:
+  """The absorbed-latent attention core: [B, T, N, kvr] latent outputs sum_s p_n,s c_kv_s.
+
+  latent_BxSxC: cache rows [c_kv ; RoPE(k_r)] (C = kvr + dr); q_lat: W_kb_n q_n;
+  q_rope: RoPE(q_r). Score = [q_lat ; q_rope] . latent_s * scale: the no-RoPE and RoPE
+  parts in one dot, every head against the same rows (multi-query). The value product
+  runs over all C columns and drops the dr rotary ones after, instead of slicing (a
+  copy of) the cache. Masked slots get layers' large finite negative, never NaN.
+  """
+  b, t, n, r = q_lat_BxTxNxR.shape
+  dt = q_lat_BxTxNxR.dtype
+  q_BxQxC = jnp.concatenate([q_lat_BxTxNxR, q_rope_BxTxNxE.astype(dt)], -1).reshape(b, t * n, -1)
+  latent = latent_BxSxC.astype(dt)
+  scores = jnp.einsum('bqc,bsc->bqs', q_BxQxC, latent,
+                      preferred_element_type=jnp.float32) * scale
+  s = scores.shape[-1]
+  mask = jnp.broadcast_to(mask_Bx1xTxS[:, 0, :, None, :], (b, t, n, s)).reshape(b, t * n, s)
+  probs = jax.nn.softmax(jnp.where(mask, scores, layers._MASKED), axis=-1).astype(dt)
+  out = jnp.einsum('bqs,bsc->bqc', probs, latent)
+  return out[..., :r].reshape(b, t, n, r)

@@ -127,12 +127,6 @@ def block_classes(args: ModelArgs, layer: int) -> tuple:
           {'dense': layers.MLP, 'moe': moe.MoE}[mlp])
 
 
-def uses_latent_or_experts(args: ModelArgs) -> bool:
-  """Whether any block (trunk or MTP) is MLA or MoE."""
-  kinds = {block_classes(args, i) for i in range(args.n_layers + 1)}
-  return any(a is not layers.Attention or m is not layers.MLP for a, m in kinds)
-
-
 def resolve_vocab_size(config) -> int:
   """config.model.vocab_size, or the tokenizer's size rounded up to vocab_multiple."""
   if config.model.vocab_size:
@@ -347,6 +341,15 @@ class MTPModel(nnx.Module):
       model.head_t = layers.DecodeWeight(layers.decode_kernel(model.lm_head.kernel))
       del model.lm_head
     return model
+
+  def trunk_caches(self, batch: int, slots: int, layout: str) -> tuple:
+    """Zero caches of the trunk's layers (Block.empty_cache), for decode_trunk."""
+    return tuple(block.empty_cache(batch, slots, layout) for block in self.layers)
+
+  def mtp_caches(self, num_drafts: int, batch: int, slots: int, layout: str) -> tuple:
+    """Zero caches of drafting depths 1..num_drafts (mtp_module's blocks)."""
+    return tuple(self.mtp_module(k).block.empty_cache(batch, slots, layout)
+                 for k in range(1, num_drafts + 1))
 
   def mtp_module(self, depth: int):
     """Module of drafting depth k; depths past D reuse the last module (recursive drafts)."""

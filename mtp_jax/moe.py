@@ -170,6 +170,22 @@ def grouped_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, num_experts: 
   return jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(n, k, -1)
 
 
+def gathered_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, dtype) -> Array:
+  """[N, K, D] as grouped_swiglu, by gathering each token's K experts' weights.
+
+  The decode form for a few tokens (N K <= E, MoE.decode): it reads only the chosen
+  experts' weights, as many as grouped_swiglu's block form gathers at least, without its
+  sort, padding and scatter."""
+  x_NxD = x_NxD.astype(dtype)
+  wg, wu, wd = (w[...][idx_NxK].astype(dtype)  # [N, K, in, out]
+                for w in (experts.gate_proj, experts.up_proj, experts.down_proj))
+  f32 = jnp.float32
+  h_NxKxF = (jax.nn.silu(jnp.einsum('nd,nkdf->nkf', x_NxD, wg, preferred_element_type=f32))
+             * jnp.einsum('nd,nkdf->nkf', x_NxD, wu, preferred_element_type=f32))
+  return jnp.einsum('nkf,nkfd->nkd', h_NxKxF.astype(dtype), wd,
+                    preferred_element_type=f32).astype(dtype)
+
+
 class MoE(nnx.Module):
   """Shared experts + sigmoid-routed experts; the call signature of layers.MLP."""
 
@@ -207,6 +223,37 @@ class MoE(nnx.Module):
         scores_NxE.reshape(b, t, -1), idx_NxK.reshape(b, t, -1)))
     return constrain(y_NxD.reshape(b, t, d).astype(x_BxTxD.dtype),
                      ('batch', 'length', 'act_embed'))
+
+  def prepare_decode(self) -> None:
+    """The decode layout (layers.DecodeWeight): the router as gate_t [E, d], the shared
+    experts' (layers.MLP.prepare_decode). The routed experts keep their [E, in, out]
+    kernels: a decode step gathers the chosen ones per token (gathered_swiglu)."""
+    self.gate_t = layers.DecodeWeight(layers.decode_kernel(self.gate.kernel))
+    del self.gate.kernel  # the router keeps its routing bias
+    if self.shared_experts is not None:
+      self.shared_experts.prepare_decode()
+
+  def decode(self, x_BxTxD: Array) -> Array:
+    """__call__ for a decode step (prepare_decode's weights), without the load statistics.
+
+    The same routing (`route`, scores in float32); up to E / K tokens gather their experts'
+    weights (gathered_swiglu), more (a prefill) go through grouped_swiglu's dispatch.
+    """
+    b, t, d = x_BxTxD.shape
+    x_NxD = x_BxTxD.reshape(b * t, d)
+    scores_NxE = jax.nn.sigmoid(
+        layers.decode_dot(x_NxD.astype(jnp.float32), self.gate_t[...]))
+    idx_NxK, gates_NxK = route(scores_NxE, self.gate.e_score_correction_bias[...], self.top_k,
+                               self.scaling, self.n_group, self.topk_group)
+    if b * t * self.top_k <= self.num_experts:
+      y_NxKxD = gathered_swiglu(x_NxD, idx_NxK, self.experts, self.dtype)
+    else:
+      y_NxKxD = grouped_swiglu(x_NxD, idx_NxK, self.experts, self.num_experts, self.dtype,
+                               self.dispatch)
+    y_NxD = jnp.einsum('nk,nkd->nd', gates_NxK.astype(self.dtype), y_NxKxD)
+    if self.shared_experts is not None:
+      y_NxD = y_NxD + self.shared_experts.decode(x_BxTxD).reshape(b * t, d)
+    return y_NxD.reshape(b, t, d).astype(x_BxTxD.dtype)
 
 
 def moe_modules(model: nnx.Module) -> list[MoE]:
