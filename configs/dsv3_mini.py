@@ -39,6 +39,5 @@ def get_config():
   c.train.log_every = 10
   c.train.eval_every = 100
   c.train.eval_batches = 4
-  c.train.eval_decode_prompts = 0  # decode.Decoder does not take MLA/MoE blocks yet
   c.train.checkpoint_every = 100
   return c

@@ -458,9 +458,6 @@ def _validate_block_kinds(config) -> None:
            f"model.mtp.block_mlp must be '', 'dense' or 'moe', got {mtp.block_mlp!r}")
   uses_mla = 'mla' in (m.attention, mtp.block_attention)
   uses_moe = 'moe' in (m.mlp, mtp.block_mlp)
-  _require(not (uses_mla or uses_moe) or not config.train.eval_decode_prompts,
-           'train.eval_decode_prompts needs a decodable model, and decoding MLA/MoE blocks is '
-           'not implemented yet: set train.eval_decode_prompts=0')
   if uses_mla:
     for name in ('kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim'):
       require_positive_int(f'model.mla.{name}', m.mla[name])

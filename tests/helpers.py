@@ -75,16 +75,17 @@ def word_text(rng, n_chars):
   return out
 
 
-def train_word_model(devices, tmp_path_factory):
-  """A D = 3 model trained briefly on the word language (high acceptance), and its workdir.
+def train_word_model(devices, tmp_path_factory, config=None):
+  """A model trained briefly on the word language (high acceptance), and its workdir.
 
+  config: a byte-vocabulary model config (default: byte_config(3), D = 3).
   The workdir holds a checkpoint written exactly as train_and_evaluate writes one
   (model + optimizer state, meta with the config) and config.json.
   """
-  config = byte_config(3)
+  config = byte_config(3) if config is None else config
   config.data.seq_len, config.data.batch_size = 64, 16
   config.train.steps, config.train.warmup_steps, config.train.lr = 100, 10, 1e-2
-  config.model.mtp.weights = (1.0, 1.0, 1.0)
+  config.model.mtp.weights = (1.0,) * config.model.mtp.depth
   config.mesh.shape = (1, 1, 1)
   ts, state = steps_lib.setup(config, devices[:1])
   rng = np.random.default_rng(0)

@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 from scipy import stats as sps
 
-from helpers import (MAX_NEW, REPO, byte_config, byte_ids, tiny_model_config, word_prompts,
-                     word_text)
+from helpers import (MAX_NEW, REPO, byte_config, byte_ids, dsv3_model_config, tiny_model_config,
+                     train_word_model, word_prompts, word_text)
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
 from mtp_jax import decode
@@ -309,6 +309,57 @@ def test_autoregressive_matches_uncached_greedy_and_depth_zero():
     dec.program(1, 4, 4, num_drafts=1)
 
 
+# -- MLA + MoE blocks (DeepSeek-V3's layout) ---------------------------------------------------
+@pytest.fixture(scope='session')
+def mla_moe_model(devices, tmp_path_factory):
+  """MLA everywhere, layer 0 dense, MoE in layer 1 and the D = 2 MTP blocks, trained
+  briefly on the word language (so that drafts are accepted, partly and fully)."""
+  config = dsv3_model_config(2)
+  config.model.vocab_size = 0  # the byte tokenizer's, as byte_config
+  return train_word_model(devices, tmp_path_factory, config)[0]
+
+
+@pytest.mark.slow  # ~25 s each on a loaded 2-core box (+ 15-60 s training, once)
+@pytest.mark.parametrize('layout', ['heads_major', 'bskh'])
+def test_mla_moe_lossless_greedy(mla_moe_model, layout):
+  """MLA + MoE trunk and MTP blocks, both cache layouts: speculative greedy == AR greedy
+  on prompts of 1-16 tokens, AR == uncached greedy (the latent cache itself), the drafts
+  == the uncached chain's, and every cache holds kv_lora_rank + qk_rope_head_dim numbers
+  per position."""
+  model = mla_moe_model
+  dec = decode.Decoder(model, cache_layout=layout)
+  prompts = word_prompts(8, seed=0)
+  ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
+  sp = dec.generate(prompts, MAX_NEW, eos_id=None, record=True)
+  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
+    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
+  check_stats(sp, MAX_NEW)
+  hist = sp.accepted.sum(0)
+  assert hist[0] > 0 and hist[-1] > 0, hist  # rejections and full acceptances
+  assert sp.stats()['mean_accepted_length'] > 1.5, sp.stats()
+  check_drafts(model, prompts, sp)
+  if layout == 'heads_major':
+    for want, got in zip(uncached_greedy(model, prompts, MAX_NEW), ar.tokens):
+      np.testing.assert_array_equal(got, want)
+  copy = model.for_decoding(layout)
+  caches = copy.trunk_caches(2, 40, layout) + copy.mtp_caches(3, 2, 40, layout)
+  assert {c.shape for c in jax.tree.leaves(caches)} == {(2, 40, 8 + 4)}  # kvr + dr
+  assert len(jax.tree.leaves(caches)) == model.args.n_layers + 3
+
+
+@pytest.mark.slow  # ~25 s on a loaded 2-core box
+def test_mla_moe_bf16_weights_lossless(mla_moe_model):
+  """bf16 weights with MLA + MoE blocks: speculative greedy == AR greedy, same weights."""
+  dec = decode.Decoder(mla_moe_model, weight_dtype='bfloat16')
+  assert dec.params['layers'][0]['self_attn']['in_t'][...].dtype == jnp.bfloat16
+  prompts = word_prompts(8, seed=1)
+  ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
+  sp = dec.generate(prompts, MAX_NEW, eos_id=None)
+  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
+    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
+  check_stats(sp, MAX_NEW)
+
+
 # -- lossless sampling -----------------------------------------------------------------------
 VOCAB = 8
 SAMPLE_PROMPT = [3, 5, 2, 7]
@@ -320,9 +371,14 @@ def small_vocab_models():
   """D = 3 models over 8 tokens with random weights of a given scale (q far from p)."""
   cache = {}
 
-  def get(scale):
-    if scale not in cache:
-      model = build(tiny_model_config(3, vocab=VOCAB))
+  def get(scale, blocks='gqa'):
+    if (scale, blocks) not in cache:
+      if blocks == 'mla_moe':  # DeepSeek-V3's blocks (dsv3_model_config), same vocabulary
+        config = dsv3_model_config(3)
+        config.model.vocab_size = VOCAB
+      else:
+        config = tiny_model_config(3, vocab=VOCAB)
+      model = build(config)
       state = nnx.state(model, nnx.Param)
       rng = np.random.default_rng(1)
       params = jax.tree.map(lambda x: (rng.normal(size=x.shape) * (scale if x.ndim > 1 else 0.5)
@@ -330,8 +386,8 @@ def small_vocab_models():
                             nnx.to_pure_dict(state))
       nnx.replace_by_pure_dict(state, params)
       nnx.update(model, state)
-      cache[scale] = model
-    return cache[scale]
+      cache[scale, blocks] = model
+    return cache[scale, blocks]
   return get
 
 
@@ -375,7 +431,10 @@ def chi2_pvalue(samples_NxM, probs):
     dict(scale=0.15, temperature=0.8, top_k=5, top_p=0.9),
     dict(scale=0.1, temperature=1.0, draft_argmax=True),
     dict(scale=0.15, temperature=1.0, draft_threshold=0.25),
-], ids=['sampled-drafts', 'sampled-drafts-topk-topp', 'argmax-drafts', 'adaptive-length'])
+    pytest.param(dict(scale=0.15, temperature=1.0, blocks='mla_moe'),
+                 marks=pytest.mark.slow),  # 8192 rows through MLA + MoE: ~40 s loaded
+], ids=['sampled-drafts', 'sampled-drafts-topk-topp', 'argmax-drafts', 'adaptive-length',
+        'mla-moe-sampled-drafts'])
 def test_lossless_sampling(small_vocab_models, setting):
   """Chi-square: the first 4 sampled tokens (one full D = 3 block) follow plain sampling.
 
@@ -383,7 +442,7 @@ def test_lossless_sampling(small_vocab_models, setting):
   speculative decoding and, as a check of the harness, for plain AR sampling.
   """
   setting = dict(setting)
-  model = small_vocab_models(setting.pop('scale'))
+  model = small_vocab_models(setting.pop('scale'), setting.pop('blocks', 'gqa'))
   draft_argmax = setting.pop('draft_argmax', False)
   dec = decode.Decoder(model)
   sampling = sampling_lib.Sampling(jnp.float32(setting['temperature']),

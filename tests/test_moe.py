@@ -129,6 +129,29 @@ def test_node_limited_routing_matches_numpy():
   assert [set(r) for r in np.asarray(idx).tolist()] == [set(c) for c, _, _ in limited]
 
 
+@pytest.mark.parametrize('kw', [{}, dict(n_routed_experts=16, num_experts_per_tok=3,
+                                         n_group=4, topk_group=2)], ids=['top2', 'node-limited'])
+def test_moe_decode_matches_the_forward(kw):
+  """MoE.decode (decode layout; gathered experts for N K <= E rows, the grouped dispatch
+  above) == MoE.__call__ on the same rows, routing bias included; no statistics left."""
+  model = build(**kw)
+  layer = model.layers[1].mlp
+  e = layer.num_experts
+  layer.gate.e_score_correction_bias[...] = jnp.asarray(
+      np.random.default_rng(1).normal(0, 0.3, e).astype(np.float32))
+  dec = nnx.merge(*nnx.split(layer))
+  dec.prepare_decode()
+  assert not hasattr(dec.gate, 'kernel') and dec.gate_t.shape == (e, 32)
+  rng = np.random.default_rng(3)
+  for rows in (1, 2, 8):  # 2 x rows x K <= E: gathered, else grouped
+    x = jnp.asarray(rng.normal(size=(2, rows, 32)).astype(np.float32))
+    want = nnx.jit(lambda mod, v: mod(v))(layer, x)
+    got = nnx.jit(lambda mod, v: mod.decode(v))(dec, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5,
+                               err_msg=f'{rows} rows')
+  assert not jax.tree.leaves(nnx.state(dec, nnx.Intermediate))
+
+
 def test_block_dispatch_equals_ragged_dot_forward_and_grads():
   """The CPU 'blocks' grouped matmul and lax.ragged_dot agree, values and gradients, on
   uneven groups with an empty expert; block_layout keeps each expert's rows in its own
