@@ -495,9 +495,6 @@ def _validate_block_kinds(config) -> None:
     _require(mo.bias_update_rate >= 0 and mo.balance_loss_weight >= 0,
              'model.moe.bias_update_rate and model.moe.balance_loss_weight must be >= 0, '
              f'got {mo.bias_update_rate}, {mo.balance_loss_weight}')
-    _require(not m.scan_layers,
-             'model.scan_layers does not support MoE blocks yet (their routing statistics '
-             'and mixed dense/MoE layers): set model.scan_layers=False')
     _require(not mtp.freeze_trunk or m.mlp != 'moe',
              'model.mtp.freeze_trunk with trunk MoE layers is not supported (their routing '
              'bias would still be updated)')

@@ -180,10 +180,12 @@ def run_blocks(blocks, x_BxTxD, positions_BxT, mask, remat: str = 'none',
                scan: bool = False) -> Array:
   """x through `blocks` in order (no caches), optionally rematerialised and scanned.
 
-  With scan, the per-layer parameters are stacked inside the traced computation and
-  one block body is scanned over them: the HLO holds one block instead of L (compile
-  time on deep models; one block's buffers reused layer after layer), while the parameter tree (checkpoints, the decoder's per-layer loop) stays a
-  list of blocks whatever remat / scan are.
+  With scan, the per-layer parameters of each run of same-structure blocks
+  (_same_structure_runs) are stacked inside the traced computation and one block body is
+  scanned over them: the HLO holds one block per run instead of L (compile time on deep
+  models; one block's buffers reused layer after layer), while the parameter tree
+  (checkpoints, the decoder's per-layer loop) stays a list of blocks whatever remat /
+  scan are. MoE statistics leave the scan stacked and go back onto each block.
   """
   policy = remat_policy(remat)
 
@@ -193,21 +195,34 @@ def run_blocks(blocks, x_BxTxD, positions_BxT, mask, remat: str = 'none',
     # forward pass, so CSE prevention is not needed there (JAX's advice for scans).
     return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=not scan)
 
-  if scan and len(blocks) > 1:
-    graphdef, _ = nnx.split(blocks[0])
+  for run in (_same_structure_runs(blocks) if scan else [[b] for b in blocks]):
+    graphdef, state = nnx.split(run[0])
     fn = block_fn(graphdef)
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
+    if len(run) == 1:
+      x_BxTxD, stats = fn(state, x_BxTxD, positions_BxT, mask)
+      nnx.update(run[0], stats)  # out of the pure function onto the block (moe.collect)
+      continue
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in run])
 
-    def body(x, state):  # (config_lib.validate keeps MoE blocks, which have stats, out)
-      return fn(state, x, positions_BxT, mask)[0], None
+    def body(x, state, fn=fn):
+      return fn(state, x, positions_BxT, mask)  # the MoE statistics leave stacked, [L, ...]
 
-    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, stacked)
-    return x_BxTxD
-  for block in blocks:
-    graphdef, state = nnx.split(block)
-    x_BxTxD, stats = block_fn(graphdef)(state, x_BxTxD, positions_BxT, mask)
-    nnx.update(block, stats)  # out of the pure function onto the block (moe.collect)
+    x_BxTxD, stats_L = jax.lax.scan(body, x_BxTxD, stacked)
+    for i, block in enumerate(run):
+      nnx.update(block, jax.tree.map(lambda a, i=i: a[i], stats_L))
   return x_BxTxD
+
+
+def _same_structure_runs(blocks) -> list[list]:
+  """Consecutive blocks of one structure (graphdef), each run scanned on its own: the dense
+  first layers of a DeepSeekMoE trunk, then its MoE layers."""
+  runs = []
+  for block in blocks:
+    if runs and nnx.graphdef(block) == nnx.graphdef(runs[-1][0]):
+      runs[-1].append(block)
+    else:
+      runs.append([block])
+  return runs
 
 
 class SharedHead(nnx.Module):
@@ -431,9 +446,11 @@ class MTPModel(nnx.Module):
       module = nnx.merge(graphdef, state)
       x = module.combine(h, self.mtp_embed(tokens)) if sequential else h
       hk = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
-      return (hk if sequential else h), hk
+      return (hk if sequential else h), (hk, nnx.state(module, nnx.Intermediate))
 
-    _, h_KxBxTxD = jax.lax.scan(body, h0, (stacked, tokens_KxBxT))
+    _, (h_KxBxTxD, stats_K) = jax.lax.scan(body, h0, (stacked, tokens_KxBxT))
+    for k, module in enumerate(self.mtp):  # the MoE statistics onto each depth (moe.collect)
+      nnx.update(module, jax.tree.map(lambda a, k=k: a[k], stats_K))
     return list(h_KxBxTxD)
 
 

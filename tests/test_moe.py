@@ -239,6 +239,40 @@ def test_balance_loss_enters_the_loss():
   np.testing.assert_allclose(float(l1 - l0), 0.5 * float(s0['moe_balance'].sum()), rtol=1e-4)
 
 
+@pytest.mark.slow  # four compiles of an MLA + MoE loss and its gradient: ~60 s loaded
+def test_scan_layers_with_moe_equals_the_loop():
+  """scan_layers over a dense layer + a run of 2 MoE layers and D = 2 MoE MTP depths, with
+  full remat: the same loss, gradients, per-layer expert loads and balance terms as the
+  unrolled loop."""
+  batch = {k: jnp.asarray(v) for k, v in synthetic_batches(1, 4, 16, vocab=64, seed=5)[0].items()}
+  w = jnp.array([1.0, 0.3, 0.3])
+  out = {}
+  for scan in (False, True):
+    cfg = dsv3_model_config(2)
+    cfg.model.n_layers, cfg.model.scan_layers, cfg.model.remat = 3, scan, 'full'
+    config_lib.validate(cfg)
+    model = MTPModel(ModelArgs.from_config(cfg), rngs=nnx.Rngs(0))
+    params_with_routing_bias(model)
+
+    @nnx.jit
+    def run(m):
+      (loss, metrics), grads = nnx.value_and_grad(
+          lambda mm: loss_lib.loss_and_metrics(mm, batch, w, balance_weight=0.1),
+          has_aux=True)(m)
+      return loss, metrics, grads
+
+    loss, metrics, grads = run(model)
+    out[scan] = (float(loss), np.asarray(metrics['moe_load']),
+                 np.asarray(metrics['moe_balance']), jax.tree.leaves(nnx.state(grads)))
+  (l0, load0, bal0, g0), (l1, load1, bal1, g1) = out[False], out[True]
+  assert load0.shape == (4, 4)  # layers 1, 2 and both MTP blocks
+  np.testing.assert_array_equal(load1, load0)
+  np.testing.assert_allclose(bal1, bal0, rtol=1e-5)
+  np.testing.assert_allclose(l1, l0, rtol=1e-5)
+  for a, b in zip(g0, g1):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow  # two compiles of the MLA + MoE step, one on 8 devices: ~50 s loaded
 def test_one_and_eight_devices_agree_with_experts_sharded(devices):
   """The expert axis over 'data' (4 experts on 2 ways), fsdp and tensor too: same losses."""
@@ -258,7 +292,6 @@ def test_one_and_eight_devices_agree_with_experts_sharded(devices):
     ('mlp', 'sparse', "model.mlp must be 'dense' or 'moe'"),
     ('moe.num_experts_per_tok', 5, 'num_experts_per_tok .5. must be <='),
     ('moe.first_k_dense', 3, 'first_k_dense .3. must be <= model.n_layers'),
-    ('scan_layers', True, 'scan_layers does not support MoE'),
     ('mtp.block_mlp', 'big', "model.mtp.block_mlp must be"),
     ('moe.n_group', 3, r'n_routed_experts \(4\) must be divisible by model.moe.n_group \(3\)'),
     ('moe.topk_group', 2, r'topk_group \(2\) must be <= model.moe.n_group \(1\)'),
