@@ -42,7 +42,13 @@ the load) like any token.
 
 Every MoE call leaves its statistics on the module as nnx.Intermediate variables
 (`expert_load` [E], `balance` []); model.run_blocks carries them out of its pure block
-functions, and `collect` pops them after a forward pass.
+functions (and out of its scans, model.scan_layers), and `collect` pops them after a
+forward pass.
+
+Decoding (`prepare_decode` / `decode`, as layers.MLP): the same routing (`route`), the
+shared experts through layers.MLP's decode path, and for a few tokens (N K <= E) each
+token's K experts' weights gathered and applied directly (gathered_swiglu), no sort;
+more rows (a prefill) take the dispatch above. No statistics are left in decoding.
 """
 from __future__ import annotations
 
