@@ -404,7 +404,8 @@ class Block(nnx.Module):
   """Pre-norm decoder block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)).
 
   attention_cls / mlp_cls: other classes of the same call signatures (mla.MLAttention,
-  moe.MoE), chosen per layer by model.block_classes.
+  moe.MoE), chosen per layer by model.block_classes; they bring their own decode path
+  (prepare_decode / decode) and, the attention, its own cache (empty_cache).
   """
 
   def __init__(self, cfg, rngs: nnx.Rngs, attention_cls=None, mlp_cls=None):

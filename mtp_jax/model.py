@@ -343,7 +343,8 @@ class MTPModel(nnx.Module):
     """A copy of the model in the decode layout (layers.DecodeWeight) for cache `layout`.
 
     It shares this model's norms and embedding and holds every other matrix transposed
-    (O x I, q/k/v and gate/up fused) for layers.decode_dot; the 'bskh' layout keeps the
+    (O x I, q/k/v and gate/up fused; MLA's and MoE's: their prepare_decode) for
+    layers.decode_dot; the 'bskh' layout keeps the
     blocks' kernels (it runs __call__, the library path). The copy runs the decode_*
     methods only: its blocks may lack what __call__ and the training path read.
     """
