@@ -189,15 +189,15 @@ def run_blocks(blocks, x_BxTxD, positions_BxT, mask, remat: str = 'none',
   """
   policy = remat_policy(remat)
 
-  def block_fn(graphdef):
+  def block_fn(graphdef, in_scan):
     fn = functools.partial(_apply_block, graphdef)
     # Inside a scan the loop already keeps XLA from merging recomputation with the
     # forward pass, so CSE prevention is not needed there (JAX's advice for scans).
-    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=not scan)
+    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
 
   for run in (_same_structure_runs(blocks) if scan else [[b] for b in blocks]):
     graphdef, state = nnx.split(run[0])
-    fn = block_fn(graphdef)
+    fn = block_fn(graphdef, len(run) > 1)
     if len(run) == 1:
       x_BxTxD, stats = fn(state, x_BxTxD, positions_BxT, mask)
       nnx.update(run[0], stats)  # out of the pure function onto the block (moe.collect)
