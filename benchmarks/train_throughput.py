@@ -10,8 +10,10 @@ Sections (issues 4, 14):
             also the old per-round ratio to a probe taken in the same round
   maxtext   MaxText 0.2.5's CPU peer model (4 layers, d 256, 8 x 32 heads, MLP 704,
             V 1024, batch 16 x 256, float32) at D = 0, 1, 3, round robin: tokens/s
-  ab        speed changes A/B in one process, round robin (model.attention_core xla vs blocked
-            on the stdlib_mtp and the MaxText-shape models)
+  ab        speed changes A/B in one process, round robin: --ab_set attention (default):
+            model.attention_core xla vs blocked on the stdlib_mtp and the MaxText-shape
+            models; --ab_set train_speed: TRAIN_SPEED_VARIANTS of the MaxText-shape step at
+            --depths (issue 14's second pass: attention core and batched loss vs before)
   overhead  step time with D = 1, 2, 3 over D = 0 (same trunk), next to the FLOP ratio
   moe       configs/dsv3_mini.py (MLA + DeepSeekMoE, issue 13): tokens/s, MFU counting active
             parameters only, and the dispatch overhead against a dense control with the

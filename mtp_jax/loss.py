@@ -4,8 +4,10 @@
 
 Every depth keeps the static length T; targets of depth k are tokens shifted left by
 k + 1. Position i is valid at depth k only when t_{i+k+1} exists and lies in t_i's
-document. Depth by depth, and optionally in sequence chunks under `jax.checkpoint`,
-so the [D+1, B, T, V] logits never exist at once (not even as saved residuals).
+document. loss_chunk = 0: every depth's logits in one [(D+1) B T, V] product (small
+vocabularies: the fastest form, its logits all alive at once); loss_chunk > 0: depth by
+depth in sequence chunks under `jax.checkpoint`, so the [D+1, B, T, V] logits never exist
+at once (not even as saved residuals): the form for large vocabularies.
 """
 from __future__ import annotations
 
@@ -74,8 +76,9 @@ def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk:
   hiddens are depths first, first + 1, ...; OutHead is detached for MTP depths (first > 0)
   under model.args.stop_gradient.
 
-  One lax.scan over the depths, and inside it one over sequence chunks whose body
-  (head norm, vocab projection, cross-entropy) runs under jax.checkpoint: a single
+  chunk 0 (or None): _head_sums_batched, one product for all depths. chunk > 0: one
+  lax.scan over the depths, and inside it one over sequence chunks whose body (head
+  norm, vocab projection, cross-entropy) runs under jax.checkpoint: a single
   [B, chunk, V] block of logits is alive at a time, whatever D is, and none is kept
   for the backward pass. (Separate per-depth loops would each get their own
   temporaries in XLA's buffer assignment: peak memory then grows with D.)
@@ -123,9 +126,10 @@ def _head_sums_batched(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT):
   one [K*B*T, d] x [d, V] product and one cross-entropy over [K, B, T, V] logits.
 
   One large GEMM (and one for each of its two gradients) instead of K small ones inside a
-  scan: on XLA:CPU the scanned per-depth form cost ~2x its FLOPs at D = 3 (the logits
-  of every depth then exist at once, and stay as residuals for the backward pass: the
-  form for small vocabularies; loss_chunk > 0 keeps one [B, chunk, V] block alive).
+  scan: the MaxText-shape train step (V 1024) ran 1.04x faster at D = 0 and 1.10x at
+  D = 3 (benchmarks/RESULTS.md, issue 14). The logits of every depth then exist at once
+  and stay as residuals for the backward pass (4 K B T V bytes): the form for small
+  vocabularies; loss_chunk > 0 keeps one [B, chunk, V] block alive.
   """
   num = len(hiddens)
   b, t, d = hiddens[0].shape
