@@ -20,6 +20,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -123,6 +124,7 @@ def profile(depth: int, steps: int, **model) -> dict:
   jax.profiler.stop_trace()
   trace = glob.glob(os.path.join(logdir, 'plugins/profile/*/perfetto_trace.json.gz'))[0]
   d = json.load(gzip.open(trace))
+  shutil.rmtree(logdir)
   events = d['traceEvents'] if isinstance(d, dict) else d
   by_cat = collections.Counter()
   by_phase = collections.Counter()
