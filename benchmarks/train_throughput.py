@@ -10,8 +10,10 @@ Sections (issues 4, 14):
             also the old per-round ratio to a probe taken in the same round
   maxtext   MaxText 0.2.5's CPU peer model (4 layers, d 256, 8 x 32 heads, MLP 704,
             V 1024, batch 16 x 256, float32) at D = 0, 1, 3, round robin: tokens/s
-  ab        speed changes A/B in one process, round robin (model.attention_core xla vs blocked
-            on the stdlib_mtp and the MaxText-shape models)
+  ab        speed changes A/B in one process, round robin: --ab_set attention (default):
+            model.attention_core xla vs blocked on the stdlib_mtp and the MaxText-shape
+            models; --ab_set train_speed: TRAIN_SPEED_VARIANTS of the MaxText-shape step at
+            --depths (issue 14's second pass: attention core and batched loss vs before)
   overhead  step time with D = 1, 2, 3 over D = 0 (same trunk), next to the FLOP ratio
   moe       configs/dsv3_mini.py (MLA + DeepSeekMoE, issue 13): tokens/s, MFU counting active
             parameters only, and the dispatch overhead against a dense control with the
@@ -42,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtp_jax import flops as flops_lib  # noqa: E402
+from mtp_jax import layers  # noqa: E402
 from mtp_jax import sharding  # noqa: E402
 from mtp_jax import steps as steps_lib  # noqa: E402
 from mtp_jax.model import ModelArgs  # noqa: E402
@@ -91,13 +94,18 @@ class Step:
     self.setup_s = t1 - t0
     cost = self.compiled.cost_analysis()
     self.xla_flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost).get('flops', 0))
+    self.temp_mib = self.compiled.memory_analysis().temp_size_in_bytes / 2**20
     self.run()  # warm up
+    # the first step's loss and gradient norm (same init and batch for every variant of a
+    # model: an A/B's variants must agree on them within float tolerance)
+    self.first = {k: float(self.metrics[k]) for k in ('loss', 'grad_norm')}
 
   def run(self) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one step."""
     w, c = time.perf_counter(), time.process_time()
     self.state, m = self.compiled(self.state, self.batch)
     jax.block_until_ready(m)
+    self.metrics = m
     return time.perf_counter() - w, time.process_time() - c
 
 
@@ -166,7 +174,6 @@ def bench_mfu(rounds: int) -> dict:
 
 
 def train_attention(config) -> str:
-  from mtp_jax import layers
   return layers.attention_impl(ModelArgs.from_config(config))
 
 
@@ -226,25 +233,98 @@ AB_VARIANTS = {  # name: (config builder, {variant: model overrides})
 }
 
 
+# Issue 14, second pass: the MaxText-shape step's variants (--only ab --ab_set train_speed).
+# 'attn': 'before' traces the variant with blocked_attention_before (below) in place of
+# layers.blocked_causal_attention; loss_chunk 256 = T is the scanned per-depth loss over the
+# whole length (what loss_chunk 0 ran before), loss_chunk 0 is now one batched projection of
+# all depths (loss._head_sums_batched).
+TRAIN_SPEED_VARIANTS = {
+    'before': {'attn': 'before', 'loss_chunk': 256},
+    'batched_loss': {'attn': 'before', 'loss_chunk': 0},
+    'new_attn': {'loss_chunk': 256},
+    'now': {'loss_chunk': 0},
+    'now_remat_none': {'loss_chunk': 0, 'remat': 'none'},
+}
+
+
+def blocked_attention_before(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
+                             mask_Bx1xTxT: jax.Array, block: int = 64) -> jax.Array:
+  """layers.blocked_causal_attention as it was before issue 14's second pass (5-D heads-major
+  einsums, a select for the mask, softmax then P V): the A/B control of 'attn': 'before'.
+
+  Causal self-attention that never computes a fully masked key block.
+
+  Query block [a, e) can only see keys [0, e) (the mask is causal, a precondition: the
+  training mask of `attention_mask`), so its scores are [e - a, e] instead of [e - a, T]:
+  for T = 256 and blocks of 64, 62.5 % of the full T x T work. Each block's softmax is
+  exact (the keys of a block row are all there), so no online-softmax rescaling is
+  needed, and autodiff gives the backward (a hand-written VJP was measured no faster).
+  Heads-major einsums [B, K, G, t, H] (one transpose in, one out) let XLA:CPU run the
+  score / value products as plain batched matmuls. GQA: query head n uses kv head
+  n // (N / K), as jax.nn.dot_product_attention does. Returns [B, T, N, H].
+  """
+  b, t, n, h = q_BxTxNxH.shape
+  kv = k_BxTxKxH.shape[2]
+  g = n // kv
+  scale = 1.0 / np.sqrt(h)
+  q_BxKxGxTxH = jnp.transpose((q_BxTxNxH * scale).reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
+  k_BxKxTxH = jnp.transpose(k_BxTxKxH, (0, 2, 1, 3))
+  v_BxKxTxH = jnp.transpose(v_BxTxKxH, (0, 2, 1, 3))
+  outs = []
+  for a in range(0, t, block):
+    e = min(a + block, t)
+    s_BxKxGxQxE = jnp.einsum('bkgqh,bksh->bkgqs', q_BxKxGxTxH[:, :, :, a:e], k_BxKxTxH[:, :, :e],
+                             preferred_element_type=jnp.float32)
+    s_BxKxGxQxE = jnp.where(mask_Bx1xTxT[:, :, None, a:e, :e], s_BxKxGxQxE, layers._MASKED)
+    p = jax.nn.softmax(s_BxKxGxQxE, axis=-1).astype(v_BxTxKxH.dtype)
+    outs.append(jnp.einsum('bkgqs,bksh->bkgqh', p, v_BxKxTxH[:, :, :e]))
+  o_BxKxGxTxH = jnp.concatenate(outs, axis=3)
+  return jnp.transpose(o_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+
+
+def train_speed_variants(depths, names=None) -> dict:
+  names = names or list(TRAIN_SPEED_VARIANTS)
+  return {f'maxtext_D{d}': (lambda d=d, **m: maxtext_config(d, **m),
+                            {n: TRAIN_SPEED_VARIANTS[n] for n in names}) for d in depths}
+
+
 def _with_model(c, model: dict):
   for k, v in model.items():
     setattr(c.model, k, v)
   return c
 
 
+def _build_step(build, over: dict) -> 'Step':
+  """A variant's Step; 'attn': 'before' swaps in blocked_attention_before while it is traced."""
+  over = dict(over)
+  saved = layers.blocked_causal_attention
+  if over.pop('attn', None) == 'before':
+    layers.blocked_causal_attention = blocked_attention_before
+  try:
+    return Step(build(**over))
+  finally:
+    layers.blocked_causal_attention = saved
+
+
 def bench_ab(rounds: int, variants=None) -> dict:
   """Each model's variants round robin in one process; ratio = median of per-round
-  t(variant) / t(first variant)."""
+  t(variant) / t(first variant). Also each variant's first-step loss and gradient norm
+  (the same init and batch: they must agree) and its relative difference to the first's."""
   out = {'load_average_start': _load()}
   for name, (build, vs) in (variants or AB_VARIANTS).items():
-    steps = {v: Step(build(**over)) for v, over in vs.items()}
+    steps = {v: _build_step(build, over) for v, over in vs.items()}
     times = _round_robin(steps, rounds)
     base = next(iter(vs))
     row = {}
     for v in vs:
       ratios = [t / t0 for t, t0 in zip(times[v], times[base])]
       row[v] = {'step_time_best_s': min(times[v]), 'step_time_median_s': statistics.median(times[v]),
-                f'time_ratio_vs_{base}_median': statistics.median(ratios)}
+                f'time_ratio_vs_{base}_median': statistics.median(ratios),
+                'tokens_per_sec_median': steps[v].tokens / statistics.median(times[v]),
+                'first_step': steps[v].first, 'temp_MiB': steps[v].temp_mib,
+                'first_step_rel_diff': {k: abs(x - steps[base].first[k]) / abs(steps[base].first[k])
+                                        for k, x in steps[v].first.items()},
+                'overrides': {k: str(x) for k, x in vs[v].items()}}
     out[name] = row
     print(name, json.dumps(row), flush=True)
   out['load_average_end'] = _load()
@@ -421,6 +501,10 @@ def main():
   parser.add_argument('--depths', type=lambda x: tuple(int(d) for d in x.split(',')),
                       default=(0, 1, 3), help='maxtext section: MTP depths')
   parser.add_argument('--remat', default='block', help='maxtext section: model.remat')
+  parser.add_argument('--ab_set', default='attention', choices=('attention', 'train_speed'),
+                      help='ab section: attention = xla vs blocked core (stdlib_mtp, MaxText '
+                           'shape D 1); train_speed = TRAIN_SPEED_VARIANTS at --depths')
+  parser.add_argument('--variants', default='', help='ab train_speed: comma-separated names')
   a = parser.parse_args()
   cpu_model = ''
   if os.path.exists('/proc/cpuinfo'):
@@ -435,7 +519,9 @@ def main():
     t0 = time.time()
     result[name] = {'mfu': lambda: bench_mfu(a.rounds), 'overhead': lambda: bench_overhead(a.rounds),
                     'maxtext': lambda: bench_maxtext(a.rounds, a.depths, a.remat),
-                    'ab': lambda: bench_ab(a.rounds), 'moe': lambda: bench_moe(a.rounds),
+                    'ab': lambda: bench_ab(a.rounds, None if a.ab_set == 'attention' else
+                                           train_speed_variants(a.depths, [v for v in a.variants.split(',') if v])),
+                    'moe': lambda: bench_moe(a.rounds),
                     'memory': bench_memory_both_schedulers, 'compile': bench_compile}[name]()
     result[name]['bench_seconds'] = time.time() - t0
     print(name, json.dumps(result[name], indent=1), flush=True)

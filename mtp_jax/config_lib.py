@@ -68,7 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.init_std = 0.02  # stddev of the embedding init
   m.remat = 'none'  # rematerialisation per block: none | block (keep matmul outputs) | full (keep block inputs)
   m.scan_layers = False  # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
-  m.loss_chunk = 0  # sequence chunk for the vocab projection + CE (0: whole length)
+  m.loss_chunk = 0  # sequence chunk for the vocab projection + CE (0: whole length, all depths in one product)
   m.attention = 'gqa'  # block attention: gqa (grouped-query, n_kv_heads) | mla (model.mla.*)
   # Attention core without a cache: auto (blocked on CPU, xla elsewhere) | xla
   # (jax.nn.dot_product_attention: cuDNN / TPU kernels) | blocked (skips masked key blocks)

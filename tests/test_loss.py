@@ -27,15 +27,15 @@ def test_valid_positions_hand_counts():
   assert not m2[2] and m2[1] and not m2[11:].any()
 
 
-@pytest.mark.parametrize('kind', ['sequential', 'parallel'])
-def test_loss_matches_numpy(kind):
+@pytest.mark.parametrize('kind,chunk', [('sequential', 4), ('parallel', 4), ('sequential', 0)])
+def test_loss_matches_numpy(kind, chunk):  # chunk 0: all depths' logits in one product
   config = tiny_model_config(2, kind)
   config.model.mtp.weights = (0.2, 0.05)  # explicit weights override lambda / D
   model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
   params = randomize(model, seed=2)
   b = loss_batch()
   weights = loss_lib.depth_weights(config, 0)
-  loss, sums = nnx.jit(lambda m, b: loss_lib.loss_and_metrics(m, b, weights, chunk=4))(model, b)
+  loss, sums = nnx.jit(lambda m, b: loss_lib.loss_and_metrics(m, b, weights, chunk=chunk))(model, b)
   want, want_sums, want_counts = ref.loss(params, np.asarray(b['tokens']), POS, SEG, 2,
                                           [0.2, 0.05], kind)
   assert list(np.asarray(sums['count'])) == HAND_COUNTS == list(want_counts)
