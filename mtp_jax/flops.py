@@ -234,10 +234,12 @@ def probe_cpu_peak(dtype=jnp.float32, rounds: int = 3) -> dict:
           'jax': jax.__version__}
 
 
-def update_cpu_peak(dtype=jnp.float32, rounds: int = 3) -> dict:
-  """Probes now and keeps the higher of this probe and the cached one (returns that)."""
+def update_cpu_peak(dtype=jnp.float32, rounds: int = 3, measured: dict | None = None) -> dict:
+  """Probes now (or takes `measured`, a probe_cpu_peak-style dict of a probe taken
+  elsewhere, e.g. a benchmark's own rounds) and keeps the higher of it and the cached
+  one (returns that)."""
   key = machine_key(dtype)
-  new = probe_cpu_peak(dtype, rounds)
+  new = measured if measured is not None else probe_cpu_peak(dtype, rounds)
   peaks = _read_peaks()
   old = peaks.get(key)
   if old is None or new['flops'] > old['flops']:
