@@ -192,6 +192,12 @@ def decode_kernel(kernel, in_dims: int = 1) -> Array:
 # bfloat16, float32 accumulation): x W_t^T, a 1-row product padded to 2 rows (a 1-row bf16
 # dot converts the whole weight to float32 first). Other backends: x W_t^T as it is.
 TALL_ROWS = 64
+# ... and the tall-skinny product's M padded up to a multiple of ROW_MULTIPLE past 4 rows:
+# YNNPACK's kernels run 5-7 rows slower than 8 and 9-15 slower than 16 (768-d block
+# weights, quiet, over the best 1-row product: 5 rows 1.4-2.3, 8 rows 1.1-1.9, 12 rows
+# 1.9-3.4, 16 rows 1.3-2.4; benchmarks/few_row_matmul.py --rows, RESULTS.md "Few-row
+# products"), so the D = 3 MTP windows of 5 and 6 rows run as 8.
+ROW_MULTIPLE = 8
 WRITE_LOOP_ROWS = 6  # cache updates: one in-place update per row up to here, else a scatter
 
 _CONTRACT_1_1 = (((1,), (1,)), ((), ()))
@@ -219,9 +225,11 @@ def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
     # The barrier keeps the [O, M] product in that layout: without it XLA:CPU's layout
     # assignment makes the transpose free by laying the dot's output out as [M, O],
     # which is the slow GEMM again (1.5-3x at 2-8 rows, few_row_matmul.py Wt_x vs Wt_x_bar).
+    mp = m if m <= 4 else -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
+    x = x_MxI if mp == m else jnp.pad(x_MxI, ((0, mp - m), (0, 0)))
     y_OxM = jax.lax.optimization_barrier(
-        jax.lax.dot_general(w_OxI, x_MxI, _CONTRACT_1_1, preferred_element_type=f32))
-    return y_OxM.T.astype(out_dtype)
+        jax.lax.dot_general(w_OxI, x, _CONTRACT_1_1, preferred_element_type=f32))
+    return y_OxM[:, :m].T.astype(out_dtype)
   return jax.lax.dot_general(x_MxI, w_OxI, _CONTRACT_1_1,
                              preferred_element_type=f32).astype(out_dtype)
 
