@@ -234,6 +234,30 @@ def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
                              preferred_element_type=f32).astype(out_dtype)
 
 
+# The attention core of a few-query step, by the same rule: its two products, scores
+# q k^T and probs v, each multiply a few query rows by a cache-long matrix per KV head.
+# As einsums over [queries, ...] x [slots, ...] XLA:CPU runs them (YNNPACK, >= 2 queries)
+# as the slow GEMM form: at 4 queries a trunk pass's attention cost 4x the 1-query one
+# (0.4 AR step at d 768 / L 12); the tall-skinny form, [slots, queries] behind a barrier,
+# then the small transpose, cut a 4-row trunk pass from 1.40 to 1.26 one-row passes
+# (RESULTS.md "Where the end-to-end time goes"). One query (an AR step), prefill-sized
+# windows and other backends keep the einsum.
+ATTN_TALL = True
+
+
+def _few_query_dot(a_XxQxC, b_XxRxC, out_dtype):
+  """[X, Q, R] = a b^T per leading index x, contracting C; Q few rows (decode_dot's rule)."""
+  q = a_XxQxC.shape[1]
+  if not ATTN_TALL or q == 1 or q > TALL_ROWS or jax.default_backend() != 'cpu':
+    return jnp.einsum('xqc,xrc->xqr', a_XxQxC, b_XxRxC,
+                      preferred_element_type=jnp.float32).astype(out_dtype)
+  qp = q if q <= 4 else -(-q // ROW_MULTIPLE) * ROW_MULTIPLE
+  a = a_XxQxC if qp == q else jnp.pad(a_XxQxC, ((0, 0), (0, qp - q), (0, 0)))
+  y_XxRxQ = jax.lax.optimization_barrier(
+      jnp.einsum('xrc,xqc->xrq', b_XxRxC, a, preferred_element_type=jnp.float32))
+  return y_XxRxQ[:, :, :q].transpose(0, 2, 1).astype(out_dtype)
+
+
 def _write_heads_major(cache_BKx, new_BxKx, index_B, axis):
   """Row b's T new entries go to slots index_B[b].. along `axis` (1 or 2) of its K heads."""
   b, kv = new_BxKx.shape[:2]
@@ -346,14 +370,13 @@ class Attention(nnx.Module):
     v_cache = _write_heads_major(cache[1], v.transpose(0, 2, 3, 1), cache_index_B, axis=2)
     # queries of one KV head: [B*K, G*T, H] (query head n = kv_head * G + g, as in GQA)
     q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
-    scores = jnp.einsum('xqh,xsh->xqs', q, k_cache.astype(dt),
-                        preferred_element_type=jnp.float32) * (1 / math.sqrt(hd))
+    scores = _few_query_dot(q, k_cache.astype(dt), jnp.float32) * (1 / math.sqrt(hd))
     mask = jnp.broadcast_to(mask_Bx1xTxS[:, None], (b, kv, g, t, scores.shape[-1]))
     # Masked scores get a large finite negative: a query that sees nothing (a position
     # before 0 in an MTP window) averages finite values, never NaN.
     scores = jnp.where(mask.reshape(scores.shape), scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum('xqs,xhs->xqh', probs, v_cache.astype(dt))  # [B*K, G*T, H]
+    out = _few_query_dot(probs, v_cache.astype(dt), dt)  # [B*K, G*T, H]
     out = out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b * t, n * hd)
     return decode_dot(out, self.o_t[...]).reshape(b, t, d), (k_cache, v_cache)
 
