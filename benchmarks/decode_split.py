@@ -12,9 +12,11 @@ program below has the same cache length as the end-to-end run), interleaved per 
             over its steps);
   spec      the same for the D-draft program on the same prompts: the real loop's ms per
             iteration, its prefill, tau;
-  probe     the cost probe's measure (decode_speed.py --cost_probe): ms per iteration as
-            the difference of a 48- and a 16-token run over their step difference (no
-            prefill), for AR and for D drafts;
+  probe     the cost probe's measure on random weights (they accept ~no draft: one
+            token a step): ms per iteration as the difference of a --probe_new-token run
+            and a prefill-only run of one program over their step difference, the
+            median over rounds (each round runs every program once, so load hits all
+            alike), for AR and for D drafts;
   parts     the same difference for variants of the D-draft iteration with one part
             replaced by a stub of the same shapes: `no_mtp` (the MTP chain returns the
             candidates as drafts, caches untouched), `no_verify` (the verify pass returns
@@ -22,7 +24,10 @@ program below has the same cache length as the end-to-end run), interleaved per 
             (acceptance, token writes, loop carry only). verify = full - no_verify,
             MTP chain = full - no_mtp, bookkeeping = neither.
 
-Every figure is also given in AR steps (ms over the AR program's ms per step). Prints one
+Every figure is also given in AR steps (ms over the AR program's ms per step). --ab
+MODULE.ATTR=VALUE compiles the AR and D-draft programs once more with an mtp_jax setting
+changed while tracing (e.g. layers.ATTN_TALL=False, the attention core before the
+few-query rule) and times them in the same rounds: an A/B inside one process. Prints one
 JSON object (and writes it to --out).
 """
 import argparse
@@ -47,6 +52,9 @@ def parse(argv):
   p.add_argument('--random', action='store_true',
                  help='end to end on random weights of the workdir config\'s shape too '
                       '(no checkpoint read)')
+  p.add_argument('--shape', default='',
+                 help='d_model:n_layers: random weights of that size instead (128-wide heads, '
+                      'MLP 3d, as decode_speed.py --cost_probe); implies --random')
   p.add_argument('--num_prompts', type=int, default=2)
   p.add_argument('--prompt_len', type=int, default=128)
   p.add_argument('--max_new_tokens', type=int, default=128)
@@ -141,6 +149,12 @@ def main(argv=None):
   from mtp_jax.model import MTPModel, ModelArgs
 
   config, step = checkpoint.load_workdir(args.workdir)
+  if args.shape:
+    d, n_layers = (int(x) for x in args.shape.split(':'))
+    config.model.d_model, config.model.n_layers, config.model.mlp_dim = d, n_layers, 3 * d
+    config.model.n_heads = config.model.n_kv_heads = max(1, d // 128)
+    config.model.head_dim = 128
+    args.random = True
   # The probe and the parts run on random weights (they accept ~no draft, so every
   # iteration commits one token and the step counts are fixed); the same compiled
   # programs take either model's parameters.
