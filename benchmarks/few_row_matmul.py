@@ -14,6 +14,8 @@ times, interleaved per (shape, M) in one process:
            [O, M] product W_t x^T (a GEMV at M = 1), then transposed to [M, O]
   Wt_x_bar Wt_x with the [O, M] product behind lax.optimization_barrier before the
            transpose (else XLA:CPU may lay the dot's output out as [M, O]: a GEMM again)
+  Wt_x_bar_pad8  M > 4 and not a multiple of 8, float32: Wt_x_bar over x padded with zero
+           rows to the next multiple of 8, the padding's columns dropped (layers.decode_dot)
   Wx       M = 1 only: jnp.dot(W_t, x[0]), the matrix-vector form of the tied head
   rows_xW  M in {2, 4}, float32: one 1-row jnp.dot(x[i:i+1], W) per row, concatenated
            (the decoder's per-row split before the transposed layout)
@@ -65,6 +67,8 @@ def shapes(d: int) -> dict:
 def variants(m: int, sname: str) -> list:
   out = [(v, dt) for v in ('xW', 'xWt', 'Wt_x') for dt in ('float32', 'bfloat16')]
   out += [('Wt_x_bar', 'float32')]
+  if m > 4 and m % 8:
+    out += [('Wt_x_bar_pad8', 'float32')]
   if m == 1:
     out += [('Wx', 'float32'), ('pad2_xWt', 'bfloat16'), ('pad2_Wt_x', 'bfloat16')]
   elif m <= 4 and not sname.startswith('head'):
@@ -85,6 +89,9 @@ def product(jnp, lax, name, x_MxI, w_IxO, wt_OxI):
     return dot_t(wt_OxI, x_MxI).T
   if name == 'Wt_x_bar':
     return lax.optimization_barrier(dot_t(wt_OxI, x_MxI)).T
+  if name == 'Wt_x_bar_pad8':
+    xp = jnp.pad(x_MxI, ((0, -m % 8), (0, 0)))
+    return lax.optimization_barrier(dot_t(wt_OxI, xp))[:, :m].T
   if name == 'Wx':
     return jnp.dot(wt_OxI, x_MxI[0], preferred_element_type=f32)[None]
   if name == 'pad2_xWt':
@@ -193,6 +200,9 @@ def main(argv=None):
   p.add_argument('--max_copies', type=int, default=8, help='cap on copies (compile time)')
   p.add_argument('--flags', default='default', choices=['both'] + list(FLAGS))
   p.add_argument('--out', default='')
+  p.add_argument('--merge', action='store_true',
+                 help='add the rows to those already in --out (other dims / rows), replacing '
+                      'rows of the same (d, shape, M, variant, dtype, flag)')
   p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
   p.add_argument('--flag', default='default', help=argparse.SUPPRESS)
   args = p.parse_args(argv)
@@ -218,6 +228,14 @@ def main(argv=None):
     report['runs'].append(res)
   import jax  # deferred: only for the version string, after the children ran
   report['jax'] = jax.__version__
+  if args.merge and args.out and os.path.exists(args.out):
+    with open(args.out) as f:
+      old = json.load(f)
+    key = lambda r: (r['d'], r['shape'], r['M'], r['variant'], r['dtype'], r['flag'])  # noqa: E731
+    new_keys = {key(r) for r in report['rows']}
+    report['rows'] = [r for r in old['rows'] if key(r) not in new_keys] + report['rows']
+    report['runs'] = old['runs'] + report['runs']
+    report['command'] = old['command'] + ' ; ' + report['command']
   report['summary'] = summarise(report['rows'])
   text = json.dumps(report, indent=1)
   if args.out:

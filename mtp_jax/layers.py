@@ -226,6 +226,12 @@ def decode_kernel(kernel, in_dims: int = 1) -> Array:
 # bfloat16, float32 accumulation): x W_t^T, a 1-row product padded to 2 rows (a 1-row bf16
 # dot converts the whole weight to float32 first). Other backends: x W_t^T as it is.
 TALL_ROWS = 64
+# ... and the tall-skinny product's M padded up to a multiple of ROW_MULTIPLE past 4 rows:
+# YNNPACK's kernels run 5-7 rows slower than 8 and 9-15 slower than 16 (768-d block
+# weights, quiet, over the best 1-row product: 5 rows 1.4-2.3, 8 rows 1.1-1.9, 12 rows
+# 1.9-3.4, 16 rows 1.3-2.4; RESULTS.md "Where the end-to-end time goes"; the form is
+# few_row_matmul.py's Wt_x_bar_pad8), so the D = 3 MTP windows of 5 and 6 rows run as 8.
+ROW_MULTIPLE = 8
 WRITE_LOOP_ROWS = 6  # cache updates: one in-place update per row up to here, else a scatter
 
 _CONTRACT_1_1 = (((1,), (1,)), ((), ()))
@@ -253,11 +259,37 @@ def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
     # The barrier keeps the [O, M] product in that layout: without it XLA:CPU's layout
     # assignment makes the transpose free by laying the dot's output out as [M, O],
     # which is the slow GEMM again (1.5-3x at 2-8 rows, few_row_matmul.py Wt_x vs Wt_x_bar).
+    mp = m if m <= 4 else -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
+    x = x_MxI if mp == m else jnp.pad(x_MxI, ((0, mp - m), (0, 0)))
     y_OxM = jax.lax.optimization_barrier(
-        jax.lax.dot_general(w_OxI, x_MxI, _CONTRACT_1_1, preferred_element_type=f32))
-    return y_OxM.T.astype(out_dtype)
+        jax.lax.dot_general(w_OxI, x, _CONTRACT_1_1, preferred_element_type=f32))
+    return y_OxM[:, :m].T.astype(out_dtype)
   return jax.lax.dot_general(x_MxI, w_OxI, _CONTRACT_1_1,
                              preferred_element_type=f32).astype(out_dtype)
+
+
+# The attention core of a few-query step, by the same rule: its two products, scores
+# q k^T and probs v, each multiply a few query rows by a cache-long matrix per KV head.
+# As einsums over [queries, ...] x [slots, ...] XLA:CPU runs them (YNNPACK, >= 2 queries)
+# as the slow GEMM form: at 4 queries a trunk pass's attention cost 4x the 1-query one
+# (0.4 AR step at d 768 / L 12); the tall-skinny form, [slots, queries] behind a barrier,
+# then the small transpose, cut a 4-row trunk pass from 1.40 to 1.26 one-row passes
+# (RESULTS.md "Where the end-to-end time goes"). One query (an AR step), prefill-sized
+# windows and other backends keep the einsum.
+ATTN_TALL = True
+
+
+def _few_query_dot(a_XxQxC, b_XxRxC, out_dtype):
+  """[X, Q, R] = a b^T per leading index x, contracting C; Q few rows (decode_dot's rule)."""
+  q = a_XxQxC.shape[1]
+  if not ATTN_TALL or q == 1 or q > TALL_ROWS or jax.default_backend() != 'cpu':
+    return jnp.einsum('xqc,xrc->xqr', a_XxQxC, b_XxRxC,
+                      preferred_element_type=jnp.float32).astype(out_dtype)
+  qp = q if q <= 4 else -(-q // ROW_MULTIPLE) * ROW_MULTIPLE
+  a = a_XxQxC if qp == q else jnp.pad(a_XxQxC, ((0, 0), (0, qp - q), (0, 0)))
+  y_XxRxQ = jax.lax.optimization_barrier(
+      jnp.einsum('xrc,xqc->xrq', b_XxRxC, a, preferred_element_type=jnp.float32))
+  return y_XxRxQ[:, :, :q].transpose(0, 2, 1).astype(out_dtype)
 
 
 def _write_heads_major(cache_BKx, new_BxKx, index_B, axis):
@@ -377,14 +409,13 @@ class Attention(nnx.Module):
     v_cache = _write_heads_major(cache[1], v.transpose(0, 2, 3, 1), cache_index_B, axis=2)
     # queries of one KV head: [B*K, G*T, H] (query head n = kv_head * G + g, as in GQA)
     q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
-    scores = jnp.einsum('xqh,xsh->xqs', q, k_cache.astype(dt),
-                        preferred_element_type=jnp.float32) * (1 / math.sqrt(hd))
+    scores = _few_query_dot(q, k_cache.astype(dt), jnp.float32) * (1 / math.sqrt(hd))
     mask = jnp.broadcast_to(mask_Bx1xTxS[:, None], (b, kv, g, t, scores.shape[-1]))
     # Masked scores get a large finite negative: a query that sees nothing (a position
     # before 0 in an MTP window) averages finite values, never NaN.
     scores = jnp.where(mask.reshape(scores.shape), scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum('xqs,xhs->xqh', probs, v_cache.astype(dt))  # [B*K, G*T, H]
+    out = _few_query_dot(probs, v_cache.astype(dt), dt)  # [B*K, G*T, H]
     out = out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b * t, n * hd)
     return decode_dot(out, self.o_t[...]).reshape(b, t, d), (k_cache, v_cache)
 
