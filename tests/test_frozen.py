@@ -172,17 +172,21 @@ def test_stop_gradient_keeps_mtp_losses_out_of_the_trunk(kind, tie):
   loss_p, sums_p, g_plain = param_grads(make_model(kind=kind, tie=tie), batch, [full, main_only])
   loss_s, sums_s, g_stop = param_grads(make_model(kind=kind, tie=tie, stop_gradient=True),
                                        batch, [full, mtp_only])
-  assert loss_s[0] == loss_p[0]  # the forward pass is the same
+  # The forward pass is the same up to rounding: with loss_chunk = 0 the plain model runs
+  # every depth's vocab projection as one GEMM, while stop_gradient gives depth 0 its own
+  # (OutHead is detached for the MTP depths only), so the sums differ in the last bits.
+  np.testing.assert_allclose(loss_s[0], loss_p[0], rtol=1e-6)
   for k in sums_p:
-    np.testing.assert_array_equal(sums_s[k][0], sums_p[k][0])
+    np.testing.assert_allclose(sums_s[k][0], sums_p[k][0], rtol=1e-6)
   trunk = [k for k in g_stop if not k.startswith("['mtp']")]
   assert any("['embed']" in k for k in trunk) and (tie or any("['lm_head']" in k for k in trunk))
   for k in trunk:
     assert not np.any(g_stop[k][1]), f'the MTP loss reaches {k}'
-    np.testing.assert_allclose(g_stop[k][0], g_plain[k][1], rtol=1e-5, atol=1e-9)
+    # atol: the same rounding (grads are O(0.1-1); an MTP leak at weight 0.15 is >> 1e-6)
+    np.testing.assert_allclose(g_stop[k][0], g_plain[k][1], rtol=1e-5, atol=1e-6)
   for k in g_stop:
     if k.startswith("['mtp']"):
-      np.testing.assert_allclose(g_stop[k][0], g_plain[k][0], rtol=1e-5, atol=1e-8)
+      np.testing.assert_allclose(g_stop[k][0], g_plain[k][0], rtol=1e-5, atol=1e-6)
       assert np.any(g_stop[k][0]), k
   assert any(np.any(g_plain[k][0] != g_plain[k][1]) for k in trunk)  # without it MTP does reach
 
