@@ -104,7 +104,8 @@ class DecodeState:
   prompt_len: Array  # [B]
   max_new: Array  # [B] tokens to generate at most
   done: Array  # [B] bool: hit EOS or max_new
-  main_cache: tuple  # per trunk layer (k, v) in prog.layout; see layers.empty_cache
+  main_cache: tuple  # per trunk layer, its block's cache in prog.layout (Block.empty_cache:
+                    # GQA (k, v); MLA (latent [c_kv ; RoPE(k_r)],))
   mtp_cache: tuple  # per drafting depth, the same
   hidden: tuple  # sequential: h^k at position n-1-k, k = 1..D-1, each [B, d]
   drafts: Array  # [B, D] proposals for positions n..n+D-1

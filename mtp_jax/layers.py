@@ -237,6 +237,12 @@ WRITE_LOOP_ROWS = 6  # cache updates: one in-place update per row up to here, el
 _CONTRACT_1_1 = (((1,), (1,)), ((), ()))
 
 
+def _padded_rows(m: int) -> int:
+  """Rows a tall-skinny product of m rows runs with: m up to 4, else the next multiple of
+  ROW_MULTIPLE."""
+  return m if m <= 4 else -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
 def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
   """x @ w_OxI.T for a decode step of M = batch x window rows, by the rule above.
 
@@ -259,7 +265,7 @@ def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
     # The barrier keeps the [O, M] product in that layout: without it XLA:CPU's layout
     # assignment makes the transpose free by laying the dot's output out as [M, O],
     # which is the slow GEMM again (1.5-3x at 2-8 rows, few_row_matmul.py Wt_x vs Wt_x_bar).
-    mp = m if m <= 4 else -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
+    mp = _padded_rows(m)
     x = x_MxI if mp == m else jnp.pad(x_MxI, ((0, mp - m), (0, 0)))
     y_OxM = jax.lax.optimization_barrier(
         jax.lax.dot_general(w_OxI, x, _CONTRACT_1_1, preferred_element_type=f32))
@@ -285,7 +291,7 @@ def _few_query_dot(a_XxQxC, b_XxRxC, out_dtype):
   if not ATTN_TALL or q == 1 or q > TALL_ROWS or jax.default_backend() != 'cpu':
     return jnp.einsum('xqc,xrc->xqr', a_XxQxC, b_XxRxC,
                       preferred_element_type=jnp.float32).astype(out_dtype)
-  qp = q if q <= 4 else -(-q // ROW_MULTIPLE) * ROW_MULTIPLE
+  qp = _padded_rows(q)
   a = a_XxQxC if qp == q else jnp.pad(a_XxQxC, ((0, 0), (0, qp - q), (0, 0)))
   y_XxRxQ = jax.lax.optimization_barrier(
       jnp.einsum('xrc,xqc->xrq', b_XxRxC, a, preferred_element_type=jnp.float32))
