@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import decode_speed  # noqa: E402  (this directory: its random cost-probe models)
 
 
 def parse(argv):
@@ -149,17 +150,17 @@ def main(argv=None):
   from mtp_jax.model import MTPModel, ModelArgs
 
   config, step = checkpoint.load_workdir(args.workdir)
-  if args.shape:
-    d, n_layers = (int(x) for x in args.shape.split(':'))
-    config.model.d_model, config.model.n_layers, config.model.mlp_dim = d, n_layers, 3 * d
-    config.model.n_heads = config.model.n_kv_heads = max(1, d // 128)
-    config.model.head_dim = 128
-    args.random = True
   # The probe and the parts run on random weights (they accept ~no draft, so every
   # iteration commits one token and the step counts are fixed); the same compiled
   # programs take either model's parameters.
-  rand = decode.Decoder(MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0)),
-                        weight_dtype=args.weight_dtype)
+  if args.shape:  # the cost probe's random model of that size
+    d, n_layers = (int(x) for x in args.shape.split(':'))
+    rand = decode_speed._random_decoders(config, d, n_layers, [args.weight_dtype])[
+        args.weight_dtype]
+    args.random = True
+  else:
+    rand = decode.Decoder(MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0)),
+                          weight_dtype=args.weight_dtype)
   dec = rand if args.random else decode.Decoder(state.restore_model(config, args.workdir, step),
                                                 weight_dtype=args.weight_dtype)
   tokenizer = tokenizers.get_tokenizer(config.data)
@@ -259,7 +260,7 @@ def main(argv=None):
   report = {
       'workdir': os.path.abspath(args.workdir), 'step': step, 'random_weights': args.random,
       'weight_dtype': args.weight_dtype, 'drafts': nd,
-      'model': {k: config.model[k] for k in ('d_model', 'n_layers', 'n_heads', 'mlp_dim')},
+      'model': {k: getattr(dec.args, k) for k in ('d_model', 'n_layers', 'n_heads', 'mlp_dim')},
       'machine': f'{platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__}, '
                  f'load average at start {"/".join(f"{x:.1f}" for x in os.getloadavg())}',
       'prompt_len': args.prompt_len, 'max_new_tokens': n_new, 'prompts': len(prompts),
