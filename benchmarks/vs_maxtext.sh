@@ -25,5 +25,22 @@ ours1() {
   "$2" -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({'mtp_jax': d['maxtext'], 'jax': d['machine']['jax']}))" "$OUT.ours$1.json" >> "$OUT"
   load "mtp_jax ($2) end"
 }
+oursd() {  # one depth, one process: <depth> <pair>
+  load "mtp_jax D=$1 start"
+  PYTHONPATH=$HERE "$PYTHON" "$HERE/benchmarks/train_throughput.py" --only maxtext --depths "$1" \
+    --rounds "$ROUNDS" --out "$OUT.ours_d$1_p$2.json" > /dev/null
+  "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({'mtp_jax': d['maxtext'], 'jax': d['machine']['jax']}))" "$OUT.ours_d$1_p$2.json" >> "$OUT"
+  load "mtp_jax D=$1 end"
+}
 ours() { ours1 "$1a" "$PYTHON"; if [ -n "${PYTHON2:-}" ]; then ours1 "$1b" "$PYTHON2"; fi; }
+# PAIRS=N: N interleaved peer/ours pairs per depth instead (order flipped every other pair),
+# (DEPTHS, default "0 1 3"), one depth per mtp_jax process; benchmarks/vs_maxtext_pairs.py turns the file into ratios.
+if [ -n "${PAIRS:-}" ]; then
+  for i in $(seq 1 "$PAIRS"); do
+    for d in ${DEPTHS:-0 1 3}; do
+      if [ $((i % 2)) = 1 ]; then peer "$d"; oursd "$d" "$i"; else oursd "$d" "$i"; peer "$d"; fi
+    done
+  done
+  exit 0
+fi
 peer 0; ours 1; peer 1; peer 3; ours 2
