@@ -159,13 +159,12 @@ def main(argv=None):
         args.weight_dtype]
     args.random = True
   else:
-    model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
-    rand = decode.Decoder(model, weight_dtype=args.weight_dtype)
-    rand.model_for_ab = model
+    rand_model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
+    rand = decode.Decoder(rand_model, weight_dtype=args.weight_dtype)
   dec = rand if args.random else decode.Decoder(state.restore_model(config, args.workdir, step),
                                                 weight_dtype=args.weight_dtype)
-  # The A/B's programs run on a Decoder built with the setting too (settings read when the
-  # decode layout is prepared, e.g. layers.DECODE_SPLIT, then apply to it).
+  # The A/B's programs run on a Decoder built with the setting too, so settings read when
+  # the decode layout is prepared (MTPModel.for_decoding) apply as well.
   rand_ab = rand
   if args.ab:
     with _patched(args.ab):
@@ -173,7 +172,7 @@ def main(argv=None):
         rand_ab = decode_speed._random_decoders(config, d, n_layers, [args.weight_dtype])[
             args.weight_dtype]
       else:
-        rand_ab = decode.Decoder(rand.model_for_ab, weight_dtype=args.weight_dtype)
+        rand_ab = decode.Decoder(rand_model, weight_dtype=args.weight_dtype)
   tokenizer = tokenizers.get_tokenizer(config.data)
   prompts = evaluation.validation_prompts(config, tokenizer, args.num_prompts, args.prompt_len)
   nd, n_new = args.drafts, args.max_new_tokens

@@ -243,70 +243,35 @@ def _padded_rows(m: int) -> int:
   return m if m <= 4 else -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
-# ... and on XLA:CPU each matrix is stored as DECODE_SPLIT row blocks, one dot each: a dot
-# thunk runs on one core, and a decode step is a chain of dependent products, so one
-# weight read at a time left the other core idle; independent dots of the blocks run
-# concurrently (768 x 4608, 768 x 2304, 2304 x 768 weights cycled through memory, 1 row:
-# 0.28-0.45 of the one-dot time at 2 blocks; 4 rows 0.41-0.66; RESULTS.md "Issue 15,
-# dec4"). The blocks are separate arrays (slices of one matrix inside the program are
-# copies). Other backends: one block (the library's own dot is already parallel).
-DECODE_SPLIT = 2
-
-
-def decode_split() -> int:
-  """Row blocks of a decode-layout matrix (decode_blocks) on this backend."""
-  return DECODE_SPLIT if jax.default_backend() == 'cpu' else 1
-
-
-def decode_blocks(w_OxI: Array) -> nnx.List:
-  """A decode-layout matrix [O, I] as decode_split() row blocks (DecodeWeights of about
-  O / split rows each, in order), what decode_dot multiplies block by block."""
-  o = w_OxI.shape[0]
-  n = max(1, min(decode_split(), o))
-  cuts = [o * i // n for i in range(n + 1)]
-  return nnx.List([DecodeWeight(w_OxI[a:e]) for a, e in zip(cuts[:-1], cuts[1:])])
-
-
-def blocks_of(weights) -> tuple:
-  """The arrays of a decode_blocks list (or of one DecodeWeight) for decode_dot."""
-  if isinstance(weights, nnx.List):
-    return tuple(w[...] for w in weights)
-  return (weights[...],)
-
-
-def decode_dot(x_MxI: Array, w_OxI) -> Array:
+def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
   """x @ w_OxI.T for a decode step of M = batch x window rows, by the rule above.
 
-  w_OxI: one [O, I] matrix or a tuple of row blocks of it (blocks_of), one dot each,
-  the outputs concatenated. Accumulates in float32; returns x's dtype.
+  Accumulates in float32; returns x's dtype.
   """
-  blocks = tuple(w_OxI) if isinstance(w_OxI, (tuple, list)) else (w_OxI,)
   m, out_dtype = x_MxI.shape[0], x_MxI.dtype
   f32 = jnp.float32
-  cat = lambda ys, axis: ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis)  # noqa: E731
-  if blocks[0].dtype == jnp.bfloat16 or jax.default_backend() != 'cpu':
-    x = x_MxI.astype(blocks[0].dtype)
-    pad = m == 1 and blocks[0].dtype == jnp.bfloat16 and jax.default_backend() == 'cpu'
+  if w_OxI.dtype == jnp.bfloat16 or jax.default_backend() != 'cpu':
+    x = x_MxI.astype(w_OxI.dtype)
+    pad = m == 1 and w_OxI.dtype == jnp.bfloat16 and jax.default_backend() == 'cpu'
     if pad:
       x = jnp.concatenate([x, jnp.zeros_like(x)], 0)
-    y = cat([jax.lax.dot_general(x, w, _CONTRACT_1_1, preferred_element_type=f32)
-             for w in blocks], 1)
+    y = jax.lax.dot_general(x, w_OxI, _CONTRACT_1_1, preferred_element_type=f32)
     return (y[:1] if pad else y).astype(out_dtype)
-  blocks = tuple(w.astype(out_dtype) for w in blocks)
+  w_OxI = w_OxI.astype(out_dtype)
   if m == 1:  # a GEMV; its [O, 1] -> [1, O] transpose is a bitcast
-    return cat([jax.lax.dot_general(x_MxI, w, _CONTRACT_1_1, preferred_element_type=f32)
-                for w in blocks], 1).astype(out_dtype)
+    return jax.lax.dot_general(x_MxI, w_OxI, _CONTRACT_1_1, preferred_element_type=f32
+                               ).astype(out_dtype)
   if m <= TALL_ROWS:  # verify / MTP windows, up to batch 8-16
     # The barrier keeps the [O, M] product in that layout: without it XLA:CPU's layout
     # assignment makes the transpose free by laying the dot's output out as [M, O],
     # which is the slow GEMM again (1.5-3x at 2-8 rows, few_row_matmul.py Wt_x vs Wt_x_bar).
     mp = _padded_rows(m)
     x = x_MxI if mp == m else jnp.pad(x_MxI, ((0, mp - m), (0, 0)))
-    ys = [jax.lax.optimization_barrier(
-        jax.lax.dot_general(w, x, _CONTRACT_1_1, preferred_element_type=f32)) for w in blocks]
-    return cat(ys, 0)[:, :m].T.astype(out_dtype)
-  return cat([jax.lax.dot_general(x_MxI, w, _CONTRACT_1_1, preferred_element_type=f32)
-              for w in blocks], 1).astype(out_dtype)
+    y_OxM = jax.lax.optimization_barrier(
+        jax.lax.dot_general(w_OxI, x, _CONTRACT_1_1, preferred_element_type=f32))
+    return y_OxM[:, :m].T.astype(out_dtype)
+  return jax.lax.dot_general(x_MxI, w_OxI, _CONTRACT_1_1,
+                             preferred_element_type=f32).astype(out_dtype)
 
 
 # The attention core of a few-query step, by the same rule: its two products, scores
@@ -425,9 +390,9 @@ class Attention(nnx.Module):
     are dropped: the module then runs `decode` only."""
     d, n, h = self.q_proj.kernel.shape
     self.decode_heads = (n, self.k_proj.kernel.shape[1], h)
-    self.qkv_t = decode_blocks(jnp.concatenate(
+    self.qkv_t = DecodeWeight(jnp.concatenate(
         [decode_kernel(p.kernel) for p in (self.q_proj, self.k_proj, self.v_proj)], 0))
-    self.o_t = decode_blocks(decode_kernel(self.o_proj.kernel, in_dims=2))
+    self.o_t = DecodeWeight(decode_kernel(self.o_proj.kernel, in_dims=2))
     projs = (self.q_proj, self.k_proj, self.v_proj)
     self.qkv_bias = (None if projs[0].bias is None else DecodeWeight(
         jnp.concatenate([p.bias[...].reshape(-1) for p in projs], 0)))
@@ -440,7 +405,7 @@ class Attention(nnx.Module):
     dt = x_BxTxD.dtype
     n, kv, hd = self.decode_heads
     g = n // kv
-    qkv = decode_dot(x_BxTxD.reshape(b * t, d), blocks_of(self.qkv_t))
+    qkv = decode_dot(x_BxTxD.reshape(b * t, d), self.qkv_t[...])
     if self.qkv_bias is not None:  # Qwen2's q/k/v biases (model.attention_bias)
       qkv = qkv + self.qkv_bias[...].astype(qkv.dtype)
     q = self.rope(qkv[:, :n * hd].reshape(b, t, n, hd), positions_BxT)
@@ -458,7 +423,7 @@ class Attention(nnx.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = _few_query_dot(probs, v_cache.astype(dt), dt)  # [B*K, G*T, H]
     out = out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b * t, n * hd)
-    return decode_dot(out, blocks_of(self.o_t)).reshape(b, t, d), (k_cache, v_cache)
+    return decode_dot(out, self.o_t[...]).reshape(b, t, d), (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -488,18 +453,18 @@ class MLP(nnx.Module):
     """The decode layout (see DecodeWeight): [gate; up] as one [2F, d] matrix, down as
     [d, F]. The projections are dropped: the module then runs `decode` only."""
     self.decode_mlp_dim = self.gate_proj.kernel.shape[1]
-    self.gate_up_t = decode_blocks(jnp.concatenate(
+    self.gate_up_t = DecodeWeight(jnp.concatenate(
         [decode_kernel(self.gate_proj.kernel), decode_kernel(self.up_proj.kernel)], 0))
-    self.down_t = decode_blocks(decode_kernel(self.down_proj.kernel))
+    self.down_t = DecodeWeight(decode_kernel(self.down_proj.kernel))
     del self.gate_proj, self.up_proj, self.down_proj
 
   def decode(self, x_BxTxD):
     """__call__ for a decode step, with the decode layout's weights (prepare_decode)."""
     b, t, d = x_BxTxD.shape
     f = self.decode_mlp_dim
-    gu_NxF2 = decode_dot(x_BxTxD.reshape(b * t, d), blocks_of(self.gate_up_t))
+    gu_NxF2 = decode_dot(x_BxTxD.reshape(b * t, d), self.gate_up_t[...])
     h_NxF = jax.nn.silu(gu_NxF2[:, :f]) * gu_NxF2[:, f:]
-    return decode_dot(h_NxF, blocks_of(self.down_t)).reshape(b, t, d)
+    return decode_dot(h_NxF, self.down_t[...]).reshape(b, t, d)
 
 
 class Block(nnx.Module):

@@ -254,13 +254,13 @@ class SequentialMTP(nnx.Module):
     b, t, d = emb_BxTxD.shape
     x = jnp.concatenate([self.enorm(emb_BxTxD), self.hnorm(h_prev_BxTxD)], axis=-1)
     x = x.reshape(b * t, 2 * d)
-    h = (layers.decode_dot(x, layers.blocks_of(self.eh_t)) if decode
+    h = (layers.decode_dot(x, self.eh_t[...]) if decode
          else layers.project(x, self.eh_proj.kernel, self.eh_proj.dtype))
     return constrain(h.reshape(b, t, d), ('batch', 'length', 'act_embed'))
 
   def prepare_decode(self, layout: str) -> None:
     """The decode layout (layers.DecodeWeight): eh_proj as eh_t [d, 2d], the block's."""
-    self.eh_t = layers.decode_blocks(layers.decode_kernel(self.eh_proj.kernel))
+    self.eh_t = layers.DecodeWeight(layers.decode_kernel(self.eh_proj.kernel))
     del self.eh_proj
     self.block.prepare_decode(layout)
 
@@ -354,7 +354,7 @@ class MTPModel(nnx.Module):
     for module in model.mtp:
       module.prepare_decode(layout)
     if not model.args.tie_embeddings:
-      model.head_t = layers.decode_blocks(layers.decode_kernel(model.lm_head.kernel))
+      model.head_t = layers.DecodeWeight(layers.decode_kernel(model.lm_head.kernel))
       del model.lm_head
     return model
 
@@ -380,8 +380,7 @@ class MTPModel(nnx.Module):
 
     The tied head is the embedding table itself, already [V, d] (O x I)."""
     norm = self.norm if depth == 0 else self.mtp_module(depth).shared_head.norm
-    w_VxD = (self.embed.embedding[...] if self.args.tie_embeddings
-             else layers.blocks_of(self.head_t))
+    w_VxD = self.embed.embedding[...] if self.args.tie_embeddings else self.head_t[...]
     return layers.decode_dot(norm(h_NxD), w_VxD).astype(jnp.float32)
 
   def decode_trunk(self, tokens_BxT, positions_BxT, mask, caches, cache_index_B, layout):
