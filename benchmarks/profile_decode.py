@@ -87,6 +87,14 @@ def profile(dec, prog, ab, new, rounds, hlo_dir=''):
     with open(os.path.join(hlo_dir, f'd{prog.num_drafts}.hlo.txt'), 'w') as f:
       f.write(text)
   meta = profile_step.hlo_metadata(text, max_frames=40)
+  # XLA:CPU's 1-row dots (the AR step's GEMVs and its 1-query attention) come out of its
+  # dot rewrites without metadata: attribute them by result rank (2-D: a weight product,
+  # 3-D: the attention's batched dot over KV heads) to the step's main pass.
+  shapes = dict(re.findall(r'^\s*(?:ROOT\s+)?%?(dot[\w.\-]*) = \w+\[([\d,]*)\]', text, re.M))
+  for op, shape in shapes.items():
+    if not meta.get(op, ' @ ').split(' @ ', 1)[1]:
+      piece = 'decode_dot' if shape.count(',') == 1 else '_few_query_dot'
+      meta[op] = f'{op} @ layers.py:{piece} < decode.py:_verify'
   prompt = [[7] * prog.prompt_len]
   sums = {}
   for m in (1, new):
