@@ -159,10 +159,20 @@ def main(argv=None):
         args.weight_dtype]
     args.random = True
   else:
-    rand = decode.Decoder(MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0)),
-                          weight_dtype=args.weight_dtype)
+    rand_model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
+    rand = decode.Decoder(rand_model, weight_dtype=args.weight_dtype)
   dec = rand if args.random else decode.Decoder(state.restore_model(config, args.workdir, step),
                                                 weight_dtype=args.weight_dtype)
+  # The A/B's programs run on a Decoder built with the setting too, so settings read when
+  # the decode layout is prepared (MTPModel.for_decoding) apply as well.
+  rand_ab = rand
+  if args.ab:
+    with _patched(args.ab):
+      if args.shape:
+        rand_ab = decode_speed._random_decoders(config, d, n_layers, [args.weight_dtype])[
+            args.weight_dtype]
+      else:
+        rand_ab = decode.Decoder(rand_model, weight_dtype=args.weight_dtype)
   tokenizer = tokenizers.get_tokenizer(config.data)
   prompts = evaluation.validation_prompts(config, tokenizer, args.num_prompts, args.prompt_len)
   nd, n_new = args.drafts, args.max_new_tokens
@@ -173,8 +183,8 @@ def main(argv=None):
   for part in parts:
     fns[('spec', part)] = _compile(dec, progs[nd], part)
   if args.ab:
-    fns[('ar', 'ab')] = _compile(dec, progs[0], ab=args.ab)
-    fns[('spec', 'ab')] = _compile(dec, progs[nd], ab=args.ab)
+    fns[('ar', 'ab')] = _compile(rand_ab, progs[0], ab=args.ab)
+    fns[('spec', 'ab')] = _compile(rand_ab, progs[nd], ab=args.ab)
   compile_s = time.perf_counter() - t0
   if args.compile_only:
     print(json.dumps({'compile_seconds': compile_s}))
@@ -184,8 +194,8 @@ def main(argv=None):
 
   def timed(key, kind, part, prompt, m):
     prog = progs[0 if kind == 'ar' else nd]
-    sec, steps, committed, tokens = _run(rand if key[0] == 'probe' else dec, fns[(kind, part)],
-                                         prog, [prompt], m)
+    d = rand_ab if part == 'ab' else rand if key[0] == 'probe' else dec
+    sec, steps, committed, tokens = _run(d, fns[(kind, part)], prog, [prompt], m)
     k = key + (kind, part, m)
     if sec < best.get(k, (np.inf,))[0]:
       best[k] = (sec, steps, committed)
@@ -193,7 +203,7 @@ def main(argv=None):
     return sec, steps
 
   for (kind, part), fn in fns.items():  # a program's first runs are slower
-    for d in (dec, rand):
+    for d in ((rand_ab,) if part == 'ab' else (dec, rand)):
       _run(d, fn, progs[0 if kind == 'ar' else nd], prompts[:1], 2)
   ab = ['ab'] if args.ab else []
   probe_keys = [('ar', p) for p in ['full'] + ab] + [('spec', p) for p in parts + ab]

@@ -48,8 +48,8 @@ CATEGORIES = [
 ]
 
 
-def hlo_metadata(hlo_text: str) -> dict:
-  """instruction name -> 'op_name @ innermost frames' of the optimized HLO text."""
+def hlo_metadata(hlo_text: str, max_frames: int = 12) -> dict:
+  """instruction name -> 'op_name @ innermost frames' (up to max_frames) of the optimized HLO text."""
   tables = {'FileNames': {}, 'FunctionNames': {}, 'FileLocations': {}, 'StackFrames': {}}
   current = None
   out = {}
@@ -75,7 +75,7 @@ def hlo_metadata(hlo_text: str) -> dict:
 
   def frames(fid):
     names = []
-    for _ in range(12):
+    for _ in range(max_frames):
       fr = tables['StackFrames'].get(fid)
       if not fr:
         break
