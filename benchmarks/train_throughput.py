@@ -241,6 +241,12 @@ AB_VARIANTS = {  # name: (config builder, {variant: model overrides})
                    {'xla': {'attention_core': 'xla'}, 'blocked64': {'attention_core': 'blocked'}}),
 }
 
+# --ab_set stdlib_block: configs/stdlib_mtp.py (2 x 128 heads) with attention blocks of 64 / 128
+STDLIB_BLOCK_VARIANTS = {
+    'stdlib_mtp': (lambda **m: _with_model(load_config('stdlib_mtp'), m),
+                   {'blocked64': {'attention_block': 64}, 'blocked128': {'attention_block': 128}}),
+}
+
 
 # Issue 14, second pass: the MaxText-shape step's variants (--only ab --ab_set train_speed).
 # 'attn': 'before' traces the variant with blocked_attention_before (below) in place of
@@ -253,6 +259,12 @@ TRAIN_SPEED_VARIANTS = {
     'new_attn': {'loss_chunk': 256},
     'now': {'loss_chunk': 0},
     'now_remat_none': {'loss_chunk': 0, 'remat': 'none'},
+    # issue 14, third pass
+    'flash': {'loss_chunk': 0, 'attn': 'flash'},
+    'flash32': {'loss_chunk': 0, 'attn': 'flash', 'attention_block': 32},
+    'rope_flip': {'loss_chunk': 0, 'rope': 'flip'},
+    'block128': {'loss_chunk': 0, 'attention_block': 128},
+    'block32': {'loss_chunk': 0, 'attention_block': 32},
 }
 
 
@@ -306,13 +318,17 @@ def _with_model(c, model: dict):
 def _build_step(build, over: dict) -> 'Step':
   """A variant's Step; 'attn': 'before' swaps in blocked_attention_before while it is traced."""
   over = dict(over)
-  saved = layers.blocked_causal_attention
-  if over.pop('attn', None) == 'before':
-    layers.blocked_causal_attention = blocked_attention_before
+  saved = layers.blocked_causal_attention, layers.apply_rope
+  attn, rope = over.pop('attn', None), over.pop('rope', None)
+  if attn:
+    layers.blocked_causal_attention = {'before': blocked_attention_before,
+                                       'flash': layers.flash4_causal_attention}[attn]
+  if rope:
+    layers.apply_rope = {'flip': layers.apply_rope_flip}[rope]
   try:
     return Step(build(**over))
   finally:
-    layers.blocked_causal_attention = saved
+    layers.blocked_causal_attention, layers.apply_rope = saved
 
 
 def bench_ab(rounds: int, variants=None) -> dict:
@@ -510,7 +526,7 @@ def main():
   parser.add_argument('--depths', type=lambda x: tuple(int(d) for d in x.split(',')),
                       default=(0, 1, 3), help='maxtext section: MTP depths')
   parser.add_argument('--remat', default='block', help='maxtext section: model.remat')
-  parser.add_argument('--ab_set', default='attention', choices=('attention', 'train_speed'),
+  parser.add_argument('--ab_set', default='attention', choices=('attention', 'train_speed', 'stdlib_block'),
                       help='ab section: attention = xla vs blocked core (stdlib_mtp, MaxText '
                            'shape D 1); train_speed = TRAIN_SPEED_VARIANTS at --depths')
   parser.add_argument('--variants', default='', help='ab train_speed: comma-separated names')
@@ -528,7 +544,7 @@ def main():
     t0 = time.time()
     result[name] = {'mfu': lambda: bench_mfu(a.rounds), 'overhead': lambda: bench_overhead(a.rounds),
                     'maxtext': lambda: bench_maxtext(a.rounds, a.depths, a.remat),
-                    'ab': lambda: bench_ab(a.rounds, None if a.ab_set == 'attention' else
+                    'ab': lambda: bench_ab(a.rounds, {'attention': AB_VARIANTS, 'stdlib_block': STDLIB_BLOCK_VARIANTS}.get(a.ab_set) or
                                            train_speed_variants(a.depths, [v for v in a.variants.split(',') if v])),
                     'moe': lambda: bench_moe(a.rounds),
                     'memory': bench_memory_both_schedulers, 'compile': bench_compile}[name]()

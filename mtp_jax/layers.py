@@ -6,11 +6,13 @@ MTP layer maps 1:1 onto released weights.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from mtp_jax.sharding import constrain
 
@@ -74,6 +76,21 @@ def apply_rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float,
   x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxTxNxH.dtype)
+
+
+def apply_rope_flip(x_BxTxNxH: Array, positions_BxT: Array, theta: float,
+                    scaling: tuple = ()) -> Array:
+  """apply_rope without the concatenate (prototype): halves as a size-2 axis."""
+  b, t, n, h = x_BxTxNxH.shape
+  inv_freq = rope_inv_freq(h, theta, scaling)
+  angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  sin_BxTxF, cos_BxTxF = jnp.sin(angles_BxTxF), jnp.cos(angles_BxTxF)
+  # out = x * cos + swap_halves(x) * [-sin, sin]
+  sin_BxTx1x2xF = jnp.stack([-sin_BxTxF, sin_BxTxF], axis=2)[:, :, None]
+  cos_BxTx1x1xF = cos_BxTxF[:, :, None, None]
+  x_BxTxNx2xF = x_BxTxNxH.astype(jnp.float32).reshape(b, t, n, 2, h // 2)
+  out = x_BxTxNx2xF * cos_BxTx1x1xF + jnp.flip(x_BxTxNx2xF, axis=3) * sin_BxTx1x2xF
+  return out.reshape(b, t, n, h).astype(x_BxTxNxH.dtype)
 
 
 def attention_mask(segment_ids_BxT: Array) -> Array:
@@ -162,6 +179,131 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
     outs.append(o_BxKxGxQxH.astype(q_BxTxNxH.dtype))
   o_BxKxGxTxH = jnp.concatenate(outs, axis=3)
   return jnp.transpose(o_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+
+
+# --- flash-style custom VJP (prototype) ---
+ATTENTION_SAVED_NAMES = ('attention_out', 'attention_lse')
+
+def _blocks(t, block):
+  return [(a, min(a + block, t)) for a in range(0, t, block)]
+
+def _scores(q_blk, k, bias_blk, kv, g):
+  # q_blk [B,K,G,Q,H], k [B,K,E,H], bias [B,1,Q,E] -> [B,K,G,Q,E]
+  b, _, _, qn, h = q_blk.shape
+  s = jnp.einsum('bkqh,bksh->bkqs', q_blk.reshape(b, kv, g * qn, h), k,
+                 preferred_element_type=jnp.float32)
+  return s.reshape(b, kv, g, qn, -1) + bias_blk[:, :, None]
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, bias, block):
+  return _flash_fwd(q, k, v, bias, block)[0]
+
+def _flash_fwd(q, k, v, bias, block):
+  b, kv, g, t, h = q.shape
+  outs, lses = [], []
+  for a, e in _blocks(t, block):
+    s = _scores(q[:, :, :, a:e], k[:, :, :e], bias[:, :, a:e, :e], kv, g)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum('bkqs,bksh->bkqh', p.reshape(b, kv, g * (e - a), e).astype(v.dtype), v[:, :, :e],
+                   preferred_element_type=jnp.float32).reshape(b, kv, g, e - a, h) / l
+    outs.append(o.astype(q.dtype))
+    lses.append((m + jnp.log(l))[..., 0])
+  o = checkpoint_name(jnp.concatenate(outs, axis=3), 'attention_out')
+  lse = checkpoint_name(jnp.concatenate(lses, axis=3), 'attention_lse')
+  return o, (q, k, v, bias, o, lse)
+
+def _flash_bwd(block, res, do):
+  q, k, v, bias, o, lse = res
+  b, kv, g, t, h = q.shape
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B,K,G,T]
+  dqs = []
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for a, e in _blocks(t, block):
+    qn = e - a
+    q_blk = q[:, :, :, a:e]
+    s = _scores(q_blk, k[:, :, :e], bias[:, :, a:e, :e], kv, g)
+    p = jnp.exp(s - lse[:, :, :, a:e, None])  # [B,K,G,Q,E]
+    do_blk = do[:, :, :, a:e].reshape(b, kv, g * qn, h)
+    p2 = p.reshape(b, kv, g * qn, e)
+    dv = dv.at[:, :, :e].add(jnp.einsum('bkqs,bkqh->bksh', p2.astype(do.dtype), do_blk,
+                                        preferred_element_type=jnp.float32))
+    dp = jnp.einsum('bkqh,bksh->bkqs', do_blk, v[:, :, :e], preferred_element_type=jnp.float32)
+    ds = p2 * (dp - delta[:, :, :, a:e].reshape(b, kv, g * qn)[..., None])
+    dqs.append(jnp.einsum('bkqs,bksh->bkqh', ds.astype(k.dtype), k[:, :, :e],
+                          preferred_element_type=jnp.float32).reshape(b, kv, g, qn, h).astype(q.dtype))
+    dk = dk.at[:, :, :e].add(jnp.einsum('bkqs,bkqh->bksh', ds.astype(q.dtype),
+                                        q_blk.reshape(b, kv, g * qn, h), preferred_element_type=jnp.float32))
+  return jnp.concatenate(dqs, axis=3), dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(bias)
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+def flash_causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT, block=64):
+  b, t, n, h = q_BxTxNxH.shape
+  kv = k_BxTxKxH.shape[2]
+  g = n // kv
+  bias = jnp.where(mask_Bx1xTxT, 0.0, _MASKED).astype(jnp.float32)
+  q = jnp.transpose((q_BxTxNxH * (1.0 / math.sqrt(h))).reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
+  k = jnp.transpose(k_BxTxKxH, (0, 2, 1, 3))
+  v = jnp.transpose(v_BxTxKxH, (0, 2, 1, 3))
+  o = _flash(q, k, v, bias, block)
+  return jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash4(q, k, v, bias, block):
+  return _flash4_fwd(q, k, v, bias, block)[0]
+
+
+def _flash4_fwd(q, k, v, bias, block):
+  t = q.shape[2]
+  outs, lses = [], []
+  for a, e in _blocks(t, block):
+    s = jnp.einsum('bnqh,bnsh->bnqs', q[:, :, a:e], k[:, :, :e],
+                   preferred_element_type=jnp.float32) + bias[:, :, a:e, :e]
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum('bnqs,bnsh->bnqh', p, v[:, :, :e], preferred_element_type=jnp.float32) / l
+    outs.append(o)
+    lses.append(m + jnp.log(l))
+  o = checkpoint_name(jnp.concatenate(outs, axis=2), 'attention_out')
+  lse = checkpoint_name(jnp.concatenate(lses, axis=2), 'attention_lse')
+  return o, (q, k, v, bias, o, lse)
+
+
+def _flash4_bwd(block, res, do):
+  q, k, v, bias, o, lse = res
+  t = q.shape[2]
+  delta = jnp.sum(do * o, axis=-1, keepdims=True)
+  dqs, dks, dvs = [], [], []
+  for a, e in _blocks(t, block):
+    s = jnp.einsum('bnqh,bnsh->bnqs', q[:, :, a:e], k[:, :, :e],
+                   preferred_element_type=jnp.float32) + bias[:, :, a:e, :e]
+    p = jnp.exp(s - lse[:, :, a:e])
+    dvs.append(jnp.einsum('bnqs,bnqh->bnsh', p, do[:, :, a:e]))
+    dp = jnp.einsum('bnqh,bnsh->bnqs', do[:, :, a:e], v[:, :, :e])
+    ds = p * (dp - delta[:, :, a:e])
+    dqs.append(jnp.einsum('bnqs,bnsh->bnqh', ds, k[:, :, :e]))
+    dks.append(jnp.einsum('bnqs,bnqh->bnsh', ds, q[:, :, a:e]))
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, t - x.shape[2]), (0, 0)))
+  return (jnp.concatenate(dqs, axis=2), sum(pad(x) for x in dks), sum(pad(x) for x in dvs),
+          jnp.zeros_like(bias))
+
+
+_flash4.defvjp(_flash4_fwd, _flash4_bwd)
+
+
+def flash4_causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT, block=64):
+  """4-D f32 no-GQA form of flash_causal_attention (prototype)."""
+  h = q_BxTxNxH.shape[-1]
+  bias = jnp.where(mask_Bx1xTxT, 0.0, _MASKED).astype(jnp.float32)
+  q = jnp.transpose(q_BxTxNxH * (1.0 / math.sqrt(h)), (0, 2, 1, 3))
+  k = jnp.transpose(k_BxTxKxH, (0, 2, 1, 3))
+  v = jnp.transpose(v_BxTxKxH, (0, 2, 1, 3))
+  return jnp.transpose(_flash4(q, k, v, bias, block), (0, 2, 1, 3))
 
 
 def write_cache(cache_BxSxKxH: Array, new_BxQxKxH: Array, index_B: Array) -> Array:

@@ -163,7 +163,11 @@ def remat_policy(name: str):
   if name == 'none':
     return None
   if name == 'block':
-    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    # plus the attention core's output and row log-sum-exp (layers.flash_causal_attention
+    # names them): its custom backward needs only those, never a rerun of its forward
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*layers.ATTENTION_SAVED_NAMES))
   if name == 'full':
     return jax.checkpoint_policies.nothing_saveable
   raise ValueError(f'unknown remat policy {name!r}')
