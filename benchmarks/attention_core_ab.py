@@ -33,8 +33,7 @@ def variants():
   for blk in (16, 32, 64, 128):
     out[f'before{blk}'] = lambda q, k, v, m, blk=blk: tt.blocked_attention_before(q, k, v, m, blk)
     out[f'now{blk}'] = lambda q, k, v, m, blk=blk: layers.blocked_causal_attention(q, k, v, m, blk)
-    out[f'flash{blk}'] = lambda q, k, v, m, blk=blk: layers.flash_causal_attention(q, k, v, m, blk)
-    out[f'flash4_{blk}'] = lambda q, k, v, m, blk=blk: layers.flash4_causal_attention(q, k, v, m, blk)
+    out[f'saved{blk}'] = lambda q, k, v, m, blk=blk: layers.blocked_causal_attention(q, k, v, m, blk, saved_core=True)
   out['gqa_before64'] = lambda q, k, v, m: tt.blocked_attention_before(q, k[:, :, ::2], v[:, :, ::2], m, 64)
   out['gqa_now64'] = lambda q, k, v, m: layers.blocked_causal_attention(q, k[:, :, ::2], v[:, :, ::2], m, 64)
   out['xla_library'] = lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m)

@@ -259,17 +259,18 @@ TRAIN_SPEED_VARIANTS = {
     'new_attn': {'loss_chunk': 256},
     'now': {'loss_chunk': 0},
     'now_remat_none': {'loss_chunk': 0, 'remat': 'none'},
-    # issue 14, third pass
-    'flash': {'loss_chunk': 0, 'attn': 'flash'},
-    'flash32': {'loss_chunk': 0, 'attn': 'flash', 'attention_block': 32},
+    # issue 14, third pass ('now' runs layers._saved_core under remat block; 'autodiff_core' the
+    # blocked core differentiated by autodiff, 'now' before it)
+    'autodiff_core': {'loss_chunk': 0, 'attn': 'autodiff'},  # 'now' before the saved core
+    'block32': {'loss_chunk': 0, 'attention_block': 32},
     'rope_flip': {'loss_chunk': 0, 'rope': 'flip'},
     'block128': {'loss_chunk': 0, 'attention_block': 128},
-    'block32': {'loss_chunk': 0, 'attention_block': 32},
+    'save_qkv': {'loss_chunk': 0, 'save_qkv': True},
 }
 
 
 def blocked_attention_before(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
-                             mask_Bx1xTxT: jax.Array, block: int = 64) -> jax.Array:
+                             mask_Bx1xTxT: jax.Array, block: int = 64, saved_core: bool = False) -> jax.Array:
   """layers.blocked_causal_attention as it was before issue 14's second pass (5-D heads-major
   einsums, a select for the mask, softmax then P V): the A/B control of 'attn': 'before'.
 
@@ -303,6 +304,23 @@ def blocked_attention_before(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxK
   return jnp.transpose(o_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
 
 
+def apply_rope_flip(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float,
+                    scaling: tuple = ()) -> jax.Array:
+  """layers.apply_rope without its concatenate (issue 14 third pass, tried, not kept: 1.01x /
+  1.09x the step time at D 0 / 3): the halves as a size-2 axis, out = x cos + swap(x) [-sin, sin]."""
+  b, t, n, h = x_BxTxNxH.shape
+  inv_freq = layers.rope_inv_freq(h, theta, scaling)
+  angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  sin_BxTxF, cos_BxTxF = jnp.sin(angles_BxTxF), jnp.cos(angles_BxTxF)
+  sin_BxTx1x2xF = jnp.stack([-sin_BxTxF, sin_BxTxF], axis=2)[:, :, None]
+  cos_BxTx1x1xF = cos_BxTxF[:, :, None, None]
+  x_BxTxNx2xF = x_BxTxNxH.astype(jnp.float32).reshape(b, t, n, 2, h // 2)
+  out = x_BxTxNx2xF * cos_BxTx1x1xF + jnp.flip(x_BxTxNx2xF, axis=3) * sin_BxTx1x2xF
+  return out.reshape(b, t, n, h).astype(x_BxTxNxH.dtype)
+
+
+
+
 def train_speed_variants(depths, names=None) -> dict:
   names = names or list(TRAIN_SPEED_VARIANTS)
   return {f'maxtext_D{d}': (lambda d=d, **m: maxtext_config(d, **m),
@@ -315,20 +333,29 @@ def _with_model(c, model: dict):
   return c
 
 
+def _autodiff_core(blocked):
+  """layers.blocked_causal_attention with saved_core forced off (the A/B control)."""
+  return lambda q, k, v, mask, block=64, saved_core=False: blocked(q, k, v, mask, block, False)
+
+
 def _build_step(build, over: dict) -> 'Step':
   """A variant's Step; 'attn': 'before' swaps in blocked_attention_before while it is traced."""
   over = dict(over)
   saved = layers.blocked_causal_attention, layers.apply_rope
   attn, rope = over.pop('attn', None), over.pop('rope', None)
+  saved_names = layers.ATTENTION_SAVED_NAMES
+  if over.pop('save_qkv', False):
+    layers.ATTENTION_SAVED_NAMES = saved_names + (layers.QKV_SAVED_NAME,)
   if attn:
     layers.blocked_causal_attention = {'before': blocked_attention_before,
-                                       'flash': layers.flash4_causal_attention}[attn]
+                                       'autodiff': _autodiff_core(saved[0])}[attn]
   if rope:
-    layers.apply_rope = {'flip': layers.apply_rope_flip}[rope]
+    layers.apply_rope = {'flip': apply_rope_flip}[rope]
   try:
     return Step(build(**over))
   finally:
     layers.blocked_causal_attention, layers.apply_rope = saved
+    layers.ATTENTION_SAVED_NAMES = saved_names
 
 
 def bench_ab(rounds: int, variants=None) -> dict:

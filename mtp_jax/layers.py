@@ -78,21 +78,6 @@ def apply_rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float,
   return out.astype(x_BxTxNxH.dtype)
 
 
-def apply_rope_flip(x_BxTxNxH: Array, positions_BxT: Array, theta: float,
-                    scaling: tuple = ()) -> Array:
-  """apply_rope without the concatenate (prototype): halves as a size-2 axis."""
-  b, t, n, h = x_BxTxNxH.shape
-  inv_freq = rope_inv_freq(h, theta, scaling)
-  angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
-  sin_BxTxF, cos_BxTxF = jnp.sin(angles_BxTxF), jnp.cos(angles_BxTxF)
-  # out = x * cos + swap_halves(x) * [-sin, sin]
-  sin_BxTx1x2xF = jnp.stack([-sin_BxTxF, sin_BxTxF], axis=2)[:, :, None]
-  cos_BxTx1x1xF = cos_BxTxF[:, :, None, None]
-  x_BxTxNx2xF = x_BxTxNxH.astype(jnp.float32).reshape(b, t, n, 2, h // 2)
-  out = x_BxTxNx2xF * cos_BxTx1x1xF + jnp.flip(x_BxTxNx2xF, axis=3) * sin_BxTx1x2xF
-  return out.reshape(b, t, n, h).astype(x_BxTxNxH.dtype)
-
-
 def attention_mask(segment_ids_BxT: Array) -> Array:
   """Causal mask restricted to one packed document: [B, 1, T, T] booleans."""
   t = segment_ids_BxT.shape[1]
@@ -120,14 +105,14 @@ def attention_impl(cfg) -> str:
 
 
 def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
-                             mask_Bx1xTxT: Array, block: int = 64) -> Array:
+                             mask_Bx1xTxT: Array, block: int = 64, saved_core: bool = False) -> Array:
   """Causal self-attention that never computes a fully masked key block.
 
   Query block [a, e) can only see keys [0, e) (the mask is causal, a precondition: the
   training mask of `attention_mask`), so its scores are [e - a, e] instead of [e - a, T]:
   for T = 256 and blocks of 64, 62.5 % of the full T x T work. Each block's softmax is
   exact (the keys of a block row are all there), so no online-softmax rescaling is
-  needed, and autodiff gives the backward (a hand-written VJP was measured no faster).
+  needed; autodiff gives the backward unless saved_core (below).
   The softmax is spelled out so that XLA:CPU does fewer passes over the [q, e] scores:
   the mask is an additive bias (one add, not a select), and the normalisation divides
   the [q, H] output rather than the [q, e] probabilities (exp(s - max) V / sum, the same
@@ -137,6 +122,14 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   heads, B 16, T 256) took 0.85x the time of the softmax / select / 5-D form, 0.69x at
   2 x 128 heads (benchmarks/RESULTS.md, issue 14). GQA: query head n uses kv head
   n // (N / K), as jax.nn.dot_product_attention does. Returns [B, T, N, H].
+
+  saved_core (no GQA only; Attention sets it under model.remat = block): the same forward
+  as a custom VJP (_saved_core) that keeps the output and each row's log-sum-exp, named
+  for the block remat policy (ATTENTION_SAVED_NAMES), and whose backward recomputes only
+  the block probabilities (flash-style: dS = P (dP - rowsum(dO O))). Under remat the
+  autodiff form reruns the whole forward in the backward pass first; this one does not
+  (benchmarks/RESULTS.md, issue 14 third pass). Without remat autodiff keeps the
+  probabilities instead, and recomputing them would be extra work.
   """
   b, t, n, h = q_BxTxNxH.shape
   kv = k_BxTxKxH.shape[2]
@@ -149,6 +142,9 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   v_BxKxTxH = jnp.transpose(v_BxTxKxH, (0, 2, 1, 3))
   if g == 1:  # no GQA: 4-D [B, N, ., .] throughout (measured faster on XLA:CPU than the 5-D form)
     q_BxNxTxH = jnp.transpose(q_BxTxNxH * scale, (0, 2, 1, 3))
+    if saved_core:
+      return jnp.transpose(_saved_core(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, bias_Bx1xTxT, block),
+                           (0, 2, 1, 3))
     outs = []
     for a in range(0, t, block):
       e = min(a + block, t)
@@ -181,129 +177,74 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   return jnp.transpose(o_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
 
 
-# --- flash-style custom VJP (prototype) ---
+# The names under which remat='block' (model.remat_policy) saves the custom-VJP core's
+# residuals: with them saved its backward never reruns its forward.
 ATTENTION_SAVED_NAMES = ('attention_out', 'attention_lse')
+QKV_SAVED_NAME = 'attention_qkv_heads_major'
 
-def _blocks(t, block):
+
+def _query_blocks(t: int, block: int) -> list:
   return [(a, min(a + block, t)) for a in range(0, t, block)]
 
-def _scores(q_blk, k, bias_blk, kv, g):
-  # q_blk [B,K,G,Q,H], k [B,K,E,H], bias [B,1,Q,E] -> [B,K,G,Q,E]
-  b, _, _, qn, h = q_blk.shape
-  s = jnp.einsum('bkqh,bksh->bkqs', q_blk.reshape(b, kv, g * qn, h), k,
-                 preferred_element_type=jnp.float32)
-  return s.reshape(b, kv, g, qn, -1) + bias_blk[:, :, None]
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, bias, block):
-  return _flash_fwd(q, k, v, bias, block)[0]
-
-def _flash_fwd(q, k, v, bias, block):
-  b, kv, g, t, h = q.shape
-  outs, lses = [], []
-  for a, e in _blocks(t, block):
-    s = _scores(q[:, :, :, a:e], k[:, :, :e], bias[:, :, a:e, :e], kv, g)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - m)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum('bkqs,bksh->bkqh', p.reshape(b, kv, g * (e - a), e).astype(v.dtype), v[:, :, :e],
-                   preferred_element_type=jnp.float32).reshape(b, kv, g, e - a, h) / l
-    outs.append(o.astype(q.dtype))
-    lses.append((m + jnp.log(l))[..., 0])
-  o = checkpoint_name(jnp.concatenate(outs, axis=3), 'attention_out')
-  lse = checkpoint_name(jnp.concatenate(lses, axis=3), 'attention_lse')
-  return o, (q, k, v, bias, o, lse)
-
-def _flash_bwd(block, res, do):
-  q, k, v, bias, o, lse = res
-  b, kv, g, t, h = q.shape
-  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B,K,G,T]
-  dqs = []
-  dk = jnp.zeros(k.shape, jnp.float32)
-  dv = jnp.zeros(v.shape, jnp.float32)
-  for a, e in _blocks(t, block):
-    qn = e - a
-    q_blk = q[:, :, :, a:e]
-    s = _scores(q_blk, k[:, :, :e], bias[:, :, a:e, :e], kv, g)
-    p = jnp.exp(s - lse[:, :, :, a:e, None])  # [B,K,G,Q,E]
-    do_blk = do[:, :, :, a:e].reshape(b, kv, g * qn, h)
-    p2 = p.reshape(b, kv, g * qn, e)
-    dv = dv.at[:, :, :e].add(jnp.einsum('bkqs,bkqh->bksh', p2.astype(do.dtype), do_blk,
-                                        preferred_element_type=jnp.float32))
-    dp = jnp.einsum('bkqh,bksh->bkqs', do_blk, v[:, :, :e], preferred_element_type=jnp.float32)
-    ds = p2 * (dp - delta[:, :, :, a:e].reshape(b, kv, g * qn)[..., None])
-    dqs.append(jnp.einsum('bkqs,bksh->bkqh', ds.astype(k.dtype), k[:, :, :e],
-                          preferred_element_type=jnp.float32).reshape(b, kv, g, qn, h).astype(q.dtype))
-    dk = dk.at[:, :, :e].add(jnp.einsum('bkqs,bkqh->bksh', ds.astype(q.dtype),
-                                        q_blk.reshape(b, kv, g * qn, h), preferred_element_type=jnp.float32))
-  return jnp.concatenate(dqs, axis=3), dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(bias)
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-def flash_causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT, block=64):
-  b, t, n, h = q_BxTxNxH.shape
-  kv = k_BxTxKxH.shape[2]
-  g = n // kv
-  bias = jnp.where(mask_Bx1xTxT, 0.0, _MASKED).astype(jnp.float32)
-  q = jnp.transpose((q_BxTxNxH * (1.0 / math.sqrt(h))).reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
-  k = jnp.transpose(k_BxTxKxH, (0, 2, 1, 3))
-  v = jnp.transpose(v_BxTxKxH, (0, 2, 1, 3))
-  o = _flash(q, k, v, bias, block)
-  return jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+def _block_scores(q_BxNxTxH, k_BxNxTxH, bias_Bx1xTxT, a: int, e: int) -> Array:
+  """Scores of query block [a, e) against keys [0, e), masked by the additive bias: [B, N, Q, E]."""
+  return jnp.einsum('bnqh,bnsh->bnqs', q_BxNxTxH[:, :, a:e], k_BxNxTxH[:, :, :e],
+                    preferred_element_type=jnp.float32) + bias_Bx1xTxT[:, :, a:e, :e]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash4(q, k, v, bias, block):
-  return _flash4_fwd(q, k, v, bias, block)[0]
+def _saved_core(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, bias_Bx1xTxT, block: int) -> Array:
+  """The blocked core (heads-major, no GQA, q pre-scaled) with a flash-style backward."""
+  return _saved_core_fwd(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, bias_Bx1xTxT, block)[0]
 
 
-def _flash4_fwd(q, k, v, bias, block):
-  t = q.shape[2]
+def _saved_core_fwd(q, k, v, bias, block):
   outs, lses = [], []
-  for a, e in _blocks(t, block):
-    s = jnp.einsum('bnqh,bnsh->bnqs', q[:, :, a:e], k[:, :, :e],
-                   preferred_element_type=jnp.float32) + bias[:, :, a:e, :e]
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - m)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum('bnqs,bnsh->bnqh', p, v[:, :, :e], preferred_element_type=jnp.float32) / l
-    outs.append(o)
-    lses.append(m + jnp.log(l))
-  o = checkpoint_name(jnp.concatenate(outs, axis=2), 'attention_out')
-  lse = checkpoint_name(jnp.concatenate(lses, axis=2), 'attention_lse')
-  return o, (q, k, v, bias, o, lse)
+  for a, e in _query_blocks(q.shape[2], block):
+    s_BxNxQxE = _block_scores(q, k, bias, a, e)
+    m_BxNxQx1 = jnp.max(s_BxNxQxE, axis=-1, keepdims=True)
+    p_BxNxQxE = jnp.exp(s_BxNxQxE - m_BxNxQx1)
+    l_BxNxQx1 = jnp.sum(p_BxNxQxE, axis=-1, keepdims=True)
+    o_BxNxQxH = jnp.einsum('bnqs,bnsh->bnqh', p_BxNxQxE.astype(v.dtype), v[:, :, :e],
+                           preferred_element_type=jnp.float32) / l_BxNxQx1
+    outs.append(o_BxNxQxH.astype(q.dtype))
+    lses.append(m_BxNxQx1 + jnp.log(l_BxNxQx1))
+  o_BxNxTxH = checkpoint_name(jnp.concatenate(outs, axis=2), ATTENTION_SAVED_NAMES[0])
+  lse_BxNxTx1 = checkpoint_name(jnp.concatenate(lses, axis=2), ATTENTION_SAVED_NAMES[1])
+  # q, k, v heads-major are named too: a policy listing QKV_SAVED_NAME keeps them as well
+  q, k, v = (checkpoint_name(x, QKV_SAVED_NAME) for x in (q, k, v))
+  return o_BxNxTxH, (q, k, v, bias, o_BxNxTxH, lse_BxNxTx1)
 
 
-def _flash4_bwd(block, res, do):
+def _saved_core_bwd(block, res, do_BxNxTxH):
+  """Per query block: P = exp(S - lse) recomputed from the saved row log-sum-exp,
+  dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO o O)), dQ = dS K, dK += dS^T Q."""
   q, k, v, bias, o, lse = res
   t = q.shape[2]
-  delta = jnp.sum(do * o, axis=-1, keepdims=True)
+  f32 = jnp.float32
+  delta_BxNxTx1 = jnp.sum(do_BxNxTxH.astype(f32) * o.astype(f32), axis=-1, keepdims=True)
   dqs, dks, dvs = [], [], []
-  for a, e in _blocks(t, block):
-    s = jnp.einsum('bnqh,bnsh->bnqs', q[:, :, a:e], k[:, :, :e],
-                   preferred_element_type=jnp.float32) + bias[:, :, a:e, :e]
-    p = jnp.exp(s - lse[:, :, a:e])
-    dvs.append(jnp.einsum('bnqs,bnqh->bnsh', p, do[:, :, a:e]))
-    dp = jnp.einsum('bnqh,bnsh->bnqs', do[:, :, a:e], v[:, :, :e])
-    ds = p * (dp - delta[:, :, a:e])
-    dqs.append(jnp.einsum('bnqs,bnsh->bnqh', ds, k[:, :, :e]))
-    dks.append(jnp.einsum('bnqs,bnqh->bnsh', ds, q[:, :, a:e]))
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, t - x.shape[2]), (0, 0)))
-  return (jnp.concatenate(dqs, axis=2), sum(pad(x) for x in dks), sum(pad(x) for x in dvs),
-          jnp.zeros_like(bias))
+  for a, e in _query_blocks(t, block):
+    p_BxNxQxE = jnp.exp(_block_scores(q, k, bias, a, e) - lse[:, :, a:e])
+    do_BxNxQxH = do_BxNxTxH[:, :, a:e]
+    dvs.append(jnp.einsum('bnqs,bnqh->bnsh', p_BxNxQxE.astype(do_BxNxQxH.dtype), do_BxNxQxH,
+                          preferred_element_type=f32))
+    dp_BxNxQxE = jnp.einsum('bnqh,bnsh->bnqs', do_BxNxQxH, v[:, :, :e].astype(do_BxNxQxH.dtype),
+                            preferred_element_type=f32)
+    ds_BxNxQxE = p_BxNxQxE * (dp_BxNxQxE - delta_BxNxTx1[:, :, a:e])
+    dqs.append(jnp.einsum('bnqs,bnsh->bnqh', ds_BxNxQxE.astype(k.dtype), k[:, :, :e],
+                          preferred_element_type=f32).astype(q.dtype))
+    dks.append(jnp.einsum('bnqs,bnqh->bnsh', ds_BxNxQxE.astype(q.dtype), q[:, :, a:e],
+                          preferred_element_type=f32))
+
+  def keys_sum(parts):  # block row [a, e)'s key gradients cover keys [0, e): pad to T, add
+    return sum(jnp.pad(x, ((0, 0), (0, 0), (0, t - x.shape[2]), (0, 0))) for x in parts)
+  return (jnp.concatenate(dqs, axis=2), keys_sum(dks).astype(k.dtype),
+          keys_sum(dvs).astype(v.dtype), jnp.zeros_like(bias))
 
 
-_flash4.defvjp(_flash4_fwd, _flash4_bwd)
-
-
-def flash4_causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT, block=64):
-  """4-D f32 no-GQA form of flash_causal_attention (prototype)."""
-  h = q_BxTxNxH.shape[-1]
-  bias = jnp.where(mask_Bx1xTxT, 0.0, _MASKED).astype(jnp.float32)
-  q = jnp.transpose(q_BxTxNxH * (1.0 / math.sqrt(h)), (0, 2, 1, 3))
-  k = jnp.transpose(k_BxTxKxH, (0, 2, 1, 3))
-  v = jnp.transpose(v_BxTxKxH, (0, 2, 1, 3))
-  return jnp.transpose(_flash4(q, k, v, bias, block), (0, 2, 1, 3))
+_saved_core.defvjp(_saved_core_fwd, _saved_core_bwd)
 
 
 def write_cache(cache_BxSxKxH: Array, new_BxQxKxH: Array, index_B: Array) -> Array:
@@ -485,6 +426,8 @@ class Attention(nnx.Module):
     self.cache_heads = (k, h)  # (KV heads, head_dim) of empty_cache
     self.impl = attention_impl(cfg)  # resolved at build time: the backend is known by then
     self.block = getattr(cfg, 'attention_block', 64)
+    # the custom-VJP core where its residuals are saved (remat block: see blocked_causal_attention)
+    self.saved_core = getattr(cfg, 'remat', 'none') == 'block'
 
   def rope(self, x_BxTxNxH, positions_BxT):
     """apply_rope with this layer's theta and scaling."""
@@ -513,7 +456,7 @@ class Attention(nnx.Module):
       v = write_cache(cache[1], v, cache_index_B)
       cache = (k, v)
     if cache is None and self.impl == 'blocked':  # training / no cache: self-attention, causal
-      out = blocked_causal_attention(q, k, v, mask_Bx1xTxS, self.block)
+      out = blocked_causal_attention(q, k, v, mask_Bx1xTxS, self.block, self.saved_core)
     else:
       out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
                                          mask=mask_Bx1xTxS)
