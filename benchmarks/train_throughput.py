@@ -259,13 +259,14 @@ TRAIN_SPEED_VARIANTS = {
     'new_attn': {'loss_chunk': 256},
     'now': {'loss_chunk': 0},
     'now_remat_none': {'loss_chunk': 0, 'remat': 'none'},
-    # issue 14, third pass ('now' runs layers._saved_core under remat block; 'autodiff_core' the
-    # blocked core differentiated by autodiff, 'now' before it)
+    # issue 14, third pass: 'now' runs layers._saved_core under remat block, saving its output,
+    # log-sum-exp and heads-major q / k / v; 'saved_out_lse' saves only the first two;
+    # 'autodiff_core' differentiates the blocked core by autodiff ('now' before the third pass)
     'autodiff_core': {'loss_chunk': 0, 'attn': 'autodiff'},  # 'now' before the saved core
     'block32': {'loss_chunk': 0, 'attention_block': 32},
     'rope_flip': {'loss_chunk': 0, 'rope': 'flip'},
     'block128': {'loss_chunk': 0, 'attention_block': 128},
-    'save_qkv': {'loss_chunk': 0, 'save_qkv': True},
+    'saved_out_lse': {'loss_chunk': 0, 'saved_names': ('attention_out', 'attention_lse')},
 }
 
 
@@ -339,13 +340,14 @@ def _autodiff_core(blocked):
 
 
 def _build_step(build, over: dict) -> 'Step':
-  """A variant's Step; 'attn': 'before' swaps in blocked_attention_before while it is traced."""
+  """A variant's Step; while it is traced, 'attn' swaps the blocked core (before: the form
+  before the second pass; autodiff: saved_core off), 'rope' the RoPE, 'saved_names' the
+  names the block remat policy saves (layers.ATTENTION_SAVED_NAMES)."""
   over = dict(over)
   saved = layers.blocked_causal_attention, layers.apply_rope
   attn, rope = over.pop('attn', None), over.pop('rope', None)
   saved_names = layers.ATTENTION_SAVED_NAMES
-  if over.pop('save_qkv', False):
-    layers.ATTENTION_SAVED_NAMES = saved_names + (layers.QKV_SAVED_NAME,)
+  layers.ATTENTION_SAVED_NAMES = over.pop('saved_names', saved_names)
   if attn:
     layers.blocked_causal_attention = {'before': blocked_attention_before,
                                        'autodiff': _autodiff_core(saved[0])}[attn]

@@ -179,8 +179,8 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
 
 # The names under which remat='block' (model.remat_policy) saves the custom-VJP core's
 # residuals: with them saved its backward never reruns its forward.
-ATTENTION_SAVED_NAMES = ('attention_out', 'attention_lse')
 QKV_SAVED_NAME = 'attention_qkv_heads_major'
+ATTENTION_SAVED_NAMES = ('attention_out', 'attention_lse', QKV_SAVED_NAME)
 
 
 def _query_blocks(t: int, block: int) -> list:
@@ -212,7 +212,7 @@ def _saved_core_fwd(q, k, v, bias, block):
     lses.append(m_BxNxQx1 + jnp.log(l_BxNxQx1))
   o_BxNxTxH = checkpoint_name(jnp.concatenate(outs, axis=2), ATTENTION_SAVED_NAMES[0])
   lse_BxNxTx1 = checkpoint_name(jnp.concatenate(lses, axis=2), ATTENTION_SAVED_NAMES[1])
-  # q, k, v heads-major are named too: a policy listing QKV_SAVED_NAME keeps them as well
+  # and q, k, v heads-major: kept, the backward reruns neither RoPE nor the transposes
   q, k, v = (checkpoint_name(x, QKV_SAVED_NAME) for x in (q, k, v))
   return o_BxNxTxH, (q, k, v, bias, o_BxNxTxH, lse_BxNxTx1)
 
