@@ -6,8 +6,9 @@ one process (round robin): this version against the one before issue 14's second
 
 B 16, T 256, d 256 = heads x head width, packed rows with segment ids (train_throughput's
 synthetic batch); the loss is sum(out * g) for a fixed random g, under jax.checkpoint with
-dots_with_no_batch_dims_saveable (model.remat = 'block'), gradients of q, k and v. The
-gqa_* variants use every second KV head (N / 2 KV heads). Prints each variant's largest
+model.remat_policy('block'), gradients of q, k and v. saved* is the custom-VJP core
+(saved_core=True, what model.remat = block runs without GQA). The gqa_* variants use every
+second KV head (N / 2 KV heads). Prints each variant's largest
 absolute difference to the first variant of the same kind (values and gradients).
 """
 from __future__ import annotations
