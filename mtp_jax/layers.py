@@ -124,9 +124,9 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   n // (N / K), as jax.nn.dot_product_attention does. Returns [B, T, N, H].
 
   saved_core (no GQA only; Attention sets it under model.remat = block): the same forward
-  as a custom VJP (_saved_core) that keeps the output and each row's log-sum-exp, named
-  for the block remat policy (ATTENTION_SAVED_NAMES), and whose backward recomputes only
-  the block probabilities (flash-style: dS = P (dP - rowsum(dO O))). Under remat the
+  as a custom VJP (_saved_core) that keeps the output, each row's log-sum-exp and the
+  heads-major q / k / v, named for the block remat policy (ATTENTION_SAVED_NAMES), and whose
+  backward recomputes only the block probabilities (flash-style: dS = P (dP - rowsum(dO O))). Under remat the
   autodiff form reruns the whole forward in the backward pass first; this one does not
   (benchmarks/RESULTS.md, issue 14 third pass). Without remat autodiff keeps the
   probabilities instead, and recomputing them would be extra work.
