@@ -105,7 +105,8 @@ def attention_impl(cfg) -> str:
 
 
 def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
-                             mask_Bx1xTxT: Array, block: int = 64, saved_core: bool = False) -> Array:
+                             mask_Bx1xTxT: Array, block: int = 64,
+                             saved_core: bool = False) -> Array:
   """Causal self-attention that never computes a fully masked key block.
 
   Query block [a, e) can only see keys [0, e) (the mask is causal, a precondition: the
@@ -126,9 +127,9 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   saved_core (no GQA only; Attention sets it under model.remat = block): the same forward
   as a custom VJP (_saved_core) that keeps the output, each row's log-sum-exp and the
   heads-major q / k / v, named for the block remat policy (ATTENTION_SAVED_NAMES), and whose
-  backward recomputes only the block probabilities (flash-style: dS = P (dP - rowsum(dO O))). Under remat the
-  autodiff form reruns the whole forward in the backward pass first; this one does not
-  (benchmarks/RESULTS.md, issue 14 third pass). Without remat autodiff keeps the
+  backward recomputes only the block probabilities (flash-style: dS = P (dP - rowsum(dO O))).
+  Under remat the autodiff form reruns the whole forward in the backward pass first; this one
+  does not (benchmarks/RESULTS.md, issue 14 third pass). Without remat autodiff keeps the
   probabilities instead, and recomputing them would be extra work.
   """
   b, t, n, h = q_BxTxNxH.shape

@@ -75,7 +75,8 @@ def test_saved_core_matches_library_call_with_gradients_under_block_remat(t, blo
   mask = layers.attention_mask(_packed_segments(b, t, seed=1))
 
   def value_and_grads(fn):
-    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * g), argnums=(0, 1, 2)))(q, k, v)
+    f = jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * g), argnums=(0, 1, 2))
+    return jax.jit(f)(q, k, v)
 
   ref = value_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask))
   core = lambda q, k, v: layers.blocked_causal_attention(q, k, v, mask, block, saved_core=True)
