@@ -241,10 +241,12 @@ AB_VARIANTS = {  # name: (config builder, {variant: model overrides})
                    {'xla': {'attention_core': 'xla'}, 'blocked64': {'attention_core': 'blocked'}}),
 }
 
-# --ab_set stdlib_block: configs/stdlib_mtp.py (2 x 128 heads) with attention blocks of 64 / 128
+# --ab_set stdlib_block: configs/stdlib_mtp.py (2 x 128 heads, remat none): attention blocks of
+# 64 / 128, and the saved core forced on (without remat it is off by default)
 STDLIB_BLOCK_VARIANTS = {
     'stdlib_mtp': (lambda **m: _with_model(load_config('stdlib_mtp'), m),
-                   {'blocked64': {'attention_block': 64}, 'blocked128': {'attention_block': 128}}),
+                   {'blocked64': {'attention_block': 64}, 'blocked128': {'attention_block': 128},
+                    'saved_core': {'attn': 'saved'}}),
 }
 
 
@@ -339,6 +341,11 @@ def _autodiff_core(blocked):
   return lambda q, k, v, mask, block=64, saved_core=False: blocked(q, k, v, mask, block, False)
 
 
+def _forced_saved_core(blocked):
+  """layers.blocked_causal_attention with saved_core forced on (also without remat)."""
+  return lambda q, k, v, mask, block=64, saved_core=False: blocked(q, k, v, mask, block, True)
+
+
 def _build_step(build, over: dict) -> 'Step':
   """A variant's Step; while it is traced, 'attn' swaps the blocked core (before: the form
   before the second pass; autodiff: saved_core off), 'rope' the RoPE, 'saved_names' the
@@ -350,7 +357,8 @@ def _build_step(build, over: dict) -> 'Step':
   layers.ATTENTION_SAVED_NAMES = over.pop('saved_names', saved_names)
   if attn:
     layers.blocked_causal_attention = {'before': blocked_attention_before,
-                                       'autodiff': _autodiff_core(saved[0])}[attn]
+                                       'autodiff': _autodiff_core(saved[0]),
+                                       'saved': _forced_saved_core(saved[0])}[attn]
   if rope:
     layers.apply_rope = {'flip': apply_rope_flip}[rope]
   try:
