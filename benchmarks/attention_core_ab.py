@@ -6,8 +6,9 @@ one process (round robin): this version against the one before issue 14's second
 
 B 16, T 256, d 256 = heads x head width, packed rows with segment ids (train_throughput's
 synthetic batch); the loss is sum(out * g) for a fixed random g, under jax.checkpoint with
-dots_with_no_batch_dims_saveable (model.remat = 'block'), gradients of q, k and v. The
-gqa_* variants use every second KV head (N / 2 KV heads). Prints each variant's largest
+model.remat_policy('block'), gradients of q, k and v. saved* is the custom-VJP core
+(saved_core=True, what model.remat = block runs without GQA). The gqa_* variants use every
+second KV head (N / 2 KV heads). Prints each variant's largest
 absolute difference to the first variant of the same kind (values and gradients).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mtp_jax import layers  # noqa: E402
+from mtp_jax import layers, model  # noqa: E402
 
 
 def variants():
@@ -33,6 +34,7 @@ def variants():
   for blk in (16, 32, 64, 128):
     out[f'before{blk}'] = lambda q, k, v, m, blk=blk: tt.blocked_attention_before(q, k, v, m, blk)
     out[f'now{blk}'] = lambda q, k, v, m, blk=blk: layers.blocked_causal_attention(q, k, v, m, blk)
+    out[f'saved{blk}'] = lambda q, k, v, m, blk=blk: layers.blocked_causal_attention(q, k, v, m, blk, saved_core=True)
   out['gqa_before64'] = lambda q, k, v, m: tt.blocked_attention_before(q, k[:, :, ::2], v[:, :, ::2], m, 64)
   out['gqa_now64'] = lambda q, k, v, m: layers.blocked_causal_attention(q, k[:, :, ::2], v[:, :, ::2], m, 64)
   out['xla_library'] = lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m)
@@ -50,7 +52,7 @@ def main():
   rng = np.random.default_rng(0)
   q, k, v, g = (jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32) for _ in range(4))
   mask = layers.attention_mask(jnp.asarray(tt.synthetic_batch(b, t, 1024)['segment_ids']))
-  policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  policy = model.remat_policy('block')
   all_variants = variants()
   fns, refs = {}, {}
   for name in a.variants.split(','):

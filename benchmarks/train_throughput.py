@@ -241,6 +241,14 @@ AB_VARIANTS = {  # name: (config builder, {variant: model overrides})
                    {'xla': {'attention_core': 'xla'}, 'blocked64': {'attention_core': 'blocked'}}),
 }
 
+# --ab_set stdlib_block: configs/stdlib_mtp.py (2 x 128 heads, remat none): attention blocks of
+# 64 / 128, and the saved core forced on (without remat it is off by default)
+STDLIB_BLOCK_VARIANTS = {
+    'stdlib_mtp': (lambda **m: _with_model(load_config('stdlib_mtp'), m),
+                   {'blocked64': {'attention_block': 64}, 'blocked128': {'attention_block': 128},
+                    'saved_core': {'attn': 'saved'}}),
+}
+
 
 # Issue 14, second pass: the MaxText-shape step's variants (--only ab --ab_set train_speed).
 # 'attn': 'before' traces the variant with blocked_attention_before (below) in place of
@@ -253,11 +261,19 @@ TRAIN_SPEED_VARIANTS = {
     'new_attn': {'loss_chunk': 256},
     'now': {'loss_chunk': 0},
     'now_remat_none': {'loss_chunk': 0, 'remat': 'none'},
+    # issue 14, third pass: 'now' runs layers._saved_core under remat block, saving its output,
+    # log-sum-exp and heads-major q / k / v; 'saved_out_lse' saves only the first two;
+    # 'autodiff_core' differentiates the blocked core by autodiff ('now' before the third pass)
+    'autodiff_core': {'loss_chunk': 0, 'attn': 'autodiff'},  # 'now' before the saved core
+    'block32': {'loss_chunk': 0, 'attention_block': 32},
+    'rope_flip': {'loss_chunk': 0, 'rope': 'flip'},
+    'block128': {'loss_chunk': 0, 'attention_block': 128},
+    'saved_out_lse': {'loss_chunk': 0, 'saved_names': ('attention_out', 'attention_lse')},
 }
 
 
 def blocked_attention_before(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
-                             mask_Bx1xTxT: jax.Array, block: int = 64) -> jax.Array:
+                             mask_Bx1xTxT: jax.Array, block: int = 64, saved_core: bool = False) -> jax.Array:
   """layers.blocked_causal_attention as it was before issue 14's second pass (5-D heads-major
   einsums, a select for the mask, softmax then P V): the A/B control of 'attn': 'before'.
 
@@ -291,6 +307,23 @@ def blocked_attention_before(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxK
   return jnp.transpose(o_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
 
 
+def apply_rope_flip(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float,
+                    scaling: tuple = ()) -> jax.Array:
+  """layers.apply_rope without its concatenate (issue 14 third pass, tried, not kept: 1.01x /
+  1.09x the step time at D 0 / 3): the halves as a size-2 axis, out = x cos + swap(x) [-sin, sin]."""
+  b, t, n, h = x_BxTxNxH.shape
+  inv_freq = layers.rope_inv_freq(h, theta, scaling)
+  angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  sin_BxTxF, cos_BxTxF = jnp.sin(angles_BxTxF), jnp.cos(angles_BxTxF)
+  sin_BxTx1x2xF = jnp.stack([-sin_BxTxF, sin_BxTxF], axis=2)[:, :, None]
+  cos_BxTx1x1xF = cos_BxTxF[:, :, None, None]
+  x_BxTxNx2xF = x_BxTxNxH.astype(jnp.float32).reshape(b, t, n, 2, h // 2)
+  out = x_BxTxNx2xF * cos_BxTx1x1xF + jnp.flip(x_BxTxNx2xF, axis=3) * sin_BxTx1x2xF
+  return out.reshape(b, t, n, h).astype(x_BxTxNxH.dtype)
+
+
+
+
 def train_speed_variants(depths, names=None) -> dict:
   names = names or list(TRAIN_SPEED_VARIANTS)
   return {f'maxtext_D{d}': (lambda d=d, **m: maxtext_config(d, **m),
@@ -303,16 +336,36 @@ def _with_model(c, model: dict):
   return c
 
 
+def _autodiff_core(blocked):
+  """layers.blocked_causal_attention with saved_core forced off (the A/B control)."""
+  return lambda q, k, v, mask, block=64, saved_core=False: blocked(q, k, v, mask, block, False)
+
+
+def _forced_saved_core(blocked):
+  """layers.blocked_causal_attention with saved_core forced on (also without remat)."""
+  return lambda q, k, v, mask, block=64, saved_core=False: blocked(q, k, v, mask, block, True)
+
+
 def _build_step(build, over: dict) -> 'Step':
-  """A variant's Step; 'attn': 'before' swaps in blocked_attention_before while it is traced."""
+  """A variant's Step; while it is traced, 'attn' swaps the blocked core (before: the form
+  before the second pass; autodiff: saved_core off), 'rope' the RoPE, 'saved_names' the
+  names the block remat policy saves (layers.ATTENTION_SAVED_NAMES)."""
   over = dict(over)
-  saved = layers.blocked_causal_attention
-  if over.pop('attn', None) == 'before':
-    layers.blocked_causal_attention = blocked_attention_before
+  saved = layers.blocked_causal_attention, layers.apply_rope
+  attn, rope = over.pop('attn', None), over.pop('rope', None)
+  saved_names = layers.ATTENTION_SAVED_NAMES
+  layers.ATTENTION_SAVED_NAMES = over.pop('saved_names', saved_names)
+  if attn:
+    layers.blocked_causal_attention = {'before': blocked_attention_before,
+                                       'autodiff': _autodiff_core(saved[0]),
+                                       'saved': _forced_saved_core(saved[0])}[attn]
+  if rope:
+    layers.apply_rope = {'flip': apply_rope_flip}[rope]
   try:
     return Step(build(**over))
   finally:
-    layers.blocked_causal_attention = saved
+    layers.blocked_causal_attention, layers.apply_rope = saved
+    layers.ATTENTION_SAVED_NAMES = saved_names
 
 
 def bench_ab(rounds: int, variants=None) -> dict:
@@ -510,7 +563,7 @@ def main():
   parser.add_argument('--depths', type=lambda x: tuple(int(d) for d in x.split(',')),
                       default=(0, 1, 3), help='maxtext section: MTP depths')
   parser.add_argument('--remat', default='block', help='maxtext section: model.remat')
-  parser.add_argument('--ab_set', default='attention', choices=('attention', 'train_speed'),
+  parser.add_argument('--ab_set', default='attention', choices=('attention', 'train_speed', 'stdlib_block'),
                       help='ab section: attention = xla vs blocked core (stdlib_mtp, MaxText '
                            'shape D 1); train_speed = TRAIN_SPEED_VARIANTS at --depths')
   parser.add_argument('--variants', default='', help='ab train_speed: comma-separated names')
@@ -528,7 +581,7 @@ def main():
     t0 = time.time()
     result[name] = {'mfu': lambda: bench_mfu(a.rounds), 'overhead': lambda: bench_overhead(a.rounds),
                     'maxtext': lambda: bench_maxtext(a.rounds, a.depths, a.remat),
-                    'ab': lambda: bench_ab(a.rounds, None if a.ab_set == 'attention' else
+                    'ab': lambda: bench_ab(a.rounds, {'attention': AB_VARIANTS, 'stdlib_block': STDLIB_BLOCK_VARIANTS}.get(a.ab_set) or
                                            train_speed_variants(a.depths, [v for v in a.variants.split(',') if v])),
                     'moe': lambda: bench_moe(a.rounds),
                     'memory': bench_memory_both_schedulers, 'compile': bench_compile}[name]()

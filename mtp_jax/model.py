@@ -156,14 +156,20 @@ def vocab_logits(norm, h_BxTxD: Array, w_DxV: Array) -> Array:
 def remat_policy(name: str):
   """The jax.checkpoint policy of config.model.remat (None: no rematerialisation).
 
-  block: keep each block's weight-matmul outputs (q/k/v/o, gate/up/down projections),
-         recompute attention scores, softmax, norms, RoPE and the SwiGLU product.
+  block: keep each block's weight-matmul outputs (q/k/v/o, gate/up/down projections)
+         and the custom-VJP attention core's residuals (layers.ATTENTION_SAVED_NAMES);
+         recompute norms, the SwiGLU product and, where that core is not used, RoPE and
+         the attention scores and softmax.
   full:  keep only each block's input; recompute the whole block in the backward pass.
   """
   if name == 'none':
     return None
   if name == 'block':
-    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    # plus the saved attention core's named residuals (output, row log-sum-exp, heads-major
+    # q / k / v): its custom backward needs only those, never a rerun of its forward
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*layers.ATTENTION_SAVED_NAMES))
   if name == 'full':
     return jax.checkpoint_policies.nothing_saveable
   raise ValueError(f'unknown remat policy {name!r}')

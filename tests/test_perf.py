@@ -11,7 +11,7 @@ from flax import nnx
 from helpers import load_config, tiny_model_config
 from mtp_jax import flops, layers
 from mtp_jax import loss as loss_lib
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model import MTPModel, ModelArgs, remat_policy
 
 
 def _packed_segments(b, t, seed=0):
@@ -54,6 +54,70 @@ def test_model_loss_and_gradients_agree_across_attention_paths():
     c.model.attention_core, c.model.attention_block = impl, 4
     model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
     assert model.layers[0].self_attn.impl == impl
+    graphdef, state = nnx.split(model)
+
+    def f(state):
+      return loss_lib.loss_and_metrics(nnx.merge(graphdef, state), batch, jnp.array([1., .3, .3]))[0]
+    out[impl] = jax.jit(jax.value_and_grad(f))(state)
+  np.testing.assert_allclose(out['blocked'][0], out['xla'][0], rtol=1e-5)
+  for a, r in zip(jax.tree.leaves(out['blocked'][1]), jax.tree.leaves(out['xla'][1])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize('t,block', [(40, 16), (24, 64)])
+def test_saved_core_matches_library_call_with_gradients_under_block_remat(t, block):
+  """The custom-VJP core (saved output and row log-sum-exp, flash-style backward): values
+  and q/k/v gradients equal jax.nn.dot_product_attention's, plain and under the block
+  remat policy that saves its residuals by name; uneven last block, packed rows."""
+  b, n, h = 3, 2, 8
+  rng = np.random.default_rng(2)
+  q, k, v, g = (jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32) for _ in range(4))
+  mask = layers.attention_mask(_packed_segments(b, t, seed=1))
+
+  def value_and_grads(fn):
+    f = jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * g), argnums=(0, 1, 2))
+    return jax.jit(f)(q, k, v)
+
+  ref = value_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask))
+  core = lambda q, k, v: layers.blocked_causal_attention(q, k, v, mask, block, saved_core=True)
+  for fn in (core, jax.checkpoint(core, policy=remat_policy('block'))):
+    for a, r in zip(jax.tree.leaves(value_and_grads(fn)), jax.tree.leaves(ref)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-5, atol=2e-5)
+
+
+def test_block_remat_saves_the_core_output_and_never_reruns_its_forward():
+  """Under remat='block' the custom-VJP core's output and log-sum-exp are saved by name:
+  the backward recomputes only the block probabilities (one exp per query block), where a
+  policy without those names reruns the forward too (two exps per block)."""
+  b, t, n, h, block = 2, 32, 2, 8, 16
+  q = k = v = jnp.ones((b, t, n, h), jnp.float32)
+  mask = layers.attention_mask(jnp.ones((b, t), jnp.int32))
+  core = lambda q, k, v: layers.blocked_causal_attention(q, k, v, mask, block, saved_core=True)
+
+  def exps(policy):
+    f = jax.checkpoint(core, policy=policy)
+    text = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))).lower(
+        q, k, v).as_text()
+    return text.count('stablehlo.exponential')
+
+  blocks = t // block
+  assert exps(remat_policy('block')) == 2 * blocks  # forward once + backward once
+  assert exps(jax.checkpoint_policies.dots_with_no_batch_dims_saveable) == 3 * blocks
+
+
+def test_model_with_block_remat_and_saved_core_agrees_with_library_attention():
+  """No GQA (the saved core's case), D = 2, packed rows: remat='block' with the blocked
+  core gives the loss and every gradient of the library call without remat."""
+  c = tiny_model_config(2, n_kv_heads=4)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 16)), jnp.int32)
+  seg = _packed_segments(2, 16, seed=3)
+  pos = jnp.asarray(np.concatenate([np.arange(5), np.arange(11)])[None].repeat(2, 0), jnp.int32)
+  batch = {'tokens': tokens * (seg > 0), 'segment_ids': seg, 'positions': pos}
+  out = {}
+  for impl, remat in (('xla', 'none'), ('blocked', 'block')):
+    c.model.attention_core, c.model.attention_block, c.model.remat = impl, 4, remat
+    model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
+    assert model.layers[0].self_attn.saved_core == (remat == 'block' and impl == 'blocked')
     graphdef, state = nnx.split(model)
 
     def f(state):
