@@ -30,7 +30,7 @@ steps", December 2026) is, at seq 256 x batch 4 = 1,024 tokens a step:
 
 (the measured trunk stopped at step 285 of its 300, after steps 1-172 under earlier
 schedules; eval loss 2.53 nats per byte). A trunk step costs ~4-6 s on 2 quiet cores, an
-MTP step on the frozen trunk 3-6 s: about 25 min for the trunk and 30 min for the MTP
+MTP step on the frozen trunk 3-6 s: about 25 min for the trunk and 45 min for the 600 MTP
 stages on a quiet machine. The defaults below (seq 128 x batch 8, 100 steps) are the
 short schedule the first trunk used.
 """
