@@ -42,18 +42,20 @@ def test_blocked_attention_matches_library_call_with_gradients(t, block, n, kv):
     np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-5, atol=2e-5)
 
 
-def test_model_loss_and_gradients_agree_across_attention_paths():
-  """The whole MTP model (D = 2, GQA, packed rows): loss and every gradient, xla vs blocked."""
-  c = tiny_model_config(2)
+def _assert_blocked_equals_xla(c, model_overrides, check):
+  """Loss and every gradient of the D = 2 model on packed rows: the 'blocked' attention
+  core (with its model overrides) against 'xla'; check(model, impl) inspects each model."""
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 16)), jnp.int32)
   seg = _packed_segments(2, 16, seed=3)
   pos = jnp.asarray(np.concatenate([np.arange(5), np.arange(11)])[None].repeat(2, 0), jnp.int32)
   batch = {'tokens': tokens * (seg > 0), 'segment_ids': seg, 'positions': pos}
   out = {}
-  for impl in ('xla', 'blocked'):
+  for impl, overrides in model_overrides.items():
     c.model.attention_core, c.model.attention_block = impl, 4
+    for key, value in overrides.items():
+      c.model[key] = value
     model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
-    assert model.layers[0].self_attn.impl == impl
+    check(model, impl)
     graphdef, state = nnx.split(model)
 
     def f(state):
@@ -62,6 +64,16 @@ def test_model_loss_and_gradients_agree_across_attention_paths():
   np.testing.assert_allclose(out['blocked'][0], out['xla'][0], rtol=1e-5)
   for a, r in zip(jax.tree.leaves(out['blocked'][1]), jax.tree.leaves(out['xla'][1])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-4, atol=1e-6)
+
+
+def test_model_loss_and_gradients_agree_across_attention_paths():
+  """The whole MTP model (D = 2, GQA, packed rows): loss and every gradient, xla vs blocked."""
+  c = tiny_model_config(2)
+
+  def check(model, impl):
+    assert model.layers[0].self_attn.impl == impl
+
+  _assert_blocked_equals_xla(c, {'xla': {}, 'blocked': {}}, check)
 
 
 @pytest.mark.parametrize('t,block', [(40, 16), (24, 64)])
@@ -109,23 +121,11 @@ def test_model_with_block_remat_and_saved_core_agrees_with_library_attention():
   """No GQA (the saved core's case), D = 2, packed rows: remat='block' with the blocked
   core gives the loss and every gradient of the library call without remat."""
   c = tiny_model_config(2, n_kv_heads=4)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 16)), jnp.int32)
-  seg = _packed_segments(2, 16, seed=3)
-  pos = jnp.asarray(np.concatenate([np.arange(5), np.arange(11)])[None].repeat(2, 0), jnp.int32)
-  batch = {'tokens': tokens * (seg > 0), 'segment_ids': seg, 'positions': pos}
-  out = {}
-  for impl, remat in (('xla', 'none'), ('blocked', 'block')):
-    c.model.attention_core, c.model.attention_block, c.model.remat = impl, 4, remat
-    model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
-    assert model.layers[0].self_attn.saved_core == (remat == 'block' and impl == 'blocked')
-    graphdef, state = nnx.split(model)
 
-    def f(state):
-      return loss_lib.loss_and_metrics(nnx.merge(graphdef, state), batch, jnp.array([1., .3, .3]))[0]
-    out[impl] = jax.jit(jax.value_and_grad(f))(state)
-  np.testing.assert_allclose(out['blocked'][0], out['xla'][0], rtol=1e-5)
-  for a, r in zip(jax.tree.leaves(out['blocked'][1]), jax.tree.leaves(out['xla'][1])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-4, atol=1e-6)
+  def check(model, impl):
+    assert model.layers[0].self_attn.saved_core == (impl == 'blocked')
+
+  _assert_blocked_equals_xla(c, {'xla': {'remat': 'none'}, 'blocked': {'remat': 'block'}}, check)
 
 
 def test_attention_auto_is_blocked_on_cpu_only():
