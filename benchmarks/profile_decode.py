@@ -19,22 +19,21 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import glob
-import gzip
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_speed  # noqa: E402
+import decode_split  # noqa: E402
 import profile_step  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from mtp_jax import decode  # noqa: E402
 
 PIECES = [  # (piece, regex over one frame), innermost frame first, first match wins
     ('attn dots (scores, probs.v)', r'_few_query_dot'),
@@ -56,14 +55,6 @@ PHASES = [('prefill', r'_prefill'), ('verify', r'_verify'), ('mtp', r'_mtp_pass'
           ('loop', r'_iteration|body|cond')]
 
 
-def _first(desc, table):
-  for frame in desc.split(' @ ', 1)[-1].split(' < '):
-    for name, pattern in table:
-      if re.search(pattern, frame):
-        return name
-  return 'other'
-
-
 def _phase(desc):
   frames = desc.split(' @ ', 1)[-1]
   for name, pattern in PHASES:  # outermost phase that appears anywhere
@@ -73,9 +64,6 @@ def _phase(desc):
 
 
 def profile(dec, prog, ab, new, rounds, hlo_dir=''):
-  from mtp_jax import decode
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import decode_split
   example = dec._inputs(prog, [[0]] * prog.batch, 1, 1, 0.0, 0, 1.0, 0)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
                           example)
@@ -101,29 +89,16 @@ def profile(dec, prog, ab, new, rounds, hlo_dir=''):
     inputs = dec._inputs(prog, prompt, m, None, 0.0, 0, 1.0, 0)
     for _ in range(2):
       jax.block_until_ready(compiled(*inputs))
-    logdir = tempfile.mkdtemp(prefix='mtp_prof_')
-    jax.profiler.start_trace(logdir, create_perfetto_trace=True)
-    for _ in range(rounds):
-      st = jax.block_until_ready(compiled(*inputs))
-    jax.profiler.stop_trace()
-    trace = glob.glob(os.path.join(logdir, 'plugins/profile/*/perfetto_trace.json.gz'))[0]
-    events = json.load(gzip.open(trace))
-    shutil.rmtree(logdir)
-    events = events['traceEvents'] if isinstance(events, dict) else events
+    results, thunks = profile_step.thunk_events(
+        lambda: jax.block_until_ready(compiled(*inputs)), rounds)
     acc = collections.Counter()
-    for e in events:
-      args = e.get('args') or {}
-      if e.get('ph') != 'X' or 'hlo_op' not in args:
-        continue
-      op = args['hlo_op']
-      if re.match(r'(while|call|conditional)\b', op):
-        continue
+    for op, ms in thunks:
       desc = meta.get(op, '')
-      key = (_phase(desc), _first(desc, PIECES))
-      acc[key] += e['dur'] / 1e3 / rounds
+      key = (_phase(desc), profile_step.categorize(desc, PIECES))
+      acc[key] += ms / rounds
       acc[key + ('#',)] += 1 / rounds
-      acc[('ops', op, desc[:200])] += e['dur'] / 1e3 / rounds
-    sums[m] = (acc, int(st.step))
+      acc[('ops', op, desc[:200])] += ms / rounds
+    sums[m] = (acc, int(results[-1].step))
   (a1, s1), (a2, s2) = sums[1], sums[new]
   steps = s2 - s1
   per = {k: (a2[k] - a1.get(k, 0.0)) / steps for k in a2 if k[0] != 'ops'}

@@ -96,10 +96,11 @@ def hlo_metadata(hlo_text: str, max_frames: int = 12) -> dict:
   return {k: f'{op} @ ' + ' < '.join(frames(fid)) for k, (op, fid) in out.items()}
 
 
-def categorize(desc: str) -> str:
-  """The category of the innermost frame that matches one (the op's own code first)."""
+def categorize(desc: str, table=None) -> str:
+  """The category of the innermost frame that matches one (the op's own code first);
+  table: (name, regex) pairs, CATEGORIES by default."""
   for frame in desc.split(' @ ', 1)[-1].split(' < '):
-    for name, pattern in CATEGORIES:
+    for name, pattern in table or CATEGORIES:
       if re.search(pattern, frame):
         return name
   return 'other'
@@ -113,33 +114,43 @@ def phase(desc: str) -> str:
   return 'fwd'
 
 
+def thunk_events(run, rounds: int, module_prefix: str = '') -> tuple[list, list]:
+  """Calls run() `rounds` times under jax.profiler: (its results, [(hlo_op, ms)] of every
+  executed thunk of the modules whose name starts with module_prefix). The while / call /
+  conditional thunks are left out: each encloses its body's thunks, which are counted."""
+  logdir = tempfile.mkdtemp(prefix='mtp_prof_')
+  jax.profiler.start_trace(logdir, create_perfetto_trace=True)
+  results = [run() for _ in range(rounds)]
+  jax.profiler.stop_trace()
+  trace = glob.glob(os.path.join(logdir, 'plugins/profile/*/perfetto_trace.json.gz'))[0]
+  d = json.load(gzip.open(trace))
+  shutil.rmtree(logdir)
+  thunks = []
+  for e in d['traceEvents'] if isinstance(d, dict) else d:
+    args = e.get('args') or {}
+    if (e.get('ph') != 'X' or 'hlo_op' not in args
+        or not str(args.get('hlo_module', '')).startswith(module_prefix)
+        or re.match(r'(while|call|conditional)\b', args['hlo_op'])):
+      continue
+    thunks.append((args['hlo_op'], e['dur'] / 1e3))
+  return results, thunks
+
+
 def profile(depth: int, steps: int, **model) -> dict:
   step = tt.Step(tt.maxtext_config(depth, **model))
   meta = hlo_metadata(step.compiled.as_text())
   for _ in range(2):
     step.run()
-  logdir = tempfile.mkdtemp(prefix='mtp_prof_')
-  jax.profiler.start_trace(logdir, create_perfetto_trace=True)
-  walls = [step.run()[0] for _ in range(steps)]
-  jax.profiler.stop_trace()
-  trace = glob.glob(os.path.join(logdir, 'plugins/profile/*/perfetto_trace.json.gz'))[0]
-  d = json.load(gzip.open(trace))
-  shutil.rmtree(logdir)
-  events = d['traceEvents'] if isinstance(d, dict) else d
+  results, thunks = thunk_events(step.run, steps, module_prefix='jit_')
+  walls = [r[0] for r in results]
   by_cat = collections.Counter()
   by_phase = collections.Counter()
   by_op = collections.Counter()
   kinds = collections.Counter()
   total = 0.0
-  for e in events:
-    args = e.get('args') or {}
-    if e.get('ph') != 'X' or 'hlo_op' not in args or not str(args.get('hlo_module', '')).startswith('jit_'):
-      continue
-    op = args['hlo_op']
-    if re.match(r'(while|call|conditional)\b', op):  # encloses its body's thunks: not counted twice
-      continue
+  for op, ms in thunks:
     desc = meta.get(op, '')
-    dur = e['dur'] / 1e3 / steps  # ms per step
+    dur = ms / steps  # ms per step
     cat = categorize(desc)
     by_cat[cat] += dur
     by_phase[(cat, phase(desc))] += dur
