@@ -18,21 +18,15 @@ export WAIT_IDLE_S=${WAIT_IDLE_S:-0}  # a shared machine is never idle; the load
 : > "$OUT"
 load() { echo "{\"load_average\": \"$(cut -d' ' -f1-3 /proc/loadavg)\", \"at\": \"$(date -u +%FT%TZ)\", \"what\": \"$1\"}" >> "$OUT"; }
 peer() { load "peer D=$1 start"; MTP_LIST=$1 bash "$PEER" >> "$OUT"; load "peer D=$1 end"; }
-ours1() {
-  load "mtp_jax ($2) start"
-  PYTHONPATH=$HERE "$2" "$HERE/benchmarks/train_throughput.py" --only maxtext --depths 0,1,3 \
+ours1() {  # <file tag> <python> <depths>: one mtp_jax process
+  load "mtp_jax ($2, D=$3) start"
+  PYTHONPATH=$HERE "$2" "$HERE/benchmarks/train_throughput.py" --only maxtext --depths "$3" \
     --rounds "$ROUNDS" --out "$OUT.ours$1.json" > /dev/null
   "$2" -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({'mtp_jax': d['maxtext'], 'jax': d['machine']['jax']}))" "$OUT.ours$1.json" >> "$OUT"
-  load "mtp_jax ($2) end"
+  load "mtp_jax ($2, D=$3) end"
 }
-oursd() {  # one depth, one process: <depth> <pair>
-  load "mtp_jax D=$1 start"
-  PYTHONPATH=$HERE "$PYTHON" "$HERE/benchmarks/train_throughput.py" --only maxtext --depths "$1" \
-    --rounds "$ROUNDS" --out "$OUT.ours_d$1_p$2.json" > /dev/null
-  "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({'mtp_jax': d['maxtext'], 'jax': d['machine']['jax']}))" "$OUT.ours_d$1_p$2.json" >> "$OUT"
-  load "mtp_jax D=$1 end"
-}
-ours() { ours1 "$1a" "$PYTHON"; if [ -n "${PYTHON2:-}" ]; then ours1 "$1b" "$PYTHON2"; fi; }
+oursd() { ours1 "_d$1_p$2" "$PYTHON" "$1"; }  # one depth, one process: <depth> <pair>
+ours() { ours1 "$1a" "$PYTHON" 0,1,3; if [ -n "${PYTHON2:-}" ]; then ours1 "$1b" "$PYTHON2" 0,1,3; fi; }
 # PAIRS=N: N interleaved peer/ours pairs per depth instead (order flipped every other pair),
 # (DEPTHS, default "0 1 3"), one depth per mtp_jax process; benchmarks/vs_maxtext_pairs.py turns the file into ratios.
 if [ -n "${PAIRS:-}" ]; then
