@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 
 from mtp_jax import flops as flops_lib  # noqa: E402
 from mtp_jax import layers  # noqa: E402
+from mtp_jax import loss as loss_lib  # noqa: E402
 from mtp_jax import sharding  # noqa: E402
 from mtp_jax import steps as steps_lib  # noqa: E402
 from mtp_jax.model import ModelArgs  # noqa: E402
@@ -269,6 +270,11 @@ TRAIN_SPEED_VARIANTS = {
     'rope_flip': {'loss_chunk': 0, 'rope': 'flip'},
     'block128': {'loss_chunk': 0, 'attention_block': 128},
     'saved_out_lse': {'loss_chunk': 0, 'saved_names': ('attention_out', 'attention_lse')},
+    # issue 14, fourth pass: 'norm': 'vjp' runs every RMSNorm through layers.rms_normalize_vjp
+    # (closed-form backward), 'ce': 'vjp' the batched loss through loss.cross_entropy_vjp
+    'norm_vjp': {'loss_chunk': 0, 'norm': 'vjp'},
+    'ce_vjp': {'loss_chunk': 0, 'ce': 'vjp'},
+    'norm_ce_vjp': {'loss_chunk': 0, 'norm': 'vjp', 'ce': 'vjp'},
 }
 
 
@@ -349,10 +355,17 @@ def _forced_saved_core(blocked):
 def _build_step(build, over: dict) -> 'Step':
   """A variant's Step; while it is traced, 'attn' swaps the blocked core (before: the form
   before the second pass; autodiff: saved_core off), 'rope' the RoPE, 'saved_names' the
-  names the block remat policy saves (layers.ATTENTION_SAVED_NAMES)."""
+  names the block remat policy saves (layers.ATTENTION_SAVED_NAMES), 'norm' every RMSNorm's
+  form (layers.rms_normalize), 'ce' the batched loss's cross-entropy (loss.cross_entropy)."""
   over = dict(over)
   saved = layers.blocked_causal_attention, layers.apply_rope
+  saved_norm_ce = layers.rms_normalize, loss_lib.cross_entropy
   attn, rope = over.pop('attn', None), over.pop('rope', None)
+  norm, ce = over.pop('norm', None), over.pop('ce', None)
+  if norm:
+    layers.rms_normalize = {'vjp': layers.rms_normalize_vjp, 'autodiff': layers.rms_normalize_autodiff}[norm]
+  if ce:
+    loss_lib.cross_entropy = {'vjp': loss_lib.cross_entropy_vjp, 'autodiff': loss_lib.cross_entropy_autodiff}[ce]
   saved_names = layers.ATTENTION_SAVED_NAMES
   layers.ATTENTION_SAVED_NAMES = over.pop('saved_names', saved_names)
   if attn:
@@ -365,6 +378,7 @@ def _build_step(build, over: dict) -> 'Step':
     return Step(build(**over))
   finally:
     layers.blocked_causal_attention, layers.apply_rope = saved
+    layers.rms_normalize, loss_lib.cross_entropy = saved_norm_ce
     layers.ATTENTION_SAVED_NAMES = saved_names
 
 

@@ -121,6 +121,42 @@ def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk:
   return loss_K, correct_K, pred_KxBxT
 
 
+def cross_entropy_autodiff(logits_NxV: Array, targets_N: Array) -> tuple[Array, Array]:
+  """(-log softmax(logits)[target], argmax) over the last axis: optax's loss, autodiff."""
+  return (optax.softmax_cross_entropy_with_integer_labels(logits_NxV, targets_N),
+          jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32))
+
+
+@jax.custom_vjp
+def cross_entropy_vjp(logits_NxV: Array, targets_N: Array) -> tuple[Array, Array]:
+  """cross_entropy_autodiff with one pass fewer: the row max is read from the argmax
+  (a gather, not a second max reduction), and the backward is (exp(logits - lse) - onehot) g
+  from the saved logits and row log-sum-exp."""
+  return _ce_fwd(logits_NxV, targets_N)[0]
+
+
+def _ce_fwd(logits, tgt):
+  pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  m = jax.lax.stop_gradient(jnp.take_along_axis(logits, pred[..., None], axis=-1))
+  lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1, keepdims=True)) + m
+  nll = (lse - jnp.take_along_axis(logits, tgt[..., None], axis=-1))[..., 0]
+  return (nll, pred), (logits, lse, tgt)
+
+
+def _ce_bwd(res, cts):
+  logits, lse, tgt = res
+  g = cts[0][..., None]
+  onehot = jnp.arange(logits.shape[-1]) == tgt[..., None]
+  dlogits = (jnp.exp(logits - lse) - onehot.astype(logits.dtype)) * g
+  return dlogits, None
+
+
+cross_entropy_vjp.defvjp(_ce_fwd, _ce_bwd)
+
+# The form _head_sums_batched runs (benchmarks/train_throughput.py's 'ce' variants swap it).
+cross_entropy = cross_entropy_autodiff
+
+
 def _head_sums_batched(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT):
   """_head_sums over the whole length (loss_chunk = 0): every depth's vocab projection in
   one [K*B*T, d] x [d, V] product and one cross-entropy over [K, B, T, V] logits.
@@ -136,8 +172,7 @@ def _head_sums_batched(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT):
   x_KNxD = jnp.concatenate([norm(h).reshape(b * t, d) for norm, h in zip(norms, hiddens)])
   logits_KxBxTxV = jnp.dot(x_KNxD, w_DxV.astype(x_KNxD.dtype),
                            preferred_element_type=jnp.float32).reshape(num, b, t, -1)
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits_KxBxTxV, targets_KxBxT)
-  pred_KxBxT = jnp.argmax(logits_KxBxTxV, axis=-1).astype(jnp.int32)
+  nll, pred_KxBxT = cross_entropy(logits_KxBxTxV, targets_KxBxT)
   mf = mask_KxBxT.astype(jnp.float32)
   return (jnp.sum(nll * mf, axis=(1, 2)), jnp.sum((pred_KxBxT == targets_KxBxT) * mf, axis=(1, 2)),
           pred_KxBxT)
