@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 from mtp_jax import flops as flops_lib  # noqa: E402
 from mtp_jax import layers  # noqa: E402
 from mtp_jax import loss as loss_lib  # noqa: E402
+from mtp_jax import model as model_lib  # noqa: E402
 from mtp_jax import sharding  # noqa: E402
 from mtp_jax import steps as steps_lib  # noqa: E402
 from mtp_jax.model import ModelArgs  # noqa: E402
@@ -275,6 +276,8 @@ TRAIN_SPEED_VARIANTS = {
     'norm_vjp': {'loss_chunk': 0, 'norm': 'vjp'},
     'ce_vjp': {'loss_chunk': 0, 'ce': 'vjp'},
     'norm_ce_vjp': {'loss_chunk': 0, 'norm': 'vjp', 'ce': 'vjp'},
+    'ce_lse_vjp': {'loss_chunk': 0, 'ce': 'lse_vjp'},
+    'combine_split': {'loss_chunk': 0, 'combine': 'split'},
 }
 
 
@@ -356,16 +359,21 @@ def _build_step(build, over: dict) -> 'Step':
   """A variant's Step; while it is traced, 'attn' swaps the blocked core (before: the form
   before the second pass; autodiff: saved_core off), 'rope' the RoPE, 'saved_names' the
   names the block remat policy saves (layers.ATTENTION_SAVED_NAMES), 'norm' every RMSNorm's
-  form (layers.rms_normalize), 'ce' the batched loss's cross-entropy (loss.cross_entropy)."""
+  form (layers.rms_normalize), 'ce' the batched loss's cross-entropy (loss.cross_entropy),
+  'combine' the MTP combine's projection (model.combine_projection)."""
   over = dict(over)
   saved = layers.blocked_causal_attention, layers.apply_rope
-  saved_norm_ce = layers.rms_normalize, loss_lib.cross_entropy
+  saved_forms = layers.rms_normalize, loss_lib.cross_entropy, model_lib.combine_projection
   attn, rope = over.pop('attn', None), over.pop('rope', None)
-  norm, ce = over.pop('norm', None), over.pop('ce', None)
+  norm, ce, combine = over.pop('norm', None), over.pop('ce', None), over.pop('combine', None)
+  if combine:
+    model_lib.combine_projection = {'split': model_lib.combine_projection_split,
+                                    'concat': model_lib.combine_projection_concat}[combine]
   if norm:
     layers.rms_normalize = {'vjp': layers.rms_normalize_vjp, 'autodiff': layers.rms_normalize_autodiff}[norm]
   if ce:
-    loss_lib.cross_entropy = {'vjp': loss_lib.cross_entropy_vjp, 'autodiff': loss_lib.cross_entropy_autodiff}[ce]
+    loss_lib.cross_entropy = {'vjp': loss_lib.cross_entropy_vjp, 'lse_vjp': loss_lib.cross_entropy_lse_vjp,
+                              'autodiff': loss_lib.cross_entropy_autodiff}[ce]
   saved_names = layers.ATTENTION_SAVED_NAMES
   layers.ATTENTION_SAVED_NAMES = over.pop('saved_names', saved_names)
   if attn:
@@ -378,7 +386,7 @@ def _build_step(build, over: dict) -> 'Step':
     return Step(build(**over))
   finally:
     layers.blocked_causal_attention, layers.apply_rope = saved
-    layers.rms_normalize, loss_lib.cross_entropy = saved_norm_ce
+    layers.rms_normalize, loss_lib.cross_entropy, model_lib.combine_projection = saved_forms
     layers.ATTENTION_SAVED_NAMES = saved_names
 
 

@@ -153,6 +153,22 @@ def _ce_bwd(res, cts):
 
 cross_entropy_vjp.defvjp(_ce_fwd, _ce_bwd)
 
+
+@jax.custom_vjp
+def cross_entropy_lse_vjp(logits_NxV: Array, targets_N: Array) -> tuple[Array, Array]:
+  """cross_entropy_autodiff's forward as it is (its max and argmax reductions side by side),
+  with cross_entropy_vjp's backward from the saved logits and row log-sum-exp."""
+  return _ce_lse_fwd(logits_NxV, targets_N)[0]
+
+
+def _ce_lse_fwd(logits, tgt):
+  lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  nll = (lse - jnp.take_along_axis(logits, tgt[..., None], axis=-1))[..., 0]
+  return (nll, jnp.argmax(logits, axis=-1).astype(jnp.int32)), (logits, lse, tgt)
+
+
+cross_entropy_lse_vjp.defvjp(_ce_lse_fwd, _ce_bwd)
+
 # The form _head_sums_batched runs (benchmarks/train_throughput.py's 'ce' variants swap it).
 cross_entropy = cross_entropy_autodiff
 
