@@ -238,24 +238,6 @@ class SharedHead(nnx.Module):
     self.norm = layers.rms_norm(args.d_model, args, rngs)
 
 
-def combine_projection_concat(e_NxD: Array, h_NxD: Array, kernel_2DxD: Array, dtype) -> Array:
-  """[e ; h] @ kernel: one [N, 2d] x [2d, d] product of the concatenated halves."""
-  return layers.project(jnp.concatenate([e_NxD, h_NxD], axis=-1), kernel_2DxD, dtype)
-
-
-def combine_projection_split(e_NxD: Array, h_NxD: Array, kernel_2DxD: Array, dtype) -> Array:
-  """The same as combine_projection_concat, as two [N, d] x [d, d] products summed (no
-  concatenate of the activations, nor a slice of their gradient)."""
-  d = e_NxD.shape[-1]
-  return (layers.project(e_NxD, kernel_2DxD[:d], dtype)
-          + layers.project(h_NxD, kernel_2DxD[d:], dtype))
-
-
-# The form SequentialMTP.combine trains with (benchmarks/train_throughput.py's 'combine'
-# variants swap it while tracing).
-combine_projection = combine_projection_concat
-
-
 class SequentialMTP(nnx.Module):
   """One DeepSeek-V3 MTP module: enorm, hnorm, eh_proj, a block, shared_head.norm."""
 
@@ -276,12 +258,10 @@ class SequentialMTP(nnx.Module):
     decode: a decode step (layers.decode_dot's rule, the decode layout's eh_t).
     """
     b, t, d = emb_BxTxD.shape
-    e_NxD = self.enorm(emb_BxTxD).reshape(b * t, d)
-    h_NxD = self.hnorm(h_prev_BxTxD).reshape(b * t, d)
-    if decode:
-      h = layers.decode_dot(jnp.concatenate([e_NxD, h_NxD], axis=-1), self.eh_t[...])
-    else:
-      h = combine_projection(e_NxD, h_NxD, self.eh_proj.kernel[...], self.eh_proj.dtype)
+    x = jnp.concatenate([self.enorm(emb_BxTxD), self.hnorm(h_prev_BxTxD)], axis=-1)
+    x = x.reshape(b * t, 2 * d)
+    h = (layers.decode_dot(x, self.eh_t[...]) if decode
+         else layers.project(x, self.eh_proj.kernel, self.eh_proj.dtype))
     return constrain(h.reshape(b, t, d), ('batch', 'length', 'act_embed'))
 
   def prepare_decode(self, layout: str) -> None:
