@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -284,6 +285,7 @@ TRAIN_SPEED_VARIANTS = {
     'norm_autodiff': {'loss_chunk': 0, 'norm': 'autodiff'},  # 'now' before the fourth pass
     # the closed form only in the blocks' two norms / only in the others (final, enorm / hnorm,
     # shared_head.norm)
+    'norm_vjp_v1': {'loss_chunk': 0, 'norm': 'vjp_v1'},  # the first backward (row reduction)
     'norm_vjp_blocks': {'loss_chunk': 0, 'norm': 'blocks'},
     'norm_vjp_outside': {'loss_chunk': 0, 'norm': 'outside'},
     'ce_vjp': {'loss_chunk': 0, 'ce': 'vjp'},
@@ -390,6 +392,24 @@ def _ce_lse_fwd(logits, tgt):
 cross_entropy_lse_vjp.defvjp(_ce_lse_fwd, _ce_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_normalize_vjp_v1(x_NxD, scale_D, eps, dtype):
+  """layers.rms_normalize_vjp with its first backward: mean(x_hat * scale * dy) as a row
+  reduction (XLA:CPU materialises the [N, d] scale broadcast that feeds it)."""
+  return layers.rms_normalize_autodiff(x_NxD, scale_D, eps, dtype)
+
+
+def _rms_v1_bwd(eps, dtype, res, dy):
+  x, r, scale = res
+  x_hat = x.astype(jnp.float32) * r
+  u = dy * scale
+  dx = r * (u - x_hat * jnp.mean(x_hat * u, -1, keepdims=True))
+  return dx.astype(x.dtype), jnp.sum((dy * x_hat).reshape(-1, x.shape[-1]), 0).astype(scale.dtype)
+
+
+rms_normalize_vjp_v1.defvjp(layers._rms_vjp_fwd, _rms_v1_bwd)
+
+
 def combine_split(self, h_prev_BxTxD: jax.Array, emb_BxTxD: jax.Array, decode: bool = False) -> jax.Array:
   """SequentialMTP.combine (training path) as enorm(e) @ W[:d] + hnorm(h) @ W[d:]: two
   [N, d] x [d, d] products summed instead of one over the concatenated [N, 2d]."""
@@ -457,6 +477,8 @@ def _build_step(build, over: dict) -> 'Step':
   block_init = layers.Block.__init__
   if norm in ('vjp', 'autodiff'):  # force one form whatever model.remat says
     layers.rms_normalize = _forced_norm(saved_forms[0], norm == 'vjp')
+  elif norm == 'vjp_v1':
+    layers.rms_normalize = lambda x, scale, eps, dtype, _closed_form: rms_normalize_vjp_v1(x, scale, eps, dtype)
   elif norm:  # blocks / outside: where model.remat picks it (remat block here), only there
     layers.Block.__init__ = _block_init_norm_form(block_init)
     layers.rms_normalize = _norm_by_flag(saved_forms[0], norm == 'blocks')

@@ -51,12 +51,15 @@ def _rms_vjp_fwd(x, scale, eps, dtype):
 
 def _rms_vjp_bwd(eps, dtype, res, dy):
   x, r, scale = res
+  d = x.shape[-1]
   x_hat = x.astype(jnp.float32) * r
-  dy = dy.astype(jnp.float32)
-  u = dy * scale.astype(jnp.float32)
-  dx = r * (u - x_hat * jnp.mean(x_hat * u, -1, keepdims=True))
-  dscale = jnp.sum((dy * x_hat).reshape(-1, x.shape[-1]), 0)
-  return dx.astype(x.dtype), dscale.astype(scale.dtype)
+  dy, scale32 = dy.astype(jnp.float32), scale.astype(jnp.float32)
+  # mean(x_hat * scale * dy) as (x_hat dy) . scale / d, a matrix-vector product: the scale
+  # broadcast to [N, d] then never feeds a reduction (XLA:CPU materialised it there)
+  xdy_NxD = (x_hat * dy).reshape(-1, d)
+  c = (jnp.dot(xdy_NxD, scale32, precision=jax.lax.Precision.HIGHEST) / d).reshape(x.shape[:-1] + (1,))
+  dx = r * (dy * scale32 - x_hat * c)
+  return dx.astype(x.dtype), jnp.sum(xdy_NxD, 0).astype(scale.dtype)
 
 
 rms_normalize_vjp.defvjp(_rms_vjp_fwd, _rms_vjp_bwd)
