@@ -278,16 +278,12 @@ TRAIN_SPEED_VARIANTS = {
     'rope_flip': {'loss_chunk': 0, 'rope': 'flip'},
     'block128': {'loss_chunk': 0, 'attention_block': 128},
     'saved_out_lse': {'loss_chunk': 0, 'saved_names': ('attention_out', 'attention_lse')},
-    # issue 14, fourth pass: 'norm': 'vjp' / 'autodiff' forces every RMSNorm's form (the closed
-    # form, layers.rms_normalize_vjp, is the default under remat now), 'ce' the batched loss's
+    # issue 14, fourth pass: 'norm': 'vjp' / 'autodiff' / 'vjp_v1' every RMSNorm's form (the
+    # closed form, layers.rms_normalize_vjp, is the default now), 'ce' the batched loss's
     # cross-entropy (tried, not kept), 'combine' the MTP combine's projection (tried, not kept)
     'norm_vjp': {'loss_chunk': 0, 'norm': 'vjp'},
     'norm_autodiff': {'loss_chunk': 0, 'norm': 'autodiff'},  # 'now' before the fourth pass
-    # the closed form only in the blocks' two norms / only in the others (final, enorm / hnorm,
-    # shared_head.norm)
     'norm_vjp_v1': {'loss_chunk': 0, 'norm': 'vjp_v1'},  # the first backward (row reduction)
-    'norm_vjp_blocks': {'loss_chunk': 0, 'norm': 'blocks'},
-    'norm_vjp_outside': {'loss_chunk': 0, 'norm': 'outside'},
     'ce_vjp': {'loss_chunk': 0, 'ce': 'vjp'},
     'norm_ce_vjp': {'loss_chunk': 0, 'norm': 'vjp', 'ce': 'vjp'},
     'ce_lse_vjp': {'loss_chunk': 0, 'ce': 'lse_vjp'},
@@ -443,24 +439,6 @@ def _forced_saved_core(blocked):
   return lambda q, k, v, mask, block=64, saved_core=False: blocked(q, k, v, mask, block, True)
 
 
-def _forced_norm(normalize, closed_form: bool):
-  """layers.rms_normalize with closed_form forced (model.remat picks it otherwise)."""
-  return lambda x, scale, eps, dtype, _closed_form: normalize(x, scale, eps, dtype, closed_form)
-
-
-def _block_init_norm_form(init):
-  """Block.__init__ that marks its two norms (closed_form = 'block', not a bool) for _norm_by_flag."""
-  def wrapped(self, *args, **kwargs):
-    init(self, *args, **kwargs)
-    self.input_layernorm.closed_form = self.post_attention_layernorm.closed_form = 'block'
-  return wrapped
-
-
-def _norm_by_flag(normalize, blocks: bool):
-  """The closed form only for the blocks' norms (blocks) or only for the others."""
-  return lambda x, scale, eps, dtype, flag: normalize(x, scale, eps, dtype, (flag == 'block') == blocks)
-
-
 def _build_step(build, over: dict) -> 'Step':
   """A variant's Step; while it is traced, 'attn' swaps the blocked core (before: the form
   before the second pass; autodiff: saved_core off), 'rope' the RoPE, 'saved_names' the
@@ -474,14 +452,9 @@ def _build_step(build, over: dict) -> 'Step':
   norm, ce, combine = over.pop('norm', None), over.pop('ce', None), over.pop('combine', None)
   if combine:
     model_lib.SequentialMTP.combine = {'split': combine_split}[combine]
-  block_init = layers.Block.__init__
-  if norm in ('vjp', 'autodiff'):  # force one form whatever model.remat says
-    layers.rms_normalize = _forced_norm(saved_forms[0], norm == 'vjp')
-  elif norm == 'vjp_v1':
-    layers.rms_normalize = lambda x, scale, eps, dtype, _closed_form: rms_normalize_vjp_v1(x, scale, eps, dtype)
-  elif norm:  # blocks / outside: where model.remat picks it (remat block here), only there
-    layers.Block.__init__ = _block_init_norm_form(block_init)
-    layers.rms_normalize = _norm_by_flag(saved_forms[0], norm == 'blocks')
+  if norm:
+    layers.rms_normalize = {'vjp': layers.rms_normalize_vjp, 'autodiff': layers.rms_normalize_autodiff,
+                            'vjp_v1': rms_normalize_vjp_v1}[norm]
   if ce:
     loss_lib.cross_entropy = {'vjp': cross_entropy_vjp, 'lse_vjp': cross_entropy_lse_vjp}[ce]
   saved_names = layers.ATTENTION_SAVED_NAMES
@@ -497,7 +470,6 @@ def _build_step(build, over: dict) -> 'Step':
   finally:
     layers.blocked_causal_attention, layers.apply_rope = saved
     layers.rms_normalize, loss_lib.cross_entropy, model_lib.SequentialMTP.combine = saved_forms
-    layers.Block.__init__ = block_init
     layers.ATTENTION_SAVED_NAMES = saved_names
 
 

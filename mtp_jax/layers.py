@@ -24,11 +24,8 @@ def _init(initializer, names):
 
 
 def rms_norm(d: int, cfg, rngs: nnx.Rngs) -> nnx.RMSNorm:
-  """The model's RMSNorm: the closed-form backward under remat (rms_normalize)."""
-  norm = RMSNorm(d, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=jnp.float32,
+  return RMSNorm(d, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=jnp.float32,
                  scale_init=_init(nnx.initializers.ones, ('norm',)), rngs=rngs)
-  norm.closed_form = cfg.remat != 'none'
-  return norm
 
 
 def rms_normalize_autodiff(x_NxD: Array, scale_D: Array, eps: float, dtype) -> Array:
@@ -64,30 +61,21 @@ def _rms_vjp_bwd(eps, dtype, res, dy):
 
 rms_normalize_vjp.defvjp(_rms_vjp_fwd, _rms_vjp_bwd)
 
-def rms_normalize(x_NxD: Array, scale_D: Array, eps: float, dtype, closed_form: bool) -> Array:
-  """RMSNorm's arithmetic, closed_form: rms_normalize_vjp, else rms_normalize_autodiff.
-
-  Under remat (issue 14, fourth pass: benchmarks/RESULTS.md) the closed form makes the
-  MaxText-shape step ~1.5-3 % faster at D = 3 and its temp memory 6-9 % smaller: inside a
-  rematerialised block the backward needs only the row rsqrt again, not the normalised
-  output. Without remat autodiff keeps its intermediates and the closed form, which
-  recomputes x r in the backward, read 1.02-1.05x the configs/stdlib_mtp.py step time.
-  """
-  fn = rms_normalize_vjp if closed_form else rms_normalize_autodiff
-  return fn(x_NxD, scale_D, eps, dtype)
+# The form every RMSNorm runs (benchmarks/train_throughput.py's 'norm' variants swap it while
+# tracing). The closed form (issue 14, fourth pass, benchmarks/RESULTS.md): the MaxText-shape
+# step (remat block) 0.97-1.00x the time of autodiff at D = 0 / 1 / 3 and 12-16 % less temp
+# memory; configs/stdlib_mtp.py (no remat) 0.95-0.99x, 17 % less.
+rms_normalize = rms_normalize_vjp
 
 
 class RMSNorm(nnx.RMSNorm):
-  """nnx.RMSNorm (same parameter, same values) over the last axis through rms_normalize.
-
-  closed_form: a plain attribute (not a parameter), set by rms_norm from model.remat."""
-  closed_form: bool = False
+  """nnx.RMSNorm (same parameter, same values) over the last axis through rms_normalize."""
 
   def __call__(self, x, mask=None):
     if mask is not None or self.reduction_axes not in (-1, (-1,)) or self.scale is None:
       return super().__call__(x, mask)
     x, scale = self.promote_dtype((x, self.scale[...]), dtype=self.dtype)
-    return rms_normalize(x, scale, self.epsilon, self.dtype, self.closed_form)
+    return rms_normalize(x, scale, self.epsilon, self.dtype)
 
 
 def project(x_NxI: Array, kernel, dtype, in_dims: int = 1) -> Array:
