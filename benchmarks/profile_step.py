@@ -32,11 +32,11 @@ import jax  # noqa: E402
 
 # (category, regex over the innermost project/library frames of an op), first match wins.
 CATEGORIES = [
-    ('optimizer (optax)', r'optax/'),
+    ('optimizer (optax)', r'optax/(?!losses/)'),  # optax's cross-entropy is the loss's
     ('keep_finite (state select)', r'keep_finite_update'),
     ('attention core', r'blocked_causal_attention|dot_product_attention'),
     ('rope', r'apply_rope|rope_inv_freq'),
-    ('rmsnorm', r'normalization\.py'),
+    ('rmsnorm', r'normalization\.py|rms_normalize|_rms_vjp'),
     ('loss: vocab proj + CE', r'vocab_logits|chunk_body|_head_sums|loss\.py'),
     ('MLP projections + SwiGLU', r'layers\.py:MLP\.'),
     ('q/k/v/o projections', r'layers\.py:Attention\.'),

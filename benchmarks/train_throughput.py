@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -45,6 +46,8 @@ import numpy as np  # noqa: E402
 
 from mtp_jax import flops as flops_lib  # noqa: E402
 from mtp_jax import layers  # noqa: E402
+from mtp_jax import loss as loss_lib  # noqa: E402
+from mtp_jax import model as model_lib  # noqa: E402
 from mtp_jax import sharding  # noqa: E402
 from mtp_jax import steps as steps_lib  # noqa: E402
 from mtp_jax.model import ModelArgs  # noqa: E402
@@ -249,6 +252,12 @@ STDLIB_BLOCK_VARIANTS = {
                     'saved_core': {'attn': 'saved'}}),
 }
 
+# --ab_set stdlib_norm: configs/stdlib_mtp.py with its RMSNorms autodiff vs the custom VJP
+STDLIB_NORM_VARIANTS = {
+    'stdlib_mtp': (lambda **m: _with_model(load_config('stdlib_mtp'), m),
+                   {'norm_autodiff': {'norm': 'autodiff'}, 'norm_vjp': {'norm': 'vjp'}}),
+}
+
 
 # Issue 14, second pass: the MaxText-shape step's variants (--only ab --ab_set train_speed).
 # 'attn': 'before' traces the variant with blocked_attention_before (below) in place of
@@ -269,6 +278,16 @@ TRAIN_SPEED_VARIANTS = {
     'rope_flip': {'loss_chunk': 0, 'rope': 'flip'},
     'block128': {'loss_chunk': 0, 'attention_block': 128},
     'saved_out_lse': {'loss_chunk': 0, 'saved_names': ('attention_out', 'attention_lse')},
+    # issue 14, fourth pass: 'norm': 'vjp' / 'autodiff' / 'vjp_v1' every RMSNorm's form (the
+    # closed form, layers.rms_normalize_vjp, is the default now), 'ce' the batched loss's
+    # cross-entropy (tried, not kept), 'combine' the MTP combine's projection (tried, not kept)
+    'norm_vjp': {'loss_chunk': 0, 'norm': 'vjp'},
+    'norm_autodiff': {'loss_chunk': 0, 'norm': 'autodiff'},  # 'now' before the fourth pass
+    'norm_vjp_v1': {'loss_chunk': 0, 'norm': 'vjp_v1'},  # the first backward (row reduction)
+    'ce_vjp': {'loss_chunk': 0, 'ce': 'vjp'},
+    'norm_ce_vjp': {'loss_chunk': 0, 'norm': 'vjp', 'ce': 'vjp'},
+    'ce_lse_vjp': {'loss_chunk': 0, 'ce': 'lse_vjp'},
+    'combine_split': {'loss_chunk': 0, 'combine': 'split'},
 }
 
 
@@ -324,6 +343,80 @@ def apply_rope_flip(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float
 
 
 
+# Issue 14, fourth pass, tried and not kept (benchmarks/RESULTS.md): custom VJPs for the batched
+# loss's cross-entropy ('ce' variants) and the MTP combine as two summed dots ('combine').
+@jax.custom_vjp
+def cross_entropy_vjp(logits_NxV: jax.Array, targets_N: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """loss_lib.cross_entropy_autodiff with one pass fewer: the row max is read from the argmax
+  (a gather, not a second max reduction), and the backward is (exp(logits - lse) - onehot) g
+  from the saved logits and row log-sum-exp."""
+  return _ce_fwd(logits_NxV, targets_N)[0]
+
+
+def _ce_fwd(logits, tgt):
+  pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  m = jax.lax.stop_gradient(jnp.take_along_axis(logits, pred[..., None], axis=-1))
+  lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1, keepdims=True)) + m
+  nll = (lse - jnp.take_along_axis(logits, tgt[..., None], axis=-1))[..., 0]
+  return (nll, pred), (logits, lse, tgt)
+
+
+def _ce_bwd(res, cts):
+  logits, lse, tgt = res
+  g = cts[0][..., None]
+  onehot = jnp.arange(logits.shape[-1]) == tgt[..., None]
+  dlogits = (jnp.exp(logits - lse) - onehot.astype(logits.dtype)) * g
+  return dlogits, None
+
+
+cross_entropy_vjp.defvjp(_ce_fwd, _ce_bwd)
+
+
+@jax.custom_vjp
+def cross_entropy_lse_vjp(logits_NxV: jax.Array, targets_N: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """loss_lib.cross_entropy_autodiff's forward as it is (its max and argmax reductions side by side),
+  with cross_entropy_vjp's backward from the saved logits and row log-sum-exp."""
+  return _ce_lse_fwd(logits_NxV, targets_N)[0]
+
+
+def _ce_lse_fwd(logits, tgt):
+  lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  nll = (lse - jnp.take_along_axis(logits, tgt[..., None], axis=-1))[..., 0]
+  return (nll, jnp.argmax(logits, axis=-1).astype(jnp.int32)), (logits, lse, tgt)
+
+
+cross_entropy_lse_vjp.defvjp(_ce_lse_fwd, _ce_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_normalize_vjp_v1(x_NxD, scale_D, eps, dtype):
+  """layers.rms_normalize_vjp with its first backward: mean(x_hat * scale * dy) as a row
+  reduction (XLA:CPU materialises the [N, d] scale broadcast that feeds it)."""
+  return layers.rms_normalize_autodiff(x_NxD, scale_D, eps, dtype)
+
+
+def _rms_v1_bwd(eps, dtype, res, dy):
+  x, r, scale = res
+  x_hat = x.astype(jnp.float32) * r
+  u = dy * scale
+  dx = r * (u - x_hat * jnp.mean(x_hat * u, -1, keepdims=True))
+  return dx.astype(x.dtype), jnp.sum((dy * x_hat).reshape(-1, x.shape[-1]), 0).astype(scale.dtype)
+
+
+rms_normalize_vjp_v1.defvjp(layers._rms_vjp_fwd, _rms_v1_bwd)
+
+
+def combine_split(self, h_prev_BxTxD: jax.Array, emb_BxTxD: jax.Array, decode: bool = False) -> jax.Array:
+  """SequentialMTP.combine (training path) as enorm(e) @ W[:d] + hnorm(h) @ W[d:]: two
+  [N, d] x [d, d] products summed instead of one over the concatenated [N, 2d]."""
+  assert not decode
+  b, t, d = emb_BxTxD.shape
+  w_2DxD = self.eh_proj.kernel[...]
+  h = (layers.project(self.enorm(emb_BxTxD).reshape(b * t, d), w_2DxD[:d], self.eh_proj.dtype)
+       + layers.project(self.hnorm(h_prev_BxTxD).reshape(b * t, d), w_2DxD[d:], self.eh_proj.dtype))
+  return sharding.constrain(h.reshape(b, t, d), ('batch', 'length', 'act_embed'))
+
+
 def train_speed_variants(depths, names=None) -> dict:
   names = names or list(TRAIN_SPEED_VARIANTS)
   return {f'maxtext_D{d}': (lambda d=d, **m: maxtext_config(d, **m),
@@ -349,10 +442,21 @@ def _forced_saved_core(blocked):
 def _build_step(build, over: dict) -> 'Step':
   """A variant's Step; while it is traced, 'attn' swaps the blocked core (before: the form
   before the second pass; autodiff: saved_core off), 'rope' the RoPE, 'saved_names' the
-  names the block remat policy saves (layers.ATTENTION_SAVED_NAMES)."""
+  names the block remat policy saves (layers.ATTENTION_SAVED_NAMES), 'norm' every RMSNorm's
+  form (layers.rms_normalize), 'ce' the batched loss's cross-entropy (loss.cross_entropy),
+  'combine' SequentialMTP.combine (split: combine_split)."""
   over = dict(over)
   saved = layers.blocked_causal_attention, layers.apply_rope
+  saved_forms = layers.rms_normalize, loss_lib.cross_entropy, model_lib.SequentialMTP.combine
   attn, rope = over.pop('attn', None), over.pop('rope', None)
+  norm, ce, combine = over.pop('norm', None), over.pop('ce', None), over.pop('combine', None)
+  if combine:
+    model_lib.SequentialMTP.combine = {'split': combine_split}[combine]
+  if norm:
+    layers.rms_normalize = {'vjp': layers.rms_normalize_vjp, 'autodiff': layers.rms_normalize_autodiff,
+                            'vjp_v1': rms_normalize_vjp_v1}[norm]
+  if ce:
+    loss_lib.cross_entropy = {'vjp': cross_entropy_vjp, 'lse_vjp': cross_entropy_lse_vjp}[ce]
   saved_names = layers.ATTENTION_SAVED_NAMES
   layers.ATTENTION_SAVED_NAMES = over.pop('saved_names', saved_names)
   if attn:
@@ -365,6 +469,7 @@ def _build_step(build, over: dict) -> 'Step':
     return Step(build(**over))
   finally:
     layers.blocked_causal_attention, layers.apply_rope = saved
+    layers.rms_normalize, loss_lib.cross_entropy, model_lib.SequentialMTP.combine = saved_forms
     layers.ATTENTION_SAVED_NAMES = saved_names
 
 
@@ -563,7 +668,7 @@ def main():
   parser.add_argument('--depths', type=lambda x: tuple(int(d) for d in x.split(',')),
                       default=(0, 1, 3), help='maxtext section: MTP depths')
   parser.add_argument('--remat', default='block', help='maxtext section: model.remat')
-  parser.add_argument('--ab_set', default='attention', choices=('attention', 'train_speed', 'stdlib_block'),
+  parser.add_argument('--ab_set', default='attention', choices=('attention', 'train_speed', 'stdlib_block', 'stdlib_norm'),
                       help='ab section: attention = xla vs blocked core (stdlib_mtp, MaxText '
                            'shape D 1); train_speed = TRAIN_SPEED_VARIANTS at --depths')
   parser.add_argument('--variants', default='', help='ab train_speed: comma-separated names')
@@ -581,7 +686,8 @@ def main():
     t0 = time.time()
     result[name] = {'mfu': lambda: bench_mfu(a.rounds), 'overhead': lambda: bench_overhead(a.rounds),
                     'maxtext': lambda: bench_maxtext(a.rounds, a.depths, a.remat),
-                    'ab': lambda: bench_ab(a.rounds, {'attention': AB_VARIANTS, 'stdlib_block': STDLIB_BLOCK_VARIANTS}.get(a.ab_set) or
+                    'ab': lambda: bench_ab(a.rounds, {'attention': AB_VARIANTS, 'stdlib_block': STDLIB_BLOCK_VARIANTS,
+                                                      'stdlib_norm': STDLIB_NORM_VARIANTS}.get(a.ab_set) or
                                            train_speed_variants(a.depths, [v for v in a.variants.split(',') if v])),
                     'moe': lambda: bench_moe(a.rounds),
                     'memory': bench_memory_both_schedulers, 'compile': bench_compile}[name]()

@@ -24,8 +24,58 @@ def _init(initializer, names):
 
 
 def rms_norm(d: int, cfg, rngs: nnx.Rngs) -> nnx.RMSNorm:
-  return nnx.RMSNorm(d, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=jnp.float32,
-                     scale_init=_init(nnx.initializers.ones, ('norm',)), rngs=rngs)
+  return RMSNorm(d, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=jnp.float32,
+                 scale_init=_init(nnx.initializers.ones, ('norm',)), rngs=rngs)
+
+
+def rms_normalize_autodiff(x_NxD: Array, scale_D: Array, eps: float, dtype) -> Array:
+  """nnx.RMSNorm's arithmetic: x * (rsqrt(mean(x^2) + eps) * scale), statistics in float32."""
+  r_Nx1 = jax.lax.rsqrt(jnp.mean(jnp.square(x_NxD.astype(jnp.float32)), -1, keepdims=True) + eps)
+  return jnp.asarray(x_NxD * (r_Nx1 * scale_D), dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_normalize_vjp(x_NxD: Array, scale_D: Array, eps: float, dtype) -> Array:
+  """rms_normalize_autodiff with a closed-form backward (residuals: x and the row rsqrt):
+  with x_hat = r x and u = scale * dy, dx = r (u - x_hat mean(x_hat u)), dscale = sum(dy x_hat)."""
+  return rms_normalize_autodiff(x_NxD, scale_D, eps, dtype)
+
+
+def _rms_vjp_fwd(x, scale, eps, dtype):
+  r = jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + eps)
+  return jnp.asarray(x * (r * scale), dtype), (x, r, scale)
+
+
+def _rms_vjp_bwd(eps, dtype, res, dy):
+  x, r, scale = res
+  d = x.shape[-1]
+  x_hat = x.astype(jnp.float32) * r
+  dy, scale32 = dy.astype(jnp.float32), scale.astype(jnp.float32)
+  # mean(x_hat * scale * dy) as (x_hat dy) . scale / d, a matrix-vector product: the scale
+  # broadcast to [N, d] then never feeds a reduction (XLA:CPU materialised it there)
+  xdy_NxD = (x_hat * dy).reshape(-1, d)
+  c = (jnp.dot(xdy_NxD, scale32, precision=jax.lax.Precision.HIGHEST) / d).reshape(x.shape[:-1] + (1,))
+  dx = r * (dy * scale32 - x_hat * c)
+  return dx.astype(x.dtype), jnp.sum(xdy_NxD, 0).astype(scale.dtype)
+
+
+rms_normalize_vjp.defvjp(_rms_vjp_fwd, _rms_vjp_bwd)
+
+# The form every RMSNorm runs (benchmarks/train_throughput.py's 'norm' variants swap it while
+# tracing). The closed form (issue 14, fourth pass, benchmarks/RESULTS.md): the MaxText-shape
+# step (remat block) 0.97-1.00x the time of autodiff at D = 0 / 1 / 3 and 12-16 % less temp
+# memory; configs/stdlib_mtp.py (no remat) 0.95-0.99x, 17 % less.
+rms_normalize = rms_normalize_vjp
+
+
+class RMSNorm(nnx.RMSNorm):
+  """nnx.RMSNorm (same parameter, same values) over the last axis through rms_normalize."""
+
+  def __call__(self, x, mask=None):
+    if mask is not None or self.reduction_axes not in (-1, (-1,)) or self.scale is None:
+      return super().__call__(x, mask)
+    x, scale = self.promote_dtype((x, self.scale[...]), dtype=self.dtype)
+    return rms_normalize(x, scale, self.epsilon, self.dtype)
 
 
 def project(x_NxI: Array, kernel, dtype, in_dims: int = 1) -> Array:

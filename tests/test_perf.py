@@ -174,3 +174,28 @@ def test_cpu_peak_is_cached_and_only_raised(tmp_path, monkeypatch):
   assert peak == 300e9 and 'cached' in source  # 8 fake devices, one process
   monkeypatch.setenv(flops.PEAK_ENV, '1e12')
   assert flops.peak_flops(jnp.float32, jax.devices())[0] == 1e12
+
+
+@pytest.mark.parametrize('remat', [False, True])
+def test_rms_norm_custom_vjp_matches_library_norm(remat):
+  """layers.rms_normalize_vjp: value and x / scale gradients of nnx.RMSNorm (its autodiff),
+  also inside jax.checkpoint under the block remat policy."""
+  rng = np.random.default_rng(0)
+  x, dy = (jnp.asarray(rng.standard_normal((2, 5, 16)) * 3, jnp.float32) for _ in range(2))
+  scale = jnp.asarray(rng.standard_normal(16), jnp.float32)
+  ref = nnx.RMSNorm(16, epsilon=1e-6, rngs=nnx.Rngs(0))
+  graphdef, _ = nnx.split(ref)
+
+  def loss_ref(x, s):
+    return jnp.sum(nnx.merge(graphdef, nnx.State({'scale': nnx.Param(s)}))(x) * dy)
+
+  def loss_vjp(x, s):
+    return jnp.sum(layers.rms_normalize_vjp(x, s, 1e-6, jnp.float32) * dy)
+
+  wrap = (lambda f: jax.checkpoint(f, policy=remat_policy('block'))) if remat else (lambda f: f)
+  ref_v, ref_g = jax.jit(jax.value_and_grad(wrap(loss_ref), (0, 1)))(x, scale)
+  got_v, got_g = jax.jit(jax.value_and_grad(wrap(loss_vjp), (0, 1)))(x, scale)
+  np.testing.assert_allclose(got_v, ref_v, rtol=1e-6)
+  for a, r in zip(got_g, ref_g):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-5, atol=2e-6)
+
