@@ -12,6 +12,8 @@ skipped, so an interrupted run picks up where it stopped):
        data_text    corpus text, loss.mtp_targets=data (the true next tokens)
        self_targets corpus text, loss.mtp_targets=self (the trunk's greedy tokens)
        distilled    self-distilled text, loss.mtp_targets=data (the trunk's sampled tokens)
+       soft_targets corpus text, loss.mtp_targets=soft (the trunk's whole distribution)
+       distilled_soft self-distilled text, loss.mtp_targets=soft
   4. every run evaluated on the same held-out corpus data (the stdlib validation split,
      whatever it trained on): teacher-forced agreement of depth k with the trunk, and
      free-running tau / acceptance per depth of self-speculative decoding with 3 drafts,
@@ -41,6 +43,8 @@ RUNS = {  # name: (mtp_targets, trained on the self-distilled data)
     'data_text': ('data', False),
     'self_targets': ('self', False),
     'distilled': ('data', True),
+    'soft_targets': ('soft', False),
+    'distilled_soft': ('soft', True),
 }
 
 

@@ -126,8 +126,11 @@ def base_config() -> ml_collections.ConfigDict:
   # What MTP depth k at position i is trained to predict: 'data' = the true t_(i+k+1);
   # 'self' = the main model's greedy argmax at position i+k (the token the verifier picks
   # given the true prefix; self-distillation, no gradient through it), on the same valid
-  # positions. train/loss_mtp_k is then the loss against those targets; acc_mtp_k and
-  # every eval/ figure stay measured against the data.
+  # positions; 'soft' = the main model's whole distribution at i+k (cross-entropy against
+  # its softmax, no gradient through it): what speculative *sampling* accepts against, so
+  # the drafts for T > 0. train/loss_mtp_k is then the loss against those targets
+  # (for 'soft' the KL plus the teacher's entropy); acc_mtp_k and every eval/ figure stay
+  # measured against the data.
   lo.mtp_targets = 'data'
 
   d = c.data = ml_collections.ConfigDict()
@@ -324,10 +327,12 @@ def validate(config, num_devices: int | None = None) -> None:
            'model.mtp.freeze_trunk trains only the MTP modules, but model.mtp.depth is 0: '
            'set model.mtp.depth >= 1')
   _validate_block_kinds(config)
-  _require(config.loss.mtp_targets in ('data', 'self'),
-           f"loss.mtp_targets must be 'data' or 'self', got {config.loss.mtp_targets!r}")
+  _require(config.loss.mtp_targets in ('data', 'self', 'soft'),
+           "loss.mtp_targets must be 'data', 'self' or 'soft', got "
+           f'{config.loss.mtp_targets!r}')
   _require(config.loss.mtp_targets == 'data' or mtp.depth > 0,
-           "loss.mtp_targets='self' sets the targets of MTP depths, but model.mtp.depth is 0")
+           f'loss.mtp_targets={config.loss.mtp_targets!r} sets the targets of MTP depths, '
+           'but model.mtp.depth is 0')
   if mtp.weights:
     _require(len(mtp.weights) == mtp.depth,
              f'model.mtp.weights has {len(mtp.weights)} entries but model.mtp.depth is {mtp.depth}')

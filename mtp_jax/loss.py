@@ -45,6 +45,28 @@ def self_targets(pred0_BxT: Array, num_mtp: int) -> Array:
   return jnp.stack([shift_left(pred0_BxT, k, fill=0) for k in range(1, num_mtp + 1)])
 
 
+def teacher_hiddens(h0_BxTxD: Array, num_mtp: int) -> Array:
+  """[D, B, T, d] the main model's final hidden state at i + k for depth k at i ('soft').
+
+  Its logits are the main model's distribution of token i+k+1 after the true prefix up to
+  token i+k: exactly the distribution speculative sampling verifies depth k's draft
+  against (acceptance sum_v min(p_v, q_v) = 1 - TV(p, q)), so a cross-entropy against it
+  trains q towards p itself rather than towards its argmax ('self'). No gradient flows
+  into the teacher.
+  """
+  h0_BxTxD = jax.lax.stop_gradient(h0_BxTxD)
+  return jnp.stack([shift_left(h0_BxTxD, k) for k in range(1, num_mtp + 1)])
+
+
+def _nll(logits, targets, teacher_logits=None):
+  """-log p[target] per position, or with teacher logits the cross-entropy against the
+  teacher's softmax (its KL plus its entropy); the teacher gets no gradient."""
+  if teacher_logits is None:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  p = jax.nn.softmax(jax.lax.stop_gradient(teacher_logits), axis=-1)
+  return optax.softmax_cross_entropy(logits, p)
+
+
 def valid_counts(segment_ids_BxT: Array, num_depths: int) -> Array:
   """[D+1] number of valid positions per depth (the loss normalisers)."""
   return jnp.stack([valid_mask(segment_ids_BxT, k).sum() for k in range(num_depths)])
@@ -70,11 +92,14 @@ def depth_weights(config, step) -> Array:
 
 
 def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk: int,
-               first: int = 0):
+               first: int = 0, teacher_KxBxTxD: Array | None = None):
   """Per-depth (sum of -log p over valid positions [K], number correct [K], argmax [K, B, T]).
 
   hiddens are depths first, first + 1, ...; OutHead is detached for MTP depths (first > 0)
-  under model.args.stop_gradient.
+  under model.args.stop_gradient. teacher_KxBxTxD (teacher_hiddens): the loss is then the
+  cross-entropy against the main head's softmax of those hidden states (its final norm,
+  OutHead), computed chunk by chunk beside the logits; 'number correct' still counts
+  targets_KxBxT.
 
   chunk 0 (or None): _head_sums_batched, one product for all depths. chunk > 0: one
   lax.scan over the depths, and inside it one over sequence chunks whose body (head
@@ -89,35 +114,44 @@ def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk:
   w_DxV = model.output_kernel()
   if first > 0 and model.args.stop_gradient:
     w_DxV = jax.lax.stop_gradient(w_DxV)
+  teach = None
+  if teacher_KxBxTxD is not None:  # the main head: final norm and OutHead, no gradient
+    teacher_w = jax.lax.stop_gradient(model.output_kernel())
+    teacher_norm = model.head_norm(0)
+    teach = lambda h: vocab_logits(teacher_norm, h, teacher_w)  # noqa: E731
   if chunk in (0, None):
-    return _head_sums_batched(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT)
+    teacher_logits = None if teach is None else jnp.stack([teach(h) for h in teacher_KxBxTxD])
+    return _head_sums_batched(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT, teacher_logits)
   n = t // chunk
   h_KxBxTxD = jnp.stack(hiddens)
   norm_def, _ = nnx.split(norms[0])
   norm_K = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in norms])
+  # without a teacher a zero-size stand-in rides along in the scans (no work, same code)
+  teacher = (jnp.zeros((num, b, t, 0), hiddens[0].dtype) if teach is None
+             else teacher_KxBxTxD)
 
   def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
     return jnp.moveaxis(x.reshape((b, n, chunk) + x.shape[2:]), 1, 0)
 
   def depth_body(_, xs):
-    h, tgt, m, norm_state = xs
+    h, tgt, m, norm_state, th = xs
     norm = nnx.merge(norm_def, norm_state)
 
     def chunk_body(carry, cxs):
-      hc, tc, mc = cxs
+      hc, tc, mc, thc = cxs
       logits = vocab_logits(norm, hc, w_DxV)
-      nll = optax.softmax_cross_entropy_with_integer_labels(logits, tc)
+      nll = _nll(logits, tc, None if teach is None else teach(thc))
       pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       mf = mc.astype(jnp.float32)
       return (carry[0] + jnp.sum(nll * mf), carry[1] + jnp.sum((pred == tc) * mf)), pred
 
     zero = jnp.zeros((), jnp.float32)
     (loss_sum, correct), pred = jax.lax.scan(jax.checkpoint(chunk_body), (zero, zero),
-                                             (split(h), split(tgt), split(m)))
+                                             (split(h), split(tgt), split(m), split(th)))
     return None, (loss_sum, correct, jnp.moveaxis(pred, 0, 1).reshape(b, t))
 
   _, (loss_K, correct_K, pred_KxBxT) = jax.lax.scan(
-      depth_body, None, (h_KxBxTxD, targets_KxBxT, mask_KxBxT, norm_K))
+      depth_body, None, (h_KxBxTxD, targets_KxBxT, mask_KxBxT, norm_K, teacher))
   return loss_K, correct_K, pred_KxBxT
 
 
@@ -132,7 +166,7 @@ def cross_entropy_autodiff(logits_NxV: Array, targets_N: Array) -> tuple[Array, 
 cross_entropy = cross_entropy_autodiff
 
 
-def _head_sums_batched(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT):
+def _head_sums_batched(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT, teacher_logits=None):
   """_head_sums over the whole length (loss_chunk = 0): every depth's vocab projection in
   one [K*B*T, d] x [d, V] product and one cross-entropy over [K, B, T, V] logits.
 
@@ -147,7 +181,11 @@ def _head_sums_batched(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT):
   x_KNxD = jnp.concatenate([norm(h).reshape(b * t, d) for norm, h in zip(norms, hiddens)])
   logits_KxBxTxV = jnp.dot(x_KNxD, w_DxV.astype(x_KNxD.dtype),
                            preferred_element_type=jnp.float32).reshape(num, b, t, -1)
-  nll, pred_KxBxT = cross_entropy(logits_KxBxTxV, targets_KxBxT)
+  if teacher_logits is None:
+    nll, pred_KxBxT = cross_entropy(logits_KxBxTxV, targets_KxBxT)
+  else:
+    nll = _nll(logits_KxBxTxV, targets_KxBxT, teacher_logits)
+    pred_KxBxT = jnp.argmax(logits_KxBxTxV, axis=-1).astype(jnp.int32)
   mf = mask_KxBxT.astype(jnp.float32)
   return (jnp.sum(nll * mf, axis=(1, 2)), jnp.sum((pred_KxBxT == targets_KxBxT) * mf, axis=(1, 2)),
           pred_KxBxT)
@@ -157,8 +195,9 @@ def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: A
                      chunk: int = 0, mtp_targets: str = 'data', balance_weight: float = 0.0):
   """The weighted loss and summed per-depth statistics of one (micro)batch.
 
-  mtp_targets: 'data' (the true tokens) or 'self' (self_targets: the main model's
-  argmax, config.loss.mtp_targets); 'correct' counts the true tokens either way.
+  mtp_targets: 'data' (the true tokens), 'self' (self_targets: the main model's argmax) or
+  'soft' (teacher_hiddens: the main model's whole distribution), config.loss.mtp_targets;
+  'correct' counts the true tokens either way.
 
   counts_K: the valid-position counts that normalise each depth's mean; pass the full
   batch's counts when this is one microbatch of an accumulated step, so the summed
@@ -182,10 +221,13 @@ def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: A
   else:  # depth 0 first: its argmax gives the 'self' targets; OutHead differs under stop_gradient
     loss_0, correct_0, pred_0 = _head_sums(model, hiddens[:1], targets_KxBxT[:1],
                                            mask_KxBxT[:1], chunk)
-    mtp_tgt = targets_KxBxT[1:]
+    mtp_tgt, teacher = targets_KxBxT[1:], None
     if mtp_targets == 'self':
       mtp_tgt = self_targets(pred_0[0], num - 1)
-    loss_k, _, pred_k = _head_sums(model, hiddens[1:], mtp_tgt, mask_KxBxT[1:], chunk, first=1)
+    elif mtp_targets == 'soft':
+      teacher = teacher_hiddens(hiddens[0], num - 1)
+    loss_k, _, pred_k = _head_sums(model, hiddens[1:], mtp_tgt, mask_KxBxT[1:], chunk, first=1,
+                                   teacher_KxBxTxD=teacher)
     correct_k = jnp.sum((pred_k == targets_KxBxT[1:]) & mask_KxBxT[1:], axis=(1, 2))
     loss_K = jnp.concatenate([loss_0, loss_k])
     correct_K = jnp.concatenate([correct_0, correct_k.astype(correct_0.dtype)])

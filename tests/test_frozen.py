@@ -234,3 +234,43 @@ def test_self_targets_are_the_main_argmax_shifted_on_valid_positions():
   stopped = make_model(depth=2, stop_gradient=True)
   _, _, g = param_grads(stopped, batch, [[0.0, 0.5, 0.25]], mtp_targets='self')
   assert all(not np.any(v) for k, v in g.items() if not k.startswith("['mtp']"))
+
+
+# ------------------------------------------------------ (d) soft (distribution) targets
+def test_soft_targets_are_the_main_distribution_shifted_without_gradient():
+  """'soft': depth k at i is trained towards the main model's softmax at i + k (the law
+  speculative sampling verifies its draft against), chunked equal to batched, and the
+  teacher gets no gradient (the final norm is used by depth 0's head and the teacher
+  only, so with the main weight 0 it must get none)."""
+  batch = packed_batch()
+  model = make_model(depth=2)
+  seg = np.asarray(batch['segment_ids'])
+  hiddens = model(batch['tokens'], batch['positions'], batch['segment_ids'])
+  logits = [np.asarray(model.logits(h, k), np.float64) for k, h in enumerate(hiddens)]
+
+  def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+  b, t = seg.shape
+  want = [0.0, 0.0]
+  for k in (1, 2):
+    p = np.exp(log_softmax(logits[0]))
+    logq = log_softmax(logits[k])
+    for r in range(b):
+      for i in range(t):
+        if seg[r, i] != 0 and i + k + 1 < t and seg[r, i + k + 1] == seg[r, i]:
+          want[k - 1] += -(p[r, i + k] * logq[r, i]).sum()
+  w = jnp.asarray([1.0, 0.5, 0.25])
+  _, sums = loss_lib.loss_and_metrics(model, batch, w, mtp_targets='soft')
+  np.testing.assert_allclose(sums['loss_sum'][1:], want, rtol=1e-5)
+  _, self_sums = loss_lib.loss_and_metrics(model, batch, w, mtp_targets='self')
+  assert np.all(np.asarray(sums['loss_sum'][1:]) != np.asarray(self_sums['loss_sum'][1:]))
+  for key in ('correct', 'agree', 'count'):  # the statistics do not depend on the targets
+    np.testing.assert_array_equal(sums[key], self_sums[key])
+  _, chunked = loss_lib.loss_and_metrics(model, batch, w, mtp_targets='soft', chunk=8)
+  np.testing.assert_allclose(chunked['loss_sum'], sums['loss_sum'], rtol=1e-5)
+
+  _, _, g = param_grads(model, batch, [[0.0, 0.5, 0.25]], mtp_targets='soft')
+  assert not np.any(g["['norm']['scale'].value"]), 'the soft loss reaches the teacher'
+  assert np.any(g["['embed']['embedding'].value"])  # (the tied OutHead of the MTP heads does learn)
