@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.decode_speed import random_model  # noqa: E402
 from configs import stdlib_mtp  # noqa: E402
 from mtp_jax import decode  # noqa: E402
+from mtp_jax import sampling  # noqa: E402
 
 
 def parse(argv):
@@ -44,6 +45,9 @@ def parse(argv):
                       'drafts (0: not)')
   p.add_argument('--filters', action='store_true',
                  help='also time the project\'s T = 1 AR with top-k 50 and with top-p 0.9')
+  p.add_argument('--ab', action='store_true',
+                 help='also time the project\'s T = 1 variants with the flat inverse CDF '
+                      '(sampling.BLOCKED_CDF = False), the form before the blocked one')
   p.add_argument('--out', default='', help='JSON output path')
   args = p.parse_args(argv)
   if args.rounds < 1 or args.prompt_len < 1 or args.max_new_tokens < 2:
@@ -170,10 +174,25 @@ def main(argv=None):
              f'(project {mine[bad:bad + 8].tolist()}, peer {theirs[bad:bad + 8].tolist()})')
   print(f'greedy outputs identical ({n} tokens)', file=sys.stderr)
 
-  def project(temperature, num_drafts=0, **kw):
+  last_tokens = [None]
+  programs = {}  # (flat CDF, Program) -> compiled: both forms of a program in one process
+
+  def project(temperature, num_drafts=0, flat=False, **kw):
+    prog = dec.program(1, args.prompt_len, n, num_drafts=num_drafts, temperature=temperature,
+                       **kw)
+    if (flat, prog) not in programs:
+      sampling.BLOCKED_CDF = not flat
+      decode._COMPILED.clear()
+      dec._programs.clear()
+      programs[flat, prog] = dec.compile(prog)
+      sampling.BLOCKED_CDF = True
+
     def run(i):
-      return dec.generate(prompt.tolist(), n, num_drafts=num_drafts, temperature=temperature,
-                          eos_id=None, seed=i, **kw).seconds
+      dec._programs[prog] = programs[flat, prog]  # generate() then runs this form
+      r = dec.generate(prompt.tolist(), n, num_drafts=num_drafts, temperature=temperature,
+                       eos_id=None, seed=i, **kw)
+      last_tokens[0] = r.tokens[0]
+      return r.seconds
     return run
 
   def peer(greedy):
@@ -188,9 +207,22 @@ def main(argv=None):
               'project_t1': project(1.0), 'peer_t1': peer(False)}
   if args.spec_drafts:
     variants[f'project_spec_t1_d{args.spec_drafts}'] = project(1.0, args.spec_drafts)
+  if args.ab:
+    variants['project_t1_flat_cdf'] = project(1.0, flat=True)
+    if args.spec_drafts:
+      variants[f'project_spec_t1_d{args.spec_drafts}_flat_cdf'] = project(1.0, args.spec_drafts,
+                                                                         flat=True)
   if args.filters:
     variants['project_t1_topk50'] = project(1.0, top_k=50)
     variants['project_t1_topp0.9'] = project(1.0, top_p=0.9)
+  same_draws = {}
+  if args.ab:  # the two CDF forms draw the same tokens from the same uniforms (up to rounding)
+    for name in [k for k in variants if k.endswith('_flat_cdf')]:
+      toks = {}
+      for flat in (False, True):
+        variants[name.replace('_flat_cdf', '') if not flat else name](0)
+        toks[flat] = last_tokens[0]
+      same_draws[name.replace('_flat_cdf', '')] = bool(np.array_equal(toks[False], toks[True]))
   for run in variants.values():  # compile and warm up, untimed
     run(0)
     run(0)
@@ -210,16 +242,27 @@ def main(argv=None):
                 'head_dim': cfg.head_dim, 'mlp_dim': cfg.mlp_dim, 'vocab_size': cfg.vocab_size,
                 'batch': 1, 'prompt_len': args.prompt_len, 'max_new_tokens': n},
       'rounds': args.rounds, 'greedy_identical': True,
+      'blocked_and_flat_cdf_same_tokens_seed0': same_draws,
       'load_average_before': [round(x, 2) for x in load_before],
       'load_average_after': [round(x, 2) for x in load_after],
       'tokens_per_sec': {k: {'best': tps(k, np.min), 'median': tps(k, np.median)}
                          for k in variants},
       'ms_per_token_median': {k: 1e3 * float(np.median(v)) / n for k, v in times.items()},
   }
+  def paired(a, b):  # median over rounds of b's time / a's time in the same round
+    return float(np.median(np.asarray(times[b]) / np.asarray(times[a])))
+  report['project_over_peer_paired_median'] = {
+      mode: paired(f'project_{mode}', f'peer_{mode}') for mode in ('greedy', 't1')}
   report['project_over_peer'] = {
       mode: {how: report['tokens_per_sec'][f'project_{mode}'][how]
              / report['tokens_per_sec'][f'peer_{mode}'][how] for how in ('best', 'median')}
       for mode in ('greedy', 't1')}
+  if args.ab:
+    report['blocked_over_flat_cdf'] = {
+        k: {how: report['tokens_per_sec'][k][how] / report['tokens_per_sec'][f'{k}_flat_cdf'][how]
+            for how in ('best', 'median')} for k in same_draws}
+    report['blocked_over_flat_cdf_paired_median'] = {k: paired(k, f'{k}_flat_cdf')
+                                                      for k in same_draws}
   report['t1_over_greedy'] = {
       who: {how: report['tokens_per_sec'][f'{who}_t1'][how]
             / report['tokens_per_sec'][f'{who}_greedy'][how] for how in ('best', 'median')}
