@@ -34,6 +34,8 @@ from configs import stdlib_mtp  # noqa: E402
 from mtp_jax import decode  # noqa: E402
 from mtp_jax import sampling  # noqa: E402
 
+AB_MODULES = {'decode': decode, 'sampling': sampling}
+
 
 def parse(argv):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,11 +47,16 @@ def parse(argv):
                       'drafts (0: not)')
   p.add_argument('--filters', action='store_true',
                  help='also time the project\'s T = 1 AR with top-k 50 and with top-p 0.9')
-  p.add_argument('--ab', action='store_true',
-                 help='also time the project\'s T = 1 variants with the flat inverse CDF '
-                      '(sampling.BLOCKED_CDF = False), the form before the blocked one')
+  p.add_argument('--ab', default='',
+                 help='MODULE.FLAG, e.g. decode.PREDRAW: also time the project\'s T = 1 '
+                      'variants with that boolean switch of mtp_jax.MODULE off ("_off")')
   p.add_argument('--out', default='', help='JSON output path')
   args = p.parse_args(argv)
+  if args.ab and (args.ab.count('.') != 1 or args.ab.split('.')[0] not in AB_MODULES
+                  or not isinstance(getattr(AB_MODULES[args.ab.split('.')[0]],
+                                            args.ab.split('.')[1], None), bool)):
+    p.error(f'--ab must name a boolean switch MODULE.FLAG of {sorted(AB_MODULES)}, '
+            f'got {args.ab!r}')
   if args.rounds < 1 or args.prompt_len < 1 or args.max_new_tokens < 2:
     p.error('--rounds and --prompt_len must be >= 1, --max_new_tokens >= 2')
   return args
@@ -174,25 +181,25 @@ def main(argv=None):
              f'(project {mine[bad:bad + 8].tolist()}, peer {theirs[bad:bad + 8].tolist()})')
   print(f'greedy outputs identical ({n} tokens)', file=sys.stderr)
 
-  last_tokens = [None]
-  programs = {}  # (flat CDF, Program) -> compiled: both forms of a program in one process
+  programs = {}  # (switch off, Program) -> compiled: both forms of a program in one process
 
-  def project(temperature, num_drafts=0, flat=False, **kw):
+  def project(temperature, num_drafts=0, off=False, **kw):
     prog = dec.program(1, args.prompt_len, n, num_drafts=num_drafts, temperature=temperature,
                        **kw)
-    if (flat, prog) not in programs:
-      sampling.BLOCKED_CDF = not flat
-      decode._COMPILED.clear()
+    if (off, prog) not in programs:
+      if args.ab:
+        module, flag = args.ab.split('.')
+        setattr(AB_MODULES[module], flag, not off)
+      decode._COMPILED.clear()  # compile anew under the switch
       dec._programs.clear()
-      programs[flat, prog] = dec.compile(prog)
-      sampling.BLOCKED_CDF = True
+      programs[off, prog] = dec.compile(prog)
+      if args.ab:
+        setattr(AB_MODULES[module], flag, True)
 
     def run(i):
-      dec._programs[prog] = programs[flat, prog]  # generate() then runs this form
-      r = dec.generate(prompt.tolist(), n, num_drafts=num_drafts, temperature=temperature,
-                       eos_id=None, seed=i, **kw)
-      last_tokens[0] = r.tokens[0]
-      return r.seconds
+      dec._programs[prog] = programs[off, prog]  # generate() then runs this form
+      return dec.generate(prompt.tolist(), n, num_drafts=num_drafts, temperature=temperature,
+                          eos_id=None, seed=i, **kw).seconds
     return run
 
   def peer(greedy):
@@ -207,22 +214,13 @@ def main(argv=None):
               'project_t1': project(1.0), 'peer_t1': peer(False)}
   if args.spec_drafts:
     variants[f'project_spec_t1_d{args.spec_drafts}'] = project(1.0, args.spec_drafts)
+  ab = [k for k in variants if k.startswith('project_') and k != 'project_greedy']
   if args.ab:
-    variants['project_t1_flat_cdf'] = project(1.0, flat=True)
-    if args.spec_drafts:
-      variants[f'project_spec_t1_d{args.spec_drafts}_flat_cdf'] = project(1.0, args.spec_drafts,
-                                                                         flat=True)
+    for k in ab:
+      variants[f'{k}_off'] = project(1.0, int(k.split('_d')[-1]) if '_d' in k else 0, off=True)
   if args.filters:
     variants['project_t1_topk50'] = project(1.0, top_k=50)
     variants['project_t1_topp0.9'] = project(1.0, top_p=0.9)
-  same_draws = {}
-  if args.ab:  # the two CDF forms draw the same tokens from the same uniforms (up to rounding)
-    for name in [k for k in variants if k.endswith('_flat_cdf')]:
-      toks = {}
-      for flat in (False, True):
-        variants[name.replace('_flat_cdf', '') if not flat else name](0)
-        toks[flat] = last_tokens[0]
-      same_draws[name.replace('_flat_cdf', '')] = bool(np.array_equal(toks[False], toks[True]))
   for run in variants.values():  # compile and warm up, untimed
     run(0)
     run(0)
@@ -242,7 +240,7 @@ def main(argv=None):
                 'head_dim': cfg.head_dim, 'mlp_dim': cfg.mlp_dim, 'vocab_size': cfg.vocab_size,
                 'batch': 1, 'prompt_len': args.prompt_len, 'max_new_tokens': n},
       'rounds': args.rounds, 'greedy_identical': True,
-      'blocked_and_flat_cdf_same_tokens_seed0': same_draws,
+      'ab': args.ab or None,
       'load_average_before': [round(x, 2) for x in load_before],
       'load_average_after': [round(x, 2) for x in load_after],
       'tokens_per_sec': {k: {'best': tps(k, np.min), 'median': tps(k, np.median)}
@@ -257,12 +255,11 @@ def main(argv=None):
       mode: {how: report['tokens_per_sec'][f'project_{mode}'][how]
              / report['tokens_per_sec'][f'peer_{mode}'][how] for how in ('best', 'median')}
       for mode in ('greedy', 't1')}
-  if args.ab:
-    report['blocked_over_flat_cdf'] = {
-        k: {how: report['tokens_per_sec'][k][how] / report['tokens_per_sec'][f'{k}_flat_cdf'][how]
-            for how in ('best', 'median')} for k in same_draws}
-    report['blocked_over_flat_cdf_paired_median'] = {k: paired(k, f'{k}_flat_cdf')
-                                                      for k in same_draws}
+  if args.ab:  # tokens/s with the switch on over off
+    report['on_over_off'] = {
+        k: {how: report['tokens_per_sec'][k][how] / report['tokens_per_sec'][f'{k}_off'][how]
+            for how in ('best', 'median')} for k in ab}
+    report['on_over_off_paired_median'] = {k: paired(k, f'{k}_off') for k in ab}
   report['t1_over_greedy'] = {
       who: {how: report['tokens_per_sec'][f'{who}_t1'][how]
             / report['tokens_per_sec'][f'{who}_greedy'][how] for how in ('best', 'median')}

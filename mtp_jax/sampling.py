@@ -1,12 +1,11 @@
 """Sampling math of the decoder: temperature / top-k / top-p, and the speculative rule.
 
-All functions are traced inside the decode program; per-row PRNG keys lead with the
-batch axis. DESIGN.md §5 has the acceptance rule and why it is lossless.
+All functions are traced inside the decode program; their per-row uniforms (drawn by
+decode.py, see `uniforms`) lead with the batch axis. DESIGN.md §5 has the acceptance rule and why it is lossless.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -60,56 +59,22 @@ def adjusted_probs(logits: Array, sampling: Sampling) -> Array:
   return jax.nn.softmax(_adjusted_logits(logits, sampling), axis=-1)
 
 
-# Inverse-CDF draws in two levels (categorical): a cumulative sum over all V weights
-# (XLA:CPU's reduce-window tree) was 25-30 us of a 40 us T = 1 step at V 4096; block sums,
-# their cumulative sum, then the one block's own: 8-11 us, the same draws
-# (benchmarks/peer_generate.py --ab, RESULTS.md "The sampling path: in-process against a
-# peer generate loop"). False: the flat form (kept for that A/B).
-BLOCKED_CDF = True
-
-
-def categorical(keys_B, weights_BxV):
+def categorical(u_B, weights_BxV):
   """One draw per row from the distribution proportional to weights_BxV (>= 0).
 
-  Inverse CDF from one uniform per row: V times fewer random bits than Gumbel-max
-  (jax.random.categorical), 3.5-5x cheaper a step (benchmarks/sampling_cost.py). Token
-  j is drawn iff cdf[j-1] <= u * total < cdf[j], with probability w_j / total; the
-  cdf is taken per block of ~sqrt(V) weights (BLOCKED_CDF): the block is drawn from the
-  block sums, then the token within it from the rest of u * total.
+  Inverse CDF from one uniform u_B in [0, 1) per row: V times fewer random bits than
+  Gumbel-max (jax.random.categorical), 3.5-5x cheaper a step (benchmarks/sampling_cost.py).
+  Token j is drawn iff cdf[j-1] <= u * total < cdf[j], with probability w_j / total.
   """
-  u_B = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)
-  v = weights_BxV.shape[-1]
-  if BLOCKED_CDF:
-    tok = _blocked_inverse_cdf(weights_BxV, u_B)
-  else:
-    cdf = jnp.cumsum(weights_BxV, axis=-1)
-    tok = jnp.sum(cdf <= (u_B * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
-  tok = jnp.minimum(tok, v - 1)
+  cdf = jnp.cumsum(weights_BxV, axis=-1)
+  tok = jnp.sum(cdf <= (u_B * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
+  tok = jnp.minimum(tok, weights_BxV.shape[-1] - 1)
   # A windowed cumsum need not be exactly monotone: never return a weight-0 token.
   ok = jnp.take_along_axis(weights_BxV, tok[:, None], -1)[:, 0] > 0
   return jnp.where(ok, tok, jnp.argmax(weights_BxV, -1).astype(jnp.int32))
 
 
-def _blocked_inverse_cdf(w_BxV, u_B):
-  """categorical's token index (unclipped) by the two-level inverse CDF."""
-  b, v = w_BxV.shape
-  blk = 1 << max(1, math.ceil(math.log2(math.sqrt(v))))
-  nb = -(-v // blk)
-  w = jnp.pad(w_BxV, ((0, 0), (0, nb * blk - v))).reshape(b, nb, blk)  # zeros: never drawn
-  tot_BxN = jnp.sum(w, -1)
-  cum_BxN = jnp.cumsum(tot_BxN, -1)
-  target_B = u_B * cum_BxN[:, -1]
-  j_B = jnp.minimum(jnp.sum(cum_BxN <= target_B[:, None], -1), nb - 1)
-  def pick(a):  # block j_B[b] of row b
-    return jnp.take_along_axis(a, j_B.reshape((b, 1) + (1,) * (a.ndim - 2)), 1)[:, 0]
-
-  rest_B = jnp.maximum(target_B - (pick(cum_BxN) - pick(tot_BxN)), 0.0)  # u * total in block j
-  cdf_BxK = jnp.cumsum(pick(w), -1)
-  i_B = jnp.minimum(jnp.sum(cdf_BxK <= rest_B[:, None], -1), blk - 1)
-  return (j_B * blk + i_B).astype(jnp.int32)
-
-
-def draw(greedy: bool, logits_BxV, sampling: Sampling, keys_B, may_argmax=True):
+def draw(greedy: bool, logits_BxV, sampling: Sampling, u_B, may_argmax=True):
   """(token [B], q [B, V] the distribution it was drawn from; [B, 0] when greedy).
 
   Sampling with sampling.draft_argmax (and may_argmax): the argmax, drawn from the
@@ -118,7 +83,7 @@ def draw(greedy: bool, logits_BxV, sampling: Sampling, keys_B, may_argmax=True):
   if greedy:
     return jnp.argmax(logits_BxV, -1).astype(jnp.int32), jnp.zeros(logits_BxV.shape[:1] + (0,))
   q = adjusted_probs(logits_BxV, sampling)
-  tok = categorical(keys_B, q)
+  tok = categorical(u_B, q)
   if not may_argmax:
     return tok, q
   top = jnp.argmax(q, -1).astype(jnp.int32)
@@ -137,13 +102,14 @@ def take_rows(x, idx_B):
   return x[jnp.arange(x.shape[0]), idx_B]
 
 
-def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, keys_B,
-           proposed_B=None):
+def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, u_BxD,
+           u_bonus_B, proposed_B=None):
   """(a [B] accepted drafts, candidates [B, D+1]: d_1..d_a, the bonus, then PAD_ID).
 
   Greedy: a draft is accepted while it equals the main model's argmax. Sampling: the
   speculative rule, draft d_j accepted with probability min(1, p(d_j) / q(d_j)), which
-  leaves the committed tokens distributed exactly as plain sampling from p.
+  leaves the committed tokens distributed exactly as plain sampling from p; u_BxD decide
+  the acceptances, u_bonus_B draws the bonus (independent uniforms in [0, 1)).
   proposed_B: only the first proposed_B[b] drafts of row b are proposals (an adaptive
   draft length, decided from the drafts' side alone); when all of them are accepted
   the bonus is drawn from p itself, as after a block of exactly that many drafts.
@@ -159,14 +125,13 @@ def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, 
   p = adjusted_probs(logits_BxTxV, sampling)  # [B, D+1, V]
   p_d = jnp.take_along_axis(p[:, :dn], drafts_BxD[..., None], -1)[..., 0]
   q_d = jnp.take_along_axis(q_BxDxV, drafts_BxD[..., None], -1)[..., 0]
-  u = jax.vmap(lambda k: jax.random.uniform(k, (dn,)))(row_keys(keys_B, 2))
-  ok = ((u * q_d < p_d) & (j[:dn] < proposed[:, None])).astype(jnp.int32)  # min(1, p/q)
+  ok = ((u_BxD * q_d < p_d) & (j[:dn] < proposed[:, None])).astype(jnp.int32)  # min(1, p/q)
   a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
   # First rejection at j: sample normalize(max(0, p_j - q_{j+1})); all proposed accepted: p.
   residual = jnp.concatenate([jnp.maximum(p[:, :dn] - q_BxDxV, 0.0), p[:, dn:]], 1)
   r = jnp.where((a == proposed)[:, None], take_rows(p, a), take_rows(residual, a))
   r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, take_rows(p, a))  # p == q: never rejected
-  bonus = categorical(row_keys(keys_B, 3), r)
+  bonus = categorical(u_bonus_B, r)
   cand = jnp.concatenate([drafts_BxD, jnp.zeros_like(bonus)[:, None]], 1)
   cand = jnp.where(j < a[:, None], cand, jnp.where(j == a[:, None], bonus[:, None], PAD_ID))
   return a, cand
