@@ -32,9 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.decode_speed import random_model  # noqa: E402
 from configs import stdlib_mtp  # noqa: E402
 from mtp_jax import decode  # noqa: E402
+from mtp_jax import layers  # noqa: E402
 from mtp_jax import sampling  # noqa: E402
 
-AB_MODULES = {'decode': decode, 'sampling': sampling}
+AB_MODULES = {'decode': decode, 'layers': layers, 'sampling': sampling}
 
 
 def parse(argv):
@@ -48,7 +49,7 @@ def parse(argv):
   p.add_argument('--filters', action='store_true',
                  help='also time the project\'s T = 1 AR with top-k 50 and with top-p 0.9')
   p.add_argument('--ab', default='',
-                 help='MODULE.FLAG, e.g. decode.PREDRAW: also time the project\'s T = 1 '
+                 help='MODULE.FLAG, e.g. layers.ATTN_TALL: also time the project\'s T = 1 '
                       'variants with that boolean switch of mtp_jax.MODULE off ("_off")')
   p.add_argument('--out', default='', help='JSON output path')
   args = p.parse_args(argv)

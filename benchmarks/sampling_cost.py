@@ -54,10 +54,9 @@ row_keys = SAMPLING.row_keys
 def current(prog, logits_BxV, keys_B, step, sampling):
   keys = row_keys(keys_B, step + 1)  # _iteration
   b = logits_BxV.shape[0]
-  u_B = jax.vmap(lambda k: jax.random.uniform(k, ()))(row_keys(keys, 0))  # accept's draw
   _, cand = SAMPLING.accept(False, logits_BxV[:, None], jnp.zeros((b, 0), jnp.int32),
                             jnp.zeros((b, 0, logits_BxV.shape[-1])), sampling,
-                            jnp.zeros((b, 0)), u_B)
+                            row_keys(keys, 0))
   return cand[:, 0]
 
 

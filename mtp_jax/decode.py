@@ -49,19 +49,13 @@ from mtp_jax import layers
 from mtp_jax import sampling as sampling_lib
 from mtp_jax.cli import RequestError
 from mtp_jax.model import MTPModel
-from mtp_jax.sampling import PAD_ID, Sampling, take_rows
+from mtp_jax.sampling import PAD_ID, Sampling, row_keys, take_rows
 
 Array = jax.Array
 MIN_BUCKET = 16
 MAX_DRAFTS = 8  # drafts past the model's depth reuse its last MTP module (recursive)
 WEIGHT_DTYPES = ('float32', 'bfloat16')
 _COMPILED = {}  # (graphdef, Program) -> compiled executable, shared by every Decoder
-# Sampling programs draw every uniform they can need once, before the loop (`uniforms`):
-# on XLA:CPU each threefry call is a rolled while loop (5 rounds, tuple copies), and the
-# per-iteration fold_ins + draws were most of what a T = 1 step cost over a greedy one
-# (benchmarks/peer_generate.py --ab decode.PREDRAW; RESULTS.md "The sampling path:
-# in-process against a peer generate loop"). False: one fold_in and one draw per iteration.
-PREDRAW = True
 
 
 # -- static program and traced state -------------------------------------------------------
@@ -118,7 +112,6 @@ class DecodeState:
   proposed: Array  # [B] how many leading drafts are proposed (adaptive; else D)
   draft_probs: Array  # [B, D, V] q each draft was sampled from ([B, D, 0] when greedy)
   keys: Array  # [B] per-row PRNG keys
-  uniforms: Array  # [B, Nb + 1, 2D + 1] PREDRAW: iteration i's (0: the prefill), else [B, 0, 0]
   step: Array  # loop iterations so far
   verify_steps: Array  # [B] iterations in which the row was active
   committed: Array  # [B] tokens committed by verify steps (the prefill's first one excluded)
@@ -149,12 +142,11 @@ def _main_pass(prog, model, tokens_BxW, start_B, caches):
   return model.decode_trunk(tokens_BxW, pos, mask, caches, start_B + prog.offset, prog.layout)
 
 
-def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampling, r_BxD):
+def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampling, keys_B):
   """Catch-up and drafting, one block call per depth.
 
   h0_BxWxD: verified h^0 at positions start..start+W-1, true for the first a+1 of them;
-  u_BxU: t_{start+1}, t_{start+2}, ...: a+1 committed tokens, then room for drafts;
-  r_BxD: the uniforms depth k draws d_k with (column k-1).
+  u_BxU: t_{start+1}, t_{start+2}, ...: a+1 committed tokens, then room for drafts.
   Returns (drafts [B, D], q [B, D, V or 0], confidence [B, D], hidden, caches); the
   confidence at depth k is the largest probability of the distribution d_k is drawn
   from (greedy: the head's softmax), what an adaptive draft length stops on. It is a
@@ -180,7 +172,7 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
                                        s + prog.offset, prog.layout)
     new_caches.append(cache)
     logits = model.decode_logits(take_rows(h_k, query), k)
-    d, q = sampling_lib.draw(prog.greedy, logits, sampling, r_BxD[:, k - 1])
+    d, q = sampling_lib.draw(prog.greedy, logits, sampling, row_keys(keys_B, k))
     drafts.append(d)
     probs.append(q)
     if prog.adaptive:
@@ -233,27 +225,6 @@ def _verify(prog, model, st: DecodeState, start_B):
                         st.main_cache), jnp.asarray(widths)[idx]
 
 
-# -- the uniforms of an iteration -------------------------------------------------------------
-def _uniform_table(prog, keys_B):
-  """PREDRAW: every iteration's uniforms, one threefry call: [B, Nb + 1, 2D + 1] per row's
-  key (batch-independent); greedy programs draw none."""
-  if prog.greedy or not PREDRAW:
-    return jnp.zeros((prog.batch, 0, 0))
-  shape = (prog.max_new + 1, 2 * prog.num_drafts + 1)
-  return jax.vmap(lambda k: jax.random.uniform(k, shape))(keys_B)
-
-
-def _uniforms(prog, table, keys_B, i):
-  """Iteration i's uniforms [B, 2D + 1] (0: the prefill): columns 0..D-1 draw the drafts,
-  D..2D-1 decide their acceptance, 2D draws the bonus (the prefill: its token)."""
-  width = 2 * prog.num_drafts + 1
-  if prog.greedy:
-    return jnp.zeros((prog.batch, width))
-  if PREDRAW:
-    return jax.lax.dynamic_index_in_dim(table, i, 1, keepdims=False)
-  return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, i), (width,)))(keys_B)
-
-
 # -- prefill and one iteration ---------------------------------------------------------------
 def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, keys_B,
              threshold):
@@ -262,12 +233,11 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
   main_cache = model.trunk_caches(b, prog.cache_len, prog.layout)
   h0, main_cache = _main_pass(prog, model, prompts_BxP, zero_B, main_cache)
   logits = model.decode_logits(take_rows(h0, prompt_len_B - 1), 0)
-  dn = prog.num_drafts
-  table = _uniform_table(prog, keys_B)
-  r = _uniforms(prog, table, keys_B, 0)
-  x, _ = sampling_lib.draw(prog.greedy, logits, sampling, r[:, 2 * dn], may_argmax=False)
+  pkeys = row_keys(keys_B, 0)  # iteration i uses salt i + 1
+  x, _ = sampling_lib.draw(prog.greedy, logits, sampling, row_keys(pkeys, 0), may_argmax=False)
   tokens = jnp.zeros((b, prog.buffer_len), jnp.int32).at[:, :p].set(prompts_BxP)
   tokens = tokens.at[jnp.arange(b), prompt_len_B].set(x)
+  dn = prog.num_drafts
   mtp_cache = model.mtp_caches(dn, b, prog.cache_len, prog.layout)
   hidden = tuple(jnp.zeros((b, model.args.d_model), model.args.dtype) for _ in range(dn - 1)
                  if model.args.mtp_kind == 'sequential')
@@ -276,7 +246,7 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
   u = u.at[jnp.arange(b), prompt_len_B - 1].set(x)
   drafts, probs, conf, hidden, mtp_cache = _mtp_pass(
       prog, model, h0, zero_B, u, prompt_len_B - 1, hidden, mtp_cache, sampling,
-      r[:, :dn])
+      row_keys(pkeys, 1))
   if prog.greedy:
     probs = jnp.zeros((b, dn, 0))
   nb = prog.max_new if prog.record else 0
@@ -284,7 +254,7 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
       tokens=tokens, length=prompt_len_B + 1, prompt_len=prompt_len_B, max_new=max_new_B,
       done=(x == eos) | (max_new_B <= 1), main_cache=main_cache, mtp_cache=mtp_cache,
       hidden=hidden, drafts=drafts, proposed=_proposed(conf, threshold),
-      draft_probs=probs.astype(jnp.float32), keys=keys_B, uniforms=table,
+      draft_probs=probs.astype(jnp.float32), keys=keys_B,
       step=jnp.zeros((), jnp.int32), verify_steps=zero_B, committed=zero_B,
       accepted=jnp.zeros((b, dn + 1), jnp.int32), dropped=zero_B, verify_rows=zero_B,
       history_drafts=jnp.zeros((nb, b, dn), jnp.int32),
@@ -293,12 +263,11 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
 
 def _iteration(prog, model, st: DecodeState, eos, sampling, threshold) -> DecodeState:
   dn = prog.num_drafts
-  r = _uniforms(prog, st.uniforms, st.keys, st.step + 1)
+  keys = row_keys(st.keys, st.step + 1)
   start = st.length - 1
   (h0, logits, main_cache), width = _verify(prog, model, st, start)
   a, cand = sampling_lib.accept(prog.greedy, logits, st.drafts, st.draft_probs, sampling,
-                                r[:, dn:2 * dn], r[:, 2 * dn],
-                                st.proposed if prog.adaptive else None)
+                                row_keys(keys, 0), st.proposed if prog.adaptive else None)
 
   # Stop inside the block at EOS or max_new_tokens.
   j = jnp.arange(dn + 1)
@@ -312,7 +281,7 @@ def _iteration(prog, model, st: DecodeState, eos, sampling, threshold) -> Decode
 
   u = jnp.concatenate([cand, jnp.zeros((cand.shape[0], max(dn - 1, 0)), jnp.int32)], 1)
   drafts, probs, conf, hidden, mtp_cache = _mtp_pass(
-      prog, model, h0, start, u, a, st.hidden, st.mtp_cache, sampling, r[:, :dn])
+      prog, model, h0, start, u, a, st.hidden, st.mtp_cache, sampling, row_keys(keys, 1))
   if prog.greedy:
     probs = st.draft_probs
   act = active.astype(jnp.int32)
@@ -324,8 +293,7 @@ def _iteration(prog, model, st: DecodeState, eos, sampling, threshold) -> Decode
       tokens=tokens, length=st.length + m, prompt_len=st.prompt_len, max_new=st.max_new,
       done=done, main_cache=main_cache, mtp_cache=mtp_cache, hidden=hidden, drafts=drafts,
       proposed=_proposed(conf, threshold) if prog.adaptive else st.proposed,
-      draft_probs=probs.astype(jnp.float32), keys=st.keys, uniforms=st.uniforms,
-      step=st.step + 1,
+      draft_probs=probs.astype(jnp.float32), keys=st.keys, step=st.step + 1,
       verify_steps=st.verify_steps + act, committed=st.committed + m,
       accepted=st.accepted + act[:, None] * (j == a[:, None]),
       dropped=st.dropped + jnp.where(active, a + 1 - m, 0),

@@ -1,7 +1,7 @@
 """Sampling math of the decoder: temperature / top-k / top-p, and the speculative rule.
 
-All functions are traced inside the decode program; their per-row uniforms (drawn by
-decode.py, see `uniforms`) lead with the batch axis. DESIGN.md §5 has the acceptance rule and why it is lossless.
+All functions are traced inside the decode program; per-row PRNG keys lead with the
+batch axis. DESIGN.md §5 has the acceptance rule and why it is lossless.
 """
 from __future__ import annotations
 
@@ -59,13 +59,14 @@ def adjusted_probs(logits: Array, sampling: Sampling) -> Array:
   return jax.nn.softmax(_adjusted_logits(logits, sampling), axis=-1)
 
 
-def categorical(u_B, weights_BxV):
+def categorical(keys_B, weights_BxV):
   """One draw per row from the distribution proportional to weights_BxV (>= 0).
 
-  Inverse CDF from one uniform u_B in [0, 1) per row: V times fewer random bits than
-  Gumbel-max (jax.random.categorical), 3.5-5x cheaper a step (benchmarks/sampling_cost.py).
-  Token j is drawn iff cdf[j-1] <= u * total < cdf[j], with probability w_j / total.
+  Inverse CDF from one uniform per row: V times fewer random bits than Gumbel-max
+  (jax.random.categorical), 3.5-5x cheaper a step (benchmarks/sampling_cost.py). Token
+  j is drawn iff cdf[j-1] <= u * total < cdf[j], with probability w_j / total.
   """
+  u_B = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)
   cdf = jnp.cumsum(weights_BxV, axis=-1)
   tok = jnp.sum(cdf <= (u_B * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
   tok = jnp.minimum(tok, weights_BxV.shape[-1] - 1)
@@ -74,7 +75,7 @@ def categorical(u_B, weights_BxV):
   return jnp.where(ok, tok, jnp.argmax(weights_BxV, -1).astype(jnp.int32))
 
 
-def draw(greedy: bool, logits_BxV, sampling: Sampling, u_B, may_argmax=True):
+def draw(greedy: bool, logits_BxV, sampling: Sampling, keys_B, may_argmax=True):
   """(token [B], q [B, V] the distribution it was drawn from; [B, 0] when greedy).
 
   Sampling with sampling.draft_argmax (and may_argmax): the argmax, drawn from the
@@ -83,7 +84,7 @@ def draw(greedy: bool, logits_BxV, sampling: Sampling, u_B, may_argmax=True):
   if greedy:
     return jnp.argmax(logits_BxV, -1).astype(jnp.int32), jnp.zeros(logits_BxV.shape[:1] + (0,))
   q = adjusted_probs(logits_BxV, sampling)
-  tok = categorical(u_B, q)
+  tok = categorical(keys_B, q)
   if not may_argmax:
     return tok, q
   top = jnp.argmax(q, -1).astype(jnp.int32)
@@ -102,14 +103,13 @@ def take_rows(x, idx_B):
   return x[jnp.arange(x.shape[0]), idx_B]
 
 
-def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, u_BxD,
-           u_bonus_B, proposed_B=None):
+def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, keys_B,
+           proposed_B=None):
   """(a [B] accepted drafts, candidates [B, D+1]: d_1..d_a, the bonus, then PAD_ID).
 
   Greedy: a draft is accepted while it equals the main model's argmax. Sampling: the
   speculative rule, draft d_j accepted with probability min(1, p(d_j) / q(d_j)), which
-  leaves the committed tokens distributed exactly as plain sampling from p; u_BxD decide
-  the acceptances, u_bonus_B draws the bonus (independent uniforms in [0, 1)).
+  leaves the committed tokens distributed exactly as plain sampling from p.
   proposed_B: only the first proposed_B[b] drafts of row b are proposals (an adaptive
   draft length, decided from the drafts' side alone); when all of them are accepted
   the bonus is drawn from p itself, as after a block of exactly that many drafts.
@@ -125,13 +125,14 @@ def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, 
   p = adjusted_probs(logits_BxTxV, sampling)  # [B, D+1, V]
   p_d = jnp.take_along_axis(p[:, :dn], drafts_BxD[..., None], -1)[..., 0]
   q_d = jnp.take_along_axis(q_BxDxV, drafts_BxD[..., None], -1)[..., 0]
-  ok = ((u_BxD * q_d < p_d) & (j[:dn] < proposed[:, None])).astype(jnp.int32)  # min(1, p/q)
+  u = jax.vmap(lambda k: jax.random.uniform(k, (dn,)))(row_keys(keys_B, 2))
+  ok = ((u * q_d < p_d) & (j[:dn] < proposed[:, None])).astype(jnp.int32)  # min(1, p/q)
   a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
   # First rejection at j: sample normalize(max(0, p_j - q_{j+1})); all proposed accepted: p.
   residual = jnp.concatenate([jnp.maximum(p[:, :dn] - q_BxDxV, 0.0), p[:, dn:]], 1)
   r = jnp.where((a == proposed)[:, None], take_rows(p, a), take_rows(residual, a))
   r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, take_rows(p, a))  # p == q: never rejected
-  bonus = categorical(u_bonus_B, r)
+  bonus = categorical(row_keys(keys_B, 3), r)
   cand = jnp.concatenate([drafts_BxD, jnp.zeros_like(bonus)[:, None]], 1)
   cand = jnp.where(j < a[:, None], cand, jnp.where(j == a[:, None], bonus[:, None], PAD_ID))
   return a, cand

@@ -481,8 +481,8 @@ def test_adjusted_logprobs_top_k_top_p():
 def test_categorical_inverse_cdf():
   """One uniform per row: draws follow the weights (unnormalized, with zeros), never a 0."""
   w = np.array([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0], np.float32)
-  u = jax.random.uniform(jax.random.key(0), (40000,))
-  tok = np.asarray(jax.jit(sampling_lib.categorical)(u, jnp.tile(w, (len(u), 1))))
+  keys = jax.random.split(jax.random.key(0), 40000)
+  tok = np.asarray(jax.jit(sampling_lib.categorical)(keys, jnp.tile(w, (len(keys), 1))))
   counts = np.bincount(tok, minlength=len(w))
   assert counts[w == 0].sum() == 0
   w64 = w.astype(np.float64)
