@@ -163,12 +163,11 @@ def _row(args, batches, runs, best, w, v, temp, batch, compile_s) -> dict:
   }
 
 
-def _random_decoders(config, d, layers, wdts, vocab=None, heads=None):
-  """Decoders (one per weight dtype) of a random model: 128-wide heads, MLP 3d, or
-  heads = (n_heads, head_dim) and MLP 3d (the peer shape)."""
+def random_model(config, d, layers, vocab=None, heads=None):
+  """A random-init MTPModel of config's kind: 128-wide heads, MLP 3d, or heads =
+  (n_heads, head_dim) and MLP 3d (the peer shape)."""
   import copy
   from flax import nnx
-  from mtp_jax import decode
   from mtp_jax.model import MTPModel, ModelArgs
   c = copy.deepcopy(config)
   c.model.d_model, c.model.n_layers, c.model.mlp_dim = d, layers, 3 * d
@@ -177,7 +176,13 @@ def _random_decoders(config, d, layers, wdts, vocab=None, heads=None):
   c.model.head_dim = hd
   if vocab:
     c.model.vocab_size = vocab
-  model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
+  return MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
+
+
+def _random_decoders(config, d, layers, wdts, vocab=None, heads=None):
+  """Decoders (one per weight dtype) of random_model(config, d, layers, vocab, heads)."""
+  from mtp_jax import decode
+  model = random_model(config, d, layers, vocab, heads)
   return {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
 
 
