@@ -478,6 +478,44 @@ def test_adjusted_logprobs_top_k_top_p():
   np.testing.assert_allclose(hot, np.array([16, 9, 4, 1]) / 30, rtol=1e-5)
 
 
+def test_top_k_top_p_thresholds_equal_a_sort():
+  """The sort-free bitwise thresholds keep exactly what a float64 sort keeps.
+
+  Rows with ties, -inf entries, negative and zero logits; k from 1 to past V. A top-p
+  row whose cumulative mass lands within 1e-6 of p could round either way in float32,
+  so those rows are left out of the comparison (and counted: almost none are).
+  The -0.0 row checks the key folds -0.0 into +0.0 as float comparison does.
+  """
+  rng = np.random.default_rng(3)
+  b, v = 64, 300
+  x = rng.normal(size=(b, v)).astype(np.float32) * rng.uniform(0.3, 4, size=(b, 1))
+  x[:16] = np.round(x[:16])  # many ties
+  x[16:24, ::7] = -np.inf
+  x[24, :] = 0.0  # all tied, with -0.0 among them
+  x[24, ::2] = -0.0
+  kept_k = np.asarray(jax.jit(sampling_lib._top_k_mask)(jnp.asarray(x), jnp.int32(1)))
+  np.testing.assert_array_equal(kept_k, x >= x.max(-1, keepdims=True))
+  for k in (2, 17, v - 1, v, v + 5):
+    kept = np.asarray(jax.jit(sampling_lib._top_k_mask)(jnp.asarray(x), jnp.int32(min(k, v))))
+    kth = -np.sort(-x.astype(np.float64), -1)[:, min(k, v) - 1:min(k, v)]
+    np.testing.assert_array_equal(kept, x >= kth, err_msg=f'k={k}')
+  probs = np.asarray(jax.nn.softmax(jnp.asarray(x), -1))
+  checked = 0
+  for top_p in (0.05, 0.5, 0.9, 0.999):
+    kept = np.asarray(jax.jit(sampling_lib._top_p_mask)(jnp.asarray(probs), jnp.float32(top_p)))
+    p64 = probs.astype(np.float64)
+    desc = -np.sort(-p64, -1)
+    before = np.cumsum(desc, -1) - desc
+    n_kept = np.sum(before < top_p, -1)
+    want = p64 >= desc[np.arange(b), n_kept - 1][:, None]
+    last = np.arange(b), n_kept - 1  # the last kept sorted entry: before < top_p <= cumsum
+    clear = np.minimum(abs(before[last] - top_p), abs(before[last] + desc[last] - top_p)) > 1e-6
+    np.testing.assert_array_equal(kept[clear], want[clear], err_msg=f'top_p={top_p}')
+    assert np.all(kept.sum(-1) >= 1)
+    checked += clear.sum()
+  assert checked >= 0.9 * 4 * b, checked
+
+
 def test_categorical_inverse_cdf():
   """One uniform per row: draws follow the weights (unnormalized, with zeros), never a 0."""
   w = np.array([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0], np.float32)
