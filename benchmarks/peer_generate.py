@@ -47,7 +47,8 @@ def parse(argv):
                  help='also time the project\'s speculative sampling at T = 1 with this many '
                       'drafts (0: not)')
   p.add_argument('--filters', action='store_true',
-                 help='also time the project\'s T = 1 AR with top-k 50 and with top-p 0.9')
+                 help='also time the project\'s T = 1 AR with top-k 50 and with top-p 0.9 '
+                      '(and speculative sampling with top-p 0.9)')
   p.add_argument('--ab', default='',
                  help='MODULE.FLAG, e.g. layers.ATTN_TALL: also time the project\'s T = 1 '
                       'variants with that boolean switch of mtp_jax.MODULE off ("_off")')
@@ -211,17 +212,21 @@ def main(argv=None):
       return time.perf_counter() - t0
     return run
 
-  variants = {'project_greedy': project(0.0), 'peer_greedy': peer(True),
-              'project_t1': project(1.0), 'peer_t1': peer(False)}
+  t1 = {'project_t1': {}}  # the project's T = 1 variants: generate() keywords
   if args.spec_drafts:
-    variants[f'project_spec_t1_d{args.spec_drafts}'] = project(1.0, args.spec_drafts)
-  ab = [k for k in variants if k.startswith('project_') and k != 'project_greedy']
-  if args.ab:
-    for k in ab:
-      variants[f'{k}_off'] = project(1.0, int(k.split('_d')[-1]) if '_d' in k else 0, off=True)
+    t1[f'project_spec_t1_d{args.spec_drafts}'] = dict(num_drafts=args.spec_drafts)
   if args.filters:
-    variants['project_t1_topk50'] = project(1.0, top_k=50)
-    variants['project_t1_topp0.9'] = project(1.0, top_p=0.9)
+    t1['project_t1_topk50'] = dict(top_k=50)
+    t1['project_t1_topp0.9'] = dict(top_p=0.9)
+    if args.spec_drafts:
+      t1[f'project_spec_t1_d{args.spec_drafts}_topp0.9'] = dict(num_drafts=args.spec_drafts,
+                                                               top_p=0.9)
+  variants = {'project_greedy': project(0.0), 'peer_greedy': peer(True),
+              'peer_t1': peer(False)}
+  variants.update({k: project(1.0, **kw) for k, kw in t1.items()})
+  ab = list(t1)
+  if args.ab:
+    variants.update({f'{k}_off': project(1.0, off=True, **kw) for k, kw in t1.items()})
   for run in variants.values():  # compile and warm up, untimed
     run(0)
     run(0)
@@ -241,7 +246,7 @@ def main(argv=None):
                 'head_dim': cfg.head_dim, 'mlp_dim': cfg.mlp_dim, 'vocab_size': cfg.vocab_size,
                 'batch': 1, 'prompt_len': args.prompt_len, 'max_new_tokens': n},
       'rounds': args.rounds, 'greedy_identical': True,
-      'ab': args.ab or None,
+      'ab': args.ab or None,  # *_off: the T = 1 variants compiled with that switch off
       'load_average_before': [round(x, 2) for x in load_before],
       'load_average_after': [round(x, 2) for x in load_after],
       'tokens_per_sec': {k: {'best': tps(k, np.min), 'median': tps(k, np.median)}

@@ -19,8 +19,9 @@ PAD_ID = 0  # fills candidate slots past the committed ones
 class Sampling:
   """Sampling parameters: the values are traced (changing them does not recompile); the
   switches are static, so a program pays for top-k / top-p only where they are on
-  (benchmarks/sampling_cost.py: the two full-vocabulary sorts they need were 9-16x the
-  rest of a T = 1 step when traced switches ran them on every step).
+  (benchmarks/sampling_cost.py: the two full-vocabulary sorts they needed then were 9-16x
+  the rest of a T = 1 step when traced switches ran them on every step; their thresholds
+  are now found without a sort, below).
   """
   temperature: Array  # > 0 when sampling
   top_k: Array  # 0: off
@@ -71,16 +72,36 @@ def _top_p_mask(probs, top_p):
   return key >= _largest_key(lambda t: mass(t) >= top_p, 31, probs.shape[:-1])[..., None]
 
 
+# False: the thresholds from full sorts, as before (kept for the in-process A/B:
+# benchmarks/peer_generate.py --filters --ab sampling.BITWISE_THRESHOLDS).
+BITWISE_THRESHOLDS = True
+
+
+def _sorted_top_k_mask(x, k):
+  """_top_k_mask from a sort of the row (the A/B's baseline)."""
+  return x >= jnp.take(-jnp.sort(-x, axis=-1), k - 1, axis=-1)[..., None]
+
+
+def _sorted_top_p_mask(probs, top_p):
+  """_top_p_mask from a sort of the row (the A/B's baseline)."""
+  desc = -jnp.sort(-probs, axis=-1)
+  before = jnp.cumsum(desc, axis=-1) - desc  # mass strictly above each sorted entry
+  kept = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1
+  return probs >= jnp.take_along_axis(desc, kept - 1, axis=-1)
+
+
 def _adjusted_logits(logits, sampling: Sampling):
   """logits / temperature with the entries top-k / top-p leave out set to -inf."""
   x = logits.astype(jnp.float32) / sampling.temperature
   v = x.shape[-1]
   neg = jnp.array(-jnp.inf, x.dtype)
   if sampling.use_top_k:
-    keep = _top_k_mask(x, jnp.clip(sampling.top_k, 1, v))
+    k = jnp.clip(sampling.top_k, 1, v)
+    keep = (_top_k_mask if BITWISE_THRESHOLDS else _sorted_top_k_mask)(x, k)
     x = jnp.where((sampling.top_k > 0) & ~keep, neg, x)
   if sampling.use_top_p:
-    keep = _top_p_mask(jax.nn.softmax(x, axis=-1), sampling.top_p)
+    probs = jax.nn.softmax(x, axis=-1)
+    keep = (_top_p_mask if BITWISE_THRESHOLDS else _sorted_top_p_mask)(probs, sampling.top_p)
     x = jnp.where((sampling.top_p < 1.0) & ~keep, neg, x)
   return x
 
