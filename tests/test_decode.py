@@ -513,7 +513,11 @@ def test_top_k_top_p_thresholds_equal_a_sort():
     np.testing.assert_array_equal(kept[clear], want[clear], err_msg=f'top_p={top_p}')
     assert np.all(kept.sum(-1) >= 1)
     checked += clear.sum()
+    sorted_kept = np.asarray(sampling_lib._sorted_top_p_mask(jnp.asarray(probs), top_p))
+    np.testing.assert_array_equal(sorted_kept[clear], kept[clear])  # the A/B's baseline
   assert checked >= 0.9 * 4 * b, checked
+  np.testing.assert_array_equal(sampling_lib._sorted_top_k_mask(jnp.asarray(x), 17),
+                                sampling_lib._top_k_mask(jnp.asarray(x), jnp.int32(17)))
 
 
 def test_categorical_inverse_cdf():
