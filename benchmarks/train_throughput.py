@@ -13,7 +13,9 @@ Sections (issues 4, 14):
   ab        speed changes A/B in one process, round robin: --ab_set attention (default):
             model.attention_core xla vs blocked on the stdlib_mtp and the MaxText-shape
             models; --ab_set train_speed: TRAIN_SPEED_VARIANTS of the MaxText-shape step at
-            --depths (issue 14's second pass: attention core and batched loss vs before)
+            --depths (issue 14's second pass: attention core and batched loss vs before;
+            fifth pass: one_device,two_devices); --ab_set stdlib_devices: configs/stdlib_mtp.py
+            on one CPU device and on two
   overhead  step time with D = 1, 2, 3 over D = 0 (same trunk), next to the FLOP ratio
   moe       configs/dsv3_mini.py (MLA + DeepSeekMoE, issue 13): tokens/s, MFU counting active
             parameters only, and the dispatch overhead against a dense control with the
@@ -23,6 +25,9 @@ Sections (issues 4, 14):
             memory-aware one
   compile   train-step compile time: configs/tiny.py, and a 12-layer model with and
             without layer scan (persistent compilation cache off)
+
+--cpu_devices (default auto, the trainer's own rule: 2 CPU devices, data parallel, on a
+2+ core host) sets the devices every timed step trains on; the memory rows stay on one.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from mtp_jax import distributed  # noqa: E402
 from mtp_jax import flops as flops_lib  # noqa: E402
 from mtp_jax import layers  # noqa: E402
 from mtp_jax import loss as loss_lib  # noqa: E402
@@ -77,12 +83,20 @@ def synthetic_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict
   return {'tokens': tokens.astype(np.int32), 'segment_ids': seg, 'positions': pos}
 
 
-class Step:
-  """One config's compiled train step on one device, with its state and a batch."""
+# CPU devices a Step trains on (data parallel): main() sets it from --cpu_devices, whose
+# default 'auto' is the trainer's own rule (distributed.resolve_cpu_devices: 2 on a 2+ core
+# CPU host), so the benchmark times what `scripts/train.py` runs.
+STEP_DEVICES = 1
 
-  def __init__(self, config):
+
+class Step:
+  """One config's compiled train step on STEP_DEVICES devices (or `devices`), with its
+  state and a batch."""
+
+  def __init__(self, config, devices: int | None = None):
     t0 = time.perf_counter()
-    self.ts, self.state = steps_lib.setup(config, jax.devices()[:1])
+    self.devices = devices or STEP_DEVICES
+    self.ts, self.state = steps_lib.setup(config, jax.devices()[:self.devices])
     self.config = config
     args = ModelArgs.from_config(config)
     b, t = config.data.batch_size, config.data.seq_len
@@ -165,7 +179,7 @@ def bench_mfu(rounds: int) -> dict:
       'jax': jax.__version__, 'source': 'train_throughput.py --only mfu rounds'})
   return {
       'config': 'configs/stdlib_mtp.py',
-      'attention': train_attention(config),
+      'attention': train_attention(config), 'devices': step.devices,
       'peak_gflops_cached': peak['flops'] / 1e9, 'peak_cache': peak,
       'mfu_best_step_over_peak': step.flops / best_step / peak['flops'],
       'mfu_median_step_over_peak': step.flops / median_step / peak['flops'],
@@ -224,7 +238,7 @@ def bench_maxtext(rounds: int, depths=(0, 1, 3), remat: str = 'block') -> dict:
   times = _round_robin(steps, rounds)
   out = {'model': 'MaxText CPU peer shape: 4 layers, d 256, 8x32 heads, MLP 704, V 1024, '
                   f'B 16 x T 256, float32, remat={remat}',
-         'attention': train_attention(maxtext_config(0, remat)),
+         'attention': train_attention(maxtext_config(0, remat)), 'devices': STEP_DEVICES,
          'peak_gflops_cached': peak['flops'] / 1e9, 'depths': {}}
   for d, s in steps.items():
     med, best = statistics.median(times[d]), min(times[d])
@@ -259,6 +273,14 @@ STDLIB_NORM_VARIANTS = {
 }
 
 
+# --ab_set stdlib_devices: configs/stdlib_mtp.py on one CPU device and on two (data parallel,
+# the trainer's --cpu_devices auto); needs --cpu_devices 2 (or auto on a 2+ core host)
+STDLIB_DEVICES_VARIANTS = {
+    'stdlib_mtp': (lambda **m: _with_model(load_config('stdlib_mtp'), m),
+                   {'one_device': {'devices': 1}, 'two_devices': {'devices': 2}}),
+}
+
+
 # Issue 14, second pass: the MaxText-shape step's variants (--only ab --ab_set train_speed).
 # 'attn': 'before' traces the variant with blocked_attention_before (below) in place of
 # layers.blocked_causal_attention; loss_chunk 256 = T is the scanned per-depth loss over the
@@ -288,6 +310,10 @@ TRAIN_SPEED_VARIANTS = {
     'norm_ce_vjp': {'loss_chunk': 0, 'norm': 'vjp', 'ce': 'vjp'},
     'ce_lse_vjp': {'loss_chunk': 0, 'ce': 'lse_vjp'},
     'combine_split': {'loss_chunk': 0, 'combine': 'split'},
+    # issue 14, fifth pass: the same step on one CPU device and on two (data parallel; the
+    # trainer's --cpu_devices auto); needs --cpu_devices 2 (or auto on a 2+ core host)
+    'one_device': {'loss_chunk': 0, 'devices': 1},
+    'two_devices': {'loss_chunk': 0, 'devices': 2},
 }
 
 
@@ -444,8 +470,13 @@ def _build_step(build, over: dict) -> 'Step':
   before the second pass; autodiff: saved_core off), 'rope' the RoPE, 'saved_names' the
   names the block remat policy saves (layers.ATTENTION_SAVED_NAMES), 'norm' every RMSNorm's
   form (layers.rms_normalize), 'ce' the batched loss's cross-entropy (loss.cross_entropy),
-  'combine' SequentialMTP.combine (split: combine_split)."""
+  'combine' SequentialMTP.combine (split: combine_split), 'devices' the CPU devices it
+  trains on (default STEP_DEVICES)."""
   over = dict(over)
+  devices = over.pop('devices', None)
+  if devices and devices > len(jax.devices()):
+    raise SystemExit(f'variant needs {devices} devices, this process has {len(jax.devices())} '
+                     '(--cpu_devices)')
   saved = layers.blocked_causal_attention, layers.apply_rope
   saved_forms = layers.rms_normalize, loss_lib.cross_entropy, model_lib.SequentialMTP.combine
   attn, rope = over.pop('attn', None), over.pop('rope', None)
@@ -466,7 +497,7 @@ def _build_step(build, over: dict) -> 'Step':
   if rope:
     layers.apply_rope = {'flip': apply_rope_flip}[rope]
   try:
-    return Step(build(**over))
+    return Step(build(**over), devices)
   finally:
     layers.blocked_causal_attention, layers.apply_rope = saved
     layers.rms_normalize, loss_lib.cross_entropy, model_lib.SequentialMTP.combine = saved_forms
@@ -668,11 +699,20 @@ def main():
   parser.add_argument('--depths', type=lambda x: tuple(int(d) for d in x.split(',')),
                       default=(0, 1, 3), help='maxtext section: MTP depths')
   parser.add_argument('--remat', default='block', help='maxtext section: model.remat')
-  parser.add_argument('--ab_set', default='attention', choices=('attention', 'train_speed', 'stdlib_block', 'stdlib_norm'),
+  parser.add_argument('--ab_set', default='attention', choices=('attention', 'train_speed', 'stdlib_block', 'stdlib_norm',
+                               'stdlib_devices'),
                       help='ab section: attention = xla vs blocked core (stdlib_mtp, MaxText '
                            'shape D 1); train_speed = TRAIN_SPEED_VARIANTS at --depths')
   parser.add_argument('--variants', default='', help='ab train_speed: comma-separated names')
+  parser.add_argument('--cpu_devices', default='auto',
+                      help="CPU devices per train step (data parallel): auto = the trainer's "
+                           "default (scripts/train.py --cpu_devices auto), or a number")
   a = parser.parse_args()
+  global STEP_DEVICES  # pylint: disable=global-statement
+  n = distributed.resolve_cpu_devices(a.cpu_devices)  # before anything starts JAX's backend
+  if n:
+    jax.config.update('jax_num_cpu_devices', n)
+  STEP_DEVICES = n or 1
   cpu_model = ''
   if os.path.exists('/proc/cpuinfo'):
     cpu_model = next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo')
@@ -680,6 +720,7 @@ def main():
   result = {'machine': {'platform': platform.platform(), 'processor': cpu_model or platform.processor(),
                         'cpu_count': os.cpu_count(), 'jax': jax.__version__,
                         'devices': [d.device_kind for d in jax.devices()[:1]],
+                        'step_devices': STEP_DEVICES, 'cpu_devices_flag': a.cpu_devices,
                         'date': datetime.datetime.now().isoformat(timespec='seconds'),
                         'load_average_at_start': os.getloadavg()}}
   for name in a.only.split(','):
@@ -687,7 +728,8 @@ def main():
     result[name] = {'mfu': lambda: bench_mfu(a.rounds), 'overhead': lambda: bench_overhead(a.rounds),
                     'maxtext': lambda: bench_maxtext(a.rounds, a.depths, a.remat),
                     'ab': lambda: bench_ab(a.rounds, {'attention': AB_VARIANTS, 'stdlib_block': STDLIB_BLOCK_VARIANTS,
-                                                      'stdlib_norm': STDLIB_NORM_VARIANTS}.get(a.ab_set) or
+                                                      'stdlib_norm': STDLIB_NORM_VARIANTS,
+                                                      'stdlib_devices': STDLIB_DEVICES_VARIANTS}.get(a.ab_set) or
                                            train_speed_variants(a.depths, [v for v in a.variants.split(',') if v])),
                     'moe': lambda: bench_moe(a.rounds),
                     'memory': bench_memory_both_schedulers, 'compile': bench_compile}[name]()

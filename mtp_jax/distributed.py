@@ -19,6 +19,15 @@ import jax
 
 MODES = ('auto', 'on', 'off')
 
+# --cpu_devices auto: a single-process CPU job trains on this many CPU devices (data
+# parallel) when its config is valid with them. XLA:CPU then runs the two halves of the
+# batch as two streams of thunks, which keeps both cores busy through the small ops
+# between the GEMMs (issue 14: the MaxText-shape step, remat block, 0.92-0.94x the time
+# of one device on a 2-core host; configs/stdlib_mtp.py, remat none, level). Only 2 was
+# measured (4 devices on 2 cores: slower than 2).
+AUTO_CPU_DEVICES = 2
+_DEVICE_COUNT_FLAG = 'xla_force_host_platform_device_count'
+
 
 def _env_int(name: str) -> int | None:
   value = os.environ.get(name)
@@ -37,6 +46,47 @@ def managed_cluster() -> str | None:
   return None
 
 
+def _usable_cores() -> int:
+  return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+
+
+def resolve_cpu_devices(value, config=None, mode: str = 'auto',
+                        coordinator_address: str | None = None,
+                        num_processes: int | None = None) -> int | None:
+  """The CPU device count to give JAX for --cpu_devices `value` (None: leave JAX's own).
+
+  An integer (or its string) is taken as is. 'auto' (the trainer's default) gives
+  AUTO_CPU_DEVICES when this is a single-process job on a CPU host with that many cores,
+  nobody fixed the count already (XLA_FLAGS' --xla_force_host_platform_device_count,
+  jax_num_cpu_devices), and `config` validates with that many devices (batch divisible
+  by data x fsdp, ...); otherwise None. Runs before JAX starts a backend.
+  """
+  if value is None:
+    return None
+  if isinstance(value, int) or str(value).strip().lstrip('-').isdigit():
+    n = int(value)
+    if n < 1:
+      raise ValueError(f'--cpu_devices must be a positive integer or auto, got {value}')
+    return n
+  if str(value).strip().lower() != 'auto':
+    raise ValueError(f'--cpu_devices must be a positive integer or auto, got {value}')
+  platforms = os.environ.get('JAX_PLATFORMS', '').strip().lower()
+  if (platforms not in ('', 'cpu') or mode == 'on' or managed_cluster()
+      or coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
+      or (num_processes or _env_int('JAX_NUM_PROCESSES') or 1) > 1
+      or _DEVICE_COUNT_FLAG in os.environ.get('XLA_FLAGS', '')
+      or jax.config.jax_num_cpu_devices not in (-1, None)
+      or _usable_cores() < AUTO_CPU_DEVICES):
+    return None
+  if config is not None:
+    from mtp_jax import config_lib  # pylint: disable=import-outside-toplevel
+    try:
+      config_lib.validate(config, AUTO_CPU_DEVICES)
+    except Exception:  # pylint: disable=broad-except
+      return None  # e.g. an odd batch: one device, as JAX would give
+  return AUTO_CPU_DEVICES
+
+
 def initialize(mode: str = 'auto', coordinator_address: str | None = None,
                num_processes: int | None = None, process_id: int | None = None,
                cpu_devices: int | None = None) -> bool:
@@ -49,7 +99,7 @@ def initialize(mode: str = 'auto', coordinator_address: str | None = None,
   """
   if mode not in MODES:
     raise ValueError(f'distributed mode must be one of {MODES}, got {mode!r}')
-  if cpu_devices:
+  if cpu_devices:  # an int: resolve_cpu_devices turns --cpu_devices auto into one (or None)
     jax.config.update('jax_num_cpu_devices', int(cpu_devices))
   if mode == 'off':
     return False

@@ -155,6 +155,10 @@ def _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_f
       f.write(config.to_json_best_effort(indent=2))
   run.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
   run.mfu = flops_lib.MFU(config, devices)  # CPU: a matmul probe, run now in this process
+  if devices[0].platform == 'cpu' and len(devices) > 1 and jax.process_count() == 1:
+    notify.progress.message(  # scripts/train.py --cpu_devices auto picks 2 on a 2+ core host
+        f'Training on {len(devices)} CPU devices, mesh {dict(ts.mesh.shape)} (scripts/train.py '
+        '--cpu_devices: auto = 2 when the config allows, or a number).')
   notify.progress.message(run.mfu.describe())
   run.token_bytes = evaluation.padded_token_bytes(config, tokenizer)
   return run

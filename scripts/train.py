@@ -31,7 +31,10 @@ _DISTRIBUTED = flags.DEFINE_enum('distributed', 'auto', ['auto', 'on', 'off'],
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0 .. num_processes - 1.')
-_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', None, 'CPU devices of this process (CPU jobs, tests).')
+_CPU_DEVICES = flags.DEFINE_string(
+    'cpu_devices', 'auto', 'CPU devices of this process (CPU jobs, tests). auto: 2 on a '
+    'single-process CPU job whose config is valid with 2 (data parallel: both cores busy, '
+    'distributed.AUTO_CPU_DEVICES), else one; an explicit XLA_FLAGS device count wins.')
 
 
 def _fail(what: str, e: BaseException):
@@ -69,8 +72,13 @@ def main(argv):
   workdir = _WORKDIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
   from mtp_jax import cli, distributed, train  # after flag parsing: JAX starts here
+  try:
+    cpu_devices = distributed.resolve_cpu_devices(
+        _CPU_DEVICES.value, config, _DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value)
+  except ValueError as e:
+    _fail('bad flag', e)
   distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
-                         _PROCESS_ID.value, _CPU_DEVICES.value)
+                         _PROCESS_ID.value, cpu_devices)
   try:
     train.train_and_evaluate(config, workdir, init_from=_INIT_FROM.value)
   except Exception as e:  # pylint: disable=broad-except

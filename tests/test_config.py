@@ -66,6 +66,38 @@ def test_every_config_validates():
       config_lib.validate(load_config(name[:-3]))
 
 
+def test_cpu_devices_auto_rule(monkeypatch):
+  """--cpu_devices: numbers as given; auto = 2 only for a single-process CPU job on 2+
+  cores whose config is valid with 2 and whose device count nobody fixed already."""
+  from mtp_jax import distributed
+  tiny = load_config('tiny')
+  assert distributed.resolve_cpu_devices('4', tiny) == 4
+  assert distributed.resolve_cpu_devices(None, tiny) is None
+  for bad in ('0', '-2', 'two'):
+    with pytest.raises(ValueError, match='--cpu_devices must be a positive integer or auto'):
+      distributed.resolve_cpu_devices(bad, tiny)
+  # conftest fixes 8 devices through XLA_FLAGS: auto leaves that alone
+  assert distributed.resolve_cpu_devices('auto', tiny) is None
+  monkeypatch.setenv('XLA_FLAGS', '')
+  for var in ('JAX_PLATFORMS', 'JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'SLURM_NTASKS',
+              'SLURM_STEP_NUM_TASKS', 'OMPI_COMM_WORLD_SIZE', 'TPU_WORKER_HOSTNAMES'):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setattr(distributed, '_usable_cores', lambda: 2)
+  assert distributed.resolve_cpu_devices('auto', tiny) == 2
+  assert distributed.resolve_cpu_devices('auto', None) == 2
+  odd = load_config('tiny')
+  odd.data.batch_size = 7  # not divisible by 2 data-parallel devices: stay on one
+  assert distributed.resolve_cpu_devices('auto', odd) is None
+  assert distributed.resolve_cpu_devices('auto', tiny, coordinator_address='h:1') is None
+  assert distributed.resolve_cpu_devices('auto', tiny, num_processes=2) is None
+  assert distributed.resolve_cpu_devices('auto', tiny, mode='on') is None
+  monkeypatch.setattr(distributed, '_usable_cores', lambda: 1)
+  assert distributed.resolve_cpu_devices('auto', tiny) is None
+  monkeypatch.setattr(distributed, '_usable_cores', lambda: 2)
+  monkeypatch.setenv('JAX_PLATFORMS', 'cuda')
+  assert distributed.resolve_cpu_devices('auto', tiny) is None
+
+
 def _run_train(*args):
   env = dict(os.environ, XLA_FLAGS='')
   return subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'train.py'),

@@ -79,7 +79,8 @@ def test_json_keys_and_ranges(report):
 
 def test_matches_the_trainers_eval_line(report, tiny_run):
   """Same checkpoint, same prompts: the same tau and acceptance bit for bit, and the same
-  teacher-forced figures up to float reassociation (8 devices here, 1 in training)."""
+  teacher-forced figures up to float reassociation (8 devices here; in training
+  --cpu_devices auto: 2 on a 2+ core host, which the trainer says on its console)."""
   rows = _eval_rows(tiny_run[0])
   assert sorted(rows) == [20, 40]
   line = rows[40]
@@ -92,6 +93,8 @@ def test_matches_the_trainers_eval_line(report, tiny_run):
     if key.startswith('eval/') and not key.startswith('eval/decode_'):
       assert report[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
   assert 'decode_tau=' in tiny_run[1].stderr  # the trainer's console line shows tau
+  if len(os.sched_getaffinity(0)) >= 2:
+    assert "Training on 2 CPU devices, mesh {'data': 2" in tiny_run[1].stderr
 
 
 def test_table_of_an_earlier_step(tiny_run, capsys):
