@@ -17,6 +17,8 @@ import os
 
 import jax
 
+from mtp_jax import config_lib
+
 MODES = ('auto', 'on', 'off')
 
 # --cpu_devices auto: a single-process CPU job trains on this many CPU devices (data
@@ -79,7 +81,6 @@ def resolve_cpu_devices(value, config=None, mode: str = 'auto',
       or _usable_cores() < AUTO_CPU_DEVICES):
     return None
   if config is not None:
-    from mtp_jax import config_lib  # pylint: disable=import-outside-toplevel
     try:
       config_lib.validate(config, AUTO_CPU_DEVICES)
     except Exception:  # pylint: disable=broad-except
