@@ -496,12 +496,27 @@ class CheckpointReader:
   def read_arrays(self, step: int) -> list[np.ndarray]:
     """Every array of `step` in fingerprint order, as saved and verified; no model is built."""
     meta = self.read_meta(step)
-    with warnings.catch_warnings():
-      warnings.simplefilter('ignore')  # 'sharding info from the sharding file': as saved
-      tree = _restore_item(self._dir(step, 'state'), ocp.PyTreeCheckpointHandler(), None)
+    tree = _restore_as_numpy(self._dir(step, 'state'))
     loaded = _paths(tree)
     self.verify_paths(step, meta, loaded)
     return [np.asarray(loaded[p]) for p in sorted(loaded, key=_order_key)]
+
+
+def _restore_as_numpy(path: str):
+  """An item directory's whole tree as host numpy arrays, whatever devices saved it.
+
+  Without restore args orbax rebuilds each array on the shardings in the checkpoint's
+  sharding file, which a process with fewer devices cannot (a 2-device trainer's step
+  read from a 1-device process: 'sharding ... should be specified ... Got None')."""
+  handler = ocp.PyTreeCheckpointHandler()
+  try:
+    meta = handler.metadata(epath.Path(path))
+    tree = getattr(meta, 'tree', meta)
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree,
+                        is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
+    return handler.restore(epath.Path(path), args=ocp.args.PyTreeRestore(restore_args=args))
+  finally:
+    handler.close()
 
 
 def _restore_item(path: str, handler, args):

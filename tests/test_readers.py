@@ -157,6 +157,22 @@ def test_flipped_byte_is_caught_by_the_fingerprint(run_copy, capsys):
   assert 'checkpoint 40' in err[0] and 'restored arrays differ' in err[0]
 
 
+def test_arrays_read_in_a_process_with_other_devices(tiny_run):
+  """read_state_arrays needs no template: a 1-device process reads the checkpoint of the
+  trainer's --cpu_devices auto run (2 devices on a 2+ core host) and gets the arrays this
+  8-device process gets, bit for bit (orbax alone would rebuild the saved shardings)."""
+  directory = os.path.join(tiny_run[0], 'checkpoints')
+  here = hashlib.sha256(b''.join(a.tobytes() for a in ckpt_lib.read_state_arrays(directory, 40)))
+  code = ('import hashlib, sys; from mtp_jax import checkpoint as c; import jax; '
+          'assert len(jax.devices()) == 1; print(hashlib.sha256(b"".join(a.tobytes() for a in '
+          'c.read_state_arrays(sys.argv[1], 40))).hexdigest())')
+  proc = subprocess.run([sys.executable, '-c', code, directory], capture_output=True, text=True,
+                        env=dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu', PYTHONPATH=REPO),
+                        timeout=300, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.split()[-1] == here.hexdigest()
+
+
 def test_init_from_reads_without_harm(run_copy, stdlib_data_dir, tmp_path, devices, capfd):
   """--init_from on a workdir whose newest meta is broken and which holds an incomplete
   save: it loads step 20's trunk (verified) with one warning, and changes nothing there."""
