@@ -28,7 +28,6 @@ import os
 import shutil
 import sys
 import time
-import warnings
 
 import grain
 import jax
