@@ -136,8 +136,14 @@ def thunk_events(run, rounds: int, module_prefix: str = '') -> tuple[list, list]
   return results, thunks
 
 
-def profile(depth: int, steps: int, **model) -> dict:
-  step = tt.Step(tt.maxtext_config(depth, **model))
+def profile(depth: int, steps: int, config: str = 'maxtext', **model) -> dict:
+  if config == 'maxtext':
+    c = tt.maxtext_config(depth, **model)
+  else:  # a configs/<name>.py at its own D unless --depths says otherwise (-1)
+    c = tt._with_model(tt.load_config(config), model)
+    if depth >= 0:
+      c.model.mtp.depth = depth
+  step = tt.Step(c)
   meta = hlo_metadata(step.compiled.as_text())
   for _ in range(2):
     step.run()
@@ -176,11 +182,21 @@ def main():
   p.add_argument('--depths', default='0,3')
   p.add_argument('--steps', type=int, default=3)
   p.add_argument('--out', default='')
+  p.add_argument('--config', default='maxtext',
+                 help="'maxtext' (the peer shape) or a configs/<name>.py name, e.g. stdlib_mtp "
+                      "(--depths -1: its own D)")
+  p.add_argument('--cpu_devices', default='1',
+                 help="CPU devices the step trains on (data parallel); 'auto' = the trainer's rule")
   a = p.parse_args()
-  out = {'jax': jax.__version__, 'load_start': os.getloadavg(), 'runs': []}
+  n = tt.distributed.resolve_cpu_devices(a.cpu_devices)  # before JAX's backend starts
+  if n:
+    jax.config.update('jax_num_cpu_devices', n)
+  tt.STEP_DEVICES = n or 1
+  out = {'jax': jax.__version__, 'config': a.config, 'devices': tt.STEP_DEVICES,
+         'load_start': os.getloadavg(), 'runs': []}
   for d in (int(x) for x in a.depths.split(',')):
     t0 = time.time()
-    r = profile(d, a.steps)
+    r = profile(d, a.steps, a.config)
     r['seconds'] = time.time() - t0
     out['runs'].append(r)
     print(f"D={d}: wall {r['wall_ms_median']:.0f} ms, thunks {r['thunk_ms_per_step']:.0f} ms/step")

@@ -280,6 +280,13 @@ STDLIB_DEVICES_VARIANTS = {
                    {'one_device': {'devices': 1}, 'two_devices': {'devices': 2}}),
 }
 
+# --ab_set stdlib_loss: configs/stdlib_mtp.py's batched loss, concatenated rows (before issue
+# 14's sixth pass) against stacked depths (now), on --cpu_devices devices
+STDLIB_LOSS_VARIANTS = {
+    'stdlib_mtp': (lambda **m: _with_model(load_config('stdlib_mtp'), m),
+                   {'loss_concat': {'head_sums': 'concat'}, 'now': {}}),
+}
+
 
 # Issue 14, second pass: the MaxText-shape step's variants (--only ab --ab_set train_speed).
 # 'attn': 'before' traces the variant with blocked_attention_before (below) in place of
@@ -314,6 +321,9 @@ TRAIN_SPEED_VARIANTS = {
     # trainer's --cpu_devices auto); needs --cpu_devices 2 (or auto on a 2+ core host)
     'one_device': {'loss_chunk': 0, 'devices': 1},
     'two_devices': {'loss_chunk': 0, 'devices': 2},
+    # issue 14, sixth pass: the batched loss with every depth's rows concatenated along B*T
+    # (the form before: an all-to-all on a data-parallel mesh) against stacked (now)
+    'loss_concat': {'loss_chunk': 0, 'head_sums': 'concat'},
 }
 
 
@@ -443,6 +453,22 @@ def combine_split(self, h_prev_BxTxD: jax.Array, emb_BxTxD: jax.Array, decode: b
   return sharding.constrain(h.reshape(b, t, d), ('batch', 'length', 'act_embed'))
 
 
+def head_sums_concat(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT, teacher_logits=None):
+  """loss._head_sums_batched before issue 14's sixth pass (the A/B control of 'head_sums':
+  'concat'): every depth's rows concatenated along B*T, which on a data-parallel mesh
+  reshards them (an all-to-all) and the logits back. Data targets only (no teacher)."""
+  assert teacher_logits is None
+  num = len(hiddens)
+  b, t, d = hiddens[0].shape
+  x_KNxD = jnp.concatenate([norm(h).reshape(b * t, d) for norm, h in zip(norms, hiddens)])
+  logits_KxBxTxV = jnp.dot(x_KNxD, w_DxV.astype(x_KNxD.dtype),
+                           preferred_element_type=jnp.float32).reshape(num, b, t, -1)
+  nll, pred_KxBxT = loss_lib.cross_entropy(logits_KxBxTxV, targets_KxBxT)
+  mf = mask_KxBxT.astype(jnp.float32)
+  return (jnp.sum(nll * mf, axis=(1, 2)), jnp.sum((pred_KxBxT == targets_KxBxT) * mf, axis=(1, 2)),
+          pred_KxBxT)
+
+
 def train_speed_variants(depths, names=None) -> dict:
   names = names or list(TRAIN_SPEED_VARIANTS)
   return {f'maxtext_D{d}': (lambda d=d, **m: maxtext_config(d, **m),
@@ -479,7 +505,11 @@ def _build_step(build, over: dict) -> 'Step':
                      '(--cpu_devices)')
   saved = layers.blocked_causal_attention, layers.apply_rope
   saved_forms = layers.rms_normalize, loss_lib.cross_entropy, model_lib.SequentialMTP.combine
+  saved_head_sums = loss_lib._head_sums_batched  # pylint: disable=protected-access
   attn, rope = over.pop('attn', None), over.pop('rope', None)
+  head_sums = over.pop('head_sums', None)
+  if head_sums:
+    loss_lib._head_sums_batched = {'concat': head_sums_concat}[head_sums]  # pylint: disable=protected-access
   norm, ce, combine = over.pop('norm', None), over.pop('ce', None), over.pop('combine', None)
   if combine:
     model_lib.SequentialMTP.combine = {'split': combine_split}[combine]
@@ -502,6 +532,7 @@ def _build_step(build, over: dict) -> 'Step':
     layers.blocked_causal_attention, layers.apply_rope = saved
     layers.rms_normalize, loss_lib.cross_entropy, model_lib.SequentialMTP.combine = saved_forms
     layers.ATTENTION_SAVED_NAMES = saved_names
+    loss_lib._head_sums_batched = saved_head_sums  # pylint: disable=protected-access
 
 
 def bench_ab(rounds: int, variants=None) -> dict:
@@ -700,7 +731,7 @@ def main():
                       default=(0, 1, 3), help='maxtext section: MTP depths')
   parser.add_argument('--remat', default='block', help='maxtext section: model.remat')
   parser.add_argument('--ab_set', default='attention', choices=('attention', 'train_speed', 'stdlib_block', 'stdlib_norm',
-                               'stdlib_devices'),
+                               'stdlib_devices', 'stdlib_loss'),
                       help='ab section: attention = xla vs blocked core (stdlib_mtp, MaxText '
                            'shape D 1); train_speed = TRAIN_SPEED_VARIANTS at --depths')
   parser.add_argument('--variants', default='', help='ab train_speed: comma-separated names')
@@ -729,7 +760,8 @@ def main():
                     'maxtext': lambda: bench_maxtext(a.rounds, a.depths, a.remat),
                     'ab': lambda: bench_ab(a.rounds, {'attention': AB_VARIANTS, 'stdlib_block': STDLIB_BLOCK_VARIANTS,
                                                       'stdlib_norm': STDLIB_NORM_VARIANTS,
-                                                      'stdlib_devices': STDLIB_DEVICES_VARIANTS}.get(a.ab_set) or
+                                                      'stdlib_devices': STDLIB_DEVICES_VARIANTS,
+                                                      'stdlib_loss': STDLIB_LOSS_VARIANTS}.get(a.ab_set) or
                                            train_speed_variants(a.depths, [v for v in a.variants.split(',') if v])),
                     'moe': lambda: bench_moe(a.rounds),
                     'memory': bench_memory_both_schedulers, 'compile': bench_compile}[name]()
