@@ -187,12 +187,14 @@ def main():
                       "(--depths -1: its own D)")
   p.add_argument('--cpu_devices', default='1',
                  help="CPU devices the step trains on (data parallel); 'auto' = the trainer's rule")
+  p.add_argument('--host_malloc', default='auto', choices=tt.host_memory.MODES)
   a = p.parse_args()
+  malloc = tt.host_memory.configure(a.host_malloc)  # as scripts/train.py, before the backend
   n = tt.distributed.resolve_cpu_devices(a.cpu_devices)  # before JAX's backend starts
   if n:
     jax.config.update('jax_num_cpu_devices', n)
   tt.STEP_DEVICES = n or 1
-  out = {'jax': jax.__version__, 'config': a.config, 'devices': tt.STEP_DEVICES,
+  out = {'jax': jax.__version__, 'config': a.config, 'devices': tt.STEP_DEVICES, 'host_malloc': malloc,
          'load_start': os.getloadavg(), 'runs': []}
   for d in (int(x) for x in a.depths.split(',')):
     t0 = time.time()

@@ -36,6 +36,11 @@ _CPU_DEVICES = flags.DEFINE_string(
     'single-process CPU job whose config is valid with 2 (data parallel: both cores busy, '
     'distributed.AUTO_CPU_DEVICES), else one; an explicit XLA_FLAGS device count wins.')
 
+_HOST_MALLOC = flags.DEFINE_string(
+    'host_malloc', 'auto', 'keep: the C allocator keeps the buffers XLA:CPU frees for reuse '
+    '(no page faults per step; mtp_jax/host_memory.py); system: leave it; auto: keep for a '
+    'CPU job on Linux/glibc.')
+
 
 def _fail(what: str, e: BaseException):
   text = ' '.join(str(e).replace('\\n', '. ').replace("\\'", '').split()).strip('\'"')
@@ -71,10 +76,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   workdir = _WORKDIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
-  from mtp_jax import cli, distributed, train  # after flag parsing: JAX starts here
+  from mtp_jax import cli, distributed, host_memory, train  # after flag parsing: JAX starts here
   try:
     cpu_devices = distributed.resolve_cpu_devices(
         _CPU_DEVICES.value, config, _DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value)
+    host_memory.configure(_HOST_MALLOC.value)  # before JAX's backend and its threads start
   except ValueError as e:
     _fail('bad flag', e)
   distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,

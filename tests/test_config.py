@@ -111,4 +111,8 @@ def test_cli_misspelled_key_and_bad_value(tmp_path):
   proc = _run_train('--config.model.mtp.depth=-2', f'--workdir={tmp_path}')
   assert proc.returncode == 2
   assert 'error: model.mtp.depth must be a non-negative integer' in proc.stderr
+  proc = _run_train('--host_malloc=tcmalloc', f'--workdir={tmp_path}')
+  assert proc.returncode == 2
+  assert proc.stderr.strip() == ("error: bad flag: --host_malloc must be one of auto, keep, "
+                                 "system, got tcmalloc")
   assert not os.path.exists(tmp_path / 'checkpoints')  # nothing ran
