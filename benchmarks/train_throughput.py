@@ -48,7 +48,6 @@ sys.path.insert(0, REPO)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 from mtp_jax import distributed  # noqa: E402
 from mtp_jax import flops as flops_lib  # noqa: E402
@@ -283,12 +282,10 @@ STDLIB_DEVICES_VARIANTS = {
 }
 
 # --ab_set stdlib_loss: configs/stdlib_mtp.py's batched loss as it was before issue 14's sixth
-# pass (concatenated rows; predictions by jnp.argmax), one change at a time, against now; on
-# --cpu_devices devices
+# pass (concatenated rows) against now (stacked depths), on --cpu_devices devices
 STDLIB_LOSS_VARIANTS = {
     'stdlib_mtp': (lambda **m: _with_model(load_config('stdlib_mtp'), m),
-                   {'loss_concat': {'head_sums': 'concat'}, 'jnp_argmax': {'ce': 'jnp_argmax'},
-                    'now': {}}),
+                   {'loss_concat': {'head_sums': 'concat'}, 'now': {}}),
 }
 
 
@@ -328,8 +325,6 @@ TRAIN_SPEED_VARIANTS = {
     # issue 14, sixth pass: the batched loss with every depth's rows concatenated along B*T
     # (the form before: an all-to-all on a data-parallel mesh) against stacked (now)
     'loss_concat': {'loss_chunk': 0, 'head_sums': 'concat'},
-    # ... and the predictions by jnp.argmax (before) against loss.first_argmax (now)
-    'jnp_argmax': {'loss_chunk': 0, 'ce': 'jnp_argmax'},
 }
 
 
@@ -430,13 +425,6 @@ def _ce_lse_fwd(logits, tgt):
 cross_entropy_lse_vjp.defvjp(_ce_lse_fwd, _ce_bwd)
 
 
-def cross_entropy_jnp_argmax(logits_NxV: jax.Array, targets_N: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """loss_lib.cross_entropy_autodiff before issue 14's sixth pass (the A/B control of 'ce':
-  'jnp_argmax'): the predictions by jnp.argmax, a variadic (value, index) reduce."""
-  return (optax.softmax_cross_entropy_with_integer_labels(logits_NxV, targets_N),
-          jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def rms_normalize_vjp_v1(x_NxD, scale_D, eps, dtype):
   """layers.rms_normalize_vjp with its first backward: mean(x_hat * scale * dy) as a row
@@ -530,8 +518,7 @@ def _build_step(build, over: dict) -> 'Step':
     layers.rms_normalize = {'vjp': layers.rms_normalize_vjp, 'autodiff': layers.rms_normalize_autodiff,
                             'vjp_v1': rms_normalize_vjp_v1}[norm]
   if ce:
-    loss_lib.cross_entropy = {'vjp': cross_entropy_vjp, 'lse_vjp': cross_entropy_lse_vjp,
-                              'jnp_argmax': cross_entropy_jnp_argmax}[ce]
+    loss_lib.cross_entropy = {'vjp': cross_entropy_vjp, 'lse_vjp': cross_entropy_lse_vjp}[ce]
   saved_names = layers.ATTENTION_SAVED_NAMES
   layers.ATTENTION_SAVED_NAMES = over.pop('saved_names', saved_names)
   if attn:

@@ -116,17 +116,3 @@ def test_agreement_counts_match_numpy():
   np.testing.assert_array_equal(np.asarray(sums['agree']), want)
   np.testing.assert_array_equal(np.asarray(sums['correct']), want_correct)
 
-
-def test_first_argmax_is_jnp_argmax_with_ties():
-  """The loss's argmax (row max, then the smallest index at it) picks what jnp.argmax picks,
-  also where several entries tie for the maximum, in any position."""
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(4, 7, 33)).astype(np.float32)
-  x[0, :, 5] = x[0, :, 20] = 9.0  # two-way tie
-  x[1, 3] = 1.5  # a whole row ties: index 0
-  x[2, :, 32] = 50.0  # the maximum at the last index
-  x[3, 0, [2, 9, 31]] = 7.0
-  x = np.round(x, 1)  # plenty of ties below the maximum too
-  got = np.asarray(jax.jit(loss_lib.first_argmax)(jnp.asarray(x)))
-  np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
-  assert got.dtype == np.int32
