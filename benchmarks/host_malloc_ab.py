@@ -26,9 +26,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = r'''
 import json, resource, statistics, sys
 sys.path.insert(0, %(here)r)
-from mtp_jax import distributed, host_memory
+from mtp_jax import host_memory  # standard library only: configure before JAX's first thread
 mode = host_memory.configure(%(mode)r)
 import jax
+from mtp_jax import distributed
 n = distributed.resolve_cpu_devices('auto')
 if n:
   jax.config.update('jax_num_cpu_devices', n)

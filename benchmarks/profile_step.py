@@ -26,6 +26,12 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mtp_jax import host_memory  # noqa: E402  (standard library only)
+
+# scripts/train.py's allocator setting (--host_malloc), before JAX starts a thread
+HOST_MALLOC = host_memory.configure(host_memory.mode_from_argv(sys.argv)) if __name__ == "__main__" else None
+
 import train_throughput as tt  # noqa: E402
 
 import jax  # noqa: E402
@@ -187,14 +193,14 @@ def main():
                       "(--depths -1: its own D)")
   p.add_argument('--cpu_devices', default='1',
                  help="CPU devices the step trains on (data parallel); 'auto' = the trainer's rule")
-  p.add_argument('--host_malloc', default='auto', choices=tt.host_memory.MODES)
+  p.add_argument('--host_malloc', default='auto', choices=host_memory.MODES,
+                 help='read before the imports (HOST_MALLOC above), as scripts/train.py')
   a = p.parse_args()
-  malloc = tt.host_memory.configure(a.host_malloc)  # as scripts/train.py, before the backend
   n = tt.distributed.resolve_cpu_devices(a.cpu_devices)  # before JAX's backend starts
   if n:
     jax.config.update('jax_num_cpu_devices', n)
   tt.STEP_DEVICES = n or 1
-  out = {'jax': jax.__version__, 'config': a.config, 'devices': tt.STEP_DEVICES, 'host_malloc': malloc,
+  out = {'jax': jax.__version__, 'config': a.config, 'devices': tt.STEP_DEVICES, 'host_malloc': HOST_MALLOC,
          'load_start': os.getloadavg(), 'runs': []}
   for d in (int(x) for x in a.depths.split(',')):
     t0 = time.time()

@@ -45,13 +45,17 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from mtp_jax import host_memory  # noqa: E402  (standard library only)
+
+# The allocator setting scripts/train.py makes (--host_malloc), before JAX starts a thread.
+HOST_MALLOC = host_memory.configure(host_memory.mode_from_argv(sys.argv)) if __name__ == '__main__' else None
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtp_jax import distributed  # noqa: E402
 from mtp_jax import flops as flops_lib  # noqa: E402
-from mtp_jax import host_memory  # noqa: E402
 from mtp_jax import layers  # noqa: E402
 from mtp_jax import loss as loss_lib  # noqa: E402
 from mtp_jax import model as model_lib  # noqa: E402
@@ -744,7 +748,6 @@ def main():
                            "--host_malloc (auto: keep them on a CPU host)")
   a = parser.parse_args()
   global STEP_DEVICES  # pylint: disable=global-statement
-  malloc = host_memory.configure(a.host_malloc)  # what scripts/train.py does, before JAX's backend
   n = distributed.resolve_cpu_devices(a.cpu_devices)  # before anything starts JAX's backend
   if n:
     jax.config.update('jax_num_cpu_devices', n)
@@ -757,7 +760,7 @@ def main():
                         'cpu_count': os.cpu_count(), 'jax': jax.__version__,
                         'devices': [d.device_kind for d in jax.devices()[:1]],
                         'step_devices': STEP_DEVICES, 'cpu_devices_flag': a.cpu_devices,
-                        'host_malloc': malloc,
+                        'host_malloc': HOST_MALLOC,
                         'date': datetime.datetime.now().isoformat(timespec='seconds'),
                         'load_average_at_start': os.getloadavg()}}
   for name in a.only.split(','):

@@ -10,16 +10,17 @@ pages: no faults, the step 0.8-0.9x the time.
 
   keep    mallopt: one arena (M_ARENA_MAX 1: XLA's worker threads would otherwise each
           get their own, which still map and unmap), no mmap'd blocks (M_MMAP_MAX 0) and
-          no trimming of the heap's free top below 2 GiB (M_TRIM_THRESHOLD). The process's
+          no trimming of the heap's free top (M_TRIM_THRESHOLD -1). The process's
           resident memory then stays at its peak instead of shrinking between steps.
   system  leave the allocator as it is.
   auto    keep for a CPU job: on Linux with glibc, when JAX_PLATFORMS is unset or 'cpu'
           and no GPU / TPU plugin is installed, and nobody set glibc.malloc tunables in
           GLIBC_TUNABLES already; otherwise system.
 
-It has to run before JAX starts its backend (the thread pools and their arenas):
-scripts/train.py calls it right after parsing flags (--host_malloc), as do the training
-benchmarks. Called later, threads that already have an arena keep their old behaviour.
+It has to run before JAX starts threads (each thread that allocated before it keeps an
+arena of its own): this module imports only the standard library, and scripts/train.py
+calls it right after parsing flags (--host_malloc), before it imports JAX; the training
+benchmarks before their own imports (mode_from_argv).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ MODES = ('auto', 'keep', 'system')
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-_TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int: the largest, 2 GiB
+_NO_TRIM = -1  # M_TRIM_THRESHOLD -1: never trim (mallopt(3))
 _ACCELERATOR_PLUGINS = ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_rocm60_plugin',
                         'jax_rocm7_plugin', 'libtpu')
 
@@ -70,6 +71,17 @@ def resolve(mode: str) -> str:
   return 'keep' if _glibc() is not None else 'system'
 
 
+def mode_from_argv(argv, default: str = 'auto') -> str:
+  """--host_malloc's value in a command line (--host_malloc X or --host_malloc=X), for a
+  script that must configure before its argument parser and its imports run."""
+  for i, arg in enumerate(argv):
+    if arg == '--host_malloc' and i + 1 < len(argv):
+      return argv[i + 1]
+    if arg.startswith('--host_malloc='):
+      return arg.split('=', 1)[1]
+  return default
+
+
 def configure(mode: str = 'auto') -> str:
   """Applies --host_malloc `mode` (see the module doc); returns what it did: 'keep' or
   'system'. 'keep' where glibc is missing is an error, not a silent no-op."""
@@ -80,7 +92,7 @@ def configure(mode: str = 'auto') -> str:
   if libc is None:
     raise ValueError('--host_malloc keep needs Linux with glibc (mallopt)')
   ok = all(libc.mallopt(p, v) == 1 for p, v in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0),
-                                                (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)))
+                                                (_M_TRIM_THRESHOLD, _NO_TRIM)))
   if not ok:
     raise ValueError('--host_malloc keep: glibc mallopt refused a setting')
   return what

@@ -76,11 +76,15 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   workdir = _WORKDIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
-  from mtp_jax import cli, distributed, host_memory, train  # after flag parsing: JAX starts here
+  from mtp_jax import host_memory  # standard library only: before JAX and its first thread
+  try:
+    host_memory.configure(_HOST_MALLOC.value)
+  except ValueError as e:
+    _fail('bad flag', e)
+  from mtp_jax import cli, distributed, train  # after flag parsing: JAX starts here
   try:
     cpu_devices = distributed.resolve_cpu_devices(
         _CPU_DEVICES.value, config, _DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value)
-    host_memory.configure(_HOST_MALLOC.value)  # before JAX's backend and its threads start
   except ValueError as e:
     _fail('bad flag', e)
   distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
