@@ -6,7 +6,8 @@ large with mmap and unmaps them on free, so each step faults every page back in,
 by the kernel: 282,000 minor faults and 0.7 s of system time per 1.9 s step on the 2-core
 VM of issue 14 (benchmarks/RESULTS.md, sixth pass). With `keep` the allocator takes them
 from its heap instead and keeps freed memory mapped, so the next step reuses the same
-pages: no faults, the step 0.8-0.9x the time.
+pages: at D = 1 no faults at all, at D = 3 and in configs/stdlib_mtp.py 15,000-20,000
+instead of 250,000-280,000 (the rest not yet explained); the step 0.72-0.89x the time.
 
   keep    mallopt: one arena (M_ARENA_MAX 1: XLA's worker threads would otherwise each
           get their own, which still map and unmap), no mmap'd blocks (M_MMAP_MAX 0) and

@@ -115,4 +115,3 @@ def test_agreement_counts_match_numpy():
           want[k] += preds[k][i] == preds[0][i + k]
   np.testing.assert_array_equal(np.asarray(sums['agree']), want)
   np.testing.assert_array_equal(np.asarray(sums['correct']), want_correct)
-
