@@ -6,13 +6,15 @@ large with mmap and unmaps them on free, so each step faults every page back in,
 by the kernel: 282,000 minor faults and 0.7 s of system time per 1.9 s step on the 2-core
 VM of issue 14 (benchmarks/RESULTS.md, sixth pass). With `keep` the allocator takes them
 from its heap instead and keeps freed memory mapped, so the next step reuses the same
-pages: at D = 1 no faults at all, at D = 3 and in configs/stdlib_mtp.py 15,000-20,000
-instead of 250,000-280,000 (the rest not yet explained); the step 0.72-0.89x the time.
+pages: after the heap has grown to its peak in the first 2-4 steps, no faults at all
+(250,000-280,000 per step before); the step 0.72-0.89x the time.
 
   keep    mallopt: one arena (M_ARENA_MAX 1: XLA's worker threads would otherwise each
           get their own, which still map and unmap), no mmap'd blocks (M_MMAP_MAX 0) and
           no trimming of the heap's free top (M_TRIM_THRESHOLD -1). The process's
-          resident memory then stays at its peak instead of shrinking between steps.
+          resident memory then stays at its peak instead of shrinking between steps, and
+          the peak is higher (fragmentation: max RSS 3.1-3.4 GB against ~2 GB for the
+          two-device D 3 / stdlib_mtp steps).
   system  leave the allocator as it is.
   auto    keep for a CPU job: on Linux with glibc, when JAX_PLATFORMS is unset or 'cpu'
           and no GPU / TPU plugin is installed, and nobody set glibc.malloc tunables in
