@@ -26,7 +26,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mtp_jax import layers, model  # noqa: E402
+from mtp_jax.model import layers  # noqa: E402
+from mtp_jax.model import mtp as model
 
 
 def variants():

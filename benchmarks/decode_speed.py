@@ -58,7 +58,10 @@ def parse(argv):
 
 def main(argv=None):
   args = parse(argv)
-  from mtp_jax import checkpoint, decode, evaluation, state
+  from mtp_jax import checkpoint
+  from mtp_jax.decode import decoder as decode
+  from mtp_jax.train import evaluation
+  from mtp_jax.model import state
   from mtp_jax.data import tokenizers
 
   config, step = checkpoint.load_workdir(args.workdir)
@@ -168,7 +171,7 @@ def random_model(config, d, layers, vocab=None, heads=None):
   (n_heads, head_dim) and MLP 3d (the peer shape)."""
   import copy
   from flax import nnx
-  from mtp_jax.model import MTPModel, ModelArgs
+  from mtp_jax.model.mtp import MTPModel, ModelArgs
   c = copy.deepcopy(config)
   c.model.d_model, c.model.n_layers, c.model.mlp_dim = d, layers, 3 * d
   n, hd = heads or (max(1, d // 128), 128)
@@ -181,7 +184,7 @@ def random_model(config, d, layers, vocab=None, heads=None):
 
 def _random_decoders(config, d, layers, wdts, vocab=None, heads=None):
   """Decoders (one per weight dtype) of random_model(config, d, layers, vocab, heads)."""
-  from mtp_jax import decode
+  from mtp_jax.decode import decoder as decode
   model = random_model(config, d, layers, vocab, heads)
   return {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
 

@@ -96,7 +96,7 @@ def _patched(spec):
 @contextlib.contextmanager
 def _stubbed(part):
   """decode's verify pass and / or MTP chain replaced by same-shape stubs while tracing."""
-  from mtp_jax import decode
+  from mtp_jax.decode import decoder as decode
   saved = decode._verify, decode._mtp_pass
 
   def fake_verify(prog, model, st, start_B):
@@ -123,7 +123,7 @@ def _stubbed(part):
 
 
 def _compile(dec, prog, part='full', ab=''):
-  from mtp_jax import decode
+  from mtp_jax.decode import decoder as decode
   example = dec._inputs(prog, [[0]] * prog.batch, 1, 1, 0.0, 0, 1.0, 0)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
                           example)
@@ -145,9 +145,12 @@ def _run(dec, fn, prog, prompts, max_new):
 def main(argv=None):
   args = parse(argv)
   from flax import nnx
-  from mtp_jax import checkpoint, decode, evaluation, state
+  from mtp_jax import checkpoint
+  from mtp_jax.decode import decoder as decode
+  from mtp_jax.train import evaluation
+  from mtp_jax.model import state
   from mtp_jax.data import tokenizers
-  from mtp_jax.model import MTPModel, ModelArgs
+  from mtp_jax.model.mtp import MTPModel, ModelArgs
 
   config, step = checkpoint.load_workdir(args.workdir)
   # The probe and the parts run on random weights (they accept ~no draft, so every

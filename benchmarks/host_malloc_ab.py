@@ -3,7 +3,7 @@
   python benchmarks/host_malloc_ab.py --rounds 3 --steps 6 --out benchmarks/host_malloc_ab.json
 
 The allocator setting is process-wide and must be made before JAX starts its threads
-(mtp_jax/host_memory.py), so each variant runs in its own child process, the variants
+(mtp_jax/runtime/host_memory.py), so each variant runs in its own child process, the variants
 interleaved round after round (odd rounds in reverse order). Each child sets its mode,
 then trains on the trainer's CPU devices (--cpu_devices auto), compiles the MaxText-shape
 step at D 0 / 1 / 3 and configs/stdlib_mtp.py, runs two warm-up steps of each and then
@@ -26,10 +26,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = r'''
 import json, resource, statistics, sys
 sys.path.insert(0, %(here)r)
-from mtp_jax import host_memory  # standard library only: configure before JAX's first thread
+from mtp_jax.runtime import host_memory  # standard library only: configure before JAX's first thread
 mode = host_memory.configure(%(mode)r)
 import jax
-from mtp_jax import distributed
+from mtp_jax.runtime import distributed
 n = distributed.resolve_cpu_devices('auto')
 if n:
   jax.config.update('jax_num_cpu_devices', n)

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtp_jax import mla
-from mtp_jax.model import ModelArgs
+from mtp_jax.model import mla
+from mtp_jax.model.mtp import ModelArgs
 
 SHAPES = {  # d, heads, kv_lora_rank, qk_nope, qk_rope, v_head_dim, q_lora_rank
     'dsv3_mini': (128, 4, 32, 32, 16, 32, 96),

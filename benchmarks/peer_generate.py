@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.decode_speed import random_model  # noqa: E402
 from configs import stdlib_mtp  # noqa: E402
-from mtp_jax import decode  # noqa: E402
-from mtp_jax import layers  # noqa: E402
-from mtp_jax import sampling  # noqa: E402
+from mtp_jax.decode import decoder as decode  # noqa: E402
+from mtp_jax.model import layers  # noqa: E402
+from mtp_jax.decode import sampling  # noqa: E402
 
 AB_MODULES = {'decode': decode, 'layers': layers, 'sampling': sampling}
 

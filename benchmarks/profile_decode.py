@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mtp_jax import decode  # noqa: E402
+from mtp_jax.decode import decoder as decode  # noqa: E402
 
 PIECES = [  # (piece, regex over one frame), innermost frame first, first match wins
     ('attn dots (scores, probs.v)', r'_few_query_dot'),

@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mtp_jax import host_memory  # noqa: E402  (standard library only)
+from mtp_jax.runtime import host_memory  # noqa: E402  (standard library only)
 
 # scripts/train.py's allocator setting (--host_malloc), before JAX starts a thread
 HOST_MALLOC = host_memory.configure(host_memory.mode_from_argv(sys.argv)) if __name__ == "__main__" else None

@@ -44,8 +44,8 @@ from scipy import stats
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-from mtp_jax import decode as DECODE  # noqa: E402
-from mtp_jax import sampling as SAMPLING  # noqa: E402
+from mtp_jax.decode import decoder as DECODE  # noqa: E402
+from mtp_jax.decode import sampling as SAMPLING  # noqa: E402
 
 row_keys = SAMPLING.row_keys
 

@@ -45,7 +45,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from mtp_jax import host_memory  # noqa: E402  (standard library only)
+from mtp_jax.runtime import host_memory  # noqa: E402  (standard library only)
 
 # The allocator setting scripts/train.py makes (--host_malloc), before JAX starts a thread.
 HOST_MALLOC = host_memory.configure(host_memory.mode_from_argv(sys.argv)) if __name__ == '__main__' else None
@@ -54,14 +54,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mtp_jax import distributed  # noqa: E402
-from mtp_jax import flops as flops_lib  # noqa: E402
-from mtp_jax import layers  # noqa: E402
-from mtp_jax import loss as loss_lib  # noqa: E402
-from mtp_jax import model as model_lib  # noqa: E402
-from mtp_jax import sharding  # noqa: E402
-from mtp_jax import steps as steps_lib  # noqa: E402
-from mtp_jax.model import ModelArgs  # noqa: E402
+from mtp_jax.runtime import distributed  # noqa: E402
+from mtp_jax.train import flops as flops_lib  # noqa: E402
+from mtp_jax.model import layers  # noqa: E402
+from mtp_jax.train import loss as loss_lib  # noqa: E402
+from mtp_jax.model import mtp as model_lib  # noqa: E402
+from mtp_jax.runtime import sharding  # noqa: E402
+from mtp_jax.train import steps as steps_lib  # noqa: E402
+from mtp_jax.model.mtp import ModelArgs  # noqa: E402
 
 jax.config.update('jax_enable_compilation_cache', False)  # compile times must be real
 

@@ -11,7 +11,7 @@ the run's length, the state of a run at step n is the state a run of n steps wou
 end with, so one run per variant and seed gives both budgets (scripts/ablation.py):
 - equal tokens (the DeepSeek-V3 framing, MTP added on top): every variant at STEPS;
 - equal training FLOPs: D = 0 at STEPS, variant v at equal_flop_steps(v), the most
-  steps whose FLOPs (mtp_jax/flops.py, 3 x forward matmuls) do not exceed D = 0's.
+  steps whose FLOPs (mtp_jax/train/flops.py, 3 x forward matmuls) do not exceed D = 0's.
 
 Sized for the whole 3-seed sweep (with configs/induction.py) in about 40 minutes of
 unpaused wall time on 2 shared CPU cores (measured: benchmarks/RESULTS.md, Research
@@ -56,7 +56,7 @@ def _base(smoke: bool):
 
 def step_flops(config) -> float:
   """Training FLOPs of one optimizer step of `config`."""
-  from mtp_jax import flops  # imports JAX: only when a config is built
+  from mtp_jax.train import flops  # imports JAX: only when a config is built
   tokens = config.data.batch_size * config.data.seq_len
   return flops.config_flops_per_token(config).train * tokens
 

@@ -38,8 +38,9 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from mtp_jax import config_lib
-from mtp_jax.cli import RequestError
-from mtp_jax.config_lib import ConfigError
+from mtp_jax.data import tokenizers
+from mtp_jax.errors import RequestError
+from mtp_jax.errors import ConfigError
 
 # Fields whose change makes an old checkpoint unusable for this run.
 _SHAPE_FIELDS = ('model', 'data.tokenizer', 'data.spm_model', 'data.seq_len')
@@ -313,7 +314,9 @@ def config_diffs(saved_config: dict, config_dict: dict, ignore=()) -> list[str]:
       skip = _TRAINING_ONLY | set(ignore)
       diffs += [f'model.{k}: checkpoint {fo.get(k)!r} vs config {fn.get(k)!r}'
                 for k in sorted(set(fo) | set(fn))
-                if k not in skip and _norm(fo.get(k)) != _norm(fn.get(k))]
+                if k not in skip and _norm(fo.get(k)) != _norm(fn.get(k))
+                and not (k == 'vocab_size' and 0 in (fo.get(k), fn.get(k)))]
+      # vocab_size 0 means the tokenizer's size; the tokenizer fields are compared below.
     elif _norm(old) != _norm(new):
       diffs.append(f'{field}: checkpoint {old!r} vs config {new!r}')
   return diffs
@@ -563,7 +566,7 @@ def load_workdir(workdir: str, step: int | None = None, notify=warn):
       saved = json.load(f)
   config = config_lib.base_config()
   config.update(saved)
-  return config, step
+  return tokenizers.resolve_vocab_size(config), step
 
 
 def restore_state(workdir: str, step: int, abstract_state, *, fallback: bool = False,

@@ -11,6 +11,8 @@ import math
 
 import ml_collections
 
+from mtp_jax.errors import ConfigError  # noqa: F401  (config_lib.ConfigError stays importable)
+
 MESH_AXES = ('data', 'fsdp', 'tensor')
 
 # Logical axis -> mesh axis. Layers only ever name logical axes.
@@ -32,10 +34,6 @@ DEFAULT_RULES = (
     ('latent', None),  # MLA's compressed q / kv latent dims
     ('expert', 'data'),  # MoE routed experts: expert parallelism over the data axis
 )
-
-
-class ConfigError(ValueError):
-  """A configuration value that cannot work; the message names the field."""
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -76,7 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.attention_block = 64  # query/key block of the blocked core
   m.mlp = 'dense'  # block MLP: dense (SwiGLU, mlp_dim) | moe (DeepSeekMoE, model.moe.*)
 
-  # Multi-head latent attention (DeepSeek-V2/V3; mtp_jax/mla.py), used when attention='mla'.
+  # Multi-head latent attention (DeepSeek-V2/V3; mtp_jax/model/mla.py), used when attention='mla'.
   # n_heads heads; head_dim and n_kv_heads are unused by MLA blocks.
   mla = m.mla = ml_collections.ConfigDict()
   mla.q_lora_rank = 0  # query latent width (0: no query compression, one q_proj)
@@ -85,7 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
   mla.qk_rope_head_dim = 16  # per-head rotary query width; one rotary key shared by all heads
   mla.v_head_dim = 32  # per-head value width
 
-  # DeepSeekMoE (mtp_jax/moe.py), used when mlp='moe': shared + sigmoid-routed experts.
+  # DeepSeekMoE (mtp_jax/model/moe.py), used when mlp='moe': shared + sigmoid-routed experts.
   moe = m.moe = ml_collections.ConfigDict()
   moe.n_routed_experts = 8  # E routed experts
   moe.n_shared_experts = 1  # shared experts (one SwiGLU of width moe_intermediate_size x this)

@@ -4,7 +4,7 @@
   python scripts/ablation.py --seeds 0,1,2 --no_run    # the tables of what is there
   python scripts/plot.py --sweep benchmarks/research   # the figures
 
-Two groups of runs (mtp_jax/research.py trains them in this one process):
+Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
 - `lm`: configs/ablation.py's D = 0 / 1 / 3 sequential / 3 parallel on the stdlib
   corpus; each run is evaluated at its equal-training-FLOP step and at the equal-token
   step (the schedule is constant after warmup, so both come from one run). Evaluation:
@@ -95,7 +95,7 @@ def group_variants(args, group: str) -> list[str]:
 
 def make_runs(args):
   """Every Run of the sweep, seed-major (a partial sweep has every variant's first seeds)."""
-  from mtp_jax import research  # deferred: JAX starts here, after the argument checks
+  from mtp_jax.research import sweep as research  # deferred: JAX starts here, after the argument checks
   opt = ',smoke' if args.smoke else ''
   runs = []
   for seed in args.seeds:
@@ -124,13 +124,13 @@ def make_runs(args):
 
 
 def make_sweep(args, runs):
-  from mtp_jax import research
+  from mtp_jax.research import sweep as research
   from mtp_jax.data import induction
   sweep = research.Sweep(args.workdir, args.out,
                          log=lambda s: print(s, file=sys.stderr, flush=True))
   lm = [r for r in runs if r.kind == 'lm' and not sweep.finished(r)]
   if lm:
-    from mtp_jax import resilience
+    from mtp_jax.train import resilience
     resilience.validate_data(lm[0].config)  # prepares the stdlib data set once
     rule = research.HeldoutRule(cap_bytes=200_000) if args.smoke else research.HeldoutRule()
     sweep.lm_eval = research.LMEvaluator(
@@ -180,7 +180,7 @@ def induction_metrics(r: dict) -> dict:
 def eval_se_of_difference(a: dict, b: dict, budget: str, corpus: str) -> float:
   """Standard error, from eval sampling alone, of bpb(a) - bpb(b): both runs are scored
   on the same batches, so the per-batch differences give it (research.batch_bpb_se)."""
-  from mtp_jax import research
+  from mtp_jax.research import sweep as research
   ea, eb = a['evals'][budget][corpus], b['evals'][budget][corpus]
   diff = np.subtract(ea['batch_loss_sum_main'], eb['batch_loss_sum_main'])
   return research.batch_bpb_se(diff, ea['batch_bytes_main'])
@@ -188,7 +188,7 @@ def eval_se_of_difference(a: dict, b: dict, budget: str, corpus: str) -> float:
 
 def aggregate(per_run: dict[int, dict]) -> dict:
   """{metric: {'per_seed': {seed: v}, 'mean', 'std'}} over the seeds (None-free metrics)."""
-  from mtp_jax import research
+  from mtp_jax.research import sweep as research
   seeds = sorted(per_run)
   keys = sorted({k for m in per_run.values() for k in m})
   out = {}
@@ -202,7 +202,7 @@ def aggregate(per_run: dict[int, dict]) -> dict:
 
 def tabulate(out_dir: str, seeds=None) -> dict:
   """summary: per group, budget and variant the aggregated figures, plus the tests."""
-  from mtp_jax import research
+  from mtp_jax.research import sweep as research
   summary = {'lm': {}, 'induction': {}, 'tests': {}}
   lm = [r for r in research.load_results(out_dir, 'lm') if seeds is None or r['seed'] in seeds]
   by_variant = {}

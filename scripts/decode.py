@@ -4,7 +4,7 @@
       [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--batch_size B]
       --mode {spec,ar,compare} [--json]
 
-Intentionally thin: parse flags, call mtp_jax.generate.decode_workdir. Bad input exits
+Intentionally thin: parse flags, call mtp_jax.decode.generate.decode_workdir. Bad input exits
 with code 2 and a one-line error, before anything is compiled.
 """
 import json
@@ -36,7 +36,7 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  from mtp_jax import generate  # after flag parsing: JAX starts here
+  from mtp_jax.decode import generate  # after flag parsing: JAX starts here
   try:
     prompts = generate.read_prompts(args.prompt, args.prompts_file)
     out = generate.decode_workdir(

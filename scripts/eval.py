@@ -10,7 +10,7 @@ tau, acceptance per depth, AR-vs-speculative speedup and whether both decoded th
 same tokens. Keys are those of metrics.jsonl (`eval/...`). Unset options take the
 trainer's own eval settings, so a checkpoint's figures repeat its metrics.jsonl line.
 
-Intentionally thin: parse flags, call mtp_jax.evaluation.evaluate_workdir. Bad input
+Intentionally thin: parse flags, call mtp_jax.train.evaluation.evaluate_workdir. Bad input
 exits with code 2 and a one-line error, before anything is compiled.
 """
 import json
@@ -40,7 +40,7 @@ def parse(argv):
 def main(argv=None) -> int:
   args = parse(argv)
   from absl import logging
-  from mtp_jax import evaluation  # after flag parsing: JAX starts here
+  from mtp_jax.train import evaluation  # after flag parsing: JAX starts here
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:
     out = evaluation.evaluate_workdir(

@@ -9,10 +9,10 @@ MLA models; --fp8 stores the projection weights as float8_e4m3fn + 128 x 128
 weight_scale_inv as DeepSeek's release does (lossy). mimo: Xiaomi MiMo's MTP layers on a
 Qwen2 trunk (model.mtp_layers.{k-1}.*, zero q/k/v biases), for dense GQA models. Without
 --fp8 every tensor is float32 as trained and reads back bit-exactly
-(mtp_jax.convert.load_dir). Layouts and the loaders they were checked against:
-mtp_jax/convert.py.
+(mtp_jax.interop.convert.load_dir). Layouts and the loaders they were checked against:
+mtp_jax/interop/convert.py.
 
-Intentionally thin: parse flags, call mtp_jax.convert.export_workdir. Bad input exits with
+Intentionally thin: parse flags, call mtp_jax.interop.convert.export_workdir. Bad input exits with
 code 2 and a one-line error, before anything is restored.
 """
 import json
@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mtp_jax import cli  # noqa: E402  (argparse only; JAX starts after the flags)
 
-LAYOUTS = ('deepseek_v3', 'mimo')  # mtp_jax.convert.LAYOUTS, without importing JAX first
+LAYOUTS = ('deepseek_v3', 'mimo')  # mtp_jax.interop.convert.LAYOUTS, without importing JAX first
 
 
 def parse(argv):
@@ -45,7 +45,7 @@ def parse(argv):
 def main(argv=None) -> int:
   args = parse(argv)
   from absl import logging
-  from mtp_jax import convert  # after flag parsing: JAX starts here
+  from mtp_jax.interop import convert  # after flag parsing: JAX starts here
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:
     out = convert.export_workdir(args.workdir, args.out, args.layout, step=args.step,

@@ -12,7 +12,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtp_jax import plotting  # noqa: E402
+from mtp_jax.research import plotting  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory holding metrics.jsonl.')
 _SWEEP = flags.DEFINE_string('sweep', None,

@@ -10,7 +10,7 @@ continuations are sampled from the newest checkpoint with mtp_jax's decoder, and
 OUT/data.jsonl holds one record per prompt (token ids of prompt + continuation). Train
 MTP modules on it with the overrides printed at the end (data.source=jsonl,
 data.path=OUT, data.tokens_key=tokens). Intentionally thin: parse flags, call
-mtp_jax.distill.self_distill. Bad input exits with code 2 and one line, before compiling.
+mtp_jax.research.distill.self_distill. Bad input exits with code 2 and one line, before compiling.
 """
 import json
 import os
@@ -43,7 +43,7 @@ def parse(argv):
 def main(argv=None) -> int:
   args = parse(argv)
   from absl import logging
-  from mtp_jax import distill  # after flag parsing: JAX starts here
+  from mtp_jax.research import distill  # after flag parsing: JAX starts here
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   settings = distill.Settings(
       num_prompts=args.num_prompts, prompt_len=args.prompt_len,

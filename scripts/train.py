@@ -1,6 +1,6 @@
 """Trains an MTP model: `python scripts/train.py --config configs/stdlib_mtp.py [--workdir DIR]`.
 
-Intentionally thin: parse flags, call mtp_jax.train.train_and_evaluate.
+Intentionally thin: parse flags, call mtp_jax.train.loop.train_and_evaluate.
 Rerunning with the same --workdir resumes from its latest good checkpoint; SIGTERM or
 Ctrl-C saves at the end of the current step and exits 0. Exit 2: bad input (config,
 data, workdir, disk), with a one-line `error: ...`; exit 1: training stopped on a
@@ -23,7 +23,7 @@ _INIT_FROM = flags.DEFINE_string(
     'hf:DIR: a local Hugging Face Llama / Mistral / Qwen2 directory (config.json, '
     '*.safetensors, tokenizer.json), which also sets config.model and the tokenizer.')
 
-# Multi-process jobs (mtp_jax/distributed.py; README "Scaling out"). Not config fields:
+# Multi-process jobs (mtp_jax/runtime/distributed.py; README "Scaling out"). Not config fields:
 # they describe one launch, not the experiment.
 _DISTRIBUTED = flags.DEFINE_enum('distributed', 'auto', ['auto', 'on', 'off'],
                                  'auto: join a job when a coordinator is given or a TPU pod / '
@@ -38,7 +38,7 @@ _CPU_DEVICES = flags.DEFINE_string(
 
 _HOST_MALLOC = flags.DEFINE_string(
     'host_malloc', 'auto', 'keep: the C allocator keeps the buffers XLA:CPU frees for reuse '
-    '(no page faults per step; mtp_jax/host_memory.py); system: leave it; auto: keep for a '
+    '(no page faults per step; mtp_jax/runtime/host_memory.py); system: leave it; auto: keep for a '
     'CPU job on Linux/glibc.')
 
 
@@ -76,12 +76,14 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   workdir = _WORKDIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename(flags.FLAGS['config'].config_filename))[0])
-  from mtp_jax import host_memory  # standard library only: before JAX and its first thread
+  from mtp_jax.runtime import host_memory  # standard library only: before JAX and its first thread
   try:
     host_memory.configure(_HOST_MALLOC.value)
   except ValueError as e:
     _fail('bad flag', e)
-  from mtp_jax import cli, distributed, train  # after flag parsing: JAX starts here
+  from mtp_jax import cli  # after flag parsing: JAX starts here
+  from mtp_jax.runtime import distributed
+  from mtp_jax.train import loop as train
   try:
     cpu_devices = distributed.resolve_cpu_devices(
         _CPU_DEVICES.value, config, _DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value)

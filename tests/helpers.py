@@ -14,10 +14,10 @@ from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
-from mtp_jax import loss as loss_lib
-from mtp_jax import steps as steps_lib
-from mtp_jax import moe as moe_lib
-from mtp_jax import steps as steps_lib
+from mtp_jax.train import loss as loss_lib
+from mtp_jax.train import steps as steps_lib
+from mtp_jax.model import moe as moe_lib
+from mtp_jax.train import steps as steps_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_DECODE = (4, 16)  # tiny_run's decode eval: prompts, new tokens each
@@ -238,7 +238,7 @@ def step_losses(config, devices, batches):
   return losses, state
 
 
-# -- tiny Hugging Face models (tests of mtp_jax/hf.py) ---------------------------------------
+# -- tiny Hugging Face models (tests of mtp_jax/interop/hf.py) ---------------------------------------
 HF_TOKENIZER_MERGES = 300  # byte-level BPE vocabulary before the special tokens
 HF_FAMILIES = {
     # Llama 3 style: untied head, llama3 RoPE scaling (all three bands at head_dim 16), a

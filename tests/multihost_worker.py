@@ -10,11 +10,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 
 def main(process_id, num_processes, port, workdir, data_dir, stop_after):
-  from mtp_jax import distributed
+  from mtp_jax.runtime import distributed
   distributed.initialize('auto', f'127.0.0.1:{port}', int(num_processes), int(process_id),
                          cpu_devices=4)
   import jax
-  from mtp_jax import train
+  from mtp_jax.train import loop as train
   sys.path.insert(0, HERE)
   from helpers import job_config
   assert jax.process_count() == int(num_processes) and jax.device_count() == 8

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from helpers import REPO, byte_config, byte_ids
-from mtp_jax import config_lib, decode, research
-from mtp_jax import steps as steps_lib
+from mtp_jax import config_lib
+from mtp_jax.decode import decoder as decode
+from mtp_jax.research import sweep as research
+from mtp_jax.train import steps as steps_lib
 from mtp_jax.data import induction
 from flax import nnx
 

@@ -11,28 +11,37 @@ import pytest
 from helpers import REPO
 
 PACKAGE = os.path.join(REPO, 'mtp_jax')
-# Imports run this way only: no module may reach one to its left.
-LAYERS = ('mtp_jax.train', 'mtp_jax.evaluation', 'mtp_jax.decode', 'mtp_jax.hf', 'mtp_jax.model',
-          'mtp_jax.moe', 'mtp_jax.mla', 'mtp_jax.layers', 'mtp_jax.sharding', 'mtp_jax.config_lib')
+# The package's groups, lowest first. A module may import its own group and the groups
+# below it, never one above; groups on one level (a tuple) do not import each other.
+GROUPS = (
+    ('mtp_jax', 'mtp_jax.errors', 'mtp_jax.config_lib'),
+    (('mtp_jax.runtime',), ('mtp_jax.data',)),
+    ('mtp_jax.checkpoint',),
+    ('mtp_jax.model',),
+    (('mtp_jax.interop',), ('mtp_jax.decode',)),
+    ('mtp_jax.train',),
+    ('mtp_jax.research',),
+    ('mtp_jax.cli', 'mtp_jax.commands'),
+)
 # (module, imported module): deliberately deferred heavy or optional imports, each with a
 # `# Deferred: <why>` comment right above it.
 DEFERRED = {
-    ('mtp_jax.metrics', 'tensorboardX'),
+    ('mtp_jax.train.metrics', 'tensorboardX'),
     ('mtp_jax.data.tokenizers', 'sentencepiece'),
     ('mtp_jax.data.tokenizers', 'tokenizers'),
     ('mtp_jax.data.tokenizers', 'mtp_jax.data.stdlib_dataset'),
-    ('mtp_jax.resilience', 'mtp_jax.data.pipeline'),
-    ('mtp_jax.resilience', 'mtp_jax.data.stdlib_dataset'),
-    ('mtp_jax.resilience', 'jax._src'),  # its distributed module, private
-    ('mtp_jax.evaluation', 'mtp_jax.data.stdlib_dataset'),
-    ('mtp_jax.evaluation', 'mtp_jax.data.pipeline'),
+    ('mtp_jax.train.resilience', 'mtp_jax.data.pipeline'),
+    ('mtp_jax.train.resilience', 'mtp_jax.data.stdlib_dataset'),
+    ('mtp_jax.train.resilience', 'jax._src'),  # its distributed module, private
+    ('mtp_jax.train.evaluation', 'mtp_jax.data.stdlib_dataset'),
+    ('mtp_jax.train.evaluation', 'mtp_jax.data.pipeline'),
     ('mtp_jax.data.user_data', 'pyarrow.parquet'),  # optional: parquet data only
     ('mtp_jax.data.user_data', 'datasets'),  # optional: data.source hf_disk only
 }
 
 
 def _modules() -> dict:
-  """{'mtp_jax.decode': path, 'mtp_jax.data': .../data/__init__.py, ...}."""
+  """{'mtp_jax.decode.decoder': path, 'mtp_jax.data': .../data/__init__.py, ...}."""
   out = {}
   for root, _, files in os.walk(PACKAGE):
     for f in files:
@@ -47,7 +56,7 @@ MODULES = _modules()
 
 def _imported(node, modules) -> list[str]:
   """The modules an Import / ImportFrom node names: 'from mtp_jax import decode' ->
-  mtp_jax.decode, 'from mtp_jax.model import MTPModel' -> mtp_jax.model, 'from flax import
+  mtp_jax.decode.decoder, 'from mtp_jax.model.mtp import MTPModel' -> mtp_jax.model.mtp, 'from flax import
   nnx' -> flax."""
   if isinstance(node, ast.Import):
     return [a.name for a in node.names]
@@ -85,9 +94,29 @@ def _reachable(graph, start) -> set:
   return seen
 
 
-def test_the_modules_are_found():
-  assert set(LAYERS) <= set(MODULES)
-  assert 'mtp_jax.data.pipeline' in MODULES
+def _levels() -> list[list[tuple]]:
+  """GROUPS as [[group, ...] per level], each group a tuple of module-name prefixes."""
+  return [[g for g in level] if isinstance(level[0], tuple) else [level] for level in GROUPS]
+
+
+def _group_of(module: str):
+  """(level, group) of a package module: the longest prefix that names it."""
+  best = None
+  for i, level in enumerate(_levels()):
+    for group in level:
+      for prefix in group:
+        if (module == prefix or module.startswith(prefix + '.')) and (
+            best is None or len(prefix) > len(best[2])):
+          best = (i, group, prefix)
+  assert best is not None and (best[2] != 'mtp_jax' or module == 'mtp_jax'), (
+      f'{module} belongs to no group of GROUPS')
+  return best[0], best[1]
+
+
+def test_every_module_is_in_a_group():
+  assert 'mtp_jax.data.pipeline' in MODULES and 'mtp_jax.model.mtp' in MODULES
+  for mod in MODULES:
+    _group_of(mod)
 
 
 def test_import_graph_is_acyclic():
@@ -96,11 +125,15 @@ def test_import_graph_is_acyclic():
   assert not cycles, f'modules on an import cycle: {cycles}'
 
 
-@pytest.mark.parametrize('low', range(1, len(LAYERS)))
-def test_imports_run_one_way(low):
-  reach = _reachable(_graph(), LAYERS[low])
-  upward = [m for m in LAYERS[:low] if m in reach]
-  assert not upward, f'{LAYERS[low]} imports (maybe indirectly) {upward}'
+def test_groups_import_only_their_own_and_lower_groups():
+  bad = []
+  for mod, imported in _graph().items():
+    level, group = _group_of(mod)
+    for other in imported:
+      other_level, other_group = _group_of(other)
+      if other_level > level or (other_level == level and other_group != group):
+        bad.append(f'{mod} -> {other}')
+  assert not bad, 'imports that point up or sideways: ' + ', '.join(bad)
 
 
 def test_function_level_imports_are_the_deferred_ones():

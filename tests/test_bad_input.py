@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from helpers import REPO, load_config
-from mtp_jax import cli, resilience, train
-from mtp_jax import steps as steps_lib
+from mtp_jax import cli
+from mtp_jax.train import resilience
+from mtp_jax.train import loop as train
+from mtp_jax.train import steps as steps_lib
 from mtp_jax.data import corpus, pipeline, stdlib_dataset
 
 

@@ -69,7 +69,7 @@ def test_every_config_validates():
 def test_cpu_devices_auto_rule(monkeypatch):
   """--cpu_devices: numbers as given; auto = 2 only for a single-process CPU job on 2+
   cores whose config is valid with 2 and whose device count nobody fixed already."""
-  from mtp_jax import distributed
+  from mtp_jax.runtime import distributed
   tiny = load_config('tiny')
   assert distributed.resolve_cpu_devices('4', tiny) == 4
   assert distributed.resolve_cpu_devices(None, tiny) is None

@@ -1,4 +1,4 @@
-"""Hugging Face-layout import / export (mtp_jax/convert.py, scripts/export.py).
+"""Hugging Face-layout import / export (mtp_jax/interop/convert.py, scripts/export.py).
 
 DeepSeek-V3's layout is checked against its published names (README_WEIGHTS.md and
 inference/convert.py of github.com/deepseek-ai/DeepSeek-V3, and the tensor listing of the
@@ -22,9 +22,10 @@ from safetensors.numpy import save_file
 
 from helpers import REPO, dsv3_model_config, params_with_routing_bias, randomize, tiny_model_config
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import convert, layers
-from mtp_jax import state as state_lib
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.interop import convert
+from mtp_jax.model import layers
+from mtp_jax.model import state as state_lib
+from mtp_jax.model.mtp import MTPModel, ModelArgs
 
 SCRIPT = os.path.join(REPO, 'scripts', 'export.py')
 TOKENS = np.arange(12, dtype=np.int32)[None] * 5 % 64

@@ -21,12 +21,12 @@ from helpers import (MAX_NEW, REPO, byte_config, byte_ids, dsv3_model_config, ti
                      train_word_model, word_prompts, word_text)
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
-from mtp_jax import decode
-from mtp_jax import generate
-from mtp_jax import layers
-from mtp_jax import sampling as sampling_lib
-from mtp_jax import state as state_lib
-from mtp_jax.model import MTPModel, ModelArgs, shift_left
+from mtp_jax.decode import decoder as decode
+from mtp_jax.decode import generate
+from mtp_jax.model import layers
+from mtp_jax.decode import sampling as sampling_lib
+from mtp_jax.model import state as state_lib
+from mtp_jax.model.mtp import MTPModel, ModelArgs, shift_left
 
 
 

@@ -19,10 +19,10 @@ from flax import nnx
 from helpers import REPO, TINY_DECODE, tiny_model_config
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
-from mtp_jax import decode
-from mtp_jax import evaluation
-from mtp_jax import state as state_lib
-from mtp_jax import steps as steps_lib
+from mtp_jax.decode import decoder as decode
+from mtp_jax.train import evaluation
+from mtp_jax.model import state as state_lib
+from mtp_jax.train import steps as steps_lib
 
 SCRIPT = os.path.join(REPO, 'scripts', 'eval.py')
 DEPTH = 2  # configs/tiny.py

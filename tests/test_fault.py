@@ -21,9 +21,11 @@ import pytest
 
 from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import cli, resilience, train
-from mtp_jax import metrics as metrics_lib
-from mtp_jax import steps as steps_lib
+from mtp_jax import cli
+from mtp_jax.train import resilience
+from mtp_jax.train import loop as train
+from mtp_jax.train import metrics as metrics_lib
+from mtp_jax.train import steps as steps_lib
 from mtp_jax.config_lib import ConfigError
 
 FIELDS = dict(steps=6, log_every=2, eval_every=0, checkpoint_every=2, eval_batches=1)
@@ -134,7 +136,7 @@ jax.config.update('jax_num_cpu_devices', 1)
 pid, port, sig = int(sys.argv[1]), sys.argv[2], getattr(signal, sys.argv[3])
 jax.distributed.initialize(f'127.0.0.1:{port}', num_processes=2, process_id=pid)
 from jax.experimental import multihost_utils
-from mtp_jax import resilience
+from mtp_jax.train import resilience
 with resilience.PreemptionGuard(lambda text: None) as guard:
   for step in range(1, 1000):
     time.sleep(0.01 * (1 + pid))  # the hosts run at different speeds

@@ -9,10 +9,12 @@ import pytest
 from flax import nnx
 
 from helpers import load_config, tiny_model_config
-from mtp_jax import config_lib, flops, train
-from mtp_jax import loss as loss_lib
+from mtp_jax import config_lib
+from mtp_jax.train import flops
+from mtp_jax.train import loop as train
+from mtp_jax.train import loss as loss_lib
 from mtp_jax.config_lib import ConfigError
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model.mtp import MTPModel, ModelArgs
 
 TRAIN = dict(log_every=2, eval_every=0, eval_batches=1, progress=False)
 

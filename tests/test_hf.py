@@ -1,4 +1,4 @@
-"""Hugging Face trunks (mtp_jax/hf.py): logits and greedy decoding equal transformers', the
+"""Hugging Face trunks (mtp_jax/interop/hf.py): logits and greedy decoding equal transformers', the
 checkpoint's tokenizer, frozen-trunk MTP training on it, and one-line errors on bad input."""
 import json
 import os
@@ -18,12 +18,16 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from helpers import REPO, hf_tokenizer_texts, load_config
-from mtp_jax import config_lib, hf, layers, sharding, train
-from mtp_jax import state as state_lib
+from mtp_jax import config_lib
+from mtp_jax.interop import hf
+from mtp_jax.model import layers
+from mtp_jax.runtime import sharding
+from mtp_jax.train import loop as train
+from mtp_jax.model import state as state_lib
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import tokenizers
-from mtp_jax.decode import Decoder
-from mtp_jax.model import MTPModel
+from mtp_jax.decode.decoder import Decoder
+from mtp_jax.model.mtp import MTPModel
 
 FAMILIES = ('llama', 'qwen2')
 CODE = 'def f(x):\n\tif x:\n        return {"é": x}  # 日本語 🐍\n\n'

@@ -1,4 +1,4 @@
-"""--host_malloc (mtp_jax/host_memory.py): which mode auto picks, and that keep really stops
+"""--host_malloc (mtp_jax/runtime/host_memory.py): which mode auto picks, and that keep really stops
 the page faults of re-allocating a large freed buffer."""
 import json
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mtp_jax import host_memory
+from mtp_jax.runtime import host_memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -15,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a 64 MiB block 20 times, count the minor page faults of the last 10.
 CHILD = r'''
 import ctypes, ctypes.util, json, resource, sys
-from mtp_jax import host_memory
+from mtp_jax.runtime import host_memory
 mode = host_memory.configure(sys.argv[1])
 libc = ctypes.CDLL(ctypes.util.find_library('c'))
 libc.malloc.restype = ctypes.c_void_p

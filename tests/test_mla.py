@@ -1,4 +1,4 @@
-"""Multi-head latent attention (mtp_jax/mla.py): numpy agreement, causality, names, config,
+"""Multi-head latent attention (mtp_jax/model/mla.py): numpy agreement, causality, names, config,
 the absorbed-latent cached decode."""
 import functools
 
@@ -11,7 +11,7 @@ from flax import nnx
 import numpy_reference as ref
 from helpers import dsv3_model_config, randomize, set_field
 from mtp_jax import config_lib
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model.mtp import MTPModel, ModelArgs
 
 TOKENS = np.array([[5, 9, 1, 33, 2, 7, 60, 4, 11, 12, 3, 8, 21, 22, 0, 0]])
 SEG = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 0, 0]])

@@ -1,4 +1,4 @@
-"""DeepSeekMoE (mtp_jax/moe.py): numpy agreement with routing bias, aux-loss-free balancing,
+"""DeepSeekMoE (mtp_jax/model/moe.py): numpy agreement with routing bias, aux-loss-free balancing,
 the balance loss, training, and the 1 / 8-device equality with experts sharded."""
 import jax
 import jax.numpy as jnp
@@ -9,10 +9,13 @@ from flax import nnx
 import numpy_reference as ref
 from helpers import (dsv3_model_config, params_with_routing_bias, set_field, step_losses,
                      synthetic_batches)
-from mtp_jax import config_lib, convert, flops, moe
-from mtp_jax import loss as loss_lib
-from mtp_jax import steps as steps_lib
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax import config_lib
+from mtp_jax.interop import convert
+from mtp_jax.train import flops
+from mtp_jax.model import moe
+from mtp_jax.train import loss as loss_lib
+from mtp_jax.train import steps as steps_lib
+from mtp_jax.model.mtp import MTPModel, ModelArgs
 
 TOKENS = np.array([[5, 9, 1, 33, 2, 7, 60, 4, 11, 12, 3, 8, 21, 22, 0, 0],
                    [3, 3, 40, 41, 42, 6, 7, 8, 50, 1, 2, 9, 9, 9, 10, 63]])

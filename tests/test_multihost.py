@@ -94,7 +94,7 @@ def test_two_processes_equal_one_process_of_eight_devices(devices, stdlib_data_d
   assert 'Resumed from' in second[0][2] and 'tok/s' in second[0][2]
   assert 'tok/s' not in second[1][2]  # only process 0 reports
 
-  from mtp_jax import train
+  from mtp_jax.train import loop as train
   from mtp_jax.data import pipeline
   make_train_iter, make_eval_batches = pipeline.make_train_iter, pipeline.make_eval_batches
 

@@ -9,9 +9,10 @@ import pytest
 from flax import nnx
 
 from helpers import load_config, tiny_model_config
-from mtp_jax import flops, layers
-from mtp_jax import loss as loss_lib
-from mtp_jax.model import MTPModel, ModelArgs, remat_policy
+from mtp_jax.train import flops
+from mtp_jax.model import layers
+from mtp_jax.train import loss as loss_lib
+from mtp_jax.model.mtp import MTPModel, ModelArgs, remat_policy
 
 
 def _packed_segments(b, t, seed=0):

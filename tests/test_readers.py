@@ -21,9 +21,11 @@ import pytest
 
 from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import cli, resilience, train
-from mtp_jax import state as state_lib
-from mtp_jax.model import shift_left
+from mtp_jax import cli
+from mtp_jax.train import resilience
+from mtp_jax.train import loop as train
+from mtp_jax.model import state as state_lib
+from mtp_jax.model.mtp import shift_left
 
 
 def _script(name):
@@ -238,7 +240,7 @@ def test_a_file_as_workdir_is_not_a_directory(tmp_path, capsys):
 
 def test_eval_prompt_len_of_a_whole_sequence_fails_fast(tiny_run, capsys, monkeypatch):
   """--prompt_len 64 on seq_len 64 leaves no room: named at once, before anything compiles."""
-  from mtp_jax import steps as steps_lib  # pylint: disable=g-import-not-at-top
+  from mtp_jax.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(steps_lib, 'setup', lambda *a, **k: pytest.fail('compiled first'))
   code, _, err = _main('eval', ['--workdir', str(tiny_run[0]), '--prompt_len', '64'], capsys)
   assert code == 2 and len(err) == 1 and '--prompt_len (64)' in err[0], err

@@ -12,8 +12,9 @@ import pytest
 
 from helpers import REPO
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import decode, train
-from mtp_jax import state as state_lib
+from mtp_jax.decode import decoder as decode
+from mtp_jax.train import loop as train
+from mtp_jax.model import state as state_lib
 from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
 
 ARGS = ['--num_prompts', '7', '--prompt_len', '8', '--max_new_tokens', '12', '--batch_size', '4',

@@ -7,8 +7,8 @@ run in one session.
 import numpy as np
 import pytest
 
-from mtp_jax import decode
-from mtp_jax import generate
+from mtp_jax.decode import decoder as decode
+from mtp_jax.decode import generate
 from helpers import MAX_NEW, byte_ids, word_prompts
 
 
@@ -110,7 +110,7 @@ def test_sources_need_record():
 
 def test_pieces_html_and_chart(tmp_path):
   """The notebook's views: one piece per token (a split character on its last byte)."""
-  from mtp_jax import plotting
+  from mtp_jax.research import plotting
   from mtp_jax.data import tokenizers
   tok = tokenizers.ByteTokenizer()
   ids = tok.encode('é<b>\n')

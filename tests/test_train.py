@@ -10,8 +10,8 @@ import pytest
 
 from helpers import load_config, synthetic_batches
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import steps as steps_lib
-from mtp_jax import train
+from mtp_jax.train import steps as steps_lib
+from mtp_jax.train import loop as train
 from mtp_jax.config_lib import ConfigError
 
 

@@ -14,7 +14,7 @@ import sys
 import sysconfig
 from collections.abc import Iterator, Sequence
 
-from mtp_jax.config_lib import ConfigError
+from mtp_jax.errors import ConfigError
 
 TRAIN, VALIDATION = 'train', 'validation'
 SPLITS = (TRAIN, VALIDATION)

@@ -19,7 +19,7 @@ import grain
 import numpy as np
 
 from mtp_jax import config_lib
-from mtp_jax.config_lib import ConfigError
+from mtp_jax.errors import ConfigError
 from mtp_jax.data import stdlib_dataset, tokenizers, user_data
 
 _KEY = 'tokens'

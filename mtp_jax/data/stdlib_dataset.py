@@ -21,7 +21,7 @@ from typing import Any
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import tqdm_utils
 
-from mtp_jax.config_lib import ConfigError
+from mtp_jax.errors import ConfigError
 from mtp_jax.data import corpus, user_data
 
 STDLIB_NAME = 'python_stdlib'

@@ -19,6 +19,7 @@ vocab may be padded past the tokenizer's, so a sampler can emit such ids).
 """
 from __future__ import annotations
 
+
 import io
 import json
 import os
@@ -29,7 +30,7 @@ from typing import Protocol
 
 import numpy as np
 
-from mtp_jax.config_lib import ConfigError
+from mtp_jax.errors import ConfigError
 
 PAD_ID = 0
 EOS_ID = 1
@@ -308,6 +309,26 @@ def get_tokenizer(data_config) -> Tokenizer:
                         "data.tokenizer is 'hf' (--init_from hf:DIR sets it)")
     return HFTokenizer.from_dir(data_config.hf_tokenizer)
   raise ConfigError(f"data.tokenizer must be 'byte', 'sentencepiece' or 'hf', got {kind!r}")
+
+
+def model_vocab_size(config) -> int:
+  """config.model.vocab_size, or the tokenizer's size rounded up to model.vocab_multiple."""
+  if config.model.vocab_size:
+    return int(config.model.vocab_size)
+  n = vocab_size_for(config.data)
+  mult = config.model.vocab_multiple
+  return int(-(-n // mult) * mult)
+
+
+def resolve_vocab_size(config):
+  """Sets config.model.vocab_size to model_vocab_size(config) when it is 0; returns config.
+
+  The commands call this once on the config they were given, so the model layer never
+  opens a tokenizer and the saved config names the vocabulary the weights have.
+  """
+  if not config.model.vocab_size:
+    config.model.vocab_size = model_vocab_size(config)
+  return config
 
 
 def vocab_size_for(data_config) -> int:

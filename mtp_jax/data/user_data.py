@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from mtp_jax import config_lib
-from mtp_jax.config_lib import ConfigError
+from mtp_jax.errors import ConfigError
 from mtp_jax.data import corpus
 
 TFDS, FILES, JSONL, PARQUET, HF_DISK = 'tfds', 'files', 'jsonl', 'parquet', 'hf_disk'

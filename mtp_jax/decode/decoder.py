@@ -45,11 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtp_jax import layers
-from mtp_jax import sampling as sampling_lib
-from mtp_jax.cli import RequestError
-from mtp_jax.model import MTPModel
-from mtp_jax.sampling import PAD_ID, Sampling, row_keys, take_rows
+from mtp_jax.model import layers
+from mtp_jax.decode import sampling as sampling_lib
+from mtp_jax.errors import RequestError
+from mtp_jax.model.mtp import MTPModel
+from mtp_jax.decode.sampling import PAD_ID, Sampling, row_keys, take_rows
 
 Array = jax.Array
 MIN_BUCKET = 16

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax import config_lib
-from mtp_jax import layers
-from mtp_jax import mla
-from mtp_jax import moe
-from mtp_jax.data import tokenizers
-from mtp_jax.sharding import constrain
+from mtp_jax.errors import ConfigError
+from mtp_jax.model import layers
+from mtp_jax.model import mla
+from mtp_jax.model import moe
+from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array
 
@@ -73,9 +73,18 @@ class ModelArgs:
   attention_block: int = 64
 
   @classmethod
-  def from_config(cls, config) -> 'ModelArgs':
+  def from_config(cls, config, vocab_size: int | None = None) -> 'ModelArgs':
+    """The model of `config`; vocab_size overrides config.model.vocab_size.
+
+    The model does not read tokenizers: a config whose model.vocab_size is 0 (the
+    tokenizer's size) is resolved first, by data.tokenizers.resolve_vocab_size.
+    """
     m = config.model
-    return cls(vocab_size=resolve_vocab_size(config), d_model=m.d_model, n_layers=m.n_layers,
+    vocab_size = int(vocab_size or m.vocab_size)
+    if vocab_size <= 0:
+      raise ConfigError('model.vocab_size is 0 (the tokenizer\'s size): resolve it first '
+                        '(mtp_jax.data.tokenizers.resolve_vocab_size) or pass vocab_size')
+    return cls(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers,
                n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
                tie_embeddings=m.tie_embeddings, dtype=jnp.dtype(m.dtype), init_std=m.init_std,
@@ -125,15 +134,6 @@ def block_classes(args: ModelArgs, layer: int) -> tuple:
     mlp = args.mtp_block_mlp or mlp
   return ({'gqa': layers.Attention, 'mla': mla.MLAttention}[attention],
           {'dense': layers.MLP, 'moe': moe.MoE}[mlp])
-
-
-def resolve_vocab_size(config) -> int:
-  """config.model.vocab_size, or the tokenizer's size rounded up to vocab_multiple."""
-  if config.model.vocab_size:
-    return int(config.model.vocab_size)
-  n = tokenizers.vocab_size_for(config.data)
-  mult = config.model.vocab_multiple
-  return int(math.ceil(n / mult) * mult)
 
 
 def shift_left(x_BxT: Array, k: int, fill=0) -> Array:

@@ -16,11 +16,11 @@ import optax
 from flax import nnx
 
 from mtp_jax import config_lib
-from mtp_jax import loss as loss_lib
-from mtp_jax import moe
-from mtp_jax import resilience
-from mtp_jax import sharding
-from mtp_jax import state as state_lib
+from mtp_jax.train import loss as loss_lib
+from mtp_jax.model import moe
+from mtp_jax.train import resilience
+from mtp_jax.runtime import sharding
+from mtp_jax.model import state as state_lib
 
 
 @dataclasses.dataclass

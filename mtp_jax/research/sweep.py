@@ -35,11 +35,11 @@ from flax import nnx
 from scipy import stats
 
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import evaluation
-from mtp_jax import flops as flops_lib
-from mtp_jax import sharding
-from mtp_jax import state as state_lib
-from mtp_jax import steps as steps_lib
+from mtp_jax.train import evaluation
+from mtp_jax.train import flops as flops_lib
+from mtp_jax.runtime import sharding
+from mtp_jax.model import state as state_lib
+from mtp_jax.train import steps as steps_lib
 from mtp_jax.data import corpus, induction, pipeline, tokenizers
 
 RESULT_VERSION = 1

@@ -12,11 +12,10 @@ import os
 import numpy as np
 
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import decode
-from mtp_jax import state as state_lib
-from mtp_jax.cli import RequestError
+from mtp_jax.decode import decoder as decode
+from mtp_jax.model import state as state_lib
+from mtp_jax.errors import RequestError
 from mtp_jax.data import tokenizers
-from mtp_jax.model import resolve_vocab_size
 
 
 # -- prompts and a workdir, end to end (scripts/decode.py) --------------------------------------
@@ -81,7 +80,7 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   ids = [list(tokenizer.encode(p)) for p in prompts]
   max_len = max_len or int(config.data.seq_len)
   decode.check_request(ids, max_new_tokens, temperature, top_k, top_p,
-                vocab_size=resolve_vocab_size(config), max_len=max_len)
+                vocab_size=config.model.vocab_size, max_len=max_len)
 
   model, step = state_lib.restore_model_at(config, workdir, step, fallback=True)
   decoder = decode.Decoder(model)

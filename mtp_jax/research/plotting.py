@@ -14,7 +14,7 @@ import numpy as np
 matplotlib.use('Agg')  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mtp_jax.metrics import TAU_KEY, key_depths, metric_key  # noqa: E402
+from mtp_jax.train.metrics import TAU_KEY, key_depths, metric_key  # noqa: E402
 
 
 def load_metrics(workdir: str) -> list[dict]:
@@ -240,7 +240,7 @@ def plot_sweep_loss(results: list[dict], path: str) -> str:
   if base:
     ax.axvline(base[0]['steps'] * base[0]['flops_per_step'] / 1e12, color='k', ls=':', lw=1,
                label='equal-FLOP budget (D = 0 at its last step)')
-  ax.set_xlabel('training FLOPs (TFLOP, mtp_jax/flops.py)')
+  ax.set_xlabel('training FLOPs (TFLOP, mtp_jax/train/flops.py)')
   ax.set_ylabel('main-head train loss (nats / byte)')
   ax.set_ylim(top=min(ax.get_ylim()[1], 4.0))
   ax.set_title(f'Main-head train loss vs compute (trailing mean of {10 * smooth} steps; '

@@ -18,19 +18,19 @@ from jax.experimental import multihost_utils
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
-from mtp_jax import evaluation
-from mtp_jax import flops as flops_lib
-from mtp_jax import hf
-from mtp_jax import loss as loss_lib
-from mtp_jax import metrics as metrics_lib
-from mtp_jax import model as model_lib
-from mtp_jax import moe
-from mtp_jax import resilience
-from mtp_jax import sharding
-from mtp_jax import state as state_lib
-from mtp_jax import steps
+from mtp_jax.train import evaluation
+from mtp_jax.train import flops as flops_lib
+from mtp_jax.interop import hf
+from mtp_jax.train import loss as loss_lib
+from mtp_jax.train import metrics as metrics_lib
+from mtp_jax.model import mtp as model_lib
+from mtp_jax.model import moe
+from mtp_jax.train import resilience
+from mtp_jax.runtime import sharding
+from mtp_jax.model import state as state_lib
+from mtp_jax.train import steps
 from mtp_jax.data import pipeline, tokenizers
-from mtp_jax.metrics import metric_key
+from mtp_jax.train.metrics import metric_key
 
 
 class _Window:
@@ -80,6 +80,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   # A Hugging Face trunk defines the model: config.json's sizes and the checkpoint's
   # tokenizer replace the config's (also on resume, so the same command resumes).
   hf_changes = hf.apply_to_config(config, hf_dir) if hf_dir is not None else []
+  tokenizers.resolve_vocab_size(config)
   config_lib.validate(config, len(devices))
   resilience.validate_data(config, jax.process_count())
   resilience.check_document_lengths(config)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from mtp_jax.sharding import constrain
+from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array
 

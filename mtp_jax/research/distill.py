@@ -25,11 +25,10 @@ import numpy as np
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
-from mtp_jax import decode
-from mtp_jax import state as state_lib
-from mtp_jax.cli import RequestError
+from mtp_jax.decode import decoder as decode
+from mtp_jax.model import state as state_lib
+from mtp_jax.errors import RequestError
 from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
-from mtp_jax.model import resolve_vocab_size
 
 DATA_FILE = 'data.jsonl'
 META_FILE = 'meta.json'
@@ -177,7 +176,7 @@ def self_distill(workdir: str, out_dir: str, settings: Settings,
       'workdir': os.path.abspath(workdir), 'step': step, 'split': split,
       'settings': dataclasses.asdict(settings), 'records': len(drawn),
       'new_tokens': int(sum(len(c) for c in continuations)),
-      'model_vocab_size': resolve_vocab_size(config),
+      'model_vocab_size': config.model.vocab_size,
       'prompt_data': {k: d[k] for k in ('source', 'path', 'dataset', 'corpus_dir', 'text_key',
                                         'tokens_key', 'train_split', 'validation_percent')},
       # Train on it: the trunk's tokenizer, the ids as stored; the file, not the folder (a

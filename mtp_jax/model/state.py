@@ -12,8 +12,8 @@ from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
-from mtp_jax import sharding
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.runtime import sharding
+from mtp_jax.model.mtp import MTPModel, ModelArgs
 
 
 # -- optimizer ----------------------------------------------------------------------------

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from mtp_jax import moe
-from mtp_jax.metrics import metric_key
-from mtp_jax.model import MTPModel, shift_left, vocab_logits
+from mtp_jax.model import moe
+from mtp_jax.train.metrics import metric_key
+from mtp_jax.model.mtp import MTPModel, shift_left, vocab_logits
 
 Array = jax.Array
 

@@ -50,11 +50,11 @@ from safetensors.numpy import save_file
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
-from mtp_jax import layers
-from mtp_jax import mla
-from mtp_jax import moe
-from mtp_jax import state as state_lib
-from mtp_jax.model import MTPModel, ModelArgs, block_classes
+from mtp_jax.model import layers
+from mtp_jax.model import mla
+from mtp_jax.model import moe
+from mtp_jax.model import state as state_lib
+from mtp_jax.model.mtp import MTPModel, ModelArgs, block_classes
 
 LAYOUTS = ('deepseek_v3', 'mimo')
 FP8_BLOCK = 128  # DeepSeek-V3's weight quantisation blocks: 128 x 128 per weight_scale_inv entry

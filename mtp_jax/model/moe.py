@@ -58,8 +58,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax import layers
-from mtp_jax.sharding import constrain
+from mtp_jax.model import layers
+from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array
 

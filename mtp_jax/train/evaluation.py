@@ -23,16 +23,15 @@ from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
-from mtp_jax import decode
-from mtp_jax import loss as loss_lib
-from mtp_jax import resilience
-from mtp_jax import sharding
-from mtp_jax import steps
-from mtp_jax.cli import RequestError
-from mtp_jax.config_lib import ConfigError
+from mtp_jax.decode import decoder as decode
+from mtp_jax.train import loss as loss_lib
+from mtp_jax.train import resilience
+from mtp_jax.runtime import sharding
+from mtp_jax.train import steps
+from mtp_jax.errors import RequestError
+from mtp_jax.errors import ConfigError
 from mtp_jax.data import tokenizers
-from mtp_jax.metrics import TAU_KEY, depth_name, metric_key
-from mtp_jax.model import ModelArgs
+from mtp_jax.train.metrics import TAU_KEY, depth_name, metric_key
 
 MAX_PLAIN_DOCS = 4096  # documents read from a split without a 'path' feature to order by
 
@@ -41,7 +40,7 @@ MAX_PLAIN_DOCS = 4096  # documents read from a split without a 'path' feature to
 def padded_token_bytes(config, tokenizer) -> np.ndarray:
   """UTF-8 bytes of each token id, padded to the model's vocabulary (bits per byte)."""
   token_bytes = tokenizer.token_bytes()
-  vocab = ModelArgs.from_config(config).vocab_size
+  vocab = tokenizers.model_vocab_size(config)
   return np.pad(token_bytes, (0, vocab - len(token_bytes)), constant_values=1)
 
 

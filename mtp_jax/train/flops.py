@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax import config_lib
-from mtp_jax import mla
-from mtp_jax import moe
-from mtp_jax.model import ModelArgs, block_classes
+from mtp_jax.data import tokenizers
+from mtp_jax.model import mla
+from mtp_jax.model import moe
+from mtp_jax.model.mtp import ModelArgs, block_classes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,8 @@ def flops_per_token(args, seq_len: int, causal: bool = True) -> FlopsPerToken:
 
 
 def config_flops_per_token(config, causal: bool = True) -> FlopsPerToken:
-  return flops_per_token(ModelArgs.from_config(config), config.data.seq_len, causal)
+  args = ModelArgs.from_config(config, tokenizers.model_vocab_size(config))
+  return flops_per_token(args, config.data.seq_len, causal)
 
 
 # -- peak FLOP/s -------------------------------------------------------------------------
@@ -178,7 +180,7 @@ def matmul_probe(device=None, n: int = 2048, dtype=jnp.float32, reps: int = 5) -
 # A probe taken while other jobs share the cores reads 2-4x low, and dividing by it
 # inflates MFU by as much; so a run never divides by its own probe. The first run on a
 # machine probes several times and caches the best (with the date and load average);
-# later probes (benchmarks/train_throughput.py, `python -m mtp_jax.flops`) only raise it.
+# later probes (benchmarks/train_throughput.py, `python -m mtp_jax.train.flops`) only raise it.
 CACHE_DIR_ENV = 'MTP_JAX_CACHE_DIR'  # default: $XDG_CACHE_HOME/mtp_jax or ~/.cache/mtp_jax
 PEAK_ENV = 'MTP_JAX_CPU_PEAK_FLOPS'  # a number (FLOP/s per process) overrides the cache
 PROBE_SIZES = ((2048, 5), (4096, 2))  # (n, repeats) per probe round
@@ -291,7 +293,7 @@ def peak_flops(dtype=jnp.float32, devices=None) -> tuple[float, str]:
              f'{peak["load_average"]}, {_peak_file()}')
     if max(peak['load_average']) > 0.5 * (os.cpu_count() or 1):
       where += ('; WARNING: taken on a loaded machine, so MFU reads high: rerun '
-                '`python -m mtp_jax.flops` when it is quiet, or set ' + PEAK_ENV)
+                '`python -m mtp_jax.train.flops` when it is quiet, or set ' + PEAK_ENV)
   return peak['flops'] * processes, f'{where} x {processes} process(es)'
 
 
@@ -314,7 +316,7 @@ class MFU:
 
 
 def main():
-  """`python -m mtp_jax.flops`: probe this CPU now, raise the cached peak if higher, print it."""
+  """`python -m mtp_jax.train.flops`: probe this CPU now, raise the cached peak if higher, print it."""
   peak = update_cpu_peak()
   print(f'{machine_key(jnp.float32)}: {peak["flops"] / 1e9:.1f} GFLOP/s (best of '
         f'{peak.get("probes_taken", 1)} probe runs; best taken {peak["date"]}, load average '

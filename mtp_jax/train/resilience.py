@@ -1,6 +1,6 @@
 """Fault tolerance around the training loop (issue 5).
 
-Partial restores (--init_from) live in checkpoint.py, exit codes in cli.py.
+Partial restores (--init_from) live in checkpoint.py, exit codes in errors.py.
 
 - Preflight checks that fail before anything compiles, with one-line messages:
   the workdir, free disk space for a checkpoint, documents long enough for depth D.
@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mtp_jax.cli import one_line
-from mtp_jax.config_lib import ConfigError
+from mtp_jax.errors import one_line
+from mtp_jax.errors import ConfigError
 from mtp_jax.data import tokenizers, user_data
-from mtp_jax.metrics import depth_names
+from mtp_jax.train.metrics import depth_names
 
 
 class WorkdirError(ConfigError):

@@ -32,9 +32,9 @@ from flax import nnx
 from safetensors import safe_open
 
 from mtp_jax import config_lib
-from mtp_jax.config_lib import ConfigError
+from mtp_jax.errors import ConfigError
 from mtp_jax.data import tokenizers
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model.mtp import MTPModel, ModelArgs
 
 PREFIX = 'hf:'
 # architectures entry -> family; all three are dense GQA + SwiGLU with Llama's names.
