@@ -56,6 +56,7 @@ import numpy as np  # noqa: E402
 
 from mtp_jax.runtime import distributed  # noqa: E402
 from mtp_jax.train import flops as flops_lib  # noqa: E402
+from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.model import layers  # noqa: E402
 from mtp_jax.train import loss as loss_lib  # noqa: E402
 from mtp_jax.model import mtp as model_lib  # noqa: E402
@@ -162,7 +163,7 @@ def _load() -> list:
 
 def bench_mfu(rounds: int) -> dict:
   load0 = _load()
-  peak = flops_lib.update_cpu_peak()  # probe now; the cache keeps the best ever taken
+  peak = peak_lib.update_cpu_peak()  # probe now; the cache keeps the best ever taken
   config = load_config('stdlib_mtp')
   step, probe = Step(config), Probe()
   wall, cpu, steps, probes = [], [], [], []
@@ -178,7 +179,7 @@ def bench_mfu(rounds: int) -> dict:
   # The rounds' own probes are probes of this machine too: a higher one raises the cached
   # peak, so MFU is never divided by less than the best probe ever taken here.
   load1 = os.getloadavg()
-  peak = flops_lib.update_cpu_peak(measured={
+  peak = peak_lib.update_cpu_peak(measured={
       'flops': probe.flops / best_probe, 'best_by_size': {str(probe.n): probe.flops / best_probe},
       'date': time.strftime('%Y-%m-%dT%H:%M:%S'), 'load_average': [load0[0], round(load1[0], 2)],
       'jax': jax.__version__, 'source': 'train_throughput.py --only mfu rounds'})
@@ -238,7 +239,7 @@ def _round_robin(steps: dict, rounds: int) -> dict:
 
 def bench_maxtext(rounds: int, depths=(0, 1, 3), remat: str = 'block') -> dict:
   load0 = _load()
-  peak = flops_lib.cpu_peak()
+  peak = peak_lib.cpu_peak()
   steps = {d: Step(maxtext_config(d, remat)) for d in depths}
   times = _round_robin(steps, rounds)
   out = {'model': 'MaxText CPU peer shape: 4 layers, d 256, 8x32 heads, MLP 704, V 1024, '
@@ -625,7 +626,7 @@ def bench_moe(rounds: int) -> dict:
   only the active parameters' FLOPs (flops.py), and the MoE dispatch overhead: step time
   ratio against the same-active-FLOPs dense control over their FLOP ratio, round robin."""
   load0 = _load()
-  peak = flops_lib.cpu_peak()
+  peak = peak_lib.cpu_peak()
   steps = {name: Step(c) for name, c in moe_variants().items()}
   times = _round_robin(steps, rounds)
   base = 'dense_same_active'

@@ -130,8 +130,8 @@ def make_sweep(args, runs):
                          log=lambda s: print(s, file=sys.stderr, flush=True))
   lm = [r for r in runs if r.kind == 'lm' and not sweep.finished(r)]
   if lm:
-    from mtp_jax.train import resilience
-    resilience.validate_data(lm[0].config)  # prepares the stdlib data set once
+    from mtp_jax.data import checks as data_checks
+    data_checks.validate_data(lm[0].config)  # prepares the stdlib data set once
     rule = research.HeldoutRule(cap_bytes=200_000) if args.smoke else research.HeldoutRule()
     sweep.lm_eval = research.LMEvaluator(
         lm[0].config, eval_batches=2 if args.smoke else 32,

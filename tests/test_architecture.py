@@ -6,7 +6,6 @@ functions too: a cycle hidden by a function-level import is still a cycle.
 import ast
 import os
 
-import pytest
 
 from helpers import REPO
 
@@ -30,8 +29,8 @@ DEFERRED = {
     ('mtp_jax.data.tokenizers', 'sentencepiece'),
     ('mtp_jax.data.tokenizers', 'tokenizers'),
     ('mtp_jax.data.tokenizers', 'mtp_jax.data.stdlib_dataset'),
-    ('mtp_jax.train.resilience', 'mtp_jax.data.pipeline'),
-    ('mtp_jax.train.resilience', 'mtp_jax.data.stdlib_dataset'),
+    ('mtp_jax.data.checks', 'mtp_jax.data.pipeline'),
+    ('mtp_jax.data.checks', 'mtp_jax.data.stdlib_dataset'),
     ('mtp_jax.train.resilience', 'jax._src'),  # its distributed module, private
     ('mtp_jax.train.evaluation', 'mtp_jax.data.stdlib_dataset'),
     ('mtp_jax.train.evaluation', 'mtp_jax.data.pipeline'),

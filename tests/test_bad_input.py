@@ -15,7 +15,7 @@ import pytest
 
 from helpers import REPO, load_config
 from mtp_jax import cli
-from mtp_jax.train import resilience
+from mtp_jax.data import checks as data_checks
 from mtp_jax.train import loop as train
 from mtp_jax.train import steps as steps_lib
 from mtp_jax.data import corpus, pipeline, stdlib_dataset
@@ -233,7 +233,7 @@ def test_undecodable_binary_and_enormous_inputs_are_handled(tmp_path):
   c.data.validation_percent = 50
   c.data.corpus_dir = _corpus(tmp_path / 'corpus', files)
   pipeline.validate_data_config(c)
-  resilience.check_document_lengths(c)
+  data_checks.check_document_lengths(c)
   docs = {}
   for split in ('train', 'validation'):
     src = stdlib_dataset.data_source(c.data, split)

@@ -10,6 +10,7 @@ from flax import nnx
 
 from helpers import load_config, tiny_model_config
 from mtp_jax.train import flops
+from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.model import layers
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.model.mtp import MTPModel, ModelArgs, remat_policy
@@ -160,21 +161,21 @@ def test_pod_configs_lower_a_train_gradient_with_each_attention_path(name, impl)
 
 
 def test_cpu_peak_is_cached_and_only_raised(tmp_path, monkeypatch):
-  monkeypatch.setenv(flops.CACHE_DIR_ENV, str(tmp_path))
-  monkeypatch.delenv(flops.PEAK_ENV, raising=False)
+  monkeypatch.setenv(peak_lib.CACHE_DIR_ENV, str(tmp_path))
+  monkeypatch.delenv(peak_lib.PEAK_ENV, raising=False)
   readings = iter([100e9, 300e9, 200e9] * 10 + [50e9] * 100)
-  monkeypatch.setattr(flops, 'matmul_probe', lambda *a, **k: next(readings))
-  first = flops.cpu_peak()
+  monkeypatch.setattr(peak_lib, 'matmul_probe', lambda *a, **k: next(readings))
+  first = peak_lib.cpu_peak()
   assert first['flops'] == 300e9 and first['date'] and len(first['load_average']) == 2
-  assert flops.cpu_peak()['flops'] == 300e9  # read from disk, not probed again
+  assert peak_lib.cpu_peak()['flops'] == 300e9  # read from disk, not probed again
   assert next(readings) == 100e9  # exactly one probe round (rounds x sizes) was taken
   stored = json.load(open(os.path.join(tmp_path, 'cpu_peak_flops.json')))
   assert list(stored.values())[0]['flops'] == 300e9
-  assert flops.update_cpu_peak()['flops'] == 300e9  # a lower (loaded) probe never lowers it
-  peak, source = flops.peak_flops(jnp.float32, jax.devices())
+  assert peak_lib.update_cpu_peak()['flops'] == 300e9  # a lower (loaded) probe never lowers it
+  peak, source = peak_lib.peak_flops(jnp.float32, jax.devices())
   assert peak == 300e9 and 'cached' in source  # 8 fake devices, one process
-  monkeypatch.setenv(flops.PEAK_ENV, '1e12')
-  assert flops.peak_flops(jnp.float32, jax.devices())[0] == 1e12
+  monkeypatch.setenv(peak_lib.PEAK_ENV, '1e12')
+  assert peak_lib.peak_flops(jnp.float32, jax.devices())[0] == 1e12
 
 
 @pytest.mark.parametrize('remat', [False, True])

@@ -14,6 +14,7 @@ from helpers import (REPO, load_config, loss_batch, loss_grads, step_losses, syn
 from mtp_jax import config_lib
 from mtp_jax.runtime import distributed
 from mtp_jax.train import flops
+from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.runtime import sharding
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.model.mtp import MTPModel, ModelArgs, count_params
@@ -93,11 +94,11 @@ def test_flops_match_a_hand_count():
 
 
 def test_peak_table_and_cpu_probe():
-  assert flops.table_peak('TPU v5', jnp.bfloat16) == 459e12
-  assert flops.table_peak('TPU v5 lite', jnp.bfloat16) == 197e12  # longest prefix wins
-  assert flops.table_peak('NVIDIA H100 80GB HBM3', jnp.float32) == 494e12
-  assert flops.table_peak('some new chip', jnp.bfloat16) is None
-  peak, source = flops.peak_flops(jnp.float32, jax.devices())
+  assert peak_lib.table_peak('TPU v5', jnp.bfloat16) == 459e12
+  assert peak_lib.table_peak('TPU v5 lite', jnp.bfloat16) == 197e12  # longest prefix wins
+  assert peak_lib.table_peak('NVIDIA H100 80GB HBM3', jnp.float32) == 494e12
+  assert peak_lib.table_peak('some new chip', jnp.bfloat16) is None
+  peak, source = peak_lib.peak_flops(jnp.float32, jax.devices())
   assert peak > 1e9 and 'probe' in source  # 8 fake CPU devices share one process's cores
 
 

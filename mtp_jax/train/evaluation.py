@@ -25,7 +25,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax.decode import decoder as decode
 from mtp_jax.train import loss as loss_lib
-from mtp_jax.train import resilience
+from mtp_jax.data import checks as data_checks
 from mtp_jax.runtime import sharding
 from mtp_jax.train import steps
 from mtp_jax.errors import RequestError
@@ -228,7 +228,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
                        f'exceeds the training sequence length data.seq_len ({d.seq_len})')
   _mesh_for(config, len(devices))
   config_lib.validate(config, len(devices))
-  resilience.validate_data(config, 1)  # the split exists and is readable
+  data_checks.validate_data(config, 1)  # the split exists and is readable
   tokenizer = tokenizers.get_tokenizer(d)
   prompts = validation_prompts(config, tokenizer, num_prompts, prompt_len) if num_prompts else []
 

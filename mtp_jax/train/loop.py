@@ -26,6 +26,7 @@ from mtp_jax.train import metrics as metrics_lib
 from mtp_jax.model import mtp as model_lib
 from mtp_jax.model import moe
 from mtp_jax.train import resilience
+from mtp_jax.data import checks as data_checks
 from mtp_jax.runtime import sharding
 from mtp_jax.model import state as state_lib
 from mtp_jax.train import steps
@@ -82,8 +83,8 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   hf_changes = hf.apply_to_config(config, hf_dir) if hf_dir is not None else []
   tokenizers.resolve_vocab_size(config)
   config_lib.validate(config, len(devices))
-  resilience.validate_data(config, jax.process_count())
-  resilience.check_document_lengths(config)
+  data_checks.validate_data(config, jax.process_count())
+  data_checks.check_document_lengths(config)
   tokenizer = tokenizers.get_tokenizer(config.data)
   is_main = jax.process_index() == 0
   progress = metrics_lib.Progress(config.train.steps, enabled=config.train.progress and is_main)

@@ -31,7 +31,6 @@ from jax.experimental import multihost_utils
 
 from mtp_jax.errors import one_line
 from mtp_jax.errors import ConfigError
-from mtp_jax.data import tokenizers, user_data
 from mtp_jax.train.metrics import depth_names
 
 
@@ -198,57 +197,6 @@ def _free_bytes(directory: str) -> int:
 def checkpoint_bytes_estimate(abstract_state) -> int:
   """Array bytes plus slack for orbax metadata (checkpoints are compressed, so this bounds)."""
   return state_bytes(abstract_state) + (1 << 20)
-
-
-def validate_data(config, process_count: int = 1) -> None:
-  """pipeline.validate_data_config, with TFDS's failure on a split left without any readable
-  document (every file binary or empty) turned into a ConfigError naming the corpus."""
-  # Deferred, as in train: the data pipeline imports tensorflow_datasets (seconds).
-  from mtp_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-  try:
-    pipeline.validate_data_config(config, process_count)
-  except AssertionError as e:
-    if 'No examples were yielded' not in str(e):
-      raise
-    raise ConfigError(
-        f'data.corpus_dir {config.data.corpus_dir or "(this interpreter stdlib)"!r}: a split has '
-        f'no readable document ({one_line(e)}); files holding NUL bytes (binary) and empty '
-        'files are skipped') from e
-
-
-_DOC_SAMPLE = 512
-
-
-def check_document_lengths(config) -> None:
-  """ConfigError when no sampled training document is long enough for the deepest MTP depth.
-
-  Depth k at position i predicts t_{i+k+1} of the same document, so a document (with its
-  eos) needs D + 2 tokens to give depth D one target; a corpus of shorter ones would
-  train depth D on a loss that is always empty (0), silently.
-  """
-  # Deferred: stdlib_dataset imports tensorflow_datasets (seconds), needed only to train.
-  from mtp_jax.data import stdlib_dataset  # pylint: disable=g-import-not-at-top
-  # Deferred: as stdlib_dataset (pipeline imports it); its document_ids reads data.tokens_key.
-  from mtp_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-  depth = config.model.mtp.depth
-  need = depth + 2
-  d = config.data
-  source = stdlib_dataset.data_source(d, d.train_split)
-  tokenizer = tokenizers.get_tokenizer(d)
-  n = min(len(source), _DOC_SAMPLE)
-  longest = 0
-  for i in range(n):
-    length = len(pipeline.document_ids(tokenizer, d, source[i]))
-    if not length:
-      continue
-    longest = max(longest, length + 1)  # + eos
-    if longest >= need:
-      return
-  raise ConfigError(
-      f'data: the {n} documents checked in split {d.train_split!r} of {user_data.describe(d)} '
-      f'are all shorter than model.mtp.depth + 2 = {need} tokens (longest '
-      f'{longest} with eos), so MTP depth {depth} would never have a target; lower '
-      'model.mtp.depth or use longer documents')
 
 
 # -- preemption --------------------------------------------------------------------------

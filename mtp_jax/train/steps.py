@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from mtp_jax import config_lib
+from mtp_jax.data import tokenizers
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.model import moe
 from mtp_jax.train import resilience
@@ -105,6 +106,7 @@ def eval_step(config, graphdef, state, batch, token_bytes_V):
 def setup(config, devices=None) -> tuple[TrainSetup, Any]:
   """Validates, builds the mesh and the sharded state, and jits the steps."""
   devices = jax.devices() if devices is None else devices
+  tokenizers.resolve_vocab_size(config)
   config_lib.validate(config, len(devices))
   mesh = sharding.make_mesh(config, devices)
   rules = sharding.rules_of(config)

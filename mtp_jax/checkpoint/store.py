@@ -1,0 +1,195 @@
+"""The trainer's checkpoint writer: model + optimizer, data-iterator state and run meta.
+
+`Checkpointer` wraps orbax's CheckpointManager. Only a training job that holds the
+workdir's lock builds one. A save interrupted by a kill leaves
+`<step>.orbax-checkpoint-tmp*`, which orbax never lists as a step and the next
+Checkpointer removes; a broken step is moved aside to `corrupt_checkpoints/`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from mtp_jax.errors import ConfigError
+from mtp_jax.checkpoint.integrity import verify
+
+
+TMP_MARKER = '.orbax-checkpoint-tmp'
+QUARANTINE_DIR = 'corrupt_checkpoints'  # next to `checkpoints/`: broken steps moved aside
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that cannot be written or read; the message is one line."""
+  exit_code = 2
+
+
+def short(e: BaseException, limit: int = 300) -> str:
+  """The first line of an exception (TensorStore errors run to pages), for one-line reports."""
+  text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  text = text if len(text) <= limit else text[:limit] + '...'
+  return f'{type(e).__name__}: {text}'
+
+
+def _is_disk_full(e: BaseException) -> bool:
+  text = str(e)
+  return (getattr(e, 'errno', None) == 28 or 'No space left on device' in text
+          or "os_error_code='28'" in text)
+
+
+@dataclasses.dataclass
+class Restored:
+  """What restore_latest_good found: the state, its meta and the steps it had to skip."""
+  state: object
+  meta: dict
+  step: int
+  broken: list  # [(step, reason)] newer checkpoints that failed to load, newest first
+  moved_to: str | None  # where the broken ones were moved
+
+
+class Checkpointer:
+  """A CheckpointManager over `<workdir>/checkpoints` saving {state, data, meta} items."""
+
+  def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    # Reported once by the trainer; orbax deletes them (cleanup_tmp_directories).
+    self.incomplete = sorted(n for n in _listdir(self.directory) if TMP_MARKER in n)
+    self._options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
+        cleanup_tmp_directories=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=self._options)
+    self._in_flight: int | None = None  # step of an async save not yet known to be complete
+    self._failed = False  # orbax re-raises a failed save on every later wait
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self.manager.all_steps())
+
+  def save(self, step: int, state, data_iter=None, meta: dict | None = None,
+           force: bool = False) -> bool:
+    """Starts a (possibly asynchronous) save; CheckpointError if this or the previous one failed."""
+    self.wait()  # an error of the previous async save belongs to that step, not this one
+    items = {'state': ocp.args.StandardSave(state),
+             'meta': ocp.args.JsonSave(meta or {})}
+    if data_iter is not None:
+      items['data'] = grain.checkpoint.CheckpointSave(data_iter)
+    if self._failed:
+      raise CheckpointError(f'not saving step {step}: an earlier save in {self.directory} failed')
+    try:
+      saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    except Exception as e:  # pylint: disable=broad-except
+      self._failed = True
+      raise self._save_error(step, e) from e
+    self._in_flight = step
+    return saved
+
+  def _save_error(self, step: int, e: BaseException) -> CheckpointError:
+    what = 'disk full: ' if _is_disk_full(e) else ''
+    return CheckpointError(
+        f'{what}could not save the checkpoint of step {step} in {self.directory} ({short(e)}); '
+        'earlier checkpoints are intact, and rerunning the same command resumes from the '
+        'latest one once the problem is fixed')
+
+  def read_meta(self, step: int | None = None) -> dict:
+    step = self.latest_step() if step is None else step
+    out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    meta = out['meta']
+    if not isinstance(meta, dict):
+      raise ValueError(f'meta of step {step} is not a JSON object')
+    return dict(meta)
+
+  def restore(self, step: int, abstract_state, data_iter=None):
+    """Restores onto the shardings carried by `abstract_state` (ShapeDtypeStructs)."""
+    items = {'state': ocp.args.StandardRestore(abstract_state), 'meta': ocp.args.JsonRestore()}
+    if data_iter is not None:
+      items['data'] = grain.checkpoint.CheckpointRestore(data_iter)
+    out = self.manager.restore(step, args=ocp.args.Composite(**items))
+    return out['state'], dict(out['meta'])
+
+  def restore_latest_good(self, abstract_state, data_iter=None, check_meta=None) -> Restored | None:
+    """The newest checkpoint that loads and matches its recorded fingerprints.
+
+    check_meta(meta) may raise ConfigError (an incompatible run: never a fallback).
+    Broken newer checkpoints are moved to `<workdir>/corrupt_checkpoints/` so later
+    saves of those steps cannot collide with them; when none is good nothing is moved
+    and CheckpointError lists why each failed. None when there is no checkpoint at all.
+    """
+    steps = sorted(self.all_steps(), reverse=True)
+    if not steps:
+      return None
+    broken = []
+    for step in steps:
+      try:
+        meta = self.read_meta(step)
+        if check_meta is not None:
+          check_meta(meta)
+        state, meta = self.restore(step, abstract_state, data_iter)
+        verify(step, state, meta, data_iter)
+      except ConfigError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        broken.append((step, short(e)))
+        continue
+      moved = self._quarantine([s for s, _ in broken]) if broken else None
+      return Restored(state, meta, step, broken, moved)
+    raise CheckpointError(
+        f'no checkpoint in {self.directory} can be restored: '
+        + '; '.join(f'step {s}: {r}' for s, r in broken)
+        + '. Nothing was changed; move them away (or use a new --workdir) to start afresh.')
+
+  def _quarantine(self, steps: list[int]) -> str:
+    """Moves broken step directories out of the manager's sight (never deletes them)."""
+    dest = os.path.join(os.path.dirname(self.directory), QUARANTINE_DIR)
+    if jax.process_index() == 0:
+      os.makedirs(dest, exist_ok=True)
+      stamp = time.strftime('%Y%m%d-%H%M%S')
+      for step in steps:
+        src = os.path.join(self.directory, str(step))
+        if os.path.exists(src):
+          shutil.move(src, os.path.join(dest, f'{step}-{stamp}'))
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices('mtp_jax_checkpoint_quarantine')
+    self.manager.reload()
+    return dest
+
+  def wait(self):
+    """Blocks until the in-flight save is on disk; CheckpointError naming its step if it failed."""
+    if self._failed:
+      return
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      step, self._in_flight, self._failed = self._in_flight, None, True
+      raise self._save_error(step if step is not None else -1, e) from e
+    self._in_flight = None
+
+  def close(self):
+    try:
+      self.wait()
+    finally:
+      try:
+        self.manager.close()
+      except Exception:  # pylint: disable=broad-except
+        if not self._failed:
+          raise
+
+
+def _listdir(path: str) -> list[str]:
+  try:
+    return os.listdir(path)
+  except FileNotFoundError:
+    return []
+
+
+def abstract_like(state, shardings):
+  """ShapeDtypeStructs with target shardings: the restore template."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      state, shardings)
