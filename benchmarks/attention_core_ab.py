@@ -26,7 +26,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mtp_jax.model import layers  # noqa: E402
+
+from mtp_jax.model import attention as attn_lib
 from mtp_jax.model import mtp as model
 
 
@@ -34,10 +35,10 @@ def variants():
   out = {}
   for blk in (16, 32, 64, 128):
     out[f'before{blk}'] = lambda q, k, v, m, blk=blk: tt.blocked_attention_before(q, k, v, m, blk)
-    out[f'now{blk}'] = lambda q, k, v, m, blk=blk: layers.blocked_causal_attention(q, k, v, m, blk)
-    out[f'saved{blk}'] = lambda q, k, v, m, blk=blk: layers.blocked_causal_attention(q, k, v, m, blk, saved_core=True)
+    out[f'now{blk}'] = lambda q, k, v, m, blk=blk: attn_lib.blocked_causal_attention(q, k, v, m, blk)
+    out[f'saved{blk}'] = lambda q, k, v, m, blk=blk: attn_lib.blocked_causal_attention(q, k, v, m, blk, saved_core=True)
   out['gqa_before64'] = lambda q, k, v, m: tt.blocked_attention_before(q, k[:, :, ::2], v[:, :, ::2], m, 64)
-  out['gqa_now64'] = lambda q, k, v, m: layers.blocked_causal_attention(q, k[:, :, ::2], v[:, :, ::2], m, 64)
+  out['gqa_now64'] = lambda q, k, v, m: attn_lib.blocked_causal_attention(q, k[:, :, ::2], v[:, :, ::2], m, 64)
   out['xla_library'] = lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m)
   return out
 
@@ -52,7 +53,7 @@ def main():
   h = 256 // n
   rng = np.random.default_rng(0)
   q, k, v, g = (jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32) for _ in range(4))
-  mask = layers.attention_mask(jnp.asarray(tt.synthetic_batch(b, t, 1024)['segment_ids']))
+  mask = attn_lib.attention_mask(jnp.asarray(tt.synthetic_batch(b, t, 1024)['segment_ids']))
   policy = model.remat_policy('block')
   all_variants = variants()
   fns, refs = {}, {}

@@ -172,6 +172,7 @@ def random_model(config, d, layers, vocab=None, heads=None):
   import copy
   from flax import nnx
   from mtp_jax.model.mtp import MTPModel, ModelArgs
+  from mtp_jax.data import tokenizers
   c = copy.deepcopy(config)
   c.model.d_model, c.model.n_layers, c.model.mlp_dim = d, layers, 3 * d
   n, hd = heads or (max(1, d // 128), 128)
@@ -179,7 +180,7 @@ def random_model(config, d, layers, vocab=None, heads=None):
   c.model.head_dim = hd
   if vocab:
     c.model.vocab_size = vocab
-  return MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
+  return MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(c)), rngs=nnx.Rngs(0))
 
 
 def _random_decoders(config, d, layers, wdts, vocab=None, heads=None):

@@ -26,7 +26,7 @@ program below has the same cache length as the end-to-end run), interleaved per 
 
 Every figure is also given in AR steps (ms over the AR program's ms per step). --ab
 MODULE.ATTR=VALUE compiles the AR and D-draft programs once more with an mtp_jax setting
-changed while tracing (e.g. layers.ATTN_TALL=False, the attention core before the
+changed while tracing (e.g. decode_ops.ATTN_TALL=False, the attention core before the
 few-query rule) and times them in the same rounds: an A/B inside one process. Prints one
 JSON object (and writes it to --out).
 """
@@ -65,7 +65,7 @@ def parse(argv):
   p.add_argument('--probe_new', type=int, default=64, help='tokens of a probe run')
   p.add_argument('--parts', default='full,no_mtp,no_verify,neither')
   p.add_argument('--ab', default='',
-                 help='MODULE.ATTR=VALUE[;...] of mtp_jax (e.g. layers.ROW_MULTIPLE=1): also '
+                 help='MODULE.ATTR=VALUE[;...] of mtp_jax (e.g. decode_ops.ROW_MULTIPLE=1): also '
                       'compile the AR and D-draft programs with these set while tracing and '
                       'time their probe iteration interleaved with the rest (an A/B in one process)')
   p.add_argument('--compile_only', action='store_true',
@@ -162,7 +162,7 @@ def main(argv=None):
         args.weight_dtype]
     args.random = True
   else:
-    rand_model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
+    rand_model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), rngs=nnx.Rngs(0))
     rand = decode.Decoder(rand_model, weight_dtype=args.weight_dtype)
   dec = rand if args.random else decode.Decoder(state.restore_model(config, args.workdir, step),
                                                 weight_dtype=args.weight_dtype)

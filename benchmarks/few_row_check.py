@@ -29,7 +29,7 @@ def xwt(w, x):  # x W_t^T: the GEMV at 1 row
   return jax.lax.dot_general(x.astype(w.dtype), w, C, preferred_element_type=F32)
 
 
-def tall(w, x):  # layers.decode_dot's rule: W_t x^T behind a barrier, then the transpose
+def tall(w, x):  # decode_ops.decode_dot's rule: W_t x^T behind a barrier, then the transpose
   return bar(jax.lax.dot_general(w, x.astype(w.dtype), C, preferred_element_type=F32)).T
 
 

@@ -15,7 +15,7 @@ times, interleaved per (shape, M) in one process:
   Wt_x_bar Wt_x with the [O, M] product behind lax.optimization_barrier before the
            transpose (else XLA:CPU may lay the dot's output out as [M, O]: a GEMM again)
   Wt_x_bar_pad8  M > 4 and not a multiple of 8, float32: Wt_x_bar over x padded with zero
-           rows to the next multiple of 8, the padding's columns dropped (layers.decode_dot)
+           rows to the next multiple of 8, the padding's columns dropped (decode_ops.decode_dot)
   Wx       M = 1 only: jnp.dot(W_t, x[0]), the matrix-vector form of the tied head
   rows_xW  M in {2, 4}, float32: one 1-row jnp.dot(x[i:i+1], W) per row, concatenated
            (the decoder's per-row split before the transposed layout)

@@ -50,7 +50,7 @@ def parse(argv):
                  help='also time the project\'s T = 1 AR with top-k 50 and with top-p 0.9 '
                       '(and speculative sampling with top-p 0.9)')
   p.add_argument('--ab', default='',
-                 help='MODULE.FLAG, e.g. layers.ATTN_TALL: also time the project\'s T = 1 '
+                 help='MODULE.FLAG, e.g. decode_ops.ATTN_TALL: also time the project\'s T = 1 '
                       'variants with that boolean switch of mtp_jax.MODULE off ("_off")')
   p.add_argument('--out', default='', help='JSON output path')
   args = p.parse_args(argv)

@@ -29,7 +29,6 @@ the exact distribution (chi-square over --check_draws draws of a fixed row);
 `static_topk_topp`'s log-probabilities equal `adjusted_logprobs`'.
 """
 import argparse
-import functools
 import json
 import os
 import platform

@@ -46,6 +46,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from mtp_jax.runtime import host_memory  # noqa: E402  (standard library only)
+from mtp_jax.data import tokenizers
 
 # The allocator setting scripts/train.py makes (--host_malloc), before JAX starts a thread.
 HOST_MALLOC = host_memory.configure(host_memory.mode_from_argv(sys.argv)) if __name__ == '__main__' else None
@@ -58,6 +59,7 @@ from mtp_jax.runtime import distributed  # noqa: E402
 from mtp_jax.train import flops as flops_lib  # noqa: E402
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.model import layers  # noqa: E402
+from mtp_jax.model import attention as attn_lib
 from mtp_jax.train import loss as loss_lib  # noqa: E402
 from mtp_jax.model import mtp as model_lib  # noqa: E402
 from mtp_jax.runtime import sharding  # noqa: E402
@@ -104,7 +106,7 @@ class Step:
     self.devices = devices or STEP_DEVICES
     self.ts, self.state = steps_lib.setup(config, jax.devices()[:self.devices])
     self.config = config
-    args = ModelArgs.from_config(config)
+    args = ModelArgs.from_config(tokenizers.resolve_vocab_size(config))
     b, t = config.data.batch_size, config.data.seq_len
     self.tokens = b * t
     self.flops = flops_lib.flops_per_token(args, t).train * self.tokens
@@ -206,7 +208,7 @@ def bench_mfu(rounds: int) -> dict:
 
 
 def train_attention(config) -> str:
-  return layers.attention_impl(ModelArgs.from_config(config))
+  return attn_lib.attention_impl(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)))
 
 
 def maxtext_config(depth: int, remat: str = 'block', **model):
@@ -296,7 +298,7 @@ STDLIB_LOSS_VARIANTS = {
 
 # Issue 14, second pass: the MaxText-shape step's variants (--only ab --ab_set train_speed).
 # 'attn': 'before' traces the variant with blocked_attention_before (below) in place of
-# layers.blocked_causal_attention; loss_chunk 256 = T is the scanned per-depth loss over the
+# attn_lib.blocked_causal_attention; loss_chunk 256 = T is the scanned per-depth loss over the
 # whole length (what loss_chunk 0 ran before), loss_chunk 0 is now one batched projection of
 # all depths (loss._head_sums_batched).
 TRAIN_SPEED_VARIANTS = {
@@ -305,7 +307,7 @@ TRAIN_SPEED_VARIANTS = {
     'new_attn': {'loss_chunk': 256},
     'now': {'loss_chunk': 0},
     'now_remat_none': {'loss_chunk': 0, 'remat': 'none'},
-    # issue 14, third pass: 'now' runs layers._saved_core under remat block, saving its output,
+    # issue 14, third pass: 'now' runs attn_lib._saved_core under remat block, saving its output,
     # log-sum-exp and heads-major q / k / v; 'saved_out_lse' saves only the first two;
     # 'autodiff_core' differentiates the blocked core by autodiff ('now' before the third pass)
     'autodiff_core': {'loss_chunk': 0, 'attn': 'autodiff'},  # 'now' before the saved core
@@ -335,7 +337,7 @@ TRAIN_SPEED_VARIANTS = {
 
 def blocked_attention_before(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
                              mask_Bx1xTxT: jax.Array, block: int = 64, saved_core: bool = False) -> jax.Array:
-  """layers.blocked_causal_attention as it was before issue 14's second pass (5-D heads-major
+  """attn_lib.blocked_causal_attention as it was before issue 14's second pass (5-D heads-major
   einsums, a select for the mask, softmax then P V): the A/B control of 'attn': 'before'.
 
   Causal self-attention that never computes a fully masked key block.
@@ -361,7 +363,7 @@ def blocked_attention_before(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxK
     e = min(a + block, t)
     s_BxKxGxQxE = jnp.einsum('bkgqh,bksh->bkgqs', q_BxKxGxTxH[:, :, :, a:e], k_BxKxTxH[:, :, :e],
                              preferred_element_type=jnp.float32)
-    s_BxKxGxQxE = jnp.where(mask_Bx1xTxT[:, :, None, a:e, :e], s_BxKxGxQxE, layers._MASKED)
+    s_BxKxGxQxE = jnp.where(mask_Bx1xTxT[:, :, None, a:e, :e], s_BxKxGxQxE, attn_lib._MASKED)
     p = jax.nn.softmax(s_BxKxGxQxE, axis=-1).astype(v_BxTxKxH.dtype)
     outs.append(jnp.einsum('bkgqs,bksh->bkgqh', p, v_BxKxTxH[:, :, :e]))
   o_BxKxGxTxH = jnp.concatenate(outs, axis=3)
@@ -488,19 +490,19 @@ def _with_model(c, model: dict):
 
 
 def _autodiff_core(blocked):
-  """layers.blocked_causal_attention with saved_core forced off (the A/B control)."""
+  """attn_lib.blocked_causal_attention with saved_core forced off (the A/B control)."""
   return lambda q, k, v, mask, block=64, saved_core=False: blocked(q, k, v, mask, block, False)
 
 
 def _forced_saved_core(blocked):
-  """layers.blocked_causal_attention with saved_core forced on (also without remat)."""
+  """attn_lib.blocked_causal_attention with saved_core forced on (also without remat)."""
   return lambda q, k, v, mask, block=64, saved_core=False: blocked(q, k, v, mask, block, True)
 
 
 def _build_step(build, over: dict) -> 'Step':
   """A variant's Step; while it is traced, 'attn' swaps the blocked core (before: the form
   before the second pass; autodiff: saved_core off), 'rope' the RoPE, 'saved_names' the
-  names the block remat policy saves (layers.ATTENTION_SAVED_NAMES), 'norm' every RMSNorm's
+  names the block remat policy saves (attn_lib.ATTENTION_SAVED_NAMES), 'norm' every RMSNorm's
   form (layers.rms_normalize), 'ce' the batched loss's cross-entropy (loss.cross_entropy),
   'combine' SequentialMTP.combine (split: combine_split), 'devices' the CPU devices it
   trains on (default STEP_DEVICES)."""
@@ -509,7 +511,7 @@ def _build_step(build, over: dict) -> 'Step':
   if devices and devices > len(jax.devices()):
     raise SystemExit(f'variant needs {devices} devices, this process has {len(jax.devices())} '
                      '(--cpu_devices)')
-  saved = layers.blocked_causal_attention, layers.apply_rope
+  saved = attn_lib.blocked_causal_attention, layers.apply_rope
   saved_forms = layers.rms_normalize, loss_lib.cross_entropy, model_lib.SequentialMTP.combine
   saved_head_sums = loss_lib._head_sums_batched  # pylint: disable=protected-access
   attn, rope = over.pop('attn', None), over.pop('rope', None)
@@ -524,10 +526,10 @@ def _build_step(build, over: dict) -> 'Step':
                             'vjp_v1': rms_normalize_vjp_v1}[norm]
   if ce:
     loss_lib.cross_entropy = {'vjp': cross_entropy_vjp, 'lse_vjp': cross_entropy_lse_vjp}[ce]
-  saved_names = layers.ATTENTION_SAVED_NAMES
-  layers.ATTENTION_SAVED_NAMES = over.pop('saved_names', saved_names)
+  saved_names = attn_lib.ATTENTION_SAVED_NAMES
+  attn_lib.ATTENTION_SAVED_NAMES = over.pop('saved_names', saved_names)
   if attn:
-    layers.blocked_causal_attention = {'before': blocked_attention_before,
+    attn_lib.blocked_causal_attention = {'before': blocked_attention_before,
                                        'autodiff': _autodiff_core(saved[0]),
                                        'saved': _forced_saved_core(saved[0])}[attn]
   if rope:
@@ -535,9 +537,9 @@ def _build_step(build, over: dict) -> 'Step':
   try:
     return Step(build(**over), devices)
   finally:
-    layers.blocked_causal_attention, layers.apply_rope = saved
+    attn_lib.blocked_causal_attention, layers.apply_rope = saved
     layers.rms_normalize, loss_lib.cross_entropy, model_lib.SequentialMTP.combine = saved_forms
-    layers.ATTENTION_SAVED_NAMES = saved_names
+    attn_lib.ATTENTION_SAVED_NAMES = saved_names
     loss_lib._head_sums_batched = saved_head_sums  # pylint: disable=protected-access
 
 
@@ -664,7 +666,7 @@ def memory_config(depth: int, loss_chunk: int = 0, remat: str = 'none', scan: bo
 def compiled_memory(config) -> dict:
   """XLA's memory analysis of the compiled train step (compiled, never run)."""
   ts, state = steps_lib.setup(config, jax.devices()[:1])
-  args = ModelArgs.from_config(config)
+  args = ModelArgs.from_config(tokenizers.resolve_vocab_size(config))
   with sharding.use_mesh(ts.mesh, ts.rules):
     batch = sharding.host_batch_to_global(
         synthetic_batch(config.data.batch_size, config.data.seq_len, args.vocab_size), ts.mesh)

@@ -1,18 +1,36 @@
 """What the command lines share: the flag parser and the report of expected failures.
 
-Importing this starts no JAX (argparse and the standard library only), so the commands
+Importing this starts no JAX (argparse, absl flags and ml_collections only), so the commands
 import it before parsing flags. The error types themselves live in errors.py.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from absl import flags, logging
+from ml_collections import config_flags
 
 from mtp_jax.errors import ConfigError, RequestError, exit_code_of, one_line  # noqa: F401
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Names an option's default in --help unless it is unset (None) or a switch's off."""
+
+  def _get_help_string(self, action):
+    if action.default in (None, False) or action.default is argparse.SUPPRESS:
+      return action.help
+    return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-  """Flag errors as one `error: ...` line and exit code 2, like every other bad input."""
+  """Flag errors as one `error: ...` line and exit code 2, like every other bad input;
+  `--help` shows each option's default."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault('formatter_class', _HelpFormatter)
+    super().__init__(*args, **kwargs)
 
   def error(self, message):  # argparse's default prints the whole usage first
     print(f'error: {message}', file=sys.stderr)
@@ -27,3 +45,62 @@ def report_expected(e: BaseException) -> int:
     raise e
   print(f'error: {one_line(e)}', file=sys.stderr)
   return code
+
+
+# -- config files ------------------------------------------------------------------------
+# Every command takes its flags with argparse (the standard library: `main(argv)` runs in a
+# test's process, and `--help` lists each option with its default). A config is a Python
+# file with get_config(), overridden field by field as `--config.train.steps=100`; those
+# overrides are parsed by ml_collections' own config flag, so their syntax and type
+# checks are the library's.
+CONFIG_HELP = ('config file with get_config() (configs/*.py); override any field with '
+               '--config.KEY=VALUE, e.g. --config.train.steps=100')
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv=None):
+  """(args, ['--config.KEY=VALUE', ...]): the parser's flags, and the config overrides."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  overrides, rest, i = [], [], 0
+  while i < len(argv):
+    a = argv[i]
+    if a.startswith('--config.'):
+      if '=' not in a and i + 1 < len(argv):  # `--config.train.steps 100`
+        a, i = f'{a}={argv[i + 1]}', i + 1
+      overrides.append(a)
+    else:
+      rest.append(a)
+    i += 1
+  args = parser.parse_args(rest)
+  return args, overrides
+
+
+def load_config(path: str, overrides=()):
+  """The locked ConfigDict of a config file with `--config.KEY=VALUE` overrides applied.
+
+  ConfigError (one line) for a missing or broken file, an unknown key or a bad value.
+  """
+  if not os.path.isfile(path):
+    raise ConfigError(f'cannot load --config {path!r}: No such file or directory')
+  values = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file('config', path, 'config file', flag_values=values,
+                                           lock_config=True)
+  try:
+    values(['mtp_jax', f'--config={path}'] + list(overrides))
+    config = holder.value
+    config.keys()  # a config file that failed to load raises only when used
+  except flags.Error as e:
+    raise ConfigError(f'bad --config override: {_clean(e)}') from e
+  except AttributeError as e:  # ml_collections: an unknown --config.x key
+    raise ConfigError(f'unknown config field in a --config.* override: {_clean(e)}') from e
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError(f'bad --config file or override ({type(e).__name__}): {_clean(e)}') from e
+  return config
+
+
+def _clean(e: BaseException) -> str:
+  return ' '.join(str(e).replace('\\n', '. ').replace("\\'", '').split())
+
+
+def quiet_library_logs() -> None:
+  """orbax and grain log every save and restore at INFO through absl: warnings only."""
+  logging.set_verbosity(logging.WARNING)

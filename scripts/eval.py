@@ -1,57 +1,10 @@
 """Evaluates a trained checkpoint: teacher-forced per-depth figures and free-running decoding.
 
-  python scripts/eval.py --workdir DIR [--split validation] [--step N] [--eval_batches N]
-      [--num_prompts N] [--prompt_len N] [--max_new_tokens N] [--batch_size N] [--json]
-
-Restores the checkpoint (default: the latest) with its saved config and tokenizer and
-reports (a) per depth: validation loss, accuracy, agreement with the main model and
-bits per byte, as the trainer's eval lines; (b) greedy decoding of held-out prompts:
-tau, acceptance per depth, AR-vs-speculative speedup and whether both decoded the
-same tokens. Keys are those of metrics.jsonl (`eval/...`). Unset options take the
-trainer's own eval settings, so a checkpoint's figures repeat its metrics.jsonl line.
-
-Intentionally thin: parse flags, call mtp_jax.train.evaluation.evaluate_workdir. Bad input
-exits with code 2 and a one-line error, before anything is compiled.
+The same command as `mtp-eval` (mtp_jax/commands/evaluate.py); `--help` lists the options.
 """
-import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mtp_jax import cli  # noqa: E402  (argparse only; JAX starts after the flags)
-
-
-def parse(argv):
-  p = cli.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--workdir', required=True, help='training workdir')
-  p.add_argument('--split', help='data split to evaluate on (default: data.eval_split)')
-  p.add_argument('--step', type=int, help='checkpoint step (default: the latest)')
-  p.add_argument('--eval_batches', type=int, help='batches (default: train.eval_batches)')
-  p.add_argument('--num_prompts', type=int,
-                 help='prompts to decode (default: train.eval_decode_prompts, or 8; 0: skip)')
-  p.add_argument('--prompt_len', type=int, help='prompt tokens (default: data.seq_len // 2)')
-  p.add_argument('--max_new_tokens', type=int,
-                 help='tokens per prompt (default: train.eval_decode_tokens, within data.seq_len)')
-  p.add_argument('--batch_size', type=int, help='prompts decoded together (default: all)')
-  p.add_argument('--json', action='store_true', help='print one JSON object')
-  return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-  args = parse(argv)
-  from absl import logging
-  from mtp_jax.train import evaluation  # after flag parsing: JAX starts here
-  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  try:
-    out = evaluation.evaluate_workdir(
-        args.workdir, split=args.split, step=args.step, eval_batches=args.eval_batches,
-        num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-  except Exception as e:  # pylint: disable=broad-except
-    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
-  print(json.dumps(out) if args.json else evaluation.format_table(out))
-  return 0
-
+from mtp_jax.commands.evaluate import main
 
 if __name__ == '__main__':
   sys.exit(main())

@@ -1,65 +1,10 @@
 """Self-distilled MTP training data: samples continuations from a trained trunk (FastMTP).
 
-  python scripts/self_distill.py --workdir DIR --out OUT [--num_prompts N] [--prompt_len P]
-      [--max_new_tokens M] [--temperature T] [--top_k K] [--top_p P] [--seed S]
-      [--batch_size B] [--num_drafts K] [--split SPLIT] [--data FIELD=VALUE ...]
-
-Prompts are seeded windows of documents of the workdir's own data (its train split by
-default; `--data source=jsonl --data path=...` reads another corpus, any data.* field),
-continuations are sampled from the newest checkpoint with mtp_jax's decoder, and
-OUT/data.jsonl holds one record per prompt (token ids of prompt + continuation). Train
-MTP modules on it with the overrides printed at the end (data.source=jsonl,
-data.path=OUT, data.tokens_key=tokens). Intentionally thin: parse flags, call
-mtp_jax.research.distill.self_distill. Bad input exits with code 2 and one line, before compiling.
+The same command as `mtp-self-distill` (mtp_jax/commands/self_distill.py); `--help` lists the options.
 """
-import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mtp_jax import cli  # noqa: E402  (argparse only; JAX starts after the flags)
-
-
-def parse(argv):
-  p = cli.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--workdir', required=True, help='trained workdir (its newest checkpoint)')
-  p.add_argument('--out', required=True, help='directory to write data.jsonl and meta.json')
-  p.add_argument('--num_prompts', type=int, default=256)
-  p.add_argument('--prompt_len', type=int, default=32, help='prompt tokens')
-  p.add_argument('--max_new_tokens', type=int, default=96, help='sampled tokens per prompt')
-  p.add_argument('--temperature', type=float, default=1.0, help='0: greedy')
-  p.add_argument('--top_k', type=int, default=0, help='0: off')
-  p.add_argument('--top_p', type=float, default=1.0, help='1: off')
-  p.add_argument('--seed', type=int, default=0, help='prompt draw and sampling seed')
-  p.add_argument('--batch_size', type=int, default=64, help='prompts decoded together')
-  p.add_argument('--num_drafts', type=int, default=0,
-                 help='0: autoregressive; k: speculative with k MTP depths (same distribution)')
-  p.add_argument('--split', default='', help='prompt split (default: data.train_split)')
-  p.add_argument('--data', action='append', default=[], metavar='FIELD=VALUE',
-                 help='override a data.* field of the prompt corpus (repeatable)')
-  return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-  args = parse(argv)
-  from absl import logging
-  from mtp_jax.research import distill  # after flag parsing: JAX starts here
-  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  settings = distill.Settings(
-      num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-      max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-      top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
-      num_drafts=args.num_drafts, split=args.split)
-  try:
-    meta = distill.self_distill(args.workdir, args.out, settings, args.data,
-                                notify=lambda s: print(s, file=sys.stderr))
-  except Exception as e:  # pylint: disable=broad-except
-    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
-  flags = ' '.join(f'--config.{k}={v}' for k, v in meta['train_overrides'].items() if v != '')
-  print(json.dumps(meta))
-  print(f'train on it: scripts/train.py ... {flags}', file=sys.stderr)
-  return 0
-
+from mtp_jax.commands.self_distill import main
 
 if __name__ == '__main__':
   sys.exit(main())

@@ -17,7 +17,6 @@ from mtp_jax import config_lib
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps as steps_lib
 from mtp_jax.model import moe as moe_lib
-from mtp_jax.train import steps as steps_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_DECODE = (4, 16)  # tiny_run's decode eval: prompts, new tokens each

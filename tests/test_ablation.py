@@ -1,7 +1,6 @@
 """The research sweep: configs, the induction task, the held-out corpus, the sweep machinery
 (resumable runs, mean/std tables against the per-run JSON), the sweep figures, and
 trained parallel heads decoding losslessly."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,16 +18,10 @@ from mtp_jax.data import induction
 from flax import nnx
 
 SCRIPT = os.path.join(REPO, 'scripts', 'ablation.py')
+from mtp_jax.commands import ablation as ablation_command  # noqa: E402
 
 
-def _load_script():
-  spec = importlib.util.spec_from_file_location('ablation_script', SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-A = _load_script()
+A = ablation_command
 # Fields that may differ between variants; everything else must be identical.
 VARYING = {('model', 'mtp', 'depth'), ('model', 'mtp', 'kind')}
 

@@ -174,15 +174,15 @@ def _cli(*args, cwd=REPO):
 
 
 CLI_CASES = [
-    ('missing --config', [], ['--config is required']),
+    ('missing --config', [], ['the following arguments are required: --config']),
     ('config file not found', ['--config=configs/no_such.py'],
      ['cannot load --config', 'No such file or directory']),
     ('unknown override key', ['--config=configs/tiny.py', '--config.model.mtp.dept=2'],
      ['unknown config field', 'Did you mean "depth"']),
     ('wrong override type', ['--config=configs/tiny.py', '--config.model.mtp.depth=two'],
      ['--config.model.mtp.depth=two', "invalid literal for int()"]),
-    ('unknown flag', ['--config=configs/tiny.py', '--chekpoint=3'], ['Unknown command line flag']),
-    ('stray argument', ['--config=configs/tiny.py', 'extra'], ["unexpected arguments ['extra']"]),
+    ('unknown flag', ['--config=configs/tiny.py', '--chekpoint=3'], ['unrecognized arguments: --chekpoint=3']),
+    ('stray argument', ['--config=configs/tiny.py', 'extra'], ['unrecognized arguments: extra']),
 ]
 
 

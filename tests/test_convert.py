@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 
 from helpers import REPO, dsv3_model_config, params_with_routing_bias, randomize, tiny_model_config
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax.data import tokenizers
 from mtp_jax.interop import convert
 from mtp_jax.model import layers
 from mtp_jax.model import state as state_lib
@@ -32,7 +33,7 @@ TOKENS = np.arange(12, dtype=np.int32)[None] * 5 % 64
 
 
 def _model(config, seed=0):
-  args = ModelArgs.from_config(config)
+  args = ModelArgs.from_config(tokenizers.resolve_vocab_size(config))
   model = MTPModel(args, rngs=nnx.Rngs(seed))
   if args.mlp == 'moe':
     params_with_routing_bias(model, seed + 5)
@@ -259,7 +260,7 @@ def _write_synthetic(directory, c, rng):
 
 
 def _synthetic_config(q_lora_rank):
-  c = convert.hf_config(ModelArgs.from_config(dsv3_model_config(1, q_lora_rank=q_lora_rank)),
+  c = convert.hf_config(ModelArgs.from_config(tokenizers.resolve_vocab_size(dsv3_model_config(1, q_lora_rank=q_lora_rank))),
                         'deepseek_v3', fp8=True)
   c['moe_intermediate_size'] = 136  # > 128: a partial second FP8 block
   c['rope_scaling'], c['rope_theta'] = None, 50000.0
@@ -298,7 +299,7 @@ def test_export_reimport_is_bit_exact_and_computes_the_same(dsv3, tmp_path):
   assert all(x.dtype == np.float32 for x in written.values())
   config, loaded = convert.load_dir(out)
   unused = {'n_kv_heads': 0, 'head_dim': 0}  # GQA's widths: no config.json field for MLA
-  assert (dataclasses.replace(ModelArgs.from_config(config), **unused)
+  assert (dataclasses.replace(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), **unused)
           == dataclasses.replace(args, **unused))
   _assert_same_tree(convert.model_params(loaded), convert.model_params(model))
   for a, b in zip(_logits(model, TOKENS), _logits(loaded, TOKENS)):
@@ -339,7 +340,7 @@ def test_mimo_names_and_round_trip(tie):
   _assert_same_tree(convert.from_hf(hf, args, 'mimo'), params)
   cfg = convert.hf_config(args, 'mimo')
   assert (cfg['model_type'], cfg['num_nextn_predict_layers']) == ('mimo', 2)
-  assert ModelArgs.from_config(convert.config_from_hf(cfg)) == args
+  assert ModelArgs.from_config(tokenizers.resolve_vocab_size(convert.config_from_hf(cfg))) == args
 
 
 def test_mimo_keeps_a_qwen2_trunks_biases_and_refuses_scaled_rope():
@@ -353,7 +354,7 @@ def test_mimo_keeps_a_qwen2_trunks_biases_and_refuses_scaled_rope():
                                 np.asarray(params['layers'][1]['self_attn']['k_proj']['bias']).reshape(-1))
   cfg = convert.hf_config(args, 'mimo')
   assert cfg['attention_bias'] is True
-  back = ModelArgs.from_config(convert.config_from_hf(cfg))
+  back = ModelArgs.from_config(tokenizers.resolve_vocab_size(convert.config_from_hf(cfg)))
   assert back == args
   _assert_same_tree(convert.from_hf(hf, back, 'mimo'), params)
   plain, _ = _model(tiny_model_config(2))
@@ -374,7 +375,7 @@ def _script():
 
 def _workdir(path, config, seed):
   """A workdir holding one checkpoint of a random model (routing biases random too)."""
-  model, optimizer = state_lib.create_model_and_optimizer(config)
+  model, optimizer = state_lib.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
   if config.model.mlp == 'moe':
     params_with_routing_bias(model, seed)
   else:
@@ -479,12 +480,12 @@ def test_bad_checkpoints_name_the_tensor_or_field(tmp_path, dsv3):
       convert.load_dir(directory)
     assert '\n' not in str(e.value) and e.value.exit_code == 2
   biased = convert.to_hf(convert.model_params(_model(tiny_model_config(1))[1]),
-                         ModelArgs.from_config(tiny_model_config(1)), 'mimo')
+                         ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(1))), 'mimo')
   biased['model.layers.0.self_attn.v_proj.bias'] += 1
   with pytest.raises(convert.ConvertError, match='v_proj.bias is not zero'):
-    convert.from_hf(biased, ModelArgs.from_config(tiny_model_config(1)), 'mimo')
+    convert.from_hf(biased, ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(1))), 'mimo')
   with pytest.raises(convert.ConvertError, match='sequential MTP modules only'):
-    convert.check_layout(ModelArgs.from_config(tiny_model_config(1, 'parallel')), 'mimo')
+    convert.check_layout(ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(1, 'parallel'))), 'mimo')
 
 
 # -- against transformers' DeepseekV3 (torch, a test extra) -----------------------------------
@@ -498,7 +499,7 @@ def test_logits_match_transformers_deepseek_v3_both_ways(tmp_path):
   # Node-limited routing (8 experts in 4 groups, a token's 2 from its best 2 groups) is
   # DeepSeek-V3's, and transformers' DeepseekV3 implements it independently of moe.route.
   mcfg = dsv3_model_config(1, n_routed_experts=8, n_group=4, topk_group=2)
-  args = ModelArgs.from_config(mcfg)
+  args = ModelArgs.from_config(tokenizers.resolve_vocab_size(mcfg))
   hf_cfg = convert.hf_config(args, 'deepseek_v3')
   hf_cfg['num_nextn_predict_layers'] = 0  # transformers builds no MTP layer
   torch.manual_seed(0)

@@ -4,7 +4,6 @@ Models are tiny and share compiled programs (the compile cache is keyed by model
 structure, so the random-init and the trained model run the same executables).
 """
 import functools
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,10 +19,12 @@ from scipy import stats as sps
 from helpers import (MAX_NEW, REPO, byte_config, byte_ids, dsv3_model_config, tiny_model_config,
                      train_word_model, word_prompts, word_text)
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax.commands import decode as decode_command
+from mtp_jax.data import tokenizers
 from mtp_jax import cli
 from mtp_jax.decode import decoder as decode
 from mtp_jax.decode import generate
-from mtp_jax.model import layers
+from mtp_jax.model import decode_ops
 from mtp_jax.decode import sampling as sampling_lib
 from mtp_jax.model import state as state_lib
 from mtp_jax.model.mtp import MTPModel, ModelArgs, shift_left
@@ -31,7 +32,7 @@ from mtp_jax.model.mtp import MTPModel, ModelArgs, shift_left
 
 
 def build(config, seed=0):
-  return MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(seed))
+  return MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), rngs=nnx.Rngs(seed))
 
 
 def random_prompts(n, seed):
@@ -107,7 +108,7 @@ def _chunked_forward(model, tokens_BxT, layout='heads_major'):
   """The decoder's cached forward over chunks of 3 then 9 tokens, every depth."""
   b, t = tokens_BxT.shape
   prog = decode.Program(b, 16, 16, model.args.mtp_depth, True, layout=layout)
-  cache = lambda: layers.empty_cache(model.args, b, prog.cache_len, layout)  # noqa: E731
+  cache = lambda: decode_ops.empty_cache(model.args, b, prog.cache_len, layout)  # noqa: E731
   main = tuple(cache() for _ in model.layers)
   mtp = [cache() for _ in model.mtp]
   outs = [[] for _ in range(model.args.mtp_depth + 1)]
@@ -543,17 +544,14 @@ SCRIPT = os.path.join(REPO, 'scripts', 'decode.py')
 
 
 def _script():
-  spec = importlib.util.spec_from_file_location('decode_script', SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return decode_command
 
 
 @pytest.fixture(scope='session')
 def depth0_workdir(tmp_path_factory):
   """A workdir with a genuine checkpoint of a D = 0 model."""
   config = byte_config(0)
-  model, optimizer = state_lib.create_model_and_optimizer(config)
+  model, optimizer = state_lib.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
   workdir = str(tmp_path_factory.mktemp('depth0'))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
   ckpt.save(1, nnx.state((model, optimizer)),

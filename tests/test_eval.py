@@ -4,7 +4,6 @@ Runs in-process on the session's trained tiny workdir (conftest.tiny_run, whose 
 decode TINY_DECODE prompts), so compiled programs are shared between the tests.
 """
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -18,6 +17,8 @@ from flax import nnx
 
 from helpers import REPO, TINY_DECODE, tiny_model_config
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax.commands import evaluate as evaluate_command
+from mtp_jax.data import tokenizers
 from mtp_jax import config_lib
 from mtp_jax.decode import decoder as decode
 from mtp_jax.train import evaluation
@@ -29,10 +30,7 @@ DEPTH = 2  # configs/tiny.py
 
 
 def _script():
-  spec = importlib.util.spec_from_file_location('eval_script', SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return evaluate_command
 
 
 def _main(argv):
@@ -115,7 +113,7 @@ def depth0_run(stdlib_data_dir, tmp_path_factory):
   before the train.eval_decode_* fields existed."""
   config = tiny_model_config(0, vocab=0)
   config.data.data_dir = stdlib_data_dir
-  model, optimizer = state_lib.create_model_and_optimizer(config)
+  model, optimizer = state_lib.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
   workdir = str(tmp_path_factory.mktemp('eval_depth0'))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
   state = nnx.state((model, optimizer))

@@ -10,6 +10,7 @@ from flax import nnx
 
 from helpers import load_config, tiny_model_config
 from mtp_jax import config_lib
+from mtp_jax.data import tokenizers
 from mtp_jax.train import flops
 from mtp_jax.train import loop as train
 from mtp_jax.train import loss as loss_lib
@@ -149,7 +150,7 @@ def make_model(depth=2, kind='sequential', tie=True, **mtp):
   c = tiny_model_config(depth=depth, kind=kind, tie_embeddings=tie)
   for k, v in mtp.items():
     c.model.mtp[k] = v
-  return MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
+  return MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(c)), rngs=nnx.Rngs(0))
 
 
 def param_grads(model, batch, weights_NxK, mtp_targets='data'):

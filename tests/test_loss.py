@@ -8,6 +8,7 @@ from flax import nnx
 import numpy_reference as ref
 from helpers import POS, SEG, loss_batch, loss_grads, randomize, tiny_model_config
 from mtp_jax.train import loss as loss_lib
+from mtp_jax.data import tokenizers
 from mtp_jax.model.mtp import MTPModel, ModelArgs
 
 # Row 0 packs documents of 5, 6 and 3 tokens and 2 padding slots; row 1 is one document.
@@ -31,7 +32,7 @@ def test_valid_positions_hand_counts():
 def test_loss_matches_numpy(kind, chunk):  # chunk 0: all depths' logits in one product
   config = tiny_model_config(2, kind)
   config.model.mtp.weights = (0.2, 0.05)  # explicit weights override lambda / D
-  model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
+  model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), rngs=nnx.Rngs(0))
   params = randomize(model, seed=2)
   b = loss_batch()
   weights = loss_lib.depth_weights(config, 0)
@@ -56,7 +57,7 @@ def test_lambda_schedule_and_default_weights():
 
 def test_mtp_loss_present_positive_and_in_gradient():
   config = tiny_model_config(2)
-  model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
+  model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), rngs=nnx.Rngs(0))
   (loss, sums), grads = loss_grads(model, loss_batch(), loss_lib.depth_weights(config, 0))
   per_depth = np.asarray(sums['loss_sum'] / sums['count'])
   assert np.all(per_depth[1:] > 0)
@@ -65,13 +66,13 @@ def test_mtp_loss_present_positive_and_in_gradient():
   for path, g in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads['mtp'])):
     assert float(jnp.abs(g).max()) > 0, f'MTP parameter {path} gets no gradient'
   zero = tiny_model_config(0)
-  m0 = MTPModel(ModelArgs.from_config(zero), rngs=nnx.Rngs(0))
+  m0 = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(zero)), rngs=nnx.Rngs(0))
   assert not jax.tree.leaves(nnx.state(m0.mtp, nnx.Param))
 
 
 def test_chunked_equals_unchunked():
   config = tiny_model_config(2)
-  model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(1))
+  model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), rngs=nnx.Rngs(1))
   w = loss_lib.depth_weights(config, 0)
   (l1, s1), g1 = loss_grads(model, loss_batch(3), w, chunk=0)
   (l2, s2), g2 = loss_grads(model, loss_batch(3), w, chunk=4)
@@ -83,7 +84,7 @@ def test_chunked_equals_unchunked():
 
 def test_empty_mask_is_finite_zero():
   config = tiny_model_config(2)
-  model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
+  model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), rngs=nnx.Rngs(0))
   b = {'tokens': jnp.zeros((2, 16), jnp.int32), 'segment_ids': jnp.zeros((2, 16), jnp.int32),
        'positions': jnp.zeros((2, 16), jnp.int32)}
   (loss, sums), grads = loss_grads(model, b, loss_lib.depth_weights(config, 0))
@@ -94,7 +95,7 @@ def test_empty_mask_is_finite_zero():
 def test_agreement_counts_match_numpy():
   """agree_k counts i where depth k's argmax at i equals the main argmax at i + k."""
   config = tiny_model_config(2)
-  model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
+  model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), rngs=nnx.Rngs(0))
   params = randomize(model, seed=4)
   b = loss_batch(1)
   w = loss_lib.depth_weights(config, 0)

@@ -11,6 +11,7 @@ from flax import nnx
 import numpy_reference as ref
 from helpers import dsv3_model_config, randomize, set_field
 from mtp_jax import config_lib
+from mtp_jax.data import tokenizers
 from mtp_jax.model.mtp import MTPModel, ModelArgs
 
 TOKENS = np.array([[5, 9, 1, 33, 2, 7, 60, 4, 11, 12, 3, 8, 21, 22, 0, 0]])
@@ -20,7 +21,7 @@ POS = np.array([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1]])
 
 def build(q_lora_rank=12, depth=1, seed=0):
   cfg = dsv3_model_config(depth, mlp='dense', q_lora_rank=q_lora_rank)
-  return MTPModel(ModelArgs.from_config(cfg), rngs=nnx.Rngs(seed))
+  return MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(cfg)), rngs=nnx.Rngs(seed))
 
 
 @nnx.jit
@@ -130,7 +131,7 @@ def test_output_absorption_is_chosen_by_size():
   assert not attn.absorb_output and attn.o_t.shape == (32, 4 * 5)
   cfg = dsv3_model_config(mlp='dense')
   cfg.model.mla.v_head_dim = 8  # 256 <= 8 * 40
-  attn = MTPModel(ModelArgs.from_config(cfg), rngs=nnx.Rngs(0)).layers[0].self_attn
+  attn = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(cfg)), rngs=nnx.Rngs(0)).layers[0].self_attn
   attn.prepare_decode()
   assert attn.absorb_output and attn.vo_t.shape == (32, 4 * 8)
 

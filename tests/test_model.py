@@ -8,11 +8,12 @@ from flax import nnx
 import numpy_reference as ref
 from helpers import randomize, tiny_model_config
 from mtp_jax.model.mtp import MTPModel, ModelArgs, count_params
+from mtp_jax.data import tokenizers
 
 
 def build(depth, kind='sequential', seed=0, **model):
   # Eager init: every tiny model shares shapes, so each init op compiles once per session.
-  return MTPModel(ModelArgs.from_config(tiny_model_config(depth, kind, **model)),
+  return MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(depth, kind, **model))),
                   rngs=nnx.Rngs(seed))
 
 

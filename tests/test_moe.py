@@ -10,6 +10,7 @@ import numpy_reference as ref
 from helpers import (dsv3_model_config, params_with_routing_bias, set_field, step_losses,
                      synthetic_batches)
 from mtp_jax import config_lib
+from mtp_jax.data import tokenizers
 from mtp_jax.interop import convert
 from mtp_jax.train import flops
 from mtp_jax.model import moe
@@ -25,7 +26,7 @@ TOP_K, SCALING = 2, 2.5  # dsv3_model_config's
 
 
 def build(seed=0, **kw):
-  return MTPModel(ModelArgs.from_config(dsv3_model_config(1, **kw)), rngs=nnx.Rngs(seed))
+  return MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(dsv3_model_config(1, **kw))), rngs=nnx.Rngs(seed))
 
 
 def test_layout_and_non_trainable_bias():
@@ -254,7 +255,7 @@ def test_scan_layers_with_moe_equals_the_loop():
     cfg = dsv3_model_config(2)
     cfg.model.n_layers, cfg.model.scan_layers, cfg.model.remat = 3, scan, 'full'
     config_lib.validate(cfg)
-    model = MTPModel(ModelArgs.from_config(cfg), rngs=nnx.Rngs(0))
+    model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(cfg)), rngs=nnx.Rngs(0))
     params_with_routing_bias(model)
 
     @nnx.jit
@@ -316,7 +317,7 @@ def test_experts_must_divide_the_expert_axis():
 def test_flops_count_mla_and_active_experts_only():
   """dsv3_model_config(1): d 32, 4 heads, q_lora 12, kv_lora 8, dn 6, dr 4, dv 5; E 4, K 2,
   1 shared, expert width 16; layer 0 dense (mlp 64), layer 1 and the MTP block MoE; T 16."""
-  args = ModelArgs.from_config(dsv3_model_config(1))
+  args = ModelArgs.from_config(tokenizers.resolve_vocab_size(dsv3_model_config(1)))
   mla_proj = (2 * 32 * 12 + 2 * 12 * 4 * 10) + (2 * 32 * 12 + 2 * 8 * 4 * 11) + 2 * 4 * 5 * 32
   attn = 2 * 4 * 10 * 8.5 + 2 * 4 * 5 * 8.5  # scores over dn + dr, values over dv
   dense = 3 * 2 * 32 * 64
@@ -332,7 +333,7 @@ def test_mtp_block_overrides_on_a_dense_trunk():
   c = dsv3_model_config(1, attention='gqa', mlp='dense')
   c.model.mtp.block_attention, c.model.mtp.block_mlp = 'mla', 'moe'
   config_lib.validate(c)
-  model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
+  model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(c)), rngs=nnx.Rngs(0))
   params = params_with_routing_bias(model)
   assert all('k_proj' in p['self_attn'] and 'gate_proj' in p['mlp']
              for p in params['layers'].values())

@@ -9,9 +9,10 @@ import pytest
 from flax import nnx
 
 from helpers import load_config, tiny_model_config
-from mtp_jax.train import flops
 from mtp_jax.runtime import peak as peak_lib
+from mtp_jax.data import tokenizers
 from mtp_jax.model import layers
+from mtp_jax.model import attention as attn_lib
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.model.mtp import MTPModel, ModelArgs, remat_policy
 
@@ -33,13 +34,13 @@ def test_blocked_attention_matches_library_call_with_gradients(t, block, n, kv):
   rng = np.random.default_rng(1)
   q, g = (jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32) for _ in range(2))
   k, v = (jnp.asarray(rng.standard_normal((b, t, kv, h)), jnp.float32) for _ in range(2))
-  mask = layers.attention_mask(_packed_segments(b, t))
+  mask = attn_lib.attention_mask(_packed_segments(b, t))
 
   def loss(fn):
     return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * g), argnums=(0, 1, 2)))
 
   ref = loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask))(q, k, v)
-  got = loss(lambda q, k, v: layers.blocked_causal_attention(q, k, v, mask, block))(q, k, v)
+  got = loss(lambda q, k, v: attn_lib.blocked_causal_attention(q, k, v, mask, block))(q, k, v)
   for a, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-5, atol=2e-5)
 
@@ -56,7 +57,7 @@ def _assert_blocked_equals_xla(c, model_overrides, check):
     c.model.attention_core, c.model.attention_block = impl, 4
     for key, value in overrides.items():
       c.model[key] = value
-    model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
+    model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(c)), rngs=nnx.Rngs(0))
     check(model, impl)
     graphdef, state = nnx.split(model)
 
@@ -86,14 +87,14 @@ def test_saved_core_matches_library_call_with_gradients_under_block_remat(t, blo
   b, n, h = 3, 2, 8
   rng = np.random.default_rng(2)
   q, k, v, g = (jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32) for _ in range(4))
-  mask = layers.attention_mask(_packed_segments(b, t, seed=1))
+  mask = attn_lib.attention_mask(_packed_segments(b, t, seed=1))
 
   def value_and_grads(fn):
     f = jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * g), argnums=(0, 1, 2))
     return jax.jit(f)(q, k, v)
 
   ref = value_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask))
-  core = lambda q, k, v: layers.blocked_causal_attention(q, k, v, mask, block, saved_core=True)
+  core = lambda q, k, v: attn_lib.blocked_causal_attention(q, k, v, mask, block, saved_core=True)
   for fn in (core, jax.checkpoint(core, policy=remat_policy('block'))):
     for a, r in zip(jax.tree.leaves(value_and_grads(fn)), jax.tree.leaves(ref)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-5, atol=2e-5)
@@ -105,8 +106,8 @@ def test_block_remat_saves_the_core_output_and_never_reruns_its_forward():
   policy without those names reruns the forward too (two exps per block)."""
   b, t, n, h, block = 2, 32, 2, 8, 16
   q = k = v = jnp.ones((b, t, n, h), jnp.float32)
-  mask = layers.attention_mask(jnp.ones((b, t), jnp.int32))
-  core = lambda q, k, v: layers.blocked_causal_attention(q, k, v, mask, block, saved_core=True)
+  mask = attn_lib.attention_mask(jnp.ones((b, t), jnp.int32))
+  core = lambda q, k, v: attn_lib.blocked_causal_attention(q, k, v, mask, block, saved_core=True)
 
   def exps(policy):
     f = jax.checkpoint(core, policy=policy)
@@ -131,9 +132,9 @@ def test_model_with_block_remat_and_saved_core_agrees_with_library_attention():
 
 
 def test_attention_auto_is_blocked_on_cpu_only():
-  args = ModelArgs.from_config(tiny_model_config(1))
-  assert layers.attention_impl(args) == ('blocked' if jax.default_backend() == 'cpu' else 'xla')
-  assert layers.attention_impl(ModelArgs.from_config(tiny_model_config(1, attention_core='xla'))) == 'xla'
+  args = ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(1)))
+  assert attn_lib.attention_impl(args) == ('blocked' if jax.default_backend() == 'cpu' else 'xla')
+  assert attn_lib.attention_impl(ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(1, attention_core='xla')))) == 'xla'
 
 
 @pytest.mark.parametrize('name', ['gpu_350m', 'tpu_pod_1b'])
@@ -143,7 +144,7 @@ def test_pod_configs_lower_a_train_gradient_with_each_attention_path(name, impl)
   c = load_config(name)
   c.model.attention_core = impl
   c.model.n_layers = 2  # the scanned block is traced once; depth only repeats it
-  args = ModelArgs.from_config(c)
+  args = ModelArgs.from_config(tokenizers.resolve_vocab_size(c))
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MTPModel(args, rngs=nnx.Rngs(0))))
   b, t = 1, c.data.seq_len
   batch = {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in ('tokens', 'segment_ids', 'positions')}

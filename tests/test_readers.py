@@ -6,7 +6,7 @@ and 40) and run scripts/decode.py and scripts/eval.py in-process, as test_eval.p
 """
 import glob
 import hashlib
-import importlib.util
+import importlib
 import json
 import os
 import shutil
@@ -29,11 +29,11 @@ from mtp_jax.model.mtp import shift_left
 
 
 def _script(name):
-  spec = importlib.util.spec_from_file_location(f'{name}_script',
-                                                os.path.join(REPO, 'scripts', f'{name}.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  """The command module of scripts/<name>.py."""
+  return importlib.import_module(f'mtp_jax.commands.{COMMANDS.get(name, name)}')
+
+
+COMMANDS = {'eval': 'evaluate'}  # script name -> module of mtp_jax.commands
 
 
 def _main(name, argv, capsys):

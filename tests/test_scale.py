@@ -12,6 +12,7 @@ from flax import nnx
 from helpers import (REPO, load_config, loss_batch, loss_grads, step_losses, synthetic_batches,
                      tiny_model_config)
 from mtp_jax import config_lib
+from mtp_jax.data import tokenizers
 from mtp_jax.runtime import distributed
 from mtp_jax.train import flops
 from mtp_jax.runtime import peak as peak_lib
@@ -39,7 +40,7 @@ def test_config_validates_and_builds_abstractly(name):
   config_lib.validate(config, num_devices)
   if not config.model.vocab_size:  # sized by the tokenizer (byte level here)
     assert config.data.tokenizer == 'byte'
-  args = ModelArgs.from_config(config)
+  args = ModelArgs.from_config(tokenizers.resolve_vocab_size(config))
   abstract = nnx.eval_shape(lambda: MTPModel(args, rngs=nnx.Rngs(0)))
   counts = count_params(abstract)
   per_token = flops.flops_per_token(args, config.data.seq_len)
@@ -65,14 +66,14 @@ def test_config_validates_and_builds_abstractly(name):
 
 def test_pod_configs_are_the_advertised_sizes():
   for name, low, high in [('gpu_350m', 300e6, 400e6), ('tpu_pod_1b', 0.9e9, 1.2e9)]:
-    args = ModelArgs.from_config(load_config(name))
+    args = ModelArgs.from_config(tokenizers.resolve_vocab_size(load_config(name)))
     total = count_params(nnx.eval_shape(lambda: MTPModel(args, rngs=nnx.Rngs(0))))['total']
     assert low < total < high, (name, total)
 
 
 def test_flops_match_a_hand_count():
   """tiny_model_config(2): d=32, L=2, 4 query / 2 kv heads of 8, mlp 64, V=64, T=16, D=2."""
-  args = ModelArgs.from_config(tiny_model_config(2))
+  args = ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(2)))
   q, kv, o = 2 * 32 * 32, 2 * 2 * 32 * 16, 2 * 32 * 32  # 2 FLOPs per multiply-add
   mlp = 3 * 2 * 32 * 64
   attn = 2 * 2 * 32 * 8.5  # scores + values over 32 query dims, (16 + 1) / 2 keys on average
@@ -89,7 +90,7 @@ def test_flops_match_a_hand_count():
   assert got.train == 3 * 98560
   full = flops.flops_per_token(args, seq_len=16, causal=False)
   assert full.trunk_attention == 2 * (2 * 2 * 32 * 16)
-  parallel = flops.flops_per_token(ModelArgs.from_config(tiny_model_config(2, 'parallel')), 16)
+  parallel = flops.flops_per_token(ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(2, 'parallel'))), 16)
   assert parallel.mtp_eh_proj == 0 and parallel.mtp_block == 2 * block
 
 
@@ -132,7 +133,7 @@ def test_remat_and_scan_give_the_same_loss_and_gradients():
   for kind, remat, scan in VARIANTS:
     config = tiny_model_config(2, kind, remat=remat, scan_layers=scan)
     config.model.n_layers = 3
-    model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(0))
+    model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), rngs=nnx.Rngs(0))
     trees.setdefault(kind, set()).add(
         str(jax.tree.structure(nnx.to_pure_dict(nnx.state(model, nnx.Param)))))
     results[(kind, remat, scan)] = loss_grads(model, b, loss_lib.depth_weights(config, 0))

@@ -3,15 +3,13 @@ continuations, written as token ids, equal the decoder's output for the seed, an
 
 Uses the session's trained tiny workdir (conftest.tiny_run, configs/tiny.py, D = 2).
 """
-import importlib.util
 import json
-import os
 
 import numpy as np
 import pytest
 
-from helpers import REPO
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax.commands import self_distill as self_distill_command
 from mtp_jax.decode import decoder as decode
 from mtp_jax.train import loop as train
 from mtp_jax.model import state as state_lib
@@ -22,12 +20,8 @@ ARGS = ['--num_prompts', '7', '--prompt_len', '8', '--max_new_tokens', '12', '--
 
 
 def _main(argv, capsys):
-  spec = importlib.util.spec_from_file_location(
-      'self_distill_script', os.path.join(REPO, 'scripts', 'self_distill.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
   try:
-    code = module.main(argv)
+    code = self_distill_command.main(argv)
   except SystemExit as e:
     code = e.code
   out = capsys.readouterr()

@@ -28,7 +28,7 @@ Parallel heads read only h^0, so their window is the verify window.
 Here: the program, its state, the while loop and the host-side `Decoder`. The cached
 block math is the model's own (layers.Block.decode, MTPModel.decode_trunk /
 decode_mtp_step / decode_logits, over the decode weight layout of MTPModel.for_decoding,
-with the few-row matmul rule in layers.decode_dot). The sampling
+with the few-row matmul rule in decode_ops.decode_dot). The sampling
 math and the acceptance rule are in sampling.py; prompts from text, decoding a training
 workdir and token provenance in generate.py.
 """
@@ -45,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtp_jax.model import layers
+
+from mtp_jax.model import decode_ops
 from mtp_jax.decode import sampling as sampling_lib
 from mtp_jax.errors import RequestError
 from mtp_jax.model.mtp import MTPModel
@@ -70,7 +71,7 @@ class Program:
   record: bool = False  # keep the drafts of every iteration (tests)
   top_k: bool = False  # top-k filtering compiled in (its k is a traced value)
   top_p: bool = False  # top-p filtering compiled in (its p is a traced value)
-  layout: str = 'heads_major'  # KV cache layout (layers.CACHE_LAYOUTS)
+  layout: str = 'heads_major'  # KV cache layout (decode_ops.CACHE_LAYOUTS)
   weights: str = 'float32'  # dtype of the weight matrices the program reads
   adaptive: bool = False  # confidence-adaptive draft length (verify_widths buckets)
 
@@ -382,16 +383,16 @@ class Decoder:
     """weight_dtype 'bfloat16': the weight matrices (ndim >= 2: projections, embedding)
     stored in bfloat16 for decoding, half the bytes a step reads; products accumulate
     in float32, norms, activations and KV caches stay in the model's dtype.
-    cache_layout: layers.CACHE_LAYOUTS (default: layers.default_cache_layout()).
+    cache_layout: decode_ops.CACHE_LAYOUTS (default: decode_ops.default_cache_layout()).
     """
     if weight_dtype not in WEIGHT_DTYPES:
       raise RequestError(f'weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}')
-    layout = cache_layout or layers.default_cache_layout()
-    if layout not in layers.CACHE_LAYOUTS:
-      raise RequestError(f'cache_layout must be one of {layers.CACHE_LAYOUTS}, got {layout!r}')
+    layout = cache_layout or decode_ops.default_cache_layout()
+    if layout not in decode_ops.CACHE_LAYOUTS:
+      raise RequestError(f'cache_layout must be one of {decode_ops.CACHE_LAYOUTS}, got {layout!r}')
     self.args = model.args
     self.weight_dtype, self.layout = weight_dtype, layout
-    # The decode layout (layers.DecodeWeight): the decode path's matrices transposed and
+    # The decode layout (decode_ops.DecodeWeight): the decode path's matrices transposed and
     # fused once here, on a copy; the caller's model is untouched.
     self.graphdef, params = nnx.split(model.for_decoding(layout))
     if weight_dtype != 'float32':

@@ -38,6 +38,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.model import layers
+
+from mtp_jax.model import attention as attn_lib
+
+from mtp_jax.model import decode_ops
 from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array
@@ -70,7 +74,7 @@ class MLAttention(nnx.Module):
   """Causal multi-head latent attention; the call signature of layers.Attention.
 
   Its cache (empty_cache) is the latent only, one [B, S, kv_lora_rank + qk_rope_head_dim]
-  array per layer, the same in both layers.CACHE_LAYOUTS: 'bskh' runs __call__ with the
+  array per layer, the same in both decode_ops.CACHE_LAYOUTS: 'bskh' runs __call__ with the
   training kernels and 'heads_major' runs `decode` with the decode layout
   (prepare_decode); both are the absorbed-latent path (latent_attention).
   """
@@ -137,7 +141,7 @@ class MLAttention(nnx.Module):
         layers.project(x_NxD, self.kv_a_proj_with_mqa.kernel, self.dtype), positions_BxT)
     scale = 1.0 / math.sqrt(dn + dr)
     if cache is not None:
-      latent_BxSxC = layers.write_cache(cache[0], latent_BxTxC, cache_index_B)
+      latent_BxSxC = decode_ops.write_cache(cache[0], latent_BxTxC, cache_index_B)
       w_kvb = self.kv_b_proj.kernel[...].astype(self.dtype)  # [kvr, n, dn + dv]
       q_lat = jnp.einsum('btnh,rnh->btnr', q_BxTxNxQ[..., :dn], w_kvb[..., :dn])
       lat = latent_attention(q_lat, q_rope, latent_BxSxC, mask_Bx1xTxS, scale)
@@ -158,7 +162,7 @@ class MLAttention(nnx.Module):
     o_NxD = layers.project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
     return o_NxD.reshape(b, t, -1), None
 
-  # -- the decode layout (layers.DecodeWeight) and its few-token step ------------------------
+  # -- the decode layout (decode_ops.DecodeWeight) and its few-token step ------------------------
   def prepare_decode(self, absorb_output: bool | None = None) -> None:
     """The decode layout for `decode`; the projections are dropped.
 
@@ -171,25 +175,25 @@ class MLAttention(nnx.Module):
     n, qr, kvr, dn, dr, dv = self.dims
     first = self.q_a_proj if qr else self.q_proj
     d = self.kv_a_proj_with_mqa.kernel.shape[0]
-    self.in_t = layers.DecodeWeight(jnp.concatenate(
-        [layers.decode_kernel(first.kernel),
-         layers.decode_kernel(self.kv_a_proj_with_mqa.kernel)], 0))
+    self.in_t = decode_ops.DecodeWeight(jnp.concatenate(
+        [decode_ops.decode_kernel(first.kernel),
+         decode_ops.decode_kernel(self.kv_a_proj_with_mqa.kernel)], 0))
     if qr:
-      self.q_b_t = layers.DecodeWeight(layers.decode_kernel(self.q_b_proj.kernel))
+      self.q_b_t = decode_ops.DecodeWeight(decode_ops.decode_kernel(self.q_b_proj.kernel))
       del self.q_a_proj, self.q_b_proj
     else:
       del self.q_proj
     w_kvb = self.kv_b_proj.kernel[...]  # [kvr, n, dn + dv]
-    self.kb_t = layers.DecodeWeight(jnp.transpose(w_kvb[..., :dn], (1, 0, 2)))
+    self.kb_t = decode_ops.DecodeWeight(jnp.transpose(w_kvb[..., :dn], (1, 0, 2)))
     if absorb_output is None:
       absorb_output = kvr * d <= dv * (kvr + d)
     self.absorb_output = bool(absorb_output)
     if self.absorb_output:
       w_vo = jnp.einsum('rnv,nvd->nrd', w_kvb[..., dn:], self.o_proj.kernel[...])
-      self.vo_t = layers.DecodeWeight(w_vo.reshape(n * kvr, d).T)
+      self.vo_t = decode_ops.DecodeWeight(w_vo.reshape(n * kvr, d).T)
     else:
-      self.vb_t = layers.DecodeWeight(jnp.transpose(w_kvb[..., dn:], (1, 2, 0)))
-      self.o_t = layers.DecodeWeight(layers.decode_kernel(self.o_proj.kernel, in_dims=2))
+      self.vb_t = decode_ops.DecodeWeight(jnp.transpose(w_kvb[..., dn:], (1, 2, 0)))
+      self.o_t = decode_ops.DecodeWeight(decode_ops.decode_kernel(self.o_proj.kernel, in_dims=2))
     del self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj
 
   def decode(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache, cache_index_B):
@@ -197,28 +201,28 @@ class MLAttention(nnx.Module):
     with the decode layout's weights (prepare_decode). Returns (out_BxTxD, new cache)."""
     n, qr, kvr, dn, dr, dv = self.dims
     b, t, d = x_BxTxD.shape
-    a = layers.decode_dot(x_BxTxD.reshape(b * t, d), self.in_t[...])
+    a = decode_ops.decode_dot(x_BxTxD.reshape(b * t, d), self.in_t[...])
     nq = qr or n * (dn + dr)
-    q = layers.decode_dot(self.q_a_layernorm(a[:, :qr]), self.q_b_t[...]) if qr else a[:, :nq]
+    q = decode_ops.decode_dot(self.q_a_layernorm(a[:, :qr]), self.q_b_t[...]) if qr else a[:, :nq]
     q_BxTxNxQ = q.reshape(b, t, n, dn + dr)
     latent = self._latent(a[:, nq:], positions_BxT)
     # One "KV head" ([B, 1, T, C] new entries): the writer of the heads-major caches,
     # one in-place update per row for few rows.
-    latent_BxSxC = layers._write_heads_major(cache[0], latent[:, None], cache_index_B, axis=1)
+    latent_BxSxC = decode_ops._write_heads_major(cache[0], latent[:, None], cache_index_B, axis=1)
     q_lat = _head_dot(q_BxTxNxQ[..., :dn], self.kb_t[...])
     q_rope = layers.apply_rope(q_BxTxNxQ[..., dn:], positions_BxT, self.rope_theta)
     lat = latent_attention(q_lat, q_rope, latent_BxSxC, mask_Bx1xTxS, 1.0 / math.sqrt(dn + dr))
     if self.absorb_output:
-      out = layers.decode_dot(lat.reshape(b * t, n * kvr), self.vo_t[...])
+      out = decode_ops.decode_dot(lat.reshape(b * t, n * kvr), self.vo_t[...])
     else:
-      out = layers.decode_dot(_head_dot(lat, self.vb_t[...]).reshape(b * t, n * dv),
+      out = decode_ops.decode_dot(_head_dot(lat, self.vb_t[...]).reshape(b * t, n * dv),
                               self.o_t[...])
     return out.reshape(b, t, d), (latent_BxSxC,)
 
 
 def _head_dot(x_BxTxNxI: Array, w_NxOxI: Array) -> Array:
   """Per head n: x_n @ w_n^T, accumulated in float32 (x cast to w's dtype, as
-  layers.decode_dot does), returned in x's dtype."""
+  decode_ops.decode_dot does), returned in x's dtype."""
   return jnp.einsum('btni,noi->btno', x_BxTxNxI.astype(w_NxOxI.dtype), w_NxOxI,
                     preferred_element_type=jnp.float32).astype(x_BxTxNxI.dtype)
 
@@ -241,6 +245,6 @@ def latent_attention(q_lat_BxTxNxR: Array, q_rope_BxTxNxE: Array, latent_BxSxC: 
                       preferred_element_type=jnp.float32) * scale
   s = scores.shape[-1]
   mask = jnp.broadcast_to(mask_Bx1xTxS[:, 0, :, None, :], (b, t, n, s)).reshape(b, t * n, s)
-  probs = jax.nn.softmax(jnp.where(mask, scores, layers._MASKED), axis=-1).astype(dt)
+  probs = jax.nn.softmax(jnp.where(mask, scores, attn_lib._MASKED), axis=-1).astype(dt)
   out = jnp.einsum('bqs,bsc->bqc', probs, latent)
   return out[..., :r].reshape(b, t, n, r)

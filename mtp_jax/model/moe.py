@@ -59,6 +59,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.model import layers
+
+from mtp_jax.model import decode_ops
 from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array
@@ -231,10 +233,10 @@ class MoE(nnx.Module):
                      ('batch', 'length', 'act_embed'))
 
   def prepare_decode(self) -> None:
-    """The decode layout (layers.DecodeWeight): the router as gate_t [E, d], the shared
+    """The decode layout (decode_ops.DecodeWeight): the router as gate_t [E, d], the shared
     experts' (layers.MLP.prepare_decode). The routed experts keep their [E, in, out]
     kernels: a decode step gathers the chosen ones per token (gathered_swiglu)."""
-    self.gate_t = layers.DecodeWeight(layers.decode_kernel(self.gate.kernel))
+    self.gate_t = decode_ops.DecodeWeight(decode_ops.decode_kernel(self.gate.kernel))
     del self.gate.kernel  # the router keeps its routing bias
     if self.shared_experts is not None:
       self.shared_experts.prepare_decode()
@@ -248,7 +250,7 @@ class MoE(nnx.Module):
     b, t, d = x_BxTxD.shape
     x_NxD = x_BxTxD.reshape(b * t, d)
     scores_NxE = jax.nn.sigmoid(
-        layers.decode_dot(x_NxD.astype(jnp.float32), self.gate_t[...]))
+        decode_ops.decode_dot(x_NxD.astype(jnp.float32), self.gate_t[...]))
     idx_NxK, gates_NxK = route(scores_NxE, self.gate.e_score_correction_bias[...], self.top_k,
                                self.scaling, self.n_group, self.topk_group)
     if b * t * self.top_k <= self.num_experts:

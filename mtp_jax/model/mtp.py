@@ -19,6 +19,8 @@ from flax import nnx
 from mtp_jax import config_lib
 from mtp_jax.errors import ConfigError
 from mtp_jax.model import layers
+from mtp_jax.model import attention as attn_lib
+from mtp_jax.model import decode_ops
 from mtp_jax.model import mla
 from mtp_jax.model import moe
 from mtp_jax.runtime.sharding import constrain
@@ -68,7 +70,7 @@ class ModelArgs:
   topk_group: int = 1  # ... and how many of them a token may use
   moe_dispatch: str = 'auto'  # grouped matmul: auto | ragged | blocks (moe.DISPATCHES)
   first_k_dense: int = 1
-  attention_core: str = 'auto'  # attention core without a cache (layers.attention_impl)
+  attention_core: str = 'auto'  # attention core without a cache (attn_lib.attention_impl)
   attention_block: int = 64
 
   @classmethod
@@ -156,7 +158,7 @@ def remat_policy(name: str):
   """The jax.checkpoint policy of config.model.remat (None: no rematerialisation).
 
   block: keep each block's weight-matmul outputs (q/k/v/o, gate/up/down projections)
-         and the custom-VJP attention core's residuals (layers.ATTENTION_SAVED_NAMES);
+         and the custom-VJP attention core's residuals (attn_lib.ATTENTION_SAVED_NAMES);
          recompute norms, the SwiGLU product and, where that core is not used, RoPE and
          the attention scores and softmax.
   full:  keep only each block's input; recompute the whole block in the backward pass.
@@ -168,7 +170,7 @@ def remat_policy(name: str):
     # q / k / v): its custom backward needs only those, never a rerun of its forward
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*layers.ATTENTION_SAVED_NAMES))
+        jax.checkpoint_policies.save_only_these_names(*attn_lib.ATTENTION_SAVED_NAMES))
   if name == 'full':
     return jax.checkpoint_policies.nothing_saveable
   raise ValueError(f'unknown remat policy {name!r}')
@@ -254,18 +256,18 @@ class SequentialMTP(nnx.Module):
   def combine(self, h_prev_BxTxD: Array, emb_BxTxD: Array, decode: bool = False) -> Array:
     """eh_proj([enorm(emb) ; hnorm(h)]): the order of DeepSeek's released weights.
 
-    decode: a decode step (layers.decode_dot's rule, the decode layout's eh_t).
+    decode: a decode step (decode_ops.decode_dot's rule, the decode layout's eh_t).
     """
     b, t, d = emb_BxTxD.shape
     x = jnp.concatenate([self.enorm(emb_BxTxD), self.hnorm(h_prev_BxTxD)], axis=-1)
     x = x.reshape(b * t, 2 * d)
-    h = (layers.decode_dot(x, self.eh_t[...]) if decode
+    h = (decode_ops.decode_dot(x, self.eh_t[...]) if decode
          else layers.project(x, self.eh_proj.kernel, self.eh_proj.dtype))
     return constrain(h.reshape(b, t, d), ('batch', 'length', 'act_embed'))
 
   def prepare_decode(self, layout: str) -> None:
-    """The decode layout (layers.DecodeWeight): eh_proj as eh_t [d, 2d], the block's."""
-    self.eh_t = layers.DecodeWeight(layers.decode_kernel(self.eh_proj.kernel))
+    """The decode layout (decode_ops.DecodeWeight): eh_proj as eh_t [d, 2d], the block's."""
+    self.eh_t = decode_ops.DecodeWeight(decode_ops.decode_kernel(self.eh_proj.kernel))
     del self.eh_proj
     self.block.prepare_decode(layout)
 
@@ -345,11 +347,11 @@ class MTPModel(nnx.Module):
 
   # -- the decode path: few-token steps through KV caches (layers.Block.decode) --------
   def for_decoding(self, layout: str) -> 'MTPModel':
-    """A copy of the model in the decode layout (layers.DecodeWeight) for cache `layout`.
+    """A copy of the model in the decode layout (decode_ops.DecodeWeight) for cache `layout`.
 
     It shares this model's norms and embedding and holds every other matrix transposed
     (O x I, q/k/v and gate/up fused; MLA's and MoE's: their prepare_decode) for
-    layers.decode_dot; the 'bskh' layout keeps the
+    decode_ops.decode_dot; the 'bskh' layout keeps the
     blocks' kernels (it runs __call__, the library path). The copy runs the decode_*
     methods only: its blocks may lack what __call__ and the training path read.
     """
@@ -359,7 +361,7 @@ class MTPModel(nnx.Module):
     for module in model.mtp:
       module.prepare_decode(layout)
     if not model.args.tie_embeddings:
-      model.head_t = layers.DecodeWeight(layers.decode_kernel(model.lm_head.kernel))
+      model.head_t = decode_ops.DecodeWeight(decode_ops.decode_kernel(model.lm_head.kernel))
       del model.lm_head
     return model
 
@@ -381,12 +383,12 @@ class MTPModel(nnx.Module):
     return jnp.take(self.embed.embedding[...], tokens_BxT, axis=0).astype(self.args.dtype)
 
   def decode_logits(self, h_NxD: Array, depth: int = 0) -> Array:
-    """logits(h, depth) for a few rows [N, d] (layers.decode_dot's rule), float32.
+    """logits(h, depth) for a few rows [N, d] (decode_ops.decode_dot's rule), float32.
 
     The tied head is the embedding table itself, already [V, d] (O x I)."""
     norm = self.norm if depth == 0 else self.mtp_module(depth).shared_head.norm
     w_VxD = self.embed.embedding[...] if self.args.tie_embeddings else self.head_t[...]
-    return layers.decode_dot(norm(h_NxD), w_VxD).astype(jnp.float32)
+    return decode_ops.decode_dot(norm(h_NxD), w_VxD).astype(jnp.float32)
 
   def decode_trunk(self, tokens_BxT, positions_BxT, mask, caches, cache_index_B, layout):
     """h^0 of new tokens through the trunk's per-layer caches; (h, new caches)."""
@@ -417,7 +419,7 @@ class MTPModel(nnx.Module):
       positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids_BxT is None:
       segment_ids_BxT = jnp.ones((b, t), jnp.int32)
-    mask = layers.attention_mask(segment_ids_BxT)
+    mask = attn_lib.attention_mask(segment_ids_BxT)
     h0 = self.trunk(tokens_BxT, positions_BxT, mask)
     hiddens = [h0]
     detach = self.args.detach_trunk or self.args.stop_gradient

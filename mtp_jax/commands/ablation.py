@@ -1,0 +1,408 @@
+"""Multi-seed MTP ablations: every variant x seed, resumable, tabulated as mean ± std.
+
+  mtp-ablation --seeds 0,1,2             # run what is missing, then the tables
+  mtp-ablation --seeds 0,1,2 --no_run    # the tables of what is there
+  mtp-plot --sweep runs/ablation             # the figures
+
+Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
+- `lm`: configs/ablation.py's D = 0 / 1 / 3 sequential / 3 parallel on the stdlib
+  corpus; each run is evaluated at its equal-training-FLOP step and at the equal-token
+  step (the schedule is constant after warmup, so both come from one run). Evaluation:
+  bits per byte (with the standard error of the estimate) on the stdlib validation
+  split and on a held-out corpus of third-party code (research.heldout_documents),
+  teacher-forced agreement of each MTP depth with the main head, and free-running
+  speculative decoding of held-out prompts, greedy and sampled at T = 1 and T = 0.7.
+- `induction`: configs/induction.py's D = 0 / 1 / 3 at equal training FLOPs; accuracy
+  on the second occurrence of a repeated random span vs training steps.
+
+Each run writes OUT/<group>/<variant>_s<seed>.json when it finishes; a run whose JSON
+exists is skipped, an interrupted one resumes from its last checkpoint in WORKDIR. The
+tables go to stdout and to OUT/summary.md, with their numbers in OUT/summary.json.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+
+from mtp_jax import cli
+
+# The checkout this package is installed from (pip install -e .): configs/ lives there.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GROUPS = ('lm', 'induction')
+BUDGETS = {'equal_flops': 'equal training FLOPs', 'equal_tokens': 'equal training tokens'}
+TEMPS = ('T0', 'T1', 'T0.7')
+TEMP_NAMES = {'T0': 'greedy', 'T1': 'T = 1', 'T0.7': 'T = 0.7'}
+
+
+def load_config_module(name: str):
+  spec = importlib.util.spec_from_file_location(f'configs_{name}',
+                                                os.path.join(REPO, 'configs', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+ABLATION = load_config_module('ablation')
+INDUCTION = load_config_module('induction')
+CONFIGS = {'lm': ABLATION, 'induction': INDUCTION}
+
+
+def parse(argv):
+  p = cli.ArgumentParser(prog='mtp-ablation', description=__doc__.splitlines()[0])
+  p.add_argument('--seeds', default='0,1,2', help='comma-separated integer seeds')
+  p.add_argument('--groups', default=','.join(GROUPS))
+  p.add_argument('--variants', default='', help='subset of variants (default: all of a group)')
+  p.add_argument('--workdir', default=os.path.join('runs', 'ablation', 'workdirs'),
+                 help='checkpoints of unfinished runs')
+  p.add_argument('--out', default=os.path.join('runs', 'ablation'),
+                 help='per-run JSON, summary.json and summary.md')
+  p.add_argument('--no_run', action='store_true', help='only tabulate what is there')
+  p.add_argument('--smoke', action='store_true', help='tiny configs, a few steps (tests)')
+  p.add_argument('--data_dir', default='', help='data.data_dir of the stdlib data set')
+  p.add_argument('--temperatures', default='0,1,0.7',
+                 help='decode temperatures of the lm runs (0 = greedy)')
+  args = p.parse_args(argv)
+  try:
+    args.seeds = [int(s) for s in args.seeds.split(',')]
+  except ValueError:
+    p.error(f'--seeds must be comma-separated integers, got {args.seeds!r}')
+  if len(set(args.seeds)) != len(args.seeds) or any(s < 0 for s in args.seeds):
+    p.error(f'--seeds must be distinct non-negative integers, got {args.seeds}')
+  try:
+    args.temperatures = [float(t) for t in args.temperatures.split(',')]
+  except ValueError:
+    p.error(f'--temperatures must be comma-separated numbers, got {args.temperatures!r}')
+  if any(not t >= 0 for t in args.temperatures):
+    p.error(f'--temperatures must be >= 0, got {args.temperatures}')
+  args.groups = args.groups.split(',')
+  bad = [g for g in args.groups if g not in GROUPS]
+  if bad:
+    p.error(f'unknown group(s) {bad}; choose from {", ".join(GROUPS)}')
+  args.variants = args.variants.split(',') if args.variants else []
+  known = set(ABLATION.VARIANTS) | set(INDUCTION.VARIANTS)
+  bad = [v for v in args.variants if v not in known]
+  if bad:
+    p.error(f'unknown variant(s) {bad}; choose from {", ".join(sorted(known))}')
+  return args
+
+
+def group_variants(args, group: str) -> list[str]:
+  allv = list(CONFIGS[group].VARIANTS)
+  return [v for v in allv if not args.variants or v in args.variants]
+
+
+def make_runs(args):
+  """Every Run of the sweep, seed-major (a partial sweep has every variant's first seeds)."""
+  from mtp_jax.research import sweep as research  # deferred: JAX starts here, after the argument checks
+  opt = ',smoke' if args.smoke else ''
+  runs = []
+  for seed in args.seeds:
+    for group in args.groups:
+      mod = CONFIGS[group]
+      base = mod.get_config(mod.BASELINE + opt)
+      for v in group_variants(args, group):
+        c = mod.get_config(v + opt)
+        c.seed = seed
+        c.data.shuffle_seed = seed
+        if args.data_dir:
+          c.data.data_dir = args.data_dir
+        equal = ABLATION.equal_flop_steps(c, base)
+        if group == 'lm':
+          runs.append(research.Run('lm', v, seed, c, eval_at={
+              'equal_flops': equal, 'equal_tokens': int(c.train.steps)},
+              save_every=4 if args.smoke else 50))
+        else:
+          c.train.steps = equal  # equal compute: D = k trains fewer steps than D = 0
+          every = INDUCTION.SMOKE_EVAL_EVERY if args.smoke else INDUCTION.EVAL_EVERY
+          runs.append(research.Run('induction', v, seed, c, kind='induction',
+                                   eval_every=every, log_every=every,
+                                   task=INDUCTION.SMOKE_TASK if args.smoke else INDUCTION.TASK,
+                                   save_every=4 if args.smoke else 100))
+  return runs
+
+
+def make_sweep(args, runs):
+  from mtp_jax.research import sweep as research
+  from mtp_jax.data import induction
+  sweep = research.Sweep(args.workdir, args.out,
+                         log=lambda s: print(s, file=sys.stderr, flush=True))
+  lm = [r for r in runs if r.kind == 'lm' and not sweep.finished(r)]
+  if lm:
+    from mtp_jax.data import checks as data_checks
+    data_checks.validate_data(lm[0].config)  # prepares the stdlib data set once
+    rule = research.HeldoutRule(cap_bytes=200_000) if args.smoke else research.HeldoutRule()
+    sweep.lm_eval = research.LMEvaluator(
+        lm[0].config, eval_batches=2 if args.smoke else 32,
+        num_prompts=2 if args.smoke else 16, prompt_len=16 if args.smoke else 64,
+        new_tokens=8 if args.smoke else 64, heldout_rule=rule,
+        temperatures=args.temperatures)
+  ind = [r for r in runs if r.kind == 'induction']
+  if ind:
+    rows = INDUCTION.SMOKE_EVAL_ROWS if args.smoke else INDUCTION.EVAL_ROWS
+    task = induction.InductionTask(seq_len=ind[0].config.data.seq_len, **ind[0].task)
+    sweep.induction_eval = research.InductionEvaluator(task, rows)
+  return sweep
+
+
+# -- tables -------------------------------------------------------------------------------------
+def lm_metrics(r: dict, budget: str) -> dict:
+  """The figures of one lm run at one budget, flat (lists per depth become _k keys)."""
+  ev = r['evals'][budget]
+  out = {'steps': ev['step'], 'train_tflop': ev['flops'] / 1e12,
+         'stdlib_bpb': ev['stdlib_val']['bpb'][0], 'heldout_bpb': ev['heldout']['bpb'][0],
+         'stdlib_bpb_se': ev['stdlib_val']['bpb_se_main'],
+         'heldout_bpb_se': ev['heldout']['bpb_se_main']}
+  for k, a in enumerate(ev['heldout']['agree'], 1):
+    out[f'heldout_agree_{k}'] = a
+  for k, a in enumerate(ev['stdlib_val']['agree'], 1):
+    out[f'stdlib_agree_{k}'] = a
+  for temp, d in ev.get('decode', {}).items():
+    out[f'tau_{temp}'] = d['tau']
+    out[f'distinct4_{temp}'] = d['distinct_4grams']
+    for k, a in enumerate(d['acceptance_per_depth'], 1):
+      out[f'accept_{temp}_{k}'] = a
+  return out
+
+
+def induction_metrics(r: dict) -> dict:
+  curve = [p for p in r['curve'] if 'copy_acc' in p]
+  out = {'steps': r['steps'], 'train_tflop': r['steps'] * r['flops_per_step'] / 1e12,
+         'copy_acc_final': curve[-1]['copy_acc'], 'other_acc_final': curve[-1]['other_acc']}
+  # Speed of learning at equal compute: the accuracy after a quarter and a half of the
+  # budget (the last evaluation at or before that step).
+  for name, frac in (('copy_acc_quarter', 0.25), ('copy_acc_half', 0.5)):
+    out[name] = [p for p in curve if p['step'] <= frac * r['steps']][-1]['copy_acc']
+  return out
+
+
+def eval_se_of_difference(a: dict, b: dict, budget: str, corpus: str) -> float:
+  """Standard error, from eval sampling alone, of bpb(a) - bpb(b): both runs are scored
+  on the same batches, so the per-batch differences give it (research.batch_bpb_se)."""
+  from mtp_jax.research import sweep as research
+  ea, eb = a['evals'][budget][corpus], b['evals'][budget][corpus]
+  diff = np.subtract(ea['batch_loss_sum_main'], eb['batch_loss_sum_main'])
+  return research.batch_bpb_se(diff, ea['batch_bytes_main'])
+
+
+def aggregate(per_run: dict[int, dict]) -> dict:
+  """{metric: {'per_seed': {seed: v}, 'mean', 'std'}} over the seeds (None-free metrics)."""
+  from mtp_jax.research import sweep as research
+  seeds = sorted(per_run)
+  keys = sorted({k for m in per_run.values() for k in m})
+  out = {}
+  for k in keys:
+    vals = {s: per_run[s].get(k) for s in seeds}
+    got = [v for v in vals.values() if v is not None]
+    mean, std = research.mean_std(got) if got else (None, None)
+    out[k] = {'per_seed': vals, 'mean': mean, 'std': std, 'n': len(got)}
+  return out
+
+
+def tabulate(out_dir: str, seeds=None) -> dict:
+  """summary: per group, budget and variant the aggregated figures, plus the tests."""
+  from mtp_jax.research import sweep as research
+  summary = {'lm': {}, 'induction': {}, 'tests': {}}
+  lm = [r for r in research.load_results(out_dir, 'lm') if seeds is None or r['seed'] in seeds]
+  by_variant = {}
+  for r in lm:
+    by_variant.setdefault(r['variant'], []).append(r)
+  order = [v for v in ABLATION.VARIANTS if v in by_variant]
+  for budget in BUDGETS:
+    table = {}
+    for v in order:
+      table[v] = {'depth': by_variant[v][0]['depth'], 'mtp_kind': by_variant[v][0]['mtp_kind'],
+                  'seeds': sorted(r['seed'] for r in by_variant[v]),
+                  'metrics': aggregate({r['seed']: lm_metrics(r, budget) for r in by_variant[v]})}
+    summary['lm'][budget] = table
+    tests = {}
+    base = table.get(ABLATION.BASELINE)
+    for v in order:
+      if v == ABLATION.BASELINE or base is None:
+        continue
+      for metric, corpus in (('stdlib_bpb', 'stdlib_val'), ('heldout_bpb', 'heldout')):
+        a, b = table[v]['metrics'][metric]['per_seed'], base['metrics'][metric]['per_seed']
+        common = sorted(set(a) & set(b))
+        if len(common) >= 2:
+          runs_a = {r['seed']: r for r in by_variant[v]}
+          runs_b = {r['seed']: r for r in by_variant[ABLATION.BASELINE]}
+          tests[f'{v} - d0 {metric}'] = {
+              'welch': research.welch([a[s] for s in a], [b[s] for s in b]),
+              'paired': research.paired([a[s] for s in common], [b[s] for s in common]),
+              'n': len(common),
+              'eval_se_of_difference': float(np.mean([eval_se_of_difference(
+                  runs_a[s], runs_b[s], budget, corpus) for s in common]))}
+    if 'd3' in table and 'd3p' in table:
+      for metric in ('heldout_bpb', 'heldout_agree_1', 'heldout_agree_3'):
+        a, b = table['d3']['metrics'][metric]['per_seed'], table['d3p']['metrics'][metric]['per_seed']
+        if len(a) >= 2 and len(b) >= 2:
+          tests[f'd3 - d3p {metric}'] = {'welch': research.welch(list(a.values()),
+                                                                 list(b.values()))}
+    summary['tests'][budget] = tests
+  ind = [r for r in research.load_results(out_dir, 'induction')
+         if seeds is None or r['seed'] in seeds]
+  ind_by = {}
+  for r in ind:
+    ind_by.setdefault(r['variant'], []).append(r)
+  base_runs = {r['seed']: r for r in ind_by.get(INDUCTION.BASELINE, [])}
+  for v in [v for v in INDUCTION.VARIANTS if v in ind_by]:
+    per = {}
+    for r in ind_by[v]:
+      per[r['seed']] = induction_metrics(r)
+      if r['seed'] in base_runs:  # equal steps (= tokens): D = 0's accuracy at this run's end
+        curve = [p for p in base_runs[r['seed']]['curve'] if 'copy_acc' in p]
+        per[r['seed']]['d0_copy_acc_same_step'] = [
+            p for p in curve if p['step'] <= r['steps']][-1]['copy_acc']
+    summary['induction'][v] = {
+        'depth': ind_by[v][0]['depth'], 'seeds': sorted(r['seed'] for r in ind_by[v]),
+        'metrics': aggregate(per)}
+  if ind:
+    summary['induction_task'] = ind[0].get('task', {})
+  base = summary['induction'].get(INDUCTION.BASELINE)
+  for v, row in summary['induction'].items():
+    if v != INDUCTION.BASELINE and base:
+      for metric in ('copy_acc_half', 'copy_acc_final'):
+        a = list(row['metrics'][metric]['per_seed'].values())
+        b = list(base['metrics'][metric]['per_seed'].values())
+        if len(a) >= 2 and len(b) >= 2:
+          summary['tests'].setdefault('induction', {})[f'{v} - d0 {metric} (equal FLOPs)'] = {
+              'welch': research.welch(a, b)}
+      a = row['metrics']['copy_acc_final']['per_seed']
+      b = row['metrics']['d0_copy_acc_same_step']['per_seed']
+      common = [s for s in a if b.get(s) is not None]
+      if len(common) >= 2:
+        summary['tests'].setdefault('induction', {})[
+            f'{v} - d0 copy accuracy at {v}\'s last step (equal steps and tokens)'] = {
+                'welch': research.welch([a[s] for s in common], [b[s] for s in common]),
+                'paired': research.paired([a[s] for s in common], [b[s] for s in common])}
+  return summary
+
+
+def _pm(m: dict, fmt: str = '{:.3f}') -> str:
+  if m is None or m['mean'] is None:
+    return 'n.a.'
+  if m['n'] < 2:
+    return fmt.format(m['mean'])
+  return f'{fmt.format(m["mean"])} ± {fmt.format(m["std"])}'
+
+
+def _seeds(m: dict, fmt: str = '{:.3f}') -> str:
+  return ' / '.join('n.a.' if v is None else fmt.format(v) for v in m['per_seed'].values())
+
+
+def markdown(summary: dict) -> str:
+  out = []
+  for budget, title in BUDGETS.items():
+    table = summary['lm'].get(budget, {})
+    if not table:
+      continue
+    ns = sorted({len(row['seeds']) for row in table.values()})
+    out += [f'**{title[0].upper() + title[1:]}** (mean ± std over seeds, n = {"/".join(map(str, ns))}; '
+            'bpb = bits per byte of the main head; agreement = teacher-forced agreement of '
+            'MTP depth k with the main head, held-out; tau = tokens per verify step)', '',
+            '| variant | steps | train TFLOP | stdlib val bpb | held-out bpb | '
+            'agreement per depth | tau greedy | tau T = 1 | tau T = 0.7 | '
+            'distinct 4-grams, greedy / T = 1 |',
+            '|---|---|---|---|---|---|---|---|---|---|']
+    for v, row in table.items():
+      m = row['metrics']
+      agree = ' / '.join(_pm(m[f'heldout_agree_{k}'], '{:.2f}')
+                         for k in range(1, row['depth'] + 1)) or 'n.a.'
+      taus = [_pm(m.get(f'tau_{t}'), '{:.2f}') if row['depth'] else '1 (n.a.)' for t in TEMPS]
+      distinct = ' / '.join(f'{m[f"distinct4_{t}"]["mean"]:.2f}' for t in ('T0', 'T1')
+                            if f'distinct4_{t}' in m) or 'n.a.'
+      out.append(f'| {_label(v, row)} | {_pm(m["steps"], "{:.0f}")} | '
+                 f'{_pm(m["train_tflop"], "{:.2f}")} | {_pm(m["stdlib_bpb"])} | '
+                 f'{_pm(m["heldout_bpb"])} | {agree} | {" | ".join(taus)} | {distinct} |')
+    se = [row['metrics'][k]['mean'] for row in table.values()
+          for k in ('stdlib_bpb_se', 'heldout_bpb_se')]
+    out += ['', f'Standard error of one run\'s bpb estimate (eval sampling, batch-level): '
+            f'{min(se):.3f}-{max(se):.3f} bits; every run is scored on the same batches.', '',
+            'Each seed (seeds ' + ', '.join(str(s) for s in next(iter(table.values()))['seeds'])
+            + '):', '', '| variant | stdlib val bpb | held-out bpb | tau greedy | tau T = 1 | '
+            'tau T = 0.7 | acceptance per depth, T = 1 (mean) |', '|---|---|---|---|---|---|---|']
+    for v, row in table.items():
+      m = row['metrics']
+      taus = [_seeds(m[f'tau_{t}'], '{:.2f}') if f'tau_{t}' in m else 'n.a.' for t in TEMPS]
+      acc = ' / '.join(f'{m[f"accept_T1_{k}"]["mean"]:.2f}' for k in range(1, row['depth'] + 1)
+                       if f'accept_T1_{k}' in m) or 'n.a.'
+      out.append(f'| {_label(v, row)} | {_seeds(m["stdlib_bpb"])} | {_seeds(m["heldout_bpb"])} | '
+                 f'{" | ".join(taus)} | {acc} |')
+    tests = summary['tests'].get(budget, {})
+    if tests:
+      out += ['', 'Differences (negative bpb = better than D = 0): Welch t over seeds, and '
+              'paired t over seeds (same seed = same data order and trunk init):', '']
+      for name, t in tests.items():
+        w = t['welch']
+        line = f'- {name}: {w["diff"]:+.4f}, Welch t = {w["t"]:.2f}, p = {w["p"]:.3f}'
+        if 'paired' in t:
+          line += (f'; paired t = {t["paired"]["t"]:.2f}, p = {t["paired"]["p"]:.3f}; eval '
+                   f'SE of one seed\'s difference {t["eval_se_of_difference"]:.4f}')
+        out.append(line)
+    out.append('')
+  ind = summary['induction']
+  if ind:
+    alphabet = ind_alphabet(summary)
+    out += ['**Induction** (equal training FLOPs; copy accuracy = top-1 accuracy of the main '
+            'head on the second occurrence of the repeated span, after its first token; '
+            f'chance 1/{alphabet})', '',
+            '| variant | steps | train TFLOP | copy accuracy after 1/4 of the FLOPs | '
+            'after 1/2 | at the end | at the end, each seed | D = 0 at the same step |',
+            '|---|---|---|---|---|---|---|---|']
+    for v, row in ind.items():
+      m = row['metrics']
+      out.append(f'| {v} (D = {row["depth"]}) | {_pm(m["steps"], "{:.0f}")} | '
+                 f'{_pm(m["train_tflop"], "{:.3f}")} | {_pm(m["copy_acc_quarter"])} | '
+                 f'{_pm(m["copy_acc_half"])} | {_pm(m["copy_acc_final"])} | '
+                 f'{_seeds(m["copy_acc_final"])} | '
+                 f'{_pm(m.get("d0_copy_acc_same_step")) if row["depth"] else "-"} |')
+    out.append('')
+    for name, t in summary['tests'].get('induction', {}).items():
+      w = t['welch']
+      line = f'- {name}: {w["diff"]:+.3f}, Welch t = {w["t"]:.2f}, p = {w["p"]:.3f}'
+      if 'paired' in t:
+        line += f'; paired t = {t["paired"]["t"]:.2f}, p = {t["paired"]["p"]:.3f}'
+      out.append(line)
+  return '\n'.join(out)
+
+
+def ind_alphabet(summary: dict):
+  return summary.get('induction_task', {}).get('alphabet', '?')
+
+
+def _label(v: str, row: dict) -> str:
+  if not row['depth']:
+    return f'{v} (D = 0)'
+  return f'{v} (D = {row["depth"]} {row["mtp_kind"]})'
+
+
+def main(argv=None) -> int:
+  args = parse(argv)
+  if not args.no_run:
+    runs = make_runs(args)
+    sweep = make_sweep(args, runs)
+    for run in runs:
+      sweep.run(run)
+  summary = tabulate(args.out, set(args.seeds))
+  text = markdown(summary)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, 'summary.json'), 'w') as f:
+    json.dump(summary, f, indent=1, default=_json_default)
+  with open(os.path.join(args.out, 'summary.md'), 'w') as f:
+    f.write(text + '\n')
+  print(text)
+  return 0
+
+
+def _json_default(x):
+  if isinstance(x, np.generic):
+    return x.item()
+  raise TypeError(type(x))
+
+
+if __name__ == '__main__':
+  sys.exit(main())

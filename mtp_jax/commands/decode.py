@@ -1,0 +1,67 @@
+"""Decodes with a trained checkpoint: speculative (MTP drafts), plain autoregressive, or both.
+
+  mtp-decode --workdir DIR (--prompt TEXT | --prompts_file FILE)
+      [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--batch_size B]
+      [--mode {spec,ar,compare}] [--json]
+
+Parses flags and calls mtp_jax.decode.generate.decode_workdir. Bad input exits
+with code 2 and a one-line error, before anything is compiled.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from mtp_jax import cli  # argparse only: JAX starts after the flags
+
+
+def parse(argv):
+  p = cli.ArgumentParser(prog='mtp-decode', description=__doc__.splitlines()[0])
+  p.add_argument('--workdir', required=True, help='training workdir (latest checkpoint is used)')
+  p.add_argument('--prompt', help='one prompt')
+  p.add_argument('--prompts_file', help='one prompt per line (.jsonl: one JSON string per line)')
+  p.add_argument('--max_new_tokens', type=int, default=128, help='tokens to generate per prompt')
+  p.add_argument('--temperature', type=float, default=0.0, help='0: greedy')
+  p.add_argument('--top_k', type=int, default=0, help='0: off')
+  p.add_argument('--top_p', type=float, default=1.0, help='1: off')
+  p.add_argument('--batch_size', type=int, default=1, help='prompts decoded together')
+  p.add_argument('--mode', default='spec', choices=('spec', 'ar', 'compare'),
+                 help='spec: MTP drafts verified by the main model (lossless); ar: plain '
+                 'autoregressive; compare: both, with their speeds and whether they agree')
+  p.add_argument('--json', action='store_true', help='print one JSON object')
+  p.add_argument('--seed', type=int, default=0, help='sampling seed')
+  p.add_argument('--max_len', type=int, default=0,
+                 help='positions per row, prompt + new tokens (0: the training seq_len)')
+  p.add_argument('--num_drafts', type=int, default=0, help='MTP depths to draft with (0: all)')
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse(argv)
+  from mtp_jax.decode import generate  # after flag parsing: JAX starts here
+  try:
+    prompts = generate.read_prompts(args.prompt, args.prompts_file)
+    out = generate.decode_workdir(
+        args.workdir, prompts, mode=args.mode, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        batch_size=args.batch_size, seed=args.seed, max_len=args.max_len,
+        num_drafts=args.num_drafts)
+  except Exception as e:  # pylint: disable=broad-except
+    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
+  if args.json:
+    print(json.dumps(out))
+    return 0
+  outputs = out['spec_outputs' if args.mode == 'compare' else 'outputs']
+  for prompt, text in zip(prompts, outputs):
+    print(f'{prompt}{text}')
+    print('-' * 40)
+  keys = ('new_tokens', 'verify_steps', 'mean_accepted_length', 'tokens_per_sec',
+          'ar_tokens_per_sec', 'spec_tokens_per_sec', 'speedup', 'identical')
+  summary = {k: out[k] for k in keys if k in out}
+  print(' '.join(f'{k}={v:.3g}' if isinstance(v, float) else f'{k}={v}'
+                 for k, v in summary.items()), file=sys.stderr)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,49 @@
+"""Writes PNG figures of a run or of a sweep.
+
+  mtp-plot --workdir DIR [--out DIR]     # one run's metrics.jsonl
+  mtp-plot --sweep DIR [--out DIR]       # mtp-ablation's per-run JSON: loss_vs_flops.png,
+                                         # acceptance_per_depth.png, induction.png
+
+Reads only: the figures go to --out (default: WORKDIR/plots, or the sweep folder).
+"""
+from __future__ import annotations
+
+import sys
+
+from mtp_jax import cli
+
+
+def parser() -> cli.ArgumentParser:
+  p = cli.ArgumentParser(prog='mtp-plot', description=__doc__.splitlines()[0])
+  p.add_argument('--workdir', help='run directory holding metrics.jsonl')
+  p.add_argument('--sweep', help='output folder of mtp-ablation (lm/*.json, induction/*.json)')
+  p.add_argument('--out', help='where to write the PNGs (default: WORKDIR/plots, or the sweep '
+                 'folder)')
+  return p
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
+  if (args.workdir is None) == (args.sweep is None):
+    print('error: give exactly one of --workdir (a run) or --sweep (mtp-ablation output)',
+          file=sys.stderr)
+    return 2
+  from mtp_jax.research import plotting  # pylint: disable=g-import-not-at-top
+  try:
+    if args.sweep is not None:
+      paths = plotting.plot_sweep(args.sweep, args.out)
+    else:
+      paths = plotting.plot_run(args.workdir, args.out)
+  except FileNotFoundError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  for p in paths:
+    print(p)
+  if args.workdir is not None and not any('acceptance' in p for p in paths):
+    print('(no decode acceptance in metrics.jsonl yet: run mtp-eval or enable periodic '
+          'decode eval to get acceptance.png)')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,84 @@
+"""Trains an MTP model: `mtp-train --config configs/stdlib_mtp.py [--workdir DIR]`.
+
+Rerunning with the same --workdir resumes from its latest good checkpoint; SIGTERM or
+Ctrl-C saves at the end of the current step and exits 0. Exit 2: bad input (config,
+data, workdir, disk), with a one-line `error: ...`; exit 1: training stopped on a
+non-finite loss.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from mtp_jax import cli
+
+
+def parser() -> cli.ArgumentParser:
+  p = cli.ArgumentParser(prog='mtp-train', description=__doc__.splitlines()[0])
+  p.add_argument('--config', required=True, metavar='FILE', help=cli.CONFIG_HELP)
+  p.add_argument('--workdir', help='run directory (default: runs/<config file name>)')
+  p.add_argument(
+      '--init_from', metavar='SOURCE',
+      help='a workdir or checkpoint whose trunk and shared embedding/head start this run '
+      '(new MTP depths start fresh; ignored once --workdir has checkpoints of its own), or '
+      'hf:DIR, a local Hugging Face directory (config.json, *.safetensors, tokenizer), '
+      'which also sets config.model and the tokenizer')
+  # Multi-process jobs (docs/scaling.md). Not config fields: they describe one launch,
+  # not the experiment.
+  p.add_argument('--distributed', default='auto', choices=('auto', 'on', 'off'),
+                 help='auto: join a job when a coordinator is given or a TPU pod / SLURM / '
+                 'MPI launcher is detected; on: always (TPU pods); off: never')
+  p.add_argument('--coordinator_address', metavar='HOST:PORT', help='address of process 0')
+  p.add_argument('--num_processes', type=int, help='processes in the job')
+  p.add_argument('--process_id', type=int, help='this process, 0 .. num_processes - 1')
+  p.add_argument('--cpu_devices', default='auto',
+                 help='CPU devices of this process. auto: 2 on a single-process CPU job '
+                 'whose config is valid with 2 (data parallel, both cores busy), else 1; '
+                 'an explicit XLA_FLAGS device count wins')
+  p.add_argument('--host_malloc', default='auto',
+                 help='keep: the C allocator keeps the buffers XLA:CPU frees for reuse (no '
+                 'page faults per step); system: leave it; auto: keep for a CPU job on '
+                 'Linux/glibc')
+  return p
+
+
+def _fail(what: str, e: BaseException) -> int:
+  print(f'error: {what}: {" ".join(str(e).split())}', file=sys.stderr)
+  return 2
+
+
+def main(argv=None) -> int:
+  args, overrides = cli.parse_with_config(parser(), argv)
+  try:
+    config = cli.load_config(args.config, overrides)
+  except cli.ConfigError as e:
+    return cli.report_expected(e)
+  workdir = args.workdir or os.path.join(
+      'runs', os.path.splitext(os.path.basename(args.config))[0])
+  # Standard library only: the allocator is set before JAX starts its first thread.
+  from mtp_jax.runtime import host_memory  # pylint: disable=g-import-not-at-top
+  try:
+    host_memory.configure(args.host_malloc)
+  except ValueError as e:
+    return _fail('bad flag', e)
+  cli.quiet_library_logs()
+  # JAX starts here, after the flags are known to be good.
+  from mtp_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
+  from mtp_jax.train import loop  # pylint: disable=g-import-not-at-top
+  try:
+    cpu_devices = distributed.resolve_cpu_devices(
+        args.cpu_devices, config, args.distributed, args.coordinator_address,
+        args.num_processes)
+  except ValueError as e:
+    return _fail('bad flag', e)
+  distributed.initialize(args.distributed, args.coordinator_address, args.num_processes,
+                         args.process_id, cpu_devices)
+  try:
+    loop.train_and_evaluate(config, workdir, init_from=args.init_from)
+  except Exception as e:  # pylint: disable=broad-except
+    return cli.report_expected(e)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
