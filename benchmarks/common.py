@@ -18,7 +18,6 @@ allocator before JAX starts its threads.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import fcntl
 import json
@@ -28,6 +27,11 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+from mtp_jax import cli  # noqa: E402  (argparse and absl only: no JAX)
+
 RUNS_DIR = os.path.join('runs', 'benchmarks')  # relative to the checkout; gitignored
 RESULTS_DIR = os.path.join('benchmarks', 'results')  # the committed, cited results
 LOCK = os.path.join(RUNS_DIR, 'bench.lock')
@@ -38,10 +42,10 @@ def default_out(name: str) -> str:
   return os.path.join(REPO, RUNS_DIR, f'{name}.json')
 
 
-def parser(name: str, doc: str) -> argparse.ArgumentParser:
-  """An ArgumentParser with the shared --out, --smoke and --lock."""
-  p = argparse.ArgumentParser(description=(doc or name).strip().splitlines()[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(name: str, doc: str) -> cli.ArgumentParser:
+  """The project's ArgumentParser (bad flags: one `error:` line, exit 2) with the shared
+  --out, --smoke and --lock."""
+  p = cli.ArgumentParser(description=(doc or name).strip().splitlines()[0])
   p.add_argument('--out', default=default_out(name),
                  help=f'JSON output (default {RUNS_DIR}/{name}.json; the committed result is '
                       f'{RESULTS_DIR}/{name}.json and is only written when named here)')
@@ -149,8 +153,8 @@ def start(args, name: str) -> Run:
 
 
 def write(run: Run, result: dict, out: str | None = None) -> dict:
-  """Writes {provenance..., 'result': result} to --out (made relative paths kept relative)
-  and releases the lock; returns the object written."""
+  """Writes {provenance..., 'result': result} to `out` (default --out) and releases the
+  lock; returns the object written."""
   doc = run.envelope() | {'result': result}
   run.release()
   path = out or run.args.out

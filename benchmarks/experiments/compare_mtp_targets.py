@@ -1,7 +1,7 @@
-"""Which training signal makes the best drafts for a frozen trunk? (issue 11, FastMTP recipe)
+"""Which training signal makes the best drafts for a frozen trunk? (the FastMTP recipe)
 
-  python benchmarks/compare_mtp_targets.py [--root /tmp/mtp_targets]
-      [--out benchmarks/compare_mtp_targets.json] [--num_prompts 32] [--sample_seeds 2]
+  python benchmarks/experiments/compare_mtp_targets.py [--root runs/compare_mtp_targets]
+      [--out benchmarks/results/compare_mtp_targets.json] [--num_prompts 32] [--sample_seeds 2]
 
 One command, four stages (a stage whose workdir already holds its last checkpoint is
 skipped, so an interrupted run picks up where it stopped):
@@ -18,17 +18,22 @@ skipped, so an interrupted run picks up where it stopped):
      whatever it trained on): teacher-forced agreement of depth k with the trunk, and
      free-running tau / acceptance per depth of self-speculative decoding with 3 drafts,
      greedy (checked identical to AR) and T = 1 sampling.
-Writes one JSON (settings, commands, per-run figures, uptime before / after).
+Writes one JSON (settings, commands, per-run figures, uptime before / after). --smoke
+trains 2 steps per stage, distils 8 prompts and runs only `distilled` (a test: its
+figures mean nothing).
 """
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import common  # noqa: E402
+
+REPO = common.REPO
+NAME = 'compare_mtp_targets'
 
 # The trunk of README's "give an existing model MTP drafting" recipe.
 MODEL = ['--config', os.path.join(REPO, 'configs', 'tiny.py'), '--config.model.d_model=128',
@@ -49,15 +54,24 @@ RUNS = {  # name: (mtp_targets, trained on the self-distilled data)
 
 
 def parse(argv):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--root', default='/tmp/mtp_targets', help='workdirs and logs')
-  p.add_argument('--out', default=os.path.join(REPO, 'benchmarks', 'compare_mtp_targets.json'))
+  p = common.parser(NAME, __doc__)
+  p.add_argument('--root', default=os.path.join(REPO, 'runs', NAME), help='workdirs and logs')
   p.add_argument('--num_prompts', type=int, default=32, help='held-out prompts decoded')
   p.add_argument('--prompt_len', type=int, default=64)
   p.add_argument('--max_new_tokens', type=int, default=64)
   p.add_argument('--sample_seeds', type=int, default=2, help='T = 1 decodes (seeds 0..n-1)')
   p.add_argument('--eval_batches', type=int, default=8, help='teacher-forced batches')
-  return p.parse_args(argv)
+  p.add_argument('--data_dir', default='', help='data.data_dir of the stdlib data set')
+  args = p.parse_args(argv)
+  if args.smoke:
+    args.num_prompts, args.prompt_len, args.max_new_tokens = 2, 16, 8
+    args.sample_seeds, args.eval_batches = 1, 1
+  return args
+
+
+SMOKE = {'trunk_steps': 2, 'mtp_steps': 2, 'distill': dict(DISTILL, num_prompts=8, batch_size=8,
+                                                           max_new_tokens=16),
+         'runs': ('distilled',)}
 
 
 def _uptime() -> str:
@@ -91,27 +105,40 @@ def _stage(name, cmd, root, done, log_runs):
     json.dump(saved, f, indent=1)
 
 
-def train_all(root: str, stages: dict) -> str:
+def plan_of(args) -> dict:
+  """Steps, distillation settings and runs: the real ones, or --smoke's."""
+  plan = SMOKE if args.smoke else {'trunk_steps': TRUNK_STEPS, 'mtp_steps': MTP_STEPS,
+                                   'distill': DISTILL, 'runs': tuple(RUNS)}
+  data = [f'--config.data.data_dir={args.data_dir}'] if args.data_dir else []
+  return dict(plan, model=MODEL + data)
+
+
+def train_all(root: str, stages: dict, plan: dict) -> str:
   py = sys.executable
   trunk, distilled = os.path.join(root, 'trunk'), os.path.join(root, 'distilled_data')
-  _stage('trunk', [py, 'scripts/train.py', *MODEL, f'--workdir={trunk}',
-                   '--config.model.mtp.depth=0', f'--config.train.steps={TRUNK_STEPS}',
-                   '--config.train.warmup_steps=40', '--config.train.eval_every=200',
-                   '--config.train.checkpoint_every=200'],
-         root, lambda: _finished(trunk, TRUNK_STEPS), stages)
+  ts, ms = plan['trunk_steps'], plan['mtp_steps']
+  _stage('trunk', [py, 'scripts/train.py', *plan['model'], f'--workdir={trunk}',
+                   '--config.model.mtp.depth=0', f'--config.train.steps={ts}',
+                   f'--config.train.warmup_steps={min(40, ts)}',
+                   f'--config.train.eval_every={min(200, ts)}',
+                   f'--config.train.checkpoint_every={min(200, ts)}'],
+         root, lambda: _finished(trunk, ts), stages)
   _stage('self_distill', [py, 'scripts/self_distill.py', f'--workdir={trunk}',
-                          f'--out={distilled}'] + [f'--{k}={v}' for k, v in DISTILL.items()],
+                          f'--out={distilled}']
+         + [f'--{k}={v}' for k, v in plan['distill'].items()],
          root, lambda: os.path.exists(os.path.join(distilled, 'meta.json')), stages)
-  for name, (targets, on_distilled) in RUNS.items():
+  for name in plan['runs']:
+    targets, on_distilled = RUNS[name]
     workdir = os.path.join(root, name)
     data = (['--config.data.source=jsonl', f'--config.data.path={distilled}/data.jsonl',
              '--config.data.tokens_key=tokens'] if on_distilled else [])
-    _stage(name, [py, 'scripts/train.py', *MODEL, f'--workdir={workdir}', f'--init_from={trunk}',
+    _stage(name, [py, 'scripts/train.py', *plan['model'], f'--workdir={workdir}',
+                  f'--init_from={trunk}',
                   f'--config.model.mtp.depth={DEPTH}', '--config.model.mtp.freeze_trunk=True',
-                  f'--config.loss.mtp_targets={targets}', f'--config.train.steps={MTP_STEPS}',
-                  '--config.train.warmup_steps=20', '--config.train.eval_every=0',
-                  f'--config.train.checkpoint_every={MTP_STEPS}', *data],
-           root, lambda w=workdir: _finished(w, MTP_STEPS), stages)
+                  f'--config.loss.mtp_targets={targets}', f'--config.train.steps={ms}',
+                  f'--config.train.warmup_steps={min(20, ms)}', '--config.train.eval_every=0',
+                  f'--config.train.checkpoint_every={ms}', *data],
+           root, lambda w=workdir: _finished(w, ms), stages)
   return trunk
 
 
@@ -125,7 +152,7 @@ def _last_train_metrics(workdir: str) -> dict:
   return {k: v for k, v in last.items() if k.startswith('train/loss')}
 
 
-def evaluate_all(root: str, trunk: str, args) -> dict:
+def evaluate_all(root: str, trunk: str, args, runs) -> dict:
   """Every run on the trunk's held-out corpus data: one process, programs compiled once."""
   import jax  # pylint: disable=g-import-not-at-top  (JAX starts after the training stages)
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -138,7 +165,7 @@ def evaluate_all(root: str, trunk: str, args) -> dict:
   corpus, _ = ckpt_lib.load_workdir(trunk)
   devices = jax.local_devices()[:1]
   results = {}
-  for name in RUNS:
+  for name in runs:
     workdir = os.path.join(root, name)
     config, step = ckpt_lib.load_workdir(workdir)
     for k in config.data.keys():  # the corpus's validation split, whatever it trained on
@@ -185,29 +212,30 @@ def evaluate_all(root: str, trunk: str, args) -> dict:
 
 def main(argv=None) -> int:
   args = parse(argv)
+  run = common.start(args, NAME)
+  plan = plan_of(args)
   os.makedirs(args.root, exist_ok=True)
   start, up = time.time(), _uptime()
   stages = {}
-  trunk = train_all(args.root, stages)
+  trunk = train_all(args.root, stages, plan)
   eval_start = time.time()
-  results = evaluate_all(args.root, trunk, args)
+  results = evaluate_all(args.root, trunk, args, plan['runs'])
+  rel = lambda x: json.loads(json.dumps(x).replace(REPO + '/', ''))  # noqa: E731
   out = {
-      'command': 'python benchmarks/compare_mtp_targets.py ' + ' '.join(argv or sys.argv[1:]),
-      'machine': f'{os.cpu_count()} CPU cores (shared); ' + _uptime(),
       'uptime_before': up, 'uptime_after': _uptime(),
       'wall_s_total': round(time.time() - start, 1),
       'wall_s_eval': round(time.time() - eval_start, 1),
-      'trunk': {'model_flags': ' '.join(MODEL).replace(REPO + '/', ''), 'steps': TRUNK_STEPS},
-      'mtp': {'depth': DEPTH, 'steps': MTP_STEPS, 'freeze_trunk': True},
-      'self_distill': DISTILL,
+      'trunk': {'model_flags': ' '.join(plan['model']).replace(REPO + '/', ''),
+                'steps': plan['trunk_steps']},
+      'mtp': {'depth': DEPTH, 'steps': plan['mtp_steps'], 'freeze_trunk': True},
+      'self_distill': plan['distill'],
       'eval': {'split': 'python_stdlib validation (held out from every run)',
                'teacher_forced_batches': args.eval_batches, 'num_prompts': args.num_prompts,
                'prompt_len': args.prompt_len, 'max_new_tokens': args.max_new_tokens,
                'sample_seeds': args.sample_seeds, 'drafts': DEPTH},
-      'stages': stages, 'runs': results,
+      'stages': rel(stages), 'runs': rel(results),
   }
-  with open(args.out, 'w') as f:
-    json.dump(out, f, indent=1)
+  common.write(run, out)
   print(json.dumps({k: (v['agree'], v['greedy_tau'], v['sampled_tau'])
                     for k, v in results.items()}))
   return 0
