@@ -13,8 +13,10 @@ from helpers import REPO, byte_config, byte_ids
 from mtp_jax import config_lib
 from mtp_jax.decode import decoder as decode
 from mtp_jax.research import sweep as research
+from mtp_jax.research import heldout
+from mtp_jax.research import stats
 from mtp_jax.train import steps as steps_lib
-from mtp_jax.data import induction
+from mtp_jax.data import corpus, induction, tokenizers
 from flax import nnx
 
 SCRIPT = os.path.join(REPO, 'scripts', 'ablation.py')
@@ -103,42 +105,42 @@ def test_induction_rows_are_deterministic_and_scored_on_the_second_occurrence():
 def test_heldout_corpus_is_deterministic_and_excludes_stdlib_copies(tmp_path):
   root = tmp_path / 'site'
   (root / 'pkg').mkdir(parents=True)
-  stdlib_file = os.path.join(research.corpus.stdlib_root(), 'textwrap.py')
+  stdlib_file = os.path.join(corpus.stdlib_root(), 'textwrap.py')
   with open(stdlib_file, 'rb') as f:
     (root / 'pkg' / 'vendored_textwrap.py').write_bytes(f.read())  # a stdlib copy: excluded
   for i in range(6):
     (root / 'pkg' / f'm{i}.py').write_text(f'def f{i}(x):\n  return x + {i}\n' * 80)
   (root / 'pkg' / 'dup.py').write_text('def f0(x):\n  return x + 0\n' * 80)  # = m0.py
   (root / 'pkg' / 'tiny.py').write_text('x = 1\n')  # under min_bytes
-  rule = research.HeldoutRule(root=str(root), min_bytes=100, cap_bytes=10**6)
-  docs, desc = research.heldout_documents(rule)
+  rule = heldout.HeldoutRule(root=str(root), min_bytes=100, cap_bytes=10**6)
+  docs, desc = heldout.heldout_documents(rule)
   names = [d[0] for d in docs]
   assert sorted(names) == [f'pkg/m{i}.py' for i in range(6)] or \
       sorted(names) == sorted([f'pkg/m{i}.py' for i in range(1, 6)] + ['pkg/dup.py'])
   assert desc['scanned']['duplicate'] == 2 and desc['documents'] == 6
-  assert research.heldout_documents(rule) == (docs, desc)
-  tok = research.tokenizers.ByteTokenizer()
-  rows = research.pack_rows([t for _, t in docs], tok, 64, 8)
+  assert heldout.heldout_documents(rule) == (docs, desc)
+  tok = tokenizers.ByteTokenizer()
+  rows = heldout.pack_rows([t for _, t in docs], tok, 64, 8)
   assert rows['tokens'].shape == (8, 64) and rows['segment_ids'].min() >= 1
   first = tok.encode_array(docs[0][1])
   np.testing.assert_array_equal(rows['tokens'][0], first[:64])
   np.testing.assert_array_equal(rows['positions'][1], np.arange(64))  # a new piece per row
   with pytest.raises(ValueError, match='fills'):
-    research.pack_rows([t for _, t in docs], tok, 64, 10**4)
+    heldout.pack_rows([t for _, t in docs], tok, 64, 10**4)
 
 
 def test_statistics():
-  m, s = research.mean_std([1.0, 2.0, 4.0])
+  m, s = stats.mean_std([1.0, 2.0, 4.0])
   assert m == pytest.approx(7 / 3) and s == pytest.approx(np.std([1, 2, 4], ddof=1))
-  w = research.welch([1.0, 1.1, 0.9], [2.0, 2.2, 1.8])
+  w = stats.welch([1.0, 1.1, 0.9], [2.0, 2.2, 1.8])
   assert w['diff'] == pytest.approx(-1.0) and w['t'] < -5 and w['p'] < 0.01
-  assert research.welch([1.0, 2.0, 3.0], [1.5, 2.5, 2.0])['p'] > 0.5
-  p = research.paired([1.0, 2.0, 3.0], [1.1, 2.1, 3.2])
+  assert stats.welch([1.0, 2.0, 3.0], [1.5, 2.5, 2.0])['p'] > 0.5
+  p = stats.paired([1.0, 2.0, 3.0], [1.1, 2.1, 3.2])
   assert p['diff'] == pytest.approx(-4 / 30) and p['t'] < 0
   # Equal batches: the ratio estimator's standard error is 0; noisy ones: about std / sqrt(n).
-  assert research.batch_bpb_se([2.0] * 8, [1.0] * 8) == 0.0
+  assert stats.batch_bpb_se([2.0] * 8, [1.0] * 8) == 0.0
   rng = np.random.default_rng(0)
-  se = research.batch_bpb_se(rng.normal(2.0, 0.1, 400), np.ones(400))
+  se = stats.batch_bpb_se(rng.normal(2.0, 0.1, 400), np.ones(400))
   assert se == pytest.approx(0.1 / 20 / np.log(2), rel=0.15)
 
 

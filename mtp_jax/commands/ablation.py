@@ -9,7 +9,7 @@ Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
   corpus; each run is evaluated at its equal-training-FLOP step and at the equal-token
   step (the schedule is constant after warmup, so both come from one run). Evaluation:
   bits per byte (with the standard error of the estimate) on the stdlib validation
-  split and on a held-out corpus of third-party code (research.heldout_documents),
+  split and on a held-out corpus of third-party code (heldout.heldout_documents),
   teacher-forced agreement of each MTP depth with the main head, and free-running
   speculative decoding of held-out prompts, greedy and sampled at T = 1 and T = 0.7.
 - `induction`: configs/induction.py's D = 0 / 1 / 3 at equal training FLOPs; accuracy
@@ -29,6 +29,7 @@ import sys
 import numpy as np
 
 from mtp_jax import cli
+from mtp_jax.research import stats  # numpy and scipy only
 
 # The checkout this package is installed from (pip install -e .): configs/ lives there.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,6 +128,7 @@ def make_runs(args):
 
 
 def make_sweep(args, runs):
+  from mtp_jax.research import heldout
   from mtp_jax.research import sweep as research
   from mtp_jax.data import induction
   sweep = research.Sweep(args.workdir, args.out,
@@ -135,7 +137,7 @@ def make_sweep(args, runs):
   if lm:
     from mtp_jax.data import checks as data_checks
     data_checks.validate_data(lm[0].config)  # prepares the stdlib data set once
-    rule = research.HeldoutRule(cap_bytes=200_000) if args.smoke else research.HeldoutRule()
+    rule = heldout.HeldoutRule(cap_bytes=200_000) if args.smoke else heldout.HeldoutRule()
     sweep.lm_eval = research.LMEvaluator(
         lm[0].config, eval_batches=2 if args.smoke else 32,
         num_prompts=2 if args.smoke else 16, prompt_len=16 if args.smoke else 64,
@@ -182,23 +184,21 @@ def induction_metrics(r: dict) -> dict:
 
 def eval_se_of_difference(a: dict, b: dict, budget: str, corpus: str) -> float:
   """Standard error, from eval sampling alone, of bpb(a) - bpb(b): both runs are scored
-  on the same batches, so the per-batch differences give it (research.batch_bpb_se)."""
-  from mtp_jax.research import sweep as research
+  on the same batches, so the per-batch differences give it (stats.batch_bpb_se)."""
   ea, eb = a['evals'][budget][corpus], b['evals'][budget][corpus]
   diff = np.subtract(ea['batch_loss_sum_main'], eb['batch_loss_sum_main'])
-  return research.batch_bpb_se(diff, ea['batch_bytes_main'])
+  return stats.batch_bpb_se(diff, ea['batch_bytes_main'])
 
 
 def aggregate(per_run: dict[int, dict]) -> dict:
   """{metric: {'per_seed': {seed: v}, 'mean', 'std'}} over the seeds (None-free metrics)."""
-  from mtp_jax.research import sweep as research
   seeds = sorted(per_run)
   keys = sorted({k for m in per_run.values() for k in m})
   out = {}
   for k in keys:
     vals = {s: per_run[s].get(k) for s in seeds}
     got = [v for v in vals.values() if v is not None]
-    mean, std = research.mean_std(got) if got else (None, None)
+    mean, std = stats.mean_std(got) if got else (None, None)
     out[k] = {'per_seed': vals, 'mean': mean, 'std': std, 'n': len(got)}
   return out
 
@@ -231,8 +231,8 @@ def tabulate(out_dir: str, seeds=None) -> dict:
           runs_a = {r['seed']: r for r in by_variant[v]}
           runs_b = {r['seed']: r for r in by_variant[ABLATION.BASELINE]}
           tests[f'{v} - d0 {metric}'] = {
-              'welch': research.welch([a[s] for s in a], [b[s] for s in b]),
-              'paired': research.paired([a[s] for s in common], [b[s] for s in common]),
+              'welch': stats.welch([a[s] for s in a], [b[s] for s in b]),
+              'paired': stats.paired([a[s] for s in common], [b[s] for s in common]),
               'n': len(common),
               'eval_se_of_difference': float(np.mean([eval_se_of_difference(
                   runs_a[s], runs_b[s], budget, corpus) for s in common]))}
@@ -240,7 +240,7 @@ def tabulate(out_dir: str, seeds=None) -> dict:
       for metric in ('heldout_bpb', 'heldout_agree_1', 'heldout_agree_3'):
         a, b = table['d3']['metrics'][metric]['per_seed'], table['d3p']['metrics'][metric]['per_seed']
         if len(a) >= 2 and len(b) >= 2:
-          tests[f'd3 - d3p {metric}'] = {'welch': research.welch(list(a.values()),
+          tests[f'd3 - d3p {metric}'] = {'welch': stats.welch(list(a.values()),
                                                                  list(b.values()))}
     summary['tests'][budget] = tests
   ind = [r for r in research.load_results(out_dir, 'induction')
@@ -270,15 +270,15 @@ def tabulate(out_dir: str, seeds=None) -> dict:
         b = list(base['metrics'][metric]['per_seed'].values())
         if len(a) >= 2 and len(b) >= 2:
           summary['tests'].setdefault('induction', {})[f'{v} - d0 {metric} (equal FLOPs)'] = {
-              'welch': research.welch(a, b)}
+              'welch': stats.welch(a, b)}
       a = row['metrics']['copy_acc_final']['per_seed']
       b = row['metrics']['d0_copy_acc_same_step']['per_seed']
       common = [s for s in a if b.get(s) is not None]
       if len(common) >= 2:
         summary['tests'].setdefault('induction', {})[
             f'{v} - d0 copy accuracy at {v}\'s last step (equal steps and tokens)'] = {
-                'welch': research.welch([a[s] for s in common], [b[s] for s in common]),
-                'paired': research.paired([a[s] for s in common], [b[s] for s in common])}
+                'welch': stats.welch([a[s] for s in common], [b[s] for s in common]),
+                'paired': stats.paired([a[s] for s in common], [b[s] for s in common])}
   return summary
 
 
