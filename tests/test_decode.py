@@ -582,7 +582,7 @@ def test_cli_bad_input_exits_2(trained, depth0_workdir, tmp_path, capsys):
       (['--workdir', str(tmp_path / 'nope'), '--mode', 'ar', '--prompt', 'abc'],
        'does not exist'),
       (base + ['--prompt', 'abc', '--prompts_file', str(blank)], 'exactly one of'),
-      (['--workdir', workdir, '--prompt', 'abc'], '--mode'),
+      (['--workdir', workdir, '--prompt', 'abc', '--mode', 'fast'], '--mode'),
   ]
   script = _script()
   compiled = len(decode._COMPILED)
