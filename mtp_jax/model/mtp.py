@@ -80,44 +80,37 @@ class ModelArgs:
     The model does not read tokenizers: a config whose model.vocab_size is 0 (the
     tokenizer's size) is resolved first, by data.tokenizers.resolve_vocab_size.
     """
-    m = config.model
-    vocab_size = int(vocab_size or m.vocab_size)
+    vocab_size = int(vocab_size or config.model.vocab_size)
     if vocab_size <= 0:
       raise ConfigError('model.vocab_size is 0 (the tokenizer\'s size): resolve it first '
                         '(mtp_jax.data.tokenizers.resolve_vocab_size) or pass vocab_size')
-    return cls(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers,
-               n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
-               mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-               tie_embeddings=m.tie_embeddings, dtype=jnp.dtype(m.dtype), init_std=m.init_std,
-               mtp_depth=m.mtp.depth, mtp_kind=m.mtp.kind, detach_trunk=m.mtp.detach_trunk,
-               stop_gradient=config_lib.optional(config, 'model.mtp.stop_gradient', False),
-               remat=m.remat, scan_layers=m.scan_layers,
-               attention_core=config_lib.optional(config, 'model.attention_core', 'auto'),
-               attention_block=config_lib.optional(config, 'model.attention_block', 64),
-               attention_bias=config_lib.optional(config, 'model.attention_bias', False),
-               rope_scaling=config_lib.rope_scaling_tuple(config),
-               **_block_fields(config))
+    values = {'vocab_size': vocab_size, 'dtype': jnp.dtype(config.model.dtype),
+              'rope_scaling': config_lib.rope_scaling_tuple(config)}
+    for field in dataclasses.fields(cls):
+      if field.name not in values:  # a config saved before a field existed: its default
+        values[field.name] = config_lib.optional(config, 'model.' + config_path(field.name),
+                                                 field.default)
+    return cls(**values)
 
 
-def _block_fields(config) -> dict:
-  """The block-kind fields; configs saved before they existed read as dense GQA."""
-  out = {'attention': config_lib.optional(config, 'model.attention', 'gqa'),
-         'mlp': config_lib.optional(config, 'model.mlp', 'dense'),
-         'mtp_block_attention': config_lib.optional(config, 'model.mtp.block_attention', ''),
-         'mtp_block_mlp': config_lib.optional(config, 'model.mtp.block_mlp', '')}
-  dispatch = config_lib.optional(config, 'model.moe.dispatch', None)
-  if dispatch is not None:
-    out['moe_dispatch'] = dispatch
-  for group, names in (('mla', ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim',
-                                'qk_rope_head_dim', 'v_head_dim')),
-                       ('moe', ('n_routed_experts', 'n_shared_experts', 'num_experts_per_tok',
-                                'moe_intermediate_size', 'routed_scaling_factor',
-                                'n_group', 'topk_group', 'first_k_dense'))):
-    for name in names:
-      value = config_lib.optional(config, f'model.{group}.{name}', None)
-      if value is not None:
-        out[name] = value
-  return out
+# Where each ModelArgs field lives under config.model when not under its own name there.
+_MLA_FIELDS = ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim',
+               'v_head_dim')
+_MOE_FIELDS = ('n_routed_experts', 'n_shared_experts', 'num_experts_per_tok',
+               'moe_intermediate_size', 'routed_scaling_factor', 'n_group', 'topk_group',
+               'first_k_dense')
+_CONFIG_PATHS = {
+    'mtp_depth': 'mtp.depth', 'mtp_kind': 'mtp.kind', 'detach_trunk': 'mtp.detach_trunk',
+    'stop_gradient': 'mtp.stop_gradient', 'mtp_block_attention': 'mtp.block_attention',
+    'mtp_block_mlp': 'mtp.block_mlp', 'moe_dispatch': 'moe.dispatch',
+    **{name: f'mla.{name}' for name in _MLA_FIELDS},
+    **{name: f'moe.{name}' for name in _MOE_FIELDS},
+}
+
+
+def config_path(field: str) -> str:
+  """The config.model path of a ModelArgs field ('mtp_depth' -> 'mtp.depth')."""
+  return _CONFIG_PATHS.get(field, field)
 
 
 def block_classes(args: ModelArgs, layer: int) -> tuple:
