@@ -26,7 +26,6 @@ import time
 import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # final_params reads checkpoints through mtp_jax.checkpoint
 TMP_MARKER = '.orbax-checkpoint-tmp'
 
 

@@ -2,11 +2,7 @@
 
   python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR DATA_DIR STOP_AFTER
 """
-import os
 import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 
 def main(process_id, num_processes, port, workdir, data_dir, stop_after):
@@ -15,8 +11,7 @@ def main(process_id, num_processes, port, workdir, data_dir, stop_after):
                          cpu_devices=4)
   import jax
   from mtp_jax.train import loop as train
-  sys.path.insert(0, HERE)
-  from helpers import job_config
+  from helpers import job_config  # tests/ is on sys.path: it is this script's folder
   assert jax.process_count() == int(num_processes) and jax.device_count() == 8
   print(distributed.describe(), flush=True)
   train.train_and_evaluate(job_config(data_dir), workdir,

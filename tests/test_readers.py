@@ -214,10 +214,10 @@ def test_a_second_trainer_is_refused(stdlib_data_dir, tmp_path, devices):
   assert cli.exit_code_of(e.value) == 2 and f'pid {os.getpid()} on host' in line, line
   assert sorted(os.listdir(workdir)) == [resilience.LOCK_FILE]  # no checkpoints/, no log
 
-  code = ('import sys, time; sys.path.insert(0, sys.argv[1]); from mtp_jax import resilience; '
-          'resilience.WorkdirLock(sys.argv[2]).acquire(); print("locked", flush=True); '
+  code = ('import sys, time; from mtp_jax.train import resilience; '
+          'resilience.WorkdirLock(sys.argv[1]).acquire(); print("locked", flush=True); '
           'time.sleep(600)')
-  proc = subprocess.Popen([sys.executable, '-c', code, REPO, str(workdir)],
+  proc = subprocess.Popen([sys.executable, '-c', code, str(workdir)],
                           stdout=subprocess.PIPE, text=True,
                           env=dict(os.environ, JAX_PLATFORMS='cpu'))
   try:
