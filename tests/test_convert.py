@@ -1,4 +1,4 @@
-"""Hugging Face-layout import / export (mtp_jax/interop/convert.py, scripts/export.py).
+"""Hugging Face-layout import / export of the MTP layouts (mtp_jax/interop/, mtp-export).
 
 DeepSeek-V3's layout is checked against its published names (README_WEIGHTS.md and
 inference/convert.py of github.com/deepseek-ai/DeepSeek-V3, and the tensor listing of the
@@ -7,7 +7,7 @@ vllm/model_executor/models/mimo_mtp.py, SGLang's python/sglang/srt/models/mimo_m
 and the RoPE row order against transformers' own DeepseekV3 forward.
 """
 import dataclasses
-import importlib.util
+import glob
 import json
 import os
 import re
@@ -20,15 +20,16 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from helpers import REPO, dsv3_model_config, params_with_routing_bias, randomize, tiny_model_config
+from helpers import dsv3_model_config, params_with_routing_bias, randomize, tiny_model_config
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax.data import tokenizers
-from mtp_jax.interop import convert
+from mtp_jax.commands import export as export_cmd
+from mtp_jax.interop import export, fp8, hf, hf_config, layouts
+from mtp_jax.interop.safetensors_io import INDEX, InteropError, Reader, read_json, write_dir
 from mtp_jax.model import layers
 from mtp_jax.model import state as state_lib
 from mtp_jax.model.mtp import MTPModel, ModelArgs
 
-SCRIPT = os.path.join(REPO, 'scripts', 'export.py')
 TOKENS = np.arange(12, dtype=np.int32)[None] * 5 % 64
 
 
@@ -45,6 +46,36 @@ def _model(config, seed=0):
 @nnx.jit
 def _logits(model, tokens):
   return [model.logits(h, k) for k, h in enumerate(model(tokens))]
+
+
+class _Dir:
+  """A written directory: its config.json and its tensors by name, as stored."""
+
+  def __init__(self, directory):
+    self.config = read_json(os.path.join(directory, 'config.json'), directory)
+    self.reader = Reader(directory)
+
+  def keys(self):
+    return self.reader.keys()
+
+  def __getitem__(self, name):
+    return self.reader.get(name)
+
+  def dtype(self, name):
+    return self.reader.dtype(name)
+
+
+def _write(directory, tensors, config) -> str:
+  """A Hugging Face-layout directory of these tensors and config.json."""
+  write_dir(str(directory), tensors)
+  with open(os.path.join(str(directory), 'config.json'), 'w') as f:
+    json.dump(config, f)
+  return str(directory)
+
+
+def _read_back(directory, tensors, config) -> dict:
+  """model_params of what hf.load_dir reads from these tensors and config.json."""
+  return export.model_params(hf.load_dir(_write(directory, tensors, config))[1])
 
 
 def _assert_same_tree(a, b):
@@ -158,14 +189,14 @@ def test_rope_rows_permute_between_pair_and_half_order():
   z = (x_pairs[..., 0::2] + 1j * x_pairs[..., 1::2]) * np.exp(1j * angle)[None, :, None]
   rotated_pairs = np.stack([z.real, z.imag], -1).reshape(x_pairs.shape)
   pos = jnp.arange(t)[None]
-  got = layers.apply_rope(jnp.asarray(convert.rope_to_half(x_pairs, 0)), pos, 10000.0)
-  np.testing.assert_allclose(np.asarray(got), convert.rope_to_half(rotated_pairs, 0),
+  got = layers.apply_rope(jnp.asarray(layouts.rope_to_half(x_pairs, 0)), pos, 10000.0)
+  np.testing.assert_allclose(np.asarray(got), layouts.rope_to_half(rotated_pairs, 0),
                              rtol=1e-5, atol=1e-5)
   w = rng.normal(size=(3, 4, 6 + dr))  # [in, heads, nope + rope]: only the rope tail moves
-  moved = convert.rope_to_pairs(w, 6)
+  moved = layouts.rope_to_pairs(w, 6)
   np.testing.assert_array_equal(moved[..., :6], w[..., :6])
   assert not np.array_equal(moved, w)
-  np.testing.assert_array_equal(convert.rope_to_half(moved, 6), w)
+  np.testing.assert_array_equal(layouts.rope_to_half(moved, 6), w)
 
 
 # -- DeepSeek-V3 layout ---------------------------------------------------------------------
@@ -174,13 +205,13 @@ def dsv3(tmp_path_factory):
   """A random MLA + MoE model with D = 2 (routing biases random), and its FP8 export."""
   args, model = _model(dsv3_model_config(2))
   out = str(tmp_path_factory.mktemp('dsv3') / 'fp8')
-  convert.export_model(model, out, 'deepseek_v3', fp8=True)
+  export.export_model(model, out, 'deepseek_v3', fp8=True)
   return args, model, out
 
 
 def test_deepseek_v3_names_dtypes_and_shapes_are_the_published_ones(dsv3):
   args, _, out = dsv3
-  ckpt = convert.Checkpoint(out)
+  ckpt = _Dir(out)
   want = published_tensors(ckpt.config)
   assert sorted(ckpt.keys()) == sorted(want)
   wide = {'BF16', 'F32'}  # this export keeps the wide tensors float32, as trained
@@ -209,15 +240,15 @@ def test_deepseek_v3_names_dtypes_and_shapes_are_the_published_ones(dsv3):
 def test_fp8_export_loads_as_its_dequantised_weights(dsv3):
   """Loading dequantises each FP8 weight block by its scale; the rest is bit-exact."""
   args, model, out = dsv3
-  ckpt = convert.Checkpoint(out)
-  _, loaded = convert.load_dir(out)
-  again = convert.to_hf(convert.model_params(loaded), args)
-  exact = convert.to_hf(convert.model_params(model), args)
+  ckpt = _Dir(out)
+  _, loaded = hf.load_dir(out)
+  again = export.to_hf_tensors(export.model_params(loaded), args, 'deepseek_v3')
+  exact = export.to_hf_tensors(export.model_params(model), args, 'deepseek_v3')
   assert sorted(again) == sorted(n for n in ckpt.keys() if not n.endswith('_scale_inv'))
   for name, x in again.items():
     if ckpt.dtype(name) == 'F8_E4M3':
       np.testing.assert_array_equal(
-          x, convert.dequantize_fp8(ckpt[name], ckpt[f'{name}_scale_inv']))
+          x, fp8.dequantize(ckpt[name], ckpt[f'{name}_scale_inv']))
       scale = np.repeat(np.repeat(ckpt[f'{name}_scale_inv'], 128, 0), 128, 1)
       err = np.abs(x - exact[name]) / scale[:x.shape[0], :x.shape[1]]
       assert err.max() <= 16, name  # half an e4m3 step at the top binade (448: steps of 32)
@@ -235,7 +266,7 @@ def _write_synthetic(directory, c, rng):
       continue
     if name.endswith('_scale_inv'):
       w = rng.normal(size=want[name[:-len('_scale_inv')]][0]).astype(np.float32) * 0.2
-      tensors[name[:-len('_scale_inv')]], tensors[name] = convert.quantize_fp8(w)
+      tensors[name[:-len('_scale_inv')]], tensors[name] = fp8.quantize(w)
     elif len(shape) == 1 and 'bias' not in name:
       tensors[name] = (1 + 0.3 * rng.normal(size=shape)).astype(ml_dtypes.bfloat16)
     else:
@@ -252,7 +283,7 @@ def _write_synthetic(directory, c, rng):
   for file, keys in files.items():
     save_file({k: tensors[k] for k in keys}, os.path.join(directory, file),
               metadata={'format': 'pt'})
-  with open(os.path.join(directory, convert.INDEX), 'w') as f:
+  with open(os.path.join(directory, INDEX), 'w') as f:
     json.dump({'weight_map': {k: file for file, keys in files.items() for k in keys}}, f)
   with open(os.path.join(directory, 'config.json'), 'w') as f:
     json.dump(c, f)
@@ -260,8 +291,8 @@ def _write_synthetic(directory, c, rng):
 
 
 def _synthetic_config(q_lora_rank):
-  c = convert.hf_config(ModelArgs.from_config(tokenizers.resolve_vocab_size(dsv3_model_config(1, q_lora_rank=q_lora_rank))),
-                        'deepseek_v3', fp8=True)
+  args = ModelArgs.from_config(dsv3_model_config(1, q_lora_rank=q_lora_rank))
+  c = hf_config.to_hf(args, 'deepseek_v3', fp8=True)
   c['moe_intermediate_size'] = 136  # > 128: a partial second FP8 block
   c['rope_scaling'], c['rope_theta'] = None, 50000.0
   c['tie_word_embeddings'] = False  # as the release
@@ -275,15 +306,16 @@ def test_synthetic_release_layout_checkpoint_loads_and_round_trips(tmp_path, q_l
   tensor as its dequantised float32 value, bit for bit, under the same names."""
   c = _synthetic_config(q_lora_rank)
   src = _write_synthetic(str(tmp_path / 'v3'), c, np.random.default_rng(q_lora_rank))
-  config, model = convert.load_dir(str(tmp_path / 'v3'))
-  assert (config.model.mla.q_lora_rank, config.model.moe.moe_intermediate_size) == (q_lora_rank, 136)
+  config, model = hf.load_dir(str(tmp_path / 'v3'))
+  m = config.model
+  assert (m.mla.q_lora_rank, m.moe.moe_intermediate_size) == (q_lora_rank, 136)
   assert config.model.rope_theta == 50000.0 and config.model.mtp.depth == 1
-  out = convert.to_hf(convert.model_params(model), model.args)
+  out = export.to_hf_tensors(export.model_params(model), model.args, 'deepseek_v3')
   assert sorted(out) == sorted(k for k in src if not k.endswith('_scale_inv'))
   for name, x in out.items():
     want = src[name]
     if want.dtype == ml_dtypes.float8_e4m3fn:
-      want = convert.dequantize_fp8(want, src[f'{name}_scale_inv'])
+      want = fp8.dequantize(want, src[f'{name}_scale_inv'])
     np.testing.assert_array_equal(x, want.astype(np.float32), err_msg=name)
   bias = model.layers[1].mlp.gate.e_score_correction_bias[...]
   np.testing.assert_array_equal(bias, src['model.layers.1.mlp.gate.e_score_correction_bias'])
@@ -294,14 +326,14 @@ def test_export_reimport_is_bit_exact_and_computes_the_same(dsv3, tmp_path):
   routing biases included, and so every depth's logits are identical."""
   args, model, _ = dsv3
   out = str(tmp_path / 'f32')
-  written = convert.export_model(model, out, 'deepseek_v3', shard_bytes=40_000)
+  written = export.export_model(model, out, 'deepseek_v3', shard_bytes=40_000)
   assert len([f for f in os.listdir(out) if f.endswith('.safetensors')]) > 2
   assert all(x.dtype == np.float32 for x in written.values())
-  config, loaded = convert.load_dir(out)
+  config, loaded = hf.load_dir(out)
   unused = {'n_kv_heads': 0, 'head_dim': 0}  # GQA's widths: no config.json field for MLA
-  assert (dataclasses.replace(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), **unused)
+  assert (dataclasses.replace(ModelArgs.from_config(config), **unused)
           == dataclasses.replace(args, **unused))
-  _assert_same_tree(convert.model_params(loaded), convert.model_params(model))
+  _assert_same_tree(export.model_params(loaded), export.model_params(model))
   for a, b in zip(_logits(model, TOKENS), _logits(loaded, TOKENS)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -322,59 +354,51 @@ QWEN2_LAYER_KEYS = MIMO_LAYER_KEYS[4:]
 
 
 @pytest.mark.parametrize('tie', [True, False])
-def test_mimo_names_and_round_trip(tie):
+def test_mimo_names_and_round_trip(tie, tmp_path):
   c = tiny_model_config(2, tie_embeddings=tie)
   args, model = _model(c)
-  params = convert.model_params(model)
-  hf = convert.to_hf(params, args, 'mimo')
+  params = export.model_params(model)
+  tensors = export.to_hf_tensors(params, args, 'mimo')
   want = {'model.embed_tokens.weight', 'model.norm.weight', 'lm_head.weight'}
   want |= {f'model.layers.{i}.{k}' for i in range(args.n_layers) for k in QWEN2_LAYER_KEYS}
   want |= {f'model.mtp_layers.{i}.{k}' for i in range(2) for k in MIMO_LAYER_KEYS}
-  assert set(hf) == want
+  assert set(tensors) == want
   d = args.d_model
-  eh = params['mtp'][0]['eh_proj']['kernel']  # rows :d act on the embedding here
-  np.testing.assert_array_equal(hf['model.mtp_layers.0.input_proj.weight'][:, :d], eh[d:].T)
-  np.testing.assert_array_equal(hf['model.mtp_layers.0.input_proj.weight'][:, d:], eh[:d].T)
-  assert not np.any(hf['model.layers.1.self_attn.k_proj.bias'])
-  assert hf['model.layers.1.self_attn.k_proj.bias'].shape == (args.n_kv_heads * args.head_dim,)
-  _assert_same_tree(convert.from_hf(hf, args, 'mimo'), params)
-  cfg = convert.hf_config(args, 'mimo')
-  assert (cfg['model_type'], cfg['num_nextn_predict_layers']) == ('mimo', 2)
-  assert ModelArgs.from_config(tokenizers.resolve_vocab_size(convert.config_from_hf(cfg))) == args
+  eh = params[('mtp', '0', 'eh_proj', 'kernel')]  # rows :d act on the embedding here
+  np.testing.assert_array_equal(tensors['model.mtp_layers.0.input_proj.weight'][:, :d], eh[d:].T)
+  np.testing.assert_array_equal(tensors['model.mtp_layers.0.input_proj.weight'][:, d:], eh[:d].T)
+  assert not np.any(tensors['model.layers.1.self_attn.k_proj.bias'])
+  assert tensors['model.layers.1.self_attn.k_proj.bias'].shape == (args.n_kv_heads * args.head_dim,)
+  cfg = hf_config.to_hf(args, 'mimo')
+  assert (cfg['architectures'], cfg['num_nextn_predict_layers']) == (['MiMoForCausalLM'], 2)
+  assert ModelArgs.from_config(hf_config.to_config(cfg)) == args
+  _assert_same_tree(_read_back(tmp_path / 'mimo', tensors, cfg), params)
 
 
-def test_mimo_keeps_a_qwen2_trunks_biases_and_refuses_scaled_rope():
+def test_mimo_keeps_a_qwen2_trunks_biases_and_its_rope_scaling(tmp_path):
   """A model with q/k/v biases (an hf: Qwen2 trunk) exports them, flagged attention_bias,
-  and reads back bit-exactly; scaled RoPE is refused rather than written unscaled."""
-  args, model = _model(tiny_model_config(2, attention_bias=True))
-  params = convert.model_params(model)
-  assert np.any(params['layers'][1]['self_attn']['k_proj']['bias'])
-  hf = convert.to_hf(params, args, 'mimo')
-  np.testing.assert_array_equal(hf['model.layers.1.self_attn.k_proj.bias'],
-                                np.asarray(params['layers'][1]['self_attn']['k_proj']['bias']).reshape(-1))
-  cfg = convert.hf_config(args, 'mimo')
+  and reads back bit-exactly, its RoPE scaling too; zero biases must be zero."""
+  c = tiny_model_config(2, attention_bias=True)
+  c.model.rope_scaling.kind, c.model.rope_scaling.factor = 'linear', 2.0
+  args, model = _model(c)
+  params = export.model_params(model)
+  bias = params[('layers', '1', 'self_attn', 'k_proj', 'bias')]
+  assert np.any(bias)
+  tensors = export.to_hf_tensors(params, args, 'mimo')
+  np.testing.assert_array_equal(tensors['model.layers.1.self_attn.k_proj.bias'], bias.reshape(-1))
+  cfg = hf_config.to_hf(args, 'mimo')
   assert cfg['attention_bias'] is True
-  back = ModelArgs.from_config(tokenizers.resolve_vocab_size(convert.config_from_hf(cfg)))
-  assert back == args
-  _assert_same_tree(convert.from_hf(hf, back, 'mimo'), params)
-  plain, _ = _model(tiny_model_config(2))
-  with pytest.raises(convert.ConvertError, match='q_proj.bias is not zero but config.json'):
-    convert.from_hf(hf, plain, 'mimo')
-  scaled = dataclasses.replace(args, rope_scaling=('linear', 2.0))
-  with pytest.raises(convert.ConvertError, match="model.rope_scaling 'linear'"):
-    convert.hf_config(scaled, 'mimo')
+  assert cfg['rope_scaling'] == {'rope_type': 'linear', 'factor': 2.0}
+  assert ModelArgs.from_config(hf_config.to_config(cfg)) == args
+  _assert_same_tree(_read_back(tmp_path / 'biased', tensors, cfg), params)
+  plain = ModelArgs.from_config(tiny_model_config(2))
+  with pytest.raises(InteropError, match='q_proj.bias is not zero but config.json'):
+    _read_back(tmp_path / 'plain', tensors, hf_config.to_hf(plain, 'mimo'))
 
 
-# -- scripts/export.py ------------------------------------------------------------------------
-def _script():
-  spec = importlib.util.spec_from_file_location('export_script', SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def _workdir(path, config, seed):
-  """A workdir holding one checkpoint of a random model (routing biases random too)."""
+# -- the export command ---------------------------------------------------------------------
+def _workdir(path, config, seed, steps=(3,)):
+  """A workdir holding checkpoints of a random model (routing biases random too)."""
   model, optimizer = state_lib.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
   if config.model.mlp == 'moe':
     params_with_routing_bias(model, seed)
@@ -382,38 +406,65 @@ def _workdir(path, config, seed):
     randomize(model, seed)
   ckpt = ckpt_lib.Checkpointer(os.path.join(path, 'checkpoints'), async_save=False)
   state = nnx.state((model, optimizer))
-  ckpt.save(3, state, meta={'step': 3, 'config': json.loads(config.to_json_best_effort()),
-                            **ckpt_lib.integrity_meta(state)}, force=True)
+  for step in steps:
+    ckpt.save(step, state, meta={'step': step, 'config': json.loads(config.to_json_best_effort()),
+                                 **ckpt_lib.integrity_meta(state)}, force=True)
   ckpt.close()
   return model
 
 
+def _byte_vocab(config):
+  config.model.vocab_size = 320  # the byte tokenizer's 258 ids, rounded up
+  return config
+
+
 @pytest.mark.parametrize('layout', ['deepseek_v3', 'mimo'])
-def test_export_script_round_trip_is_bit_exact(tmp_path, capsys, layout):
-  config = dsv3_model_config(1) if layout == 'deepseek_v3' else tiny_model_config(2)
+def test_export_command_round_trip_is_bit_exact(tmp_path, capsys, layout):
+  config = _byte_vocab(dsv3_model_config(1) if layout == 'deepseek_v3' else tiny_model_config(2))
   model = _workdir(str(tmp_path / 'run'), config, seed=3)
   out = str(tmp_path / 'hf')
-  assert _script().main(['--workdir', str(tmp_path / 'run'), '--out', out, '--layout', layout,
-                         '--json']) == 0
+  assert export_cmd.main(['--workdir', str(tmp_path / 'run'), '--out', out, '--layout', layout,
+                          '--json']) == 0
   summary = json.loads(capsys.readouterr().out)
   assert (summary['step'], summary['layout'], summary['mtp_depth']) == (3, layout,
                                                                         config.model.mtp.depth)
-  _, loaded = convert.load_dir(out)
-  _assert_same_tree(convert.model_params(loaded), convert.model_params(model))
+  _, loaded = hf.load_dir(out)
+  _assert_same_tree(export.model_params(loaded), export.model_params(model))
 
 
-def test_export_script_bad_input_is_one_line_exit_2(tmp_path, capsys):
+def test_export_falls_back_to_the_newest_intact_checkpoint(tmp_path, capsys):
+  """Without --step a broken newest checkpoint (a trainer's half-removed step) gives way to
+  the one before, with a warning; with --step it is one error line."""
+  run = str(tmp_path / 'run')
+  _workdir(run, _byte_vocab(tiny_model_config(1)), seed=2, steps=(3, 5))
+  arrays = glob.glob(os.path.join(run, 'checkpoints', '5', 'state', '**', 'd', '*'),
+                     recursive=True)
+  largest = max(arrays, key=os.path.getsize)
+  data = open(largest, 'rb').read()
+  open(largest, 'wb').write(data[:len(data) // 2])
+  assert export_cmd.main(['--workdir', run, '--out', str(tmp_path / 'a'), '--layout', 'llama',
+                          '--json']) == 0
+  captured = capsys.readouterr()
+  assert json.loads(captured.out)['step'] == 3 and 'checkpoint 5' in captured.err
+  assert _run(['--workdir', run, '--out', str(tmp_path / 'b'), '--layout', 'llama',
+               '--step', '5']) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith('error: checkpoint 5'), err
+
+
+def test_export_command_bad_input_is_one_line_exit_2(tmp_path, capsys):
   gqa, mla = str(tmp_path / 'gqa'), str(tmp_path / 'mla')
-  _workdir(gqa, tiny_model_config(1), seed=1)
-  _workdir(mla, dsv3_model_config(1), seed=1)
+  _workdir(gqa, _byte_vocab(tiny_model_config(1)), seed=1)
+  _workdir(mla, _byte_vocab(dsv3_model_config(1)), seed=1)
   os.makedirs(tmp_path / 'full')
   open(tmp_path / 'full' / 'x', 'w').close()
   out = str(tmp_path / 'o')
   cases = [
       (['--workdir', str(tmp_path / 'nope'), '--out', out, '--layout', 'mimo'], 'does not exist'),
-      (['--workdir', gqa, '--out', out, '--layout', 'llama'], "invalid choice: 'llama'"),
+      (['--workdir', gqa, '--out', out, '--layout', 'gpt2'], "invalid choice: 'gpt2'"),
       (['--workdir', gqa, '--out', out, '--layout', 'deepseek_v3'], 'needs MLA attention'),
       (['--workdir', mla, '--out', out, '--layout', 'mimo'], 'dense GQA'),
+      (['--workdir', mla, '--out', out, '--layout', 'llama'], 'dense GQA'),
       (['--workdir', gqa, '--out', out, '--layout', 'mimo', '--fp8'], '--fp8'),
       (['--workdir', gqa, '--out', str(tmp_path / 'full'), '--layout', 'mimo'],
        'not an empty directory'),
@@ -428,64 +479,102 @@ def test_export_script_bad_input_is_one_line_exit_2(tmp_path, capsys):
   assert not os.path.exists(out)
 
 
+def test_export_help_names_the_options_and_defaults(capsys):
+  assert _run(['--help']) == 0
+  text = capsys.readouterr().out
+  for option in ('--workdir', '--out', '--layout', '--step', '--fp8', '--shard_mb', '--json',
+                 'llama', 'deepseek_v3', 'mimo', 'default: 4096'):
+    assert option in text, option
+
+
 def _run(argv) -> int:
-  """The script's exit code, flag errors (argparse's SystemExit) included."""
+  """The command's exit code, flag errors (argparse's SystemExit) included."""
   try:
-    return _script().main(argv)
+    return export_cmd.main(argv)
   except SystemExit as e:
     return e.code
 
 
 # -- bad checkpoints --------------------------------------------------------------------------
+def _corrupt(path, how):
+  """A safetensors file truncated, with a bad header, or with a dtype nobody reads."""
+  raw = open(path, 'rb').read()
+  n = int.from_bytes(raw[:8], 'little')
+  if how == 'truncated':
+    raw = raw[:-7]
+  elif how == 'bad_header':
+    raw = raw[:8] + b'{x' + raw[10:]
+  else:
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != '__metadata__')
+    header[name]['dtype'] = how
+    text = json.dumps(header).encode()
+    text += b' ' * (-len(text) % 8)
+    raw = len(text).to_bytes(8, 'little') + text + raw[8 + n:]
+  open(path, 'wb').write(raw)
+
+
 def test_bad_checkpoints_name_the_tensor_or_field(tmp_path, dsv3):
   args, model, fp8_dir = dsv3
   good = str(tmp_path / 'good')
-  convert.export_model(model, good, 'deepseek_v3')
-  ckpt = convert.Checkpoint(good)
+  export.export_model(model, good, 'deepseek_v3')
+  ckpt = _Dir(good)
   tensors = {k: ckpt[k] for k in ckpt.keys()}
 
   def variant(name, change=None, config=None):
-    d = str(tmp_path / name)
     t = dict(tensors)
     if change:
       change(t)
-    convert.write_dir(d, t, dict(ckpt.config, **(config or {})))
+    return _write(tmp_path / name, t, dict(ckpt.config, **(config or {})))
+
+  def corrupt(how):
+    d = variant(how)
+    _corrupt(os.path.join(d, 'model.safetensors'), how)
     return d
 
   q = 'model.layers.1.self_attn.q_b_proj.weight'
   cases = [
-      (str(tmp_path / 'absent'), 'is not a directory'),
+      (str(tmp_path / 'absent'), 'does not exist'),
       (variant('no_tensor', lambda t: t.pop('model.layers.2.mlp.gate.weight')),
-       'lacks tensor model.layers.2.mlp.gate.weight'),
+       'tensor model.layers.2.mlp.gate.weight is missing'),
       (variant('shape', lambda t: t.update({q: t[q][:-1]})), f'tensor {q} has shape'),
       (variant('extra', lambda t: t.update({'model.layers.9.enorm.weight': np.ones(3)})),
-       'not part of this model'),
+       'unexpected tensor model.layers.9.enorm.weight'),
       (variant('copy', lambda t: t.update({'model.layers.2.embed_tokens.weight':
                                            t['model.embed_tokens.weight'] + 1})),
        'shares Emb and OutHead'),
       (variant('no_mtp', lambda t: [t.pop(k) for k in list(t) if k.startswith('model.layers.3.')]),
        'no tensor of MTP depth 2 (model.layers.3.*)'),
-      (variant('llama', config={'model_type': 'llama'}), "model_type 'llama'"),
+      (variant('gpt2', config={'architectures': ['GPT2LMHeadModel']}),
+       "architectures 'GPT2LMHeadModel' is not supported (unknown architecture); supported: "
+       'LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, DeepseekV3ForCausalLM, '
+       'MiMoForCausalLM'),
       (variant('yarn', config={'rope_scaling': {'type': 'yarn', 'factor': 40}}), "'yarn'"),
       (variant('softmax', config={'scoring_func': 'softmax'}), 'scoring_func'),
+      (variant('int8', lambda t: t.update({q: t[q].astype(np.int8)})),
+       f'tensor {q} has dtype I8; only F32, BF16, F16, F8_E4M3 are read'),
+      (corrupt('truncated'), 'model.safetensors is not a readable safetensors file: truncated'),
+      (corrupt('bad_header'), 'model.safetensors is not a readable safetensors file: a bad header'),
+      (corrupt('Q4'), 'model.safetensors is not a readable safetensors file: a dtype the '
+       'safetensors library does not know'),
   ]
   os.makedirs(tmp_path / 'no_config')
-  cases.append((str(tmp_path / 'no_config'), 'has no config.json'))
-  fp8 = convert.Checkpoint(fp8_dir)
-  no_scale = {k: fp8[k] for k in fp8.keys() if k != f'{q}_scale_inv'}
-  convert.write_dir(str(tmp_path / 'no_scale'), no_scale, fp8.config)
-  cases.append((str(tmp_path / 'no_scale'), f'{q} has no {q}_scale_inv'))
+  cases.append((str(tmp_path / 'no_config'), 'no config.json in the directory'))
+  fp8_ckpt = _Dir(fp8_dir)
+  no_scale = {k: fp8_ckpt[k] for k in fp8_ckpt.keys() if k != f'{q}_scale_inv'}
+  cases.append((_write(tmp_path / 'no_scale', no_scale, fp8_ckpt.config),
+                f'{q} has no {q}_scale_inv'))
   for directory, message in cases:
-    with pytest.raises(convert.ConvertError, match=re.escape(message)) as e:
-      convert.load_dir(directory)
+    with pytest.raises(InteropError, match=re.escape(message)) as e:
+      hf.load_dir(directory)
     assert '\n' not in str(e.value) and e.value.exit_code == 2
-  biased = convert.to_hf(convert.model_params(_model(tiny_model_config(1))[1]),
-                         ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(1))), 'mimo')
+  args = ModelArgs.from_config(tiny_model_config(1))
+  biased = export.to_hf_tensors(export.model_params(_model(tiny_model_config(1))[1]), args, 'mimo')
   biased['model.layers.0.self_attn.v_proj.bias'] += 1
-  with pytest.raises(convert.ConvertError, match='v_proj.bias is not zero'):
-    convert.from_hf(biased, ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(1))), 'mimo')
-  with pytest.raises(convert.ConvertError, match='sequential MTP modules only'):
-    convert.check_layout(ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(1, 'parallel'))), 'mimo')
+  with pytest.raises(InteropError, match='v_proj.bias is not zero'):
+    _read_back(tmp_path / 'biased', biased, hf_config.to_hf(args, 'mimo'))
+  with pytest.raises(InteropError, match='sequential MTP modules only'):
+    layouts.check_layout(ModelArgs.from_config(tiny_model_config(1, 'parallel')), 'mimo')
 
 
 # -- against transformers' DeepseekV3 (torch, a test extra) -----------------------------------
@@ -500,7 +589,7 @@ def test_logits_match_transformers_deepseek_v3_both_ways(tmp_path):
   # DeepSeek-V3's, and transformers' DeepseekV3 implements it independently of moe.route.
   mcfg = dsv3_model_config(1, n_routed_experts=8, n_group=4, topk_group=2)
   args = ModelArgs.from_config(tokenizers.resolve_vocab_size(mcfg))
-  hf_cfg = convert.hf_config(args, 'deepseek_v3')
+  hf_cfg = hf_config.to_hf(args, 'deepseek_v3')
   hf_cfg['num_nextn_predict_layers'] = 0  # transformers builds no MTP layer
   torch.manual_seed(0)
   ref = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**hf_cfg)).eval()
@@ -514,33 +603,14 @@ def test_logits_match_transformers_deepseek_v3_both_ways(tmp_path):
   tokens = torch.tensor(TOKENS, dtype=torch.long)
   with torch.no_grad():
     want = ref(tokens).logits.numpy()
-  _, loaded = convert.load_dir(str(tmp_path / 'ref'))
+  _, loaded = hf.load_dir(str(tmp_path / 'ref'))
   assert loaded.args.mtp_depth == 0
   got = np.asarray(_logits(loaded, TOKENS)[0])
   assert np.abs(got - want).max() <= 1e-4 and np.abs(want).max() > 1
   _, model = _model(mcfg, seed=4)  # the other way, with an MTP layer transformers skips
-  convert.export_model(model, str(tmp_path / 'ours'), 'deepseek_v3')
+  export.export_model(model, str(tmp_path / 'ours'), 'deepseek_v3')
   back = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / 'ours')).eval()
   with torch.no_grad():
     theirs = back(tokens).logits.numpy()
-  ours = np.asarray(_logits(model, TOKENS)[0])
-  assert np.abs(ours - theirs).max() <= 1e-4 and np.abs(ours).max() > 1
-
-
-@pytest.mark.slow
-def test_mimo_export_trunk_is_a_qwen2_model(tmp_path):
-  """transformers' Qwen2ForCausalLM reads the mimo export's trunk (zero q/k/v biases) and
-  computes this project's main logits; the MTP layers are the extra MiMo names it skips."""
-  torch = pytest.importorskip('torch')
-  transformers = pytest.importorskip('transformers')
-  _, model = _model(tiny_model_config(1, tie_embeddings=False), seed=6)
-  convert.export_model(model, str(tmp_path / 'mimo'), 'mimo')
-  with open(tmp_path / 'mimo' / 'config.json') as f:
-    cfg = json.load(f)
-  cfg.pop('model_type')
-  qwen = transformers.Qwen2ForCausalLM.from_pretrained(
-      str(tmp_path / 'mimo'), config=transformers.Qwen2Config(**cfg)).eval()
-  with torch.no_grad():
-    theirs = qwen(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
   ours = np.asarray(_logits(model, TOKENS)[0])
   assert np.abs(ours - theirs).max() <= 1e-4 and np.abs(ours).max() > 1

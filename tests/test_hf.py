@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 from helpers import REPO, hf_tokenizer_texts, load_config
 from mtp_jax import config_lib
 from mtp_jax.interop import hf
+from mtp_jax.interop import layouts
 from mtp_jax.model import layers
 from mtp_jax.runtime import sharding
 from mtp_jax.train import loop as train
@@ -142,7 +143,9 @@ def test_sharded_load_equals_one_device(hf_models, loaded, devices):
   got = hf.load_into(directory, model.args, targets)
   want = dict(leaf_paths(nnx.state(model)))
   split = 0
-  for t in hf.tensor_table(model.args):
+  for t in layouts.tensor_table(model.args, 'llama'):
+    if t.path is None:  # the tied head: no parameter of its own
+      continue
     arr = got[t.path]
     assert arr.sharding == shardings[t.path], t.name
     np.testing.assert_array_equal(np.asarray(arr), np.asarray(want[t.path]), err_msg=t.name)
@@ -211,7 +214,7 @@ def torch_trunk(ref) -> dict:
   return {k: v.numpy() for k, v in ref.state_dict().items()}
 
 
-def as_ours(t: hf.Tensor, w: np.ndarray, args) -> np.ndarray:
+def as_ours(t: layouts.Tensor, w: np.ndarray, args) -> np.ndarray:
   h = args.head_dim
   return {'copy': lambda: w, 'T': lambda: w.T,
           'in_heads': lambda: w.T.reshape(w.shape[1], -1, h),
@@ -245,7 +248,7 @@ def test_frozen_mtp_training_keeps_the_hf_trunk_and_spec_decoding_is_lossless(
   end = leaves_at(workdir, 3)
   weights = torch_trunk(ref)
   args = hf.ModelArgs.from_config(tokenizers.resolve_vocab_size(c))
-  table = hf.tensor_table(args)
+  table = layouts.tensor_table(args, 'llama')
   assert len(table) == 3 + 2 * 9
   for t in table:
     want = as_ours(t, weights[t.name], args)
@@ -316,9 +319,10 @@ def _bad_dir(kind, hf_models, tmp_path):
   if kind == 'layers':
     _edit_json(d / 'config.json', num_hidden_layers=3)
     return f'hf:{d}', 'tensor model.layers.2.input_layernorm.weight is missing'
-  if kind == 'moe':
-    _edit_json(d / 'config.json', architectures=['DeepseekV3ForCausalLM'])
-    return f'hf:{d}', r"architectures 'DeepseekV3ForCausalLM' is not supported \(MLA \+ MoE"
+  if kind == 'qwen3':
+    _edit_json(d / 'config.json', architectures=['Qwen3ForCausalLM'])
+    return f'hf:{d}', (r"architectures 'Qwen3ForCausalLM' is not supported \(Qwen3 has q/k "
+                       r"norms.*\); supported: LlamaForCausalLM, .*DeepseekV3ForCausalLM")
   if kind == 'unknown_arch':
     _edit_json(d / 'config.json', architectures=['FancyNewForCausalLM'])
     return f'hf:{d}', r"architectures 'FancyNewForCausalLM' is not supported \(unknown"
@@ -343,7 +347,7 @@ def _bad_dir(kind, hf_models, tmp_path):
   raise AssertionError(kind)
 
 
-BAD = ('nonexistent', 'a_file', 'empty', 'no_config', 'hidden_size', 'layers', 'moe',
+BAD = ('nonexistent', 'a_file', 'empty', 'no_config', 'hidden_size', 'layers', 'qwen3',
        'unknown_arch', 'rope_type', 'missing_tensor', 'wrong_shape', 'extra_tensor',
        'no_tokenizer')
 

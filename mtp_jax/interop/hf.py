@@ -357,13 +357,7 @@ def load_dir(directory: str, base=None) -> tuple:
   it has one. InteropError on bad input, before anything compiles."""
   directory = os.path.abspath(os.path.expanduser(directory))
   where = directory
-  config = config_lib.base_config() if base is None else base
-  family, fields = hf_config.model_fields(read_config(directory, where), where)
-  if family in ('deepseek_v3', 'mimo'):
-    fields.update({'mtp.kind': 'sequential', 'mtp.block_attention': '', 'mtp.block_mlp': ''})
-  else:
-    fields['mtp.depth'] = 0
-  hf_config.set_fields(config.model, fields)
+  config = hf_config.to_config(read_config(directory, where), where, base)
   if any(os.path.isfile(os.path.join(directory, n)) for n in ('tokenizer.json',
                                                               'tokenizer.model')):
     _set_tokenizer(config, directory, where, [])
