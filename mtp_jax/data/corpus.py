@@ -35,10 +35,11 @@ def resolve_root(corpus_dir: str = '') -> str:
 
 def list_files(root: str, extensions: Sequence[str] = ('.py',), *,
                skip_dirs: frozenset = _SKIP_DIRS, skip_hidden: bool = False,
-               field: str = 'data.corpus_dir') -> list[str]:
+               field: str = 'data.corpus_dir', hint: str = '') -> list[str]:
   """Sorted relative POSIX paths of the files under root ending in one of `extensions`.
 
-  ConfigError naming `field` when root is not a readable directory or holds no such file.
+  ConfigError naming `field` when root is not a readable directory or holds no such file
+  (`hint`: what to change then; default: for data.corpus_dir).
   skip_hidden: also leave out directories whose names start with '.' (.git, .venv).
   """
   if not os.path.isdir(root) or not os.access(root, os.R_OK | os.X_OK):
@@ -55,7 +56,9 @@ def list_files(root: str, extensions: Sequence[str] = ('.py',), *,
         paths.append(rel.replace(os.sep, '/'))
   if not paths:
     what = ' or '.join(ends) if len(ends) > 1 else ends[0]
-    raise ConfigError(f'{field}: corpus root {root!r} contains no {what} files')
+    hint = hint or (f"point {field} at a folder holding {what} files ('' reads this "
+                    "interpreter's standard library)")
+    raise ConfigError(f'{field}: corpus root {root!r} contains no {what} files; {hint}')
   return sorted(paths)
 
 

@@ -107,7 +107,8 @@ def _record_files(root: str, source: str) -> list[tuple[str, str]]:
   if not os.path.isdir(root):
     raise ConfigError(f'data.path {root!r} is neither a {suffix} file nor a directory')
   rels = corpus.list_files(root, extensions=(suffix,), skip_dirs=_SKIP_DIRS, skip_hidden=True,
-                           field='data.path')
+                           field='data.path', hint=f'point data.path at a {suffix} file or a '
+                           'folder holding some, or set data.source to the format it holds')
   return [(os.path.join(root, r), r) for r in rels]
 
 
@@ -175,7 +176,9 @@ def _files_source(d, split: str) -> FilesSource:
   root = _root(d.path)
   ext = tuple(d.extensions)
   rels = corpus.list_files(root, extensions=ext, skip_dirs=_SKIP_DIRS, skip_hidden=True,
-                           field='data.path')
+                           field='data.path', hint='point data.path at a folder holding them, or '
+                           'list the endings to read, e.g. --config.data.extensions="(\'.md\', '
+                           '\'.txt\')"')
   return FilesSource(root, corpus.split_files(rels, d.validation_percent)[split], d.text_key)
 
 
@@ -390,5 +393,6 @@ def data_source(data_config, split: str):
     source = cls(files, fields, split, d.validation_percent)
   if len(source) == 0:
     raise ConfigError(f'{describe(d)}: split {split!r} is empty (data.validation_percent '
-                      f'{d.validation_percent:g} of the records are held out)')
+                      f'{d.validation_percent:g} of the records are held out): add records, '
+                      'or hold out more with --config.data.validation_percent (e.g. 20)')
   return source

@@ -266,7 +266,8 @@ def format_table(r: dict) -> str:
     agree = f"{stat('agree'):9.4f}" if k else f"{'-':>9}"
     lines.append(f"{depth_name(k).replace('_', ' '):<8}{stat('loss'):9.4f}"
                  f"{stat('acc'):9.4f}{agree}{stat('bpb'):9.4f}")
-  lines.append('')
+  lines += ['loss: cross-entropy in nats per token; acc: top-1 accuracy; agree: agreement with '
+            "the main model's prediction; bpb: bits per byte of text", '']
   if r.get('decode_note'):
     lines.append(r['decode_note'])
   if r['decode_prompts']:

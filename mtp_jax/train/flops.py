@@ -113,18 +113,37 @@ def config_flops_per_token(config, causal: bool = True) -> FlopsPerToken:
 
 
 class MFU:
-  """perf/mfu of a run: model FLOPs per token x tokens/s over the job's peak FLOP/s."""
+  """perf/mfu of a run: model FLOPs per token x tokens/s over the job's peak FLOP/s.
 
-  def __init__(self, config, devices=None):
+  The peak is runtime/peak.py's `job_peak` (CPU: the cache, checked against a quick probe
+  at start). perf/mfu never exceeds 1: a window whose achieved FLOP/s beat the peak raises
+  it (and the cache) and says so once through `notify`. The first metrics (and those after
+  a raise) carry the peak used (perf/peak_*).
+  """
+
+  def __init__(self, config, devices=None, notify=None, probe: bool = True):
     per_token = config_flops_per_token(config)
     self.flops_per_token = (per_token.train_frozen_trunk(config.model.mtp.depth)
                             if config_lib.optional(config, 'model.mtp.freeze_trunk', False)
                             else per_token.train)
-    self.peak, self.source = peak_lib.peak_flops(jnp.dtype(config.model.dtype), devices)
+    self.peak_info = peak_lib.job_peak(jnp.dtype(config.model.dtype), devices, probe=probe)
+    self.notify = notify
+    self._report = True  # the peak goes into the next metrics row
+
+  @property
+  def peak(self) -> float:
+    return self.peak_info.flops
 
   def metrics(self, tokens_per_sec: float) -> dict:
-    return {'perf/mfu': self.flops_per_token * tokens_per_sec / self.peak}
+    before = self.peak
+    out = {'perf/mfu': self.peak_info.check(self.flops_per_token * tokens_per_sec,
+                                            self.notify, 'this run')}
+    if self._report or self.peak != before:
+      out.update(self.peak_info.as_metrics())
+      out['perf/model_flops_per_token'] = float(self.flops_per_token)
+      self._report = False
+    return out
 
   def describe(self) -> str:
-    return (f'MFU counts {self.flops_per_token / 1e6:.1f} MFLOP per training token against '
-            f'{self.peak / 1e12:.3g} TFLOP/s ({self.source}).')
+    """The console's peak line."""
+    return self.peak_info.line()

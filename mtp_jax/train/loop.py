@@ -89,8 +89,15 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   is_main = jax.process_index() == 0
   progress = metrics_lib.Progress(config.train.steps, enabled=config.train.progress and is_main)
   notify = _Notifier(progress, is_main)
+  before = resilience.workdir_entries(workdir)
   created = resilience.check_workdir(workdir)
   lock = _lock_workdir(workdir, is_main, notify)
+
+  def undo_failed_start():  # before the first checkpoint: the run leaves nothing behind
+    if is_main:
+      resilience.remove_failed_start(workdir, created, before)
+    lock.release()
+
   config_dict = json.loads(config.to_json_best_effort())
   checkpoints_dir = os.path.join(workdir, 'checkpoints')
   try:  # fail before compiling anything, and before writing anything
@@ -98,9 +105,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
                      init_from, workdir)
     decode_prompts = evaluation.training_prompts(config, tokenizer)  # [] when off
   except BaseException:
-    if is_main:
-      resilience.remove_created(workdir, created)  # a failed start leaves no new workdir
-    lock.release()
+    undo_failed_start()
     raise
   if hf_changes:  # only once the run can start: a refused one prints its error alone
     notify(f'--init_from hf:{hf_dir} sets ' + '; '.join(hf_changes))
@@ -118,15 +123,22 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   except BaseException:
     if checkpointer is not None:
       checkpointer.close()
-    lock.release()
+    undo_failed_start()
     raise
-  run.lock = lock  # released by the loop's shutdown, after the last save
   run.progress = progress
   run.decode_prompts = decode_prompts
   if run.start_step >= config.train.steps:
     notify(f'Nothing to do: the checkpoint in {workdir} is at the final step {run.start_step}.')
   end_step = config.train.steps if stop_after is None else min(stop_after, config.train.steps)
-  return run.loop(end_step, batch_hook)
+  try:
+    out = run.loop(end_step, batch_hook)  # shuts down (checkpoint writes included) first
+  except BaseException:
+    undo_failed_start()  # keeps everything once a checkpoint exists
+    raise
+  lock.release()
+  if run.last_saved == config.train.steps:
+    notify(metrics_lib.final_block(workdir, run.last_saved, run.last_saved))
+  return out
 
 
 class _Notifier:
@@ -156,12 +168,12 @@ def _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_f
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=2))
   run.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
-  run.mfu = flops_lib.MFU(config, devices)  # CPU: a matmul probe, run now in this process
-  if devices[0].platform == 'cpu' and len(devices) > 1 and jax.process_count() == 1:
-    notify.progress.message(  # scripts/train.py --cpu_devices auto picks 2 on a 2+ core host
-        f'Training on {len(devices)} CPU devices, mesh {dict(ts.mesh.shape)} (scripts/train.py '
-        '--cpu_devices: auto = 2 when the config allows, or a number).')
+  # CPU: the cached peak, checked against a quick matmul probe now, in this process.
+  run.mfu = flops_lib.MFU(config, devices, notify=notify)
+  notify.progress.message(metrics_lib.devices_line(devices, dict(ts.mesh.shape),
+                                                   jax.process_count()))
   notify.progress.message(run.mfu.describe())
+  notify.progress.message(metrics_lib.data_line(config))
   run.token_bytes = evaluation.padded_token_bytes(config, tokenizer)
   return run
 
@@ -232,7 +244,6 @@ class _Run:
     # Set by train_and_evaluate before the loop starts.
     self.writer = self.progress = self.mfu = self.token_bytes = None
     self.decode_prompts = []
-    self.lock = None  # the workdir's resilience.WorkdirLock, set by train_and_evaluate
 
   def _check_meta(self, meta):
     ckpt_lib.check_compatible(meta.get('config', {}), self.config_dict,
@@ -275,9 +286,7 @@ class _Run:
       out.update(evaluation.decode_metrics(decoder, self.decode_prompts,
                                            config.train.eval_decode_tokens))
     self.writer.write(step, out)
-    self.progress.message(f'eval @ {step}: ' + '  '.join(
-        f'{k[5:]}={v:.4f}' for k, v in out.items()
-        if 'bpb' in k or 'loss' in k or k == metrics_lib.TAU_KEY))
+    self.progress.message(metrics_lib.eval_line(step, out))
     return out
 
   def save(self, step: int):
@@ -380,6 +389,5 @@ class _Run:
     finally:  # every closer runs; a failure surfaces unless another error is already on its way
       guard.uninstall()
       resilience.close_all(error, notify, self.checkpointer.close, self.writer.close,
-                           self.progress.close, getattr(self.data_iter, 'close', None),
-                           self.lock.release)
+                           self.progress.close, getattr(self.data_iter, 'close', None))
     return self.last

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
 
@@ -152,3 +153,103 @@ def repair_jsonl(path: str) -> None:
       f.truncate(data.rfind(b'\n') + 1)
   except FileNotFoundError:
     return
+
+
+# -- the console's start and end lines -------------------------------------------------------
+def devices_line(devices, mesh_shape: dict, processes: int = 1) -> str:
+  """'devices: 2 cpu in 1 process, mesh data 2' (axes of size 1 left out)."""
+  axes = ' x '.join(f'{k} {v}' for k, v in mesh_shape.items() if v > 1) or 'one device'
+  text = f'devices: {len(devices)} {devices[0].platform} in {processes} process'
+  text += f'{"es" if processes > 1 else ""}, mesh {axes}'
+  if devices[0].platform == 'cpu' and processes == 1:
+    text += ' (--cpu_devices sets the count)'
+  return text
+
+
+def data_line(config) -> str:
+  """'data: jsonl F.jsonl, byte tokenizer, batches of 8 x 32 tokens'."""
+  d = config.data
+  if d.source == 'tfds':
+    where = f'tfds {d.dataset} ({d.train_split} / {d.eval_split})'
+  else:
+    where = f'{d.source} {d.path}'
+  return (f'data: {where}, {d.tokenizer} tokenizer, batches of {d.batch_size} x '
+          f'{d.seq_len} tokens')
+
+
+# Units of the figures a person reads on the console (metrics.jsonl keeps bare keys).
+_UNITS = (('bpb', 'bits/byte'), ('loss', 'nats/token'), ('acc', 'accuracy'),
+          ('agree', 'agreement'), ('decode_tau', 'tokens/step'))
+
+
+def unit_of(key: str) -> str:
+  stat = key.split('/', 1)[-1]
+  for prefix, unit in _UNITS:
+    if stat.startswith(prefix):
+      return unit
+  return ''
+
+
+def eval_line(step: int, metrics: dict) -> str:
+  """'eval @ 40: loss main 3.21 mtp_1 3.90 nats/token | bpb main 1.52 ... bits per byte'."""
+  groups = {}
+  for k, v in metrics.items():
+    parsed = parse_key(k)
+    if k == TAU_KEY:
+      groups.setdefault('tau', []).append(f'{v:.3f}')
+    elif parsed is not None and parsed[1] in ('loss', 'bpb'):
+      groups.setdefault(parsed[1], []).append(f'{depth_name(parsed[2])} {v:.4f}')
+  units = {'loss': 'nats/token', 'bpb': 'bits per byte', 'tau': 'tokens per verify step'}
+  return f'eval @ {step}: ' + ' | '.join(
+      f'{stat} {" ".join(groups[stat])} {unit}' for stat, unit in units.items() if stat in groups)
+
+
+def _read_rows(workdir: str) -> list[dict]:
+  rows = []
+  try:
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      for line in f:
+        try:
+          rows.append(json.loads(line))
+        except ValueError:
+          continue
+  except OSError:
+    pass
+  return rows
+
+
+def final_block(workdir: str, step: int, checkpoint: int | None) -> str:
+  """What a finished run says last: where it is, its last and best figures, what to run next."""
+  rows = _read_rows(workdir)
+  lines = [f'done: step {step} in {workdir}'
+           + (f' (checkpoint {checkpoint})' if checkpoint is not None else '')]
+  last_train = next((r for r in reversed(rows) if 'train/loss' in r), None)
+  evals = [r for r in rows if any(k.startswith('eval/') for k in r)]
+  if last_train is not None:
+    text = (f'  last train loss {last_train["train/loss"]:.4f} nats/token '
+            f'(step {last_train["step"]})')
+    if 'perf/tokens_per_sec' in last_train:
+      text += f', {last_train["perf/tokens_per_sec"]:.0f} tokens/s'
+    if 'perf/mfu' in last_train:
+      text += f', MFU {last_train["perf/mfu"]:.2f}'
+    lines.append(text)
+  for key, name in ((metric_key('eval', 'bpb', 0), 'bits per byte'),
+                    (metric_key('eval', 'loss', 0), 'loss (nats/token)')):
+    have = [r for r in evals if key in r]
+    if have:
+      best = min(have, key=lambda r: r[key])
+      lines.append(f'  eval {name}, main model: last {have[-1][key]:.4f} (step '
+                   f'{have[-1]["step"]}), best {best[key]:.4f} (step {best["step"]})')
+  tau = [r for r in evals if TAU_KEY in r]
+  if tau:
+    lines.append(f'  eval decode tau: last {tau[-1][TAU_KEY]:.3f} tokens per verify step')
+  quoted = _quote(workdir)
+  lines += ['next:',
+            f'  python scripts/decode.py --workdir {quoted} --mode compare --prompt "def "',
+            f'  python scripts/eval.py --workdir {quoted}',
+            f'  tensorboard --logdir {_quote(os.path.join(workdir, "tensorboard"))}']
+  return '\n'.join(lines)
+
+
+def _quote(path: str) -> str:
+  return shlex.quote(path)

@@ -1,4 +1,4 @@
-"""Fault tolerance around the training loop (issue 5).
+"""Fault tolerance around the training loop.
 
 Partial restores (--init_from) live in checkpoint.py, exit codes in errors.py.
 
@@ -14,11 +14,13 @@ Partial restores (--init_from) live in checkpoint.py, exit codes in errors.py.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -66,7 +68,7 @@ def check_workdir(workdir: str) -> str | None:
   """Creates the run directory and proves it is a writable, listable directory.
 
   Returns the top-most directory it created (None if the workdir existed), for
-  `remove_created` to take away again when the run fails its preflight.
+  `remove_failed_start` to take away again when the run fails before its first checkpoint.
   """
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise WorkdirError(f'--workdir {workdir!r} exists and is not a directory')
@@ -96,24 +98,52 @@ def check_workdir(workdir: str) -> str | None:
   return created
 
 
-def remove_created(workdir: str, created: str | None) -> None:
-  """Removes the directories check_workdir created, if they hold nothing (a failed start
-  leaves no new workdir behind); never touches a workdir that existed."""
-  if created is None:
-    return
-  path = os.path.abspath(workdir)
+def workdir_entries(workdir: str) -> set[str] | None:
+  """The names in a workdir before a run touches it (None: it does not exist yet)."""
   try:
-    os.unlink(os.path.join(path, LOCK_FILE))
-  except FileNotFoundError:
-    pass
-  while True:
+    return set(os.listdir(workdir))
+  except OSError:
+    return None
+
+
+def _has_checkpoint(workdir: str) -> bool:
+  """A finished (renamed) checkpoint step exists: the run can resume from it."""
+  directory = os.path.join(workdir, 'checkpoints')
+  try:
+    return any(n.isdigit() and os.path.isdir(os.path.join(directory, n))
+               for n in os.listdir(directory))
+  except OSError:
+    return False
+
+
+def remove_failed_start(workdir: str, created: str | None, before: set[str] | None) -> None:
+  """Undoes what a run that failed before its first checkpoint wrote.
+
+  created (check_workdir's result): the workdir and the parents this run made are removed
+  whole; a workdir that existed (`before`: its names then) keeps everything it held and
+  loses only what this run added (config.json, metrics.jsonl, tensorboard/, checkpoints/,
+  train.lock). Nothing is removed once a checkpoint exists.
+  """
+  path = os.path.abspath(workdir)
+  if not os.path.isdir(path) or _has_checkpoint(path):
+    return
+  if created is None:
+    for name in set(os.listdir(path)) - (before or set()):
+      target = os.path.join(path, name)
+      if os.path.isdir(target) and not os.path.islink(target):
+        shutil.rmtree(target, ignore_errors=True)
+      else:
+        with contextlib.suppress(OSError):
+          os.unlink(target)
+    return
+  shutil.rmtree(path, ignore_errors=True)
+  created = os.path.abspath(created)
+  while path != created:
+    path = os.path.dirname(path)
     try:
       os.rmdir(path)
     except OSError:
       return  # not empty: someone else's files now live there
-    if path == created:
-      return
-    path = os.path.dirname(path)
 
 
 # -- one writer per workdir --------------------------------------------------------------

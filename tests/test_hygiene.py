@@ -1,0 +1,245 @@
+"""Honest figures and clean edges: an MFU that cannot read above 1, failed starts that
+leave nothing behind, readers beside a live trainer.
+
+Trainer runs use tiny.py on a small jsonl corpus written here, on one device.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import pytest
+
+from helpers import REPO, load_config
+from mtp_jax import cli
+from mtp_jax.commands import train as train_cmd
+from mtp_jax.runtime import peak as peak_lib
+from mtp_jax.train import loop as train
+from mtp_jax.train import resilience
+
+WORDS = ['alpha', 'beta', 'gamma', 'delta', 'def', 'return', 'class', 'import', 'while']
+
+
+def write_jsonl(path, lines=30, bad_line=None):
+  """`lines` records of word text; line `bad_line` (1-based) an unterminated JSON string."""
+  with open(path, 'w') as f:
+    for i in range(1, lines + 1):
+      if i == bad_line:
+        f.write('{"text": "unterminated\n')
+      else:
+        text = ' '.join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(60))
+        f.write(json.dumps({'text': text}) + '\n')
+  return str(path)
+
+
+def jsonl_config(path, **train_fields):
+  c = load_config('tiny')
+  c.data.source, c.data.path, c.data.seq_len = 'jsonl', str(path), 32
+  c.data.validation_percent = 20
+  c.train.progress = False
+  fields = dict(steps=4, log_every=2, eval_every=0, checkpoint_every=0, eval_batches=1)
+  for k, v in {**fields, **train_fields}.items():
+    c.train[k] = v
+  return c
+
+
+def rows_of(workdir):
+  return [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
+
+
+@pytest.fixture
+def peak_cache(tmp_path, monkeypatch):
+  """An empty peak cache of this test's own; MTP_JAX_CPU_PEAK_FLOPS unset."""
+  monkeypatch.setenv(peak_lib.CACHE_DIR_ENV, str(tmp_path / 'peak_cache'))
+  monkeypatch.delenv(peak_lib.PEAK_ENV, raising=False)
+  return tmp_path / 'peak_cache' / 'cpu_peak_flops.json'
+
+
+def poison(cache_file, flops, load=0.1, date='2026-01-01T00:00:00'):
+  os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+  record = {'flops': flops, 'date': date, 'load_average': [load, load]}
+  with open(cache_file, 'w') as f:
+    json.dump({peak_lib.machine_key(jnp.float32): record}, f)
+
+
+def cached(cache_file):
+  return json.load(open(cache_file))[peak_lib.machine_key(jnp.float32)]
+
+
+# ------------------------------------------------------------------------------------ peak
+
+def test_poisoned_peak_cache_keeps_the_trainers_mfu_at_most_one(devices, peak_cache, tmp_path,
+                                                                 monkeypatch, capfd):
+  """A cached peak of 1 kFLOP/s, and probes that read as low: the run's own FLOP/s raise it,
+  perf/mfu stays <= 1, the console says so once and the peak used is in metrics.jsonl.
+  The workdir also holds a stale train.lock of a process that is gone: no obstacle."""
+  poison(peak_cache, 1e3)
+  monkeypatch.setattr(peak_lib, 'matmul_probe', lambda *a, **k: 1e3)
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  (workdir / resilience.LOCK_FILE).write_text(
+      json.dumps({'pid': 2 ** 22 + 12345, 'host': 'gone', 'since': '2026-01-01'}) + '\n')
+  train.train_and_evaluate(jsonl_config(write_jsonl(tmp_path / 'docs.jsonl'), steps=6),
+                           str(workdir), devices=devices[:1])
+  perf = [r for r in rows_of(workdir) if 'perf/mfu' in r]
+  assert len(perf) == 3 and all(0 < r['perf/mfu'] <= 1 for r in perf)
+  assert perf[0]['perf/peak_flops'] > 1e3 and perf[0]['perf/peak_date']
+  stored = cached(peak_cache)  # raised to what the run achieved (by its fastest window)
+  assert stored['flops'] == max(r['perf/peak_flops'] for r in perf if 'perf/peak_flops' in r)
+  assert stored['flops'] > 1e6 and stored['replaced']['flops'] < stored['flops']
+  err = capfd.readouterr().err
+  assert err.count('above the peak') == 1, err
+
+
+def test_a_probe_above_the_cache_raises_it_and_a_loaded_cache_gives_way(peak_cache,
+                                                                        monkeypatch):
+  readings = []
+  monkeypatch.setattr(peak_lib, 'matmul_probe', lambda *a, **k: readings.pop(0))
+  load = [0.2]
+  monkeypatch.setattr(os, 'getloadavg', lambda: (load[0], load[0], load[0]))
+  busy = 4.0 * os.cpu_count()  # a load average that keeps every core busy
+  # A cache 50 GFLOP/s; the quick probe reads 55: raised to 55, no full probe.
+  poison(peak_cache, 50e9)
+  readings[:] = [55e9]
+  peak = peak_lib.job_peak()
+  assert peak.flops == 55e9 and 'raised from the cached 50.0 GFLOP/s' in peak.line()
+  assert not readings
+  # A cache of 20 (taken under load); the quick probe reads 150: a full probe follows.
+  poison(peak_cache, 20e9, load=busy)
+  rounds = len(peak_lib.PROBE_SIZES)
+  readings[:] = [150e9] + [190e9] * rounds
+  peak = peak_lib.job_peak()
+  assert peak.flops == 190e9 and not peak.loaded and not readings
+  assert cached(peak_cache)['replaced']['flops'] == 20e9
+  # A loaded cache and a quiet machine now: probed in full even when the quick one is
+  # lower; a lower full probe confirms the cache, which is then no longer "loaded".
+  poison(peak_cache, 200e9, load=busy)
+  load[0] = 0.1
+  readings[:] = [150e9] + [180e9] * rounds
+  peak = peak_lib.job_peak()
+  assert peak.flops == 200e9 and not peak.loaded and cached(peak_cache)['confirmed']
+  assert f'load {busy:.1f}' in peak.line() and len(peak.line()) < 120
+  # A loaded cache on a machine still loaded: reported as such, kept.
+  poison(peak_cache, 60e9, load=busy)
+  load[0] = busy * 0.75
+  readings[:] = [40e9]
+  peak = peak_lib.job_peak()
+  assert peak.flops == 60e9 and peak.loaded and 'taken under load' in peak.line()
+
+
+def test_benchmark_mfu_never_exceeds_one_and_raises_the_cache(peak_cache):
+  """peak_lib.mfu: what a benchmark's MFU figure divides by."""
+  poison(peak_cache, 100e9)
+  told = []
+  value, peak = peak_lib.mfu(50e9, source='a benchmark', notify=told.append)
+  assert value == 0.5 and peak.flops == 100e9 and not told
+  value, peak = peak_lib.mfu(250e9, source='a benchmark', notify=told.append)
+  assert value == 1.0 and peak.flops == 250e9 and len(told) == 1 and 'a benchmark' in told[0]
+  assert cached(peak_cache)['flops'] == 250e9
+  assert peak_lib.mfu(125e9, source='a benchmark')[0] == 0.5  # divides by the raised peak
+  assert peak.check(300e9, told.append) == 1.0 and len(told) == 1  # said once only
+
+
+# ----------------------------------------------------------------------------- failed starts
+
+def expect_exit_2(fn, *words):
+  with pytest.raises(Exception) as e:
+    fn()
+  assert cli.exit_code_of(e.value) == 2, repr(e.value)
+  line = cli.one_line(e.value)
+  for w in words:
+    assert w in line, (w, line)
+  return line
+
+
+def test_a_bad_jsonl_line_past_the_first_leaves_no_workdir(devices, tmp_path):
+  """Line 3 is read some steps into training: the new workdir goes (lock included); a
+  workdir that existed keeps exactly what it held; once a checkpoint exists, all stays."""
+  docs = write_jsonl(tmp_path / 'docs.jsonl', bad_line=3)
+  config = jsonl_config(docs, steps=40, log_every=5)
+  workdir = tmp_path / 'new' / 'run'
+  expect_exit_2(lambda: train.train_and_evaluate(config, str(workdir), devices=devices[:1]),
+                'line 3 is not valid JSON')
+  assert not (tmp_path / 'new').exists()
+
+  mine = tmp_path / 'mine'
+  mine.mkdir()
+  (mine / 'notes.txt').write_text('keep me')
+  expect_exit_2(lambda: train.train_and_evaluate(config, str(mine), devices=devices[:1]),
+                'line 3 is not valid JSON')
+  assert os.listdir(mine) == ['notes.txt']
+
+  kept = tmp_path / 'kept'
+  config = jsonl_config(docs, steps=40, log_every=5, checkpoint_every=2)
+  expect_exit_2(lambda: train.train_and_evaluate(config, str(kept), devices=devices[:1]),
+                'line 3 is not valid JSON')
+  assert os.listdir(kept / 'checkpoints') and (kept / 'metrics.jsonl').exists()
+
+
+def test_an_empty_data_directory_and_a_bad_config_key_leave_no_workdir(devices, tmp_path,
+                                                                      monkeypatch):
+  (tmp_path / 'empty').mkdir()
+  workdir = tmp_path / 'run'
+  config = jsonl_config(tmp_path / 'empty')
+  line = expect_exit_2(lambda: train.train_and_evaluate(config, str(workdir),
+                                                        devices=devices[:1]),
+                       'contains no .jsonl files', 'point data.path at')
+  assert not workdir.exists(), line
+
+  monkeypatch.chdir(tmp_path)  # the default workdir would be runs/tiny here
+  rc = train_cmd.main(['--config', os.path.join(REPO, 'configs', 'tiny.py'),
+                       '--workdir', str(workdir), '--config.train.stepz=3'])
+  assert rc == 2 and not workdir.exists() and not (tmp_path / 'runs').exists()
+
+
+# ---------------------------------------------------------------------------------- readers
+
+def _export_main():
+  """The export command's main(argv), wherever it lives."""
+  path = os.path.join(REPO, 'scripts', 'export.py')
+  spec = importlib.util.spec_from_file_location('export_script', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main
+
+
+def test_exports_in_a_loop_beside_a_live_trainer(tmp_path, capfd):
+  """A trainer checkpointing every 2 steps and keeping 2; exports of the newest checkpoint
+  run while it removes old ones: every export and the trainer succeed."""
+  docs = write_jsonl(tmp_path / 'docs.jsonl', lines=60)
+  workdir = tmp_path / 'run'
+  env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu')
+  trainer = subprocess.Popen(
+      [sys.executable, os.path.join(REPO, 'scripts', 'train.py'),
+       '--config', os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', str(workdir),
+       '--cpu_devices=1', '--config.data.source=jsonl', f'--config.data.path={docs}',
+       '--config.data.seq_len=32', '--config.data.validation_percent=20',
+       '--config.train.steps=400', '--config.train.checkpoint_every=2',
+       '--config.train.max_to_keep=2', '--config.train.eval_every=0',
+       '--config.train.log_every=50', '--config.train.progress=False'],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+  export = _export_main()
+  results, live = [], 0
+  try:
+    deadline = time.time() + 300
+    while not os.path.isdir(workdir / 'checkpoints') or not [
+        n for n in os.listdir(workdir / 'checkpoints') if n.isdigit()]:
+      assert trainer.poll() is None, trainer.communicate()[1][-2000:]
+      assert time.time() < deadline
+      time.sleep(0.2)
+    while trainer.poll() is None and len(results) < 4:
+      out = tmp_path / f'export_{len(results)}'
+      results.append(export(['--workdir', str(workdir), '--out', str(out), '--layout', 'mimo',
+                             '--json']))
+      live += trainer.poll() is None
+  finally:
+    if trainer.poll() is None and len(results) >= 4:
+      trainer.terminate()  # enough exports: SIGTERM saves and exits 0
+    _, trainer_err = trainer.communicate(timeout=300)
+  err = capfd.readouterr().err
+  assert results == [0] * len(results) and len(results) >= 2, err[-2000:]
+  assert live >= 2, 'the trainer finished before the exports could race it'
+  assert trainer.returncode == 0, trainer_err[-2000:]
