@@ -1,0 +1,96 @@
+"""Compiles a config's train step, eval step and decode loop for a TPU slice, on any machine.
+
+  mtp-aot-compile --config configs/tpu_pod_1b.py --topology v5p-64 [--json]
+
+Needs libtpu (`pip install -e '.[tpu]'`), no TPU. Prints per chip: parameter, optimizer and
+batch bytes, the compiled programs' HBM against the chip's, FLOPs per step beside
+flops.py's count, the collectives of the compiled HLO, and a roofline estimate of the step
+time and MFU (docs/scaling.md). Exit 0: everything fits; 1: a program does not fit the
+chip's HBM (one `error:` line with the shortfall and the largest allocations); 2: bad input.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from mtp_jax import cli
+
+PROGRAMS = ('train', 'eval', 'decode')
+
+
+def parser() -> cli.ArgumentParser:
+  p = cli.ArgumentParser(prog='mtp-aot-compile', description=__doc__.splitlines()[0])
+  p.add_argument('--config', required=True, metavar='FILE', help=cli.CONFIG_HELP)
+  p.add_argument('--topology', required=True,
+                 help='Cloud TPU accelerator type: v4-N, v5p-N (N TensorCores, 2 per chip), '
+                 'v5e-N / v5litepod-N, v6e-N (N chips)')
+  p.add_argument('--num_slices', type=int, default=1,
+                 help='slices joined over the data-center network (multislice); the mesh '
+                 'shape must cover all their chips (default: %(default)s)')
+  p.add_argument('--programs', default=','.join(PROGRAMS),
+                 help='comma-separated programs to compile: train, eval, decode '
+                 '(default: %(default)s)')
+  p.add_argument('--decode_batch', type=int, default=1,
+                 help='rows of the compiled decode loop (default: %(default)s)')
+  p.add_argument('--decode_tokens', type=int, default=64,
+                 help='new tokens the compiled decode loop is sized for (default: %(default)s)')
+  p.add_argument('--json', action='store_true', help='print the whole report as JSON')
+  p.add_argument('--dump_hlo', metavar='DIR',
+                 help='write each compiled program as HLO text to DIR/<program>.hlo.txt')
+  p.add_argument('--cache_dir', default=None,
+                 help="JAX's persistent compilation cache (default: "
+                 "~/.cache/mtp_jax/jax_cache; '' turns it off); a rerun of the same "
+                 'compile reads it back')
+  return p
+
+
+def _programs(text: str) -> tuple:
+  names = tuple(p.strip() for p in text.split(',') if p.strip())
+  bad = [p for p in names if p not in PROGRAMS]
+  if bad or not names:
+    raise cli.RequestError(f'--programs must be some of {",".join(PROGRAMS)}, got {text!r}')
+  return names
+
+
+def main(argv=None) -> int:
+  args, overrides = cli.parse_with_config(parser(), argv)
+  try:
+    config = cli.load_config(args.config, overrides)
+    programs = _programs(args.programs)
+    for name in ('num_slices', 'decode_batch', 'decode_tokens'):
+      if getattr(args, name) < 1:
+        raise cli.RequestError(f'--{name} must be a positive integer, got {getattr(args, name)}')
+  except (cli.ConfigError, cli.RequestError) as e:
+    return cli.report_expected(e)
+  cli.quiet_library_logs()
+  # JAX starts here, after the flags are known to be good; the compile-only TPU devices
+  # need no TPU, and this process's own backend stays the CPU.
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  import jax  # pylint: disable=g-import-not-at-top
+  from mtp_jax.train import aot  # pylint: disable=g-import-not-at-top
+  cache = args.cache_dir
+  if cache is None:
+    cache = os.path.join(os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'),
+                         'mtp_jax', 'jax_cache')
+  if cache:
+    jax.config.update('jax_compilation_cache_dir', cache)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
+  log = (lambda s: print(s, file=sys.stderr)) if args.json else print
+  try:
+    topo = aot.parse_topology(args.topology, args.num_slices)
+    report = aot.compile_report(config, topo, programs, decode_batch=args.decode_batch,
+                                decode_tokens=args.decode_tokens, log=log,
+                                dump_dir=args.dump_hlo)
+    if args.json:
+      print(json.dumps(report, indent=1, default=str))
+    else:
+      print(aot.format_report(report))
+    aot.check_fits(report, topo)
+  except Exception as e:  # pylint: disable=broad-except
+    return cli.report_expected(e)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
