@@ -10,6 +10,7 @@ import contextlib
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from flax.core import spmd as flax_spmd
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -20,9 +21,24 @@ def make_mesh(config, devices=None) -> jax.sharding.Mesh:
   """The ('data', 'fsdp', 'tensor') mesh of the config, with Auto axis types."""
   devices = jax.devices() if devices is None else devices
   shape = config_lib.resolved_mesh_shape(config.mesh.shape, len(devices))
-  return jax.make_mesh(shape, config_lib.MESH_AXES,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
-                       devices=devices)
+  axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+  slices = len({getattr(d, 'slice_index', 0) for d in devices})
+  if slices > 1:  # multislice: the slices meet over the data-center network
+    return _multislice_mesh(shape, devices, slices, axis_types)
+  return jax.make_mesh(shape, config_lib.MESH_AXES, axis_types=axis_types, devices=devices)
+
+
+def _multislice_mesh(shape, devices, slices: int, axis_types) -> jax.sharding.Mesh:
+  """The mesh over several TPU slices: the first axis that the slice count divides (data,
+  else fsdp) spans the slices, so only its collectives cross the slower network."""
+  axis = next((i for i, s in enumerate(shape) if s % slices == 0), None)
+  if axis is None:
+    raise config_lib.ConfigError(
+        f'mesh.shape {shape}: no axis is divisible by the {slices} slices of this job')
+  dcn = tuple(slices if i == axis else 1 for i in range(len(shape)))
+  ici = tuple(s // slices if i == axis else s for i, s in enumerate(shape))
+  grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+  return jax.sharding.Mesh(grid, config_lib.MESH_AXES, axis_types=axis_types)
 
 
 def rules_of(config) -> tuple:
