@@ -6,14 +6,17 @@ Trainer runs use tiny.py on a small jsonl corpus written here, on one device.
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import jax.numpy as jnp
 import pytest
 
 from helpers import REPO, load_config
+from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
 from mtp_jax.commands import train as train_cmd
 from mtp_jax.runtime import peak as peak_lib
@@ -197,6 +200,36 @@ def test_an_empty_data_directory_and_a_bad_config_key_leave_no_workdir(devices, 
 
 # ---------------------------------------------------------------------------------- readers
 
+def test_a_step_removed_while_it_is_read_gives_way_to_a_newer_one(tmp_path):
+  """newest_first against the trainer's max_to_keep: step 2 loses its files (its
+  directory last) while read; the reader waits it out and takes step 4. A step that
+  stays on disk and fails otherwise is broken at once, and named."""
+  for step in (2, 4):
+    (tmp_path / str(step)).mkdir()
+  reader = ckpt_lib.CheckpointReader(str(tmp_path), notify=lambda text: None)
+
+  removal = threading.Timer(0.2, shutil.rmtree, [tmp_path / '2'])
+
+  def action(step):
+    if step == 2:
+      if not removal.is_alive() and (tmp_path / '2').exists():
+        removal.start()
+      raise FileNotFoundError(f'{tmp_path}/2/meta/metadata')
+    return 'read'
+
+  assert reader.newest_first(action, newest=2)[:2] == (4, 'read')
+
+  def broken(step):
+    raise ValueError(f'step {step}: restored arrays differ from the saved ones')
+
+  t0 = time.time()
+  with pytest.raises(ckpt_lib.CheckpointError, match='step 4: ValueError: step 4: restored'):
+    reader.newest_first(broken)
+  assert time.time() - t0 < 0.5
+  with pytest.raises(ckpt_lib.CheckpointError, match='checkpoint 4 in .* is broken'):
+    reader.newest_first(broken, step=4)
+
+
 def _export_main():
   """The export command's main(argv), wherever it lives."""
   path = os.path.join(REPO, 'scripts', 'export.py')
@@ -234,6 +267,7 @@ def test_exports_in_a_loop_beside_a_live_trainer(tmp_path, capfd):
       out = tmp_path / f'export_{len(results)}'
       results.append(export(['--workdir', str(workdir), '--out', str(out), '--layout', 'mimo',
                              '--json']))
+
       live += trainer.poll() is None
   finally:
     if trainer.poll() is None and len(results) >= 4:

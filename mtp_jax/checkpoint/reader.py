@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import jax
 import numpy as np
@@ -86,36 +87,41 @@ class CheckpointReader:
       try:
         return step, action(step), []
       except Exception as e:  # pylint: disable=broad-except
-        why = ('was removed while it was read (the trainer keeps max_to_keep)'
-               if not os.path.isdir(self._dir(step)) else f'is broken ({short(e)})')
+        removed = not os.path.isdir(self._dir(step)) or (
+            _looks_removed(e) and any(s > step for s in self.steps()))
+        why = ('was removed while it was read (the trainer keeps max_to_keep; the newest '
+               'steps are kept)' if removed else f'is broken ({short(e)})')
         raise CheckpointError(f'checkpoint {step} in {self.directory} {why}') from e
     broken = {}
     for _ in range(self._RETRIES):
       steps = self.steps()
       # Every step up to `newest` gone: removed by the trainer since it was chosen.
-      vanished = newest is not None and not [s for s in steps if s <= newest]
-      if vanished:
+      if newest is not None and not [s for s in steps if s <= newest]:
         newest = None
+      broken, removing = {}, False
       for s in reversed(steps):
-        if s in broken or (newest is not None and s > newest):
+        if newest is not None and s > newest:
           continue
         try:
           out = action(s)
         except Exception as e:  # pylint: disable=broad-except
-          if not os.path.isdir(self._dir(s)):
-            # The trainer removed it (max_to_keep) and has saved newer steps since, of
-            # the same config (it refuses another): list again, the newest are welcome.
-            vanished, newest = True, None
-            break
           broken[s] = short(e)
+          removing |= _looks_removed(e) or not os.path.isdir(self._dir(s))
           continue
+        broken = {b: r for b, r in broken.items() if os.path.isdir(self._dir(b))}
         if broken:
           self.notify('; '.join(f'checkpoint {b} in {self.directory} is broken ({r})'
                                 for b, r in broken.items())
                       + f'; using step {s} instead (nothing was changed)')
         return s, out, list(broken.items())
-      if not vanished:
+      # Every step failed. A step the trainer is removing (max_to_keep) fails while its
+      # files go, its directory last, and by then the trainer has saved a newer one of the
+      # same config (it refuses another): list again a little later, until only steps that
+      # stay on disk and fail for another reason than a missing file are left.
+      if not removing and self.steps() == steps:
         break
+      time.sleep(0.05)
+    broken = {b: r for b, r in broken.items() if os.path.isdir(self._dir(b))}
     if not broken:
       raise CheckpointError(f'no checkpoint in {self.directory} could be read: each was '
                             'removed by the trainer while it was read; try again')
@@ -171,6 +177,15 @@ class CheckpointReader:
     loaded = _paths(tree)
     self.verify_paths(step, meta, loaded)
     return [np.asarray(loaded[p]) for p in sorted(loaded, key=_order_key)]
+
+
+def _looks_removed(e: BaseException) -> bool:
+  """A read that failed on a missing file (a step being removed, or a file deleted)."""
+  while e is not None:
+    if isinstance(e, FileNotFoundError) or 'NOT_FOUND' in str(e):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
 
 
 def _restore_as_numpy(path: str):

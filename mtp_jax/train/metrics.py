@@ -245,8 +245,8 @@ def final_block(workdir: str, step: int, checkpoint: int | None) -> str:
     lines.append(f'  eval decode tau: last {tau[-1][TAU_KEY]:.3f} tokens per verify step')
   quoted = _quote(workdir)
   lines += ['next:',
-            f'  python scripts/decode.py --workdir {quoted} --mode compare --prompt "def "',
-            f'  python scripts/eval.py --workdir {quoted}',
+            f'  mtp-decode --workdir {quoted} --mode compare --prompt "def "',
+            f'  mtp-eval --workdir {quoted}',
             f'  tensorboard --logdir {_quote(os.path.join(workdir, "tensorboard"))}']
   return '\n'.join(lines)
 
