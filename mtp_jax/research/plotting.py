@@ -22,7 +22,8 @@ def load_metrics(workdir: str) -> list[dict]:
   if not os.path.exists(path):
     raise FileNotFoundError(f'no metrics.jsonl in {workdir}')
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    # A live trainer may be writing the last line: only whole lines are read.
+    return [json.loads(line) for line in f if line.endswith('\n') and line.strip()]
 
 
 def _series(rows: list[dict], key: str):
