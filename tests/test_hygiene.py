@@ -21,6 +21,7 @@ from mtp_jax import cli
 from mtp_jax.commands import train as train_cmd
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train import loop as train
+from mtp_jax.train import metrics as metrics_lib
 from mtp_jax.train import resilience
 
 WORDS = ['alpha', 'beta', 'gamma', 'delta', 'def', 'return', 'class', 'import', 'while']
@@ -277,3 +278,31 @@ def test_exports_in_a_loop_beside_a_live_trainer(tmp_path, capfd):
   assert results == [0] * len(results) and len(results) >= 2, err[-2000:]
   assert live >= 2, 'the trainer finished before the exports could race it'
   assert trainer.returncode == 0, trainer_err[-2000:]
+
+
+# ---------------------------------------------------------------------------------- console
+
+def test_console_lines_name_their_units_and_the_final_block_what_to_run_next(tmp_path):
+  line = metrics_lib.eval_line(40, {'eval/loss_main': 3.2, 'eval/loss_mtp_1': 3.9,
+                                    'eval/bpb_main': 1.5, 'eval/acc_main': 0.4,
+                                    'eval/decode_tau': 2.25})
+  assert line == ('eval @ 40: loss main 3.2000 mtp_1 3.9000 nats/token | bpb main 1.5000 '
+                  'bits per byte | tau 2.250 tokens per verify step')
+  rows = [{'step': 10, 'train/loss': 5.0, 'perf/tokens_per_sec': 900.0, 'perf/mfu': 0.4},
+          {'step': 10, 'eval/bpb_main': 2.0, 'eval/loss_main': 1.4},
+          {'step': 20, 'train/loss': 4.0, 'perf/tokens_per_sec': 1000.0, 'perf/mfu': 0.5},
+          {'step': 20, 'eval/bpb_main': 2.5, 'eval/loss_main': 1.7}]
+  workdir = tmp_path / 'my run'
+  workdir.mkdir()
+  (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  block = metrics_lib.final_block(str(workdir), 20, 20).splitlines()
+  assert block[0] == f'done: step 20 in {workdir} (checkpoint 20)'
+  assert 'last train loss 4.0000 nats/token (step 20), 1000 tokens/s, MFU 0.50' in block[1]
+  assert 'bits per byte, main model: last 2.5000 (step 20), best 2.0000 (step 10)' in block[2]
+  quoted = f"'{workdir}'"
+  assert f'  mtp-decode --workdir {quoted} --mode compare --prompt "def "' in block
+  assert f'  mtp-eval --workdir {quoted}' in block
+  assert f"  tensorboard --logdir '{workdir}/tensorboard'" in block
+  config = jsonl_config('docs.jsonl')
+  assert metrics_lib.data_line(config) == ('data: jsonl docs.jsonl, byte tokenizer, batches of '
+                                           '8 x 32 tokens')
