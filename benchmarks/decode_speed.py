@@ -1,32 +1,36 @@
 """AR vs self-speculative decoding speed, in one run, on held-out standard-library code.
 
-  python benchmarks/decode_speed.py --workdir /work/runs/stdlib_mtp_decode
+  python benchmarks/decode_speed.py --workdir runs/decode768_soft2 --batch_sizes 1 \
+      --temperatures 0,0.7,1 --drafts 1,2,3,5 --num_prompts 8 --prompt_len 64 \
+      --max_new_tokens 128 --repeats 2
 
-Restores the latest checkpoint of a model trained with configs/stdlib_mtp.py, takes
+Restores the latest checkpoint of a trained model (e.g. configs/decode_768.py), takes
 prompts from validation-split files (never trained on), and decodes them greedily (or
 at each of --temperatures, by sampling) with plain AR and with speculative decoding,
 alternating the two per prompt so load from other processes hits both alike. Prints
 one JSON object: per batch size, temperature and number of drafts, tokens/s of both,
 the speedup, tau, per-depth acceptance, the speedup tau alone would predict, and the
 cost of one verify iteration relative to one AR step (speedup = tau / cost ratio, up
-to prefill).
+to prefill). --cost_probe times random models of other sizes; --smoke decodes with a
+tiny random model and random prompts instead of a checkpoint.
 """
-import argparse
 import json
 import os
-import platform
 import sys
 import time
 
-import jax
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+NAME = 'decode_speed'
 
 
 def parse(argv):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--workdir', required=True, help='training workdir of configs/stdlib_mtp.py')
+  p = common.parser(NAME, __doc__)
+  p.add_argument('--workdir', default='', help='training workdir of the model (required)')
   p.add_argument('--num_prompts', type=int, default=8,
                  help='validation prompts (each batch size decodes all of them)')
   p.add_argument('--prompt_len', type=int, default=128, help='prompt tokens')
@@ -53,38 +57,61 @@ def parse(argv):
   p.add_argument('--peer_shape', action='store_true',
                  help='also time AR decoding of a random model of the peer-comparison shape '
                       '(4 layers, d 256, V 4096, batch 1, 16 + 128 tokens), greedy and T = 1')
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.smoke:
+    args.num_prompts, args.prompt_len, args.max_new_tokens, args.repeats = 1, 8, 8, 1
+    args.batch_sizes, args.drafts = '1', '1'
+    args.cost_probe = '32:1'
+    args.probe_drafts = '1'
+  elif not args.workdir:
+    p.error('--workdir is required (the training workdir of the model to decode)')
+  return args
 
 
-def main(argv=None):
+def smoke_config():
+  """A tiny config of the trained models' kind (D 2 sequential MTP)."""
+  import train_throughput  # pylint: disable=import-outside-toplevel
+  c = train_throughput.shrink(train_throughput.load_config('stdlib_mtp'))
+  c.model.mtp.depth = 2
+  return c
+
+
+def main(argv=None) -> int:
   args = parse(argv)
-  from mtp_jax import checkpoint
-  from mtp_jax.decode import decoder as decode
-  from mtp_jax.train import evaluation
-  from mtp_jax.model import state
-  from mtp_jax.data import tokenizers
+  from mtp_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from mtp_jax.decode import decoder as decode  # pylint: disable=import-outside-toplevel
+  from mtp_jax.train import evaluation  # pylint: disable=import-outside-toplevel
+  from mtp_jax.model import state  # pylint: disable=import-outside-toplevel
+  from mtp_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
 
-  config, step = checkpoint.load_workdir(args.workdir)
+  run = common.start(args, NAME)
+  if args.smoke:
+    config, step = smoke_config(), 0
+  else:
+    config, step = checkpoint.load_workdir(args.workdir)
   depth = int(config.model.mtp.depth)
   wdts = args.weight_dtypes.split(',')
   if args.batch_sizes:  # '': cost probes of random models only, no checkpoint read
-    model = state.restore_model(config, args.workdir, step)
+    model = (random_model(config, config.model.d_model, config.model.n_layers) if args.smoke
+             else state.restore_model(config, args.workdir, step))
     decs = {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
-  tokenizer = tokenizers.get_tokenizer(config.data)
+  tokenizer = None if args.smoke else tokenizers.get_tokenizer(config.data)
   drafts = [int(d) for d in args.drafts.split(',')] if args.drafts else [depth]
   report = {
-      'workdir': os.path.abspath(args.workdir), 'step': step,
+      'workdir': os.path.relpath(os.path.abspath(args.workdir), common.REPO) if args.workdir
+                 else None, 'step': step,
       'model': {k: config.model[k] for k in ('d_model', 'n_layers', 'n_heads', 'mlp_dim')}
       | {'mtp_depth': depth, 'mtp_kind': config.model.mtp.kind},
-      'machine': f'{platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} '
-                 f'({jax.devices()[0].platform}), load average at start '
-                 f'{"/".join(f"{x:.1f}" for x in os.getloadavg())}',
       'prompt_len': args.prompt_len, 'max_new_tokens': args.max_new_tokens,
       'temperatures': [float(t) for t in args.temperatures.split(',')], 'results': []}
   for batch, temp in [(int(b), float(t)) for t in args.temperatures.split(',')
                       for b in args.batch_sizes.split(',') if b]:  # '': probes only
     n = -(-args.num_prompts // batch) * batch  # whole batches
-    prompts = evaluation.validation_prompts(config, tokenizer, n, args.prompt_len)
+    if args.smoke:
+      rng = np.random.default_rng(0)
+      prompts = rng.integers(1, config.model.vocab_size, (n, args.prompt_len)).tolist()
+    else:
+      prompts = evaluation.validation_prompts(config, tokenizer, n, args.prompt_len)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     kw = dict(eos_id=None, pad_to=(args.prompt_len, args.max_new_tokens))
     thresholds = [float(t) for t in args.draft_thresholds.split(',')]
@@ -119,8 +146,9 @@ def main(argv=None):
     report['cost_probe'] = cost_probe(config, args, taus, wdts)
   if args.peer_shape:
     report['peer_shape'] = peer_shape(config, args)
-  report['load_average_at_end'] = '/'.join(f'{x:.1f}' for x in os.getloadavg())
   print(json.dumps(report, indent=1))
+  common.write(run, report)
+  return 0
 
 
 def _vs_f32(best, w, v) -> dict:
@@ -200,25 +228,26 @@ def cost_probe(config, args, taus: dict, wdts) -> list:
     prompt = [[7] * args.prompt_len]
     row = {'d_model': d, 'n_layers': layers, 'mtp_depth': config.model.mtp.depth,
            'params_M': sum(x.size for x in jax.tree.leaves(decs[wdts[0]].params)) / 1e6,
-           'load_average_at_start': os.getloadavg()[0]}
+           'load_average_at_start': common.load_average()[0]}
     # Two lengths, one program: the difference is loop iterations only (no prefill).
     # Random weights accept ~no draft, which does not matter: shapes are static.
     t, steps = {}, {}
     for _ in range(max(args.repeats, 3)):
       for w in wdts:
         for n in [0] + probe:
-          for m in (16, 48):
+          for m in ((4, 8) if args.smoke else (16, 48)):
             r = decs[w].generate(prompt, m, num_drafts=n, eos_id=None,
-                                 pad_to=(args.prompt_len, 64))
+                                 pad_to=(args.prompt_len, 8 if args.smoke else 64))
             t[w, n, m] = min(t.get((w, n, m), np.inf), r.seconds)
             steps[w, n, m] = r.steps
     for w in wdts:
-      best = {n: (t[w, n, 48] - t[w, n, 16]) / (steps[w, n, 48] - steps[w, n, 16])
+      lo, hi = (4, 8) if args.smoke else (16, 48)
+      best = {n: (t[w, n, hi] - t[w, n, lo]) / (steps[w, n, hi] - steps[w, n, lo])
               for n in [0] + probe}
       row[w] = {'ar_ms_per_step': 1e3 * best[0]}
       if w != 'float32' and 'float32' in wdts:
-        f32 = (t['float32', 0, 48] - t['float32', 0, 16]) / (steps['float32', 0, 48]
-                                                             - steps['float32', 0, 16])
+        f32 = (t['float32', 0, hi] - t['float32', 0, lo]) / (steps['float32', 0, hi]
+                                                             - steps['float32', 0, lo])
         row[w]['ar_step_over_float32_ar_step'] = best[0] / f32
       for n in probe:
         ratio = best[n] / best[0]
@@ -241,10 +270,10 @@ def peer_shape(config, args) -> dict:
       best[temp] = min(best.get(temp, np.inf), r.seconds)
   out = {'greedy_ar_tokens_per_sec': 128 / best[0.0], 't1_ar_tokens_per_sec': 128 / best[1.0],
          't1_over_greedy': best[0.0] / best[1.0],
-         'load_average': os.getloadavg()[0]}
+         'load_average': common.load_average()[0]}
   print(json.dumps(out), file=sys.stderr)
   return out
 
 
 if __name__ == '__main__':
-  main()
+  sys.exit(main())

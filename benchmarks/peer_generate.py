@@ -1,25 +1,26 @@
 """The project's AR decoding against a plain-JAX peer `generate` loop, in one process.
 
-  /work/notes/quiet.sh python benchmarks/peer_generate.py --out benchmarks/peer_generate.json
+  python benchmarks/peer_generate.py --rounds 60 --filters
+  python benchmarks/peer_generate.py --filters --ab sampling.BITWISE_THRESHOLDS --rounds 20
 
 The peer is written here from the math, independently of mtp_jax's decoder and layers:
 one jitted `lax.while_loop`, a preallocated [B, S, K, H] KV cache per layer updated with
 `lax.dynamic_update_slice`, the prompt prefilled in one pass, then one token per
 iteration (greedy argmax, or `jax.random.categorical` of logits / T). It runs the very
-weights of the project's model (a random `MTPModel` of the issue-15 peer shape: 4
+weights of the project's model (a random `MTPModel` of the peer shape: 4
 layers, d 256, 4 x 64 heads, SwiGLU MLP 3d, tied head, V 4096; batch 1, 16 + 128
 tokens), read from the model's own parameters, and the script fails unless the peer's
 greedy tokens equal `Decoder.generate`'s (num_drafts = 0) token for token: both compute
 the same function. Then every variant is timed round robin over --rounds rounds, so
 background load hits all alike; tokens/s of the best and the median round per variant,
-and the project / peer ratios of both.
+and the project / peer ratios of both. --ab MODULE.FLAG also times the project's T = 1
+variants with a boolean module-level setting read while tracing switched off (a second
+Decoder compiled after `decoder.clear_compiled()`), e.g. sampling.BITWISE_THRESHOLDS.
 """
-import argparse
 import functools
 import json
 import math
 import os
-import platform
 import sys
 import time
 
@@ -27,19 +28,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
-from benchmarks.decode_speed import random_model  # noqa: E402
-from configs import stdlib_mtp  # noqa: E402
+from decode_speed import random_model  # noqa: E402
 from mtp_jax.decode import decoder as decode  # noqa: E402
-from mtp_jax.model import layers  # noqa: E402
 from mtp_jax.decode import sampling  # noqa: E402
+from mtp_jax.model import decode_ops  # noqa: E402
 
-AB_MODULES = {'decode': decode, 'layers': layers, 'sampling': sampling}
+NAME = 'peer_generate'
+AB_MODULES = {'decode_ops': decode_ops, 'sampling': sampling}  # their switches read while tracing
 
 
 def parse(argv):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = common.parser(NAME, __doc__)
   p.add_argument('--rounds', type=int, default=30, help='round-robin rounds over the variants')
   p.add_argument('--prompt_len', type=int, default=16)
   p.add_argument('--max_new_tokens', type=int, default=128)
@@ -50,9 +52,8 @@ def parse(argv):
                  help='also time the project\'s T = 1 AR with top-k 50 and with top-p 0.9 '
                       '(and speculative sampling with top-p 0.9)')
   p.add_argument('--ab', default='',
-                 help='MODULE.FLAG, e.g. decode_ops.ATTN_TALL: also time the project\'s T = 1 '
-                      'variants with that boolean switch of mtp_jax.MODULE off ("_off")')
-  p.add_argument('--out', default='', help='JSON output path')
+                 help='MODULE.FLAG, e.g. sampling.BITWISE_THRESHOLDS: also time the project\'s '
+                      'T = 1 variants with that boolean switch off ("_off")')
   args = p.parse_args(argv)
   if args.ab and (args.ab.count('.') != 1 or args.ab.split('.')[0] not in AB_MODULES
                   or not isinstance(getattr(AB_MODULES[args.ab.split('.')[0]],
@@ -61,6 +62,8 @@ def parse(argv):
             f'got {args.ab!r}')
   if args.rounds < 1 or args.prompt_len < 1 or args.max_new_tokens < 2:
     p.error('--rounds and --prompt_len must be >= 1, --max_new_tokens >= 2')
+  if args.smoke:
+    args.rounds, args.prompt_len, args.max_new_tokens = 1, 4, 4
   return args
 
 
@@ -154,15 +157,23 @@ def peer_generate(cfg, max_new, greedy, p, prompt_BxP, key, temperature):
 
 
 # -- the comparison --------------------------------------------------------------------------
-def peer_shape_model():
-  """The random model decode_speed.py --peer_shape times (stdlib_mtp's D 3 sequential MTP)."""
-  return random_model(stdlib_mtp.get_config(), 256, 4, vocab=4096, heads=(4, 64))
+def peer_shape_model(smoke: bool = False):
+  """The random model of the peer shape (stdlib_mtp's D 3 sequential MTP); --smoke: tiny."""
+  config = common_config()
+  if smoke:
+    return random_model(config, 32, 1, vocab=64, heads=(2, 16))
+  return random_model(config, 256, 4, vocab=4096, heads=(4, 64))
 
 
-def main(argv=None):
+def common_config():
+  import train_throughput  # pylint: disable=import-outside-toplevel
+  return train_throughput.load_config('stdlib_mtp')
+
+
+def main(argv=None) -> int:
   args = parse(argv)
-  load_before = os.getloadavg()
-  model = peer_shape_model()
+  run_info = common.start(args, NAME)
+  model = peer_shape_model(args.smoke)
   cfg = model.args
   dec = decode.Decoder(model)
   params = peer_params(model)
@@ -179,29 +190,22 @@ def main(argv=None):
   theirs = np.asarray(peers[True](params, prompt, jax.random.key(0), np.float32(1.0)))[0]
   if not np.array_equal(mine, theirs):
     bad = int(np.argmax(mine != theirs))
-    sys.exit(f'peer_generate: greedy outputs differ from token {bad} on '
-             f'(project {mine[bad:bad + 8].tolist()}, peer {theirs[bad:bad + 8].tolist()})')
+    print(f'error: greedy outputs differ from token {bad} on (project '
+          f'{mine[bad:bad + 8].tolist()}, peer {theirs[bad:bad + 8].tolist()})', file=sys.stderr)
+    return 1
   print(f'greedy outputs identical ({n} tokens)', file=sys.stderr)
 
-  programs = {}  # (switch off, Program) -> compiled: both forms of a program in one process
+  off_dec = [None]  # the Decoder compiled with the --ab switch off, made on first use
 
   def project(temperature, num_drafts=0, off=False, **kw):
-    prog = dec.program(1, args.prompt_len, n, num_drafts=num_drafts, temperature=temperature,
-                       **kw)
-    if (off, prog) not in programs:
-      if args.ab:
-        module, flag = args.ab.split('.')
-        setattr(AB_MODULES[module], flag, not off)
-      decode._COMPILED.clear()  # compile anew under the switch
-      dec._programs.clear()
-      programs[off, prog] = dec.compile(prog)
-      if args.ab:
-        setattr(AB_MODULES[module], flag, True)
-
     def run(i):
-      dec._programs[prog] = programs[off, prog]  # generate() then runs this form
-      return dec.generate(prompt.tolist(), n, num_drafts=num_drafts, temperature=temperature,
-                          eos_id=None, seed=i, **kw).seconds
+      d = dec
+      if off:
+        if off_dec[0] is None:
+          off_dec[0] = decode.Decoder(model)
+        d = off_dec[0]
+      return d.generate(prompt.tolist(), n, num_drafts=num_drafts, temperature=temperature,
+                        eos_id=None, seed=i, **kw).seconds
     return run
 
   def peer(greedy):
@@ -227,28 +231,37 @@ def main(argv=None):
   ab = list(t1)
   if args.ab:
     variants.update({f'{k}_off': project(1.0, off=True, **kw) for k, kw in t1.items()})
-  for run in variants.values():  # compile and warm up, untimed
-    run(0)
-    run(0)
+  # Compile and warm up, untimed: every form with the switch on, then (after forgetting
+  # the compiled programs) the _off forms with it off.
+  for k, run in variants.items():
+    if not k.endswith('_off'):
+      run(0)
+      run(0)
+  if args.ab:
+    module, flag = args.ab.split('.')
+    decode.clear_compiled()
+    setattr(AB_MODULES[module], flag, False)
+    try:
+      for k, run in variants.items():
+        if k.endswith('_off'):
+          run(0)
+          run(0)
+    finally:
+      setattr(AB_MODULES[module], flag, True)
+      decode.clear_compiled()
   times = {k: [] for k in variants}
   for i in range(args.rounds):
     for k, run in variants.items():
       times[k].append(run(i + 1))
-  load_after = os.getloadavg()
 
   def tps(k, how):
     return n / float(how(times[k]))
   report = {
-      'machine': f'{platform.machine()} {os.cpu_count()} CPUs ({platform.processor() or "?"}), '
-                 f'jax {jax.__version__} ({jax.devices()[0].platform})',
-      'jax_version': jax.__version__,
       'shape': {'n_layers': cfg.n_layers, 'd_model': cfg.d_model, 'n_heads': cfg.n_heads,
                 'head_dim': cfg.head_dim, 'mlp_dim': cfg.mlp_dim, 'vocab_size': cfg.vocab_size,
                 'batch': 1, 'prompt_len': args.prompt_len, 'max_new_tokens': n},
       'rounds': args.rounds, 'greedy_identical': True,
       'ab': args.ab or None,  # *_off: the T = 1 variants compiled with that switch off
-      'load_average_before': [round(x, 2) for x in load_before],
-      'load_average_after': [round(x, 2) for x in load_after],
       'tokens_per_sec': {k: {'best': tps(k, np.min), 'median': tps(k, np.median)}
                          for k in variants},
       'ms_per_token_median': {k: 1e3 * float(np.median(v)) / n for k, v in times.items()},
@@ -270,12 +283,10 @@ def main(argv=None):
       who: {how: report['tokens_per_sec'][f'{who}_t1'][how]
             / report['tokens_per_sec'][f'{who}_greedy'][how] for how in ('best', 'median')}
       for who in ('project', 'peer')}
-  text = json.dumps(report, indent=1)
-  print(text)
-  if args.out:
-    with open(args.out, 'w') as f:
-      f.write(text + '\n')
+  print(json.dumps(report, indent=1))
+  common.write(run_info, report)
+  return 0
 
 
 if __name__ == '__main__':
-  main()
+  sys.exit(main())

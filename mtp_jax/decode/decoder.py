@@ -1,4 +1,4 @@
-"""Self-speculative decoding: the MTP modules draft, the main model verifies (DESIGN.md §5).
+"""Self-speculative decoding: the MTP modules draft, the main model verifies (docs/design.md §5).
 
 One `jax.jit`-compiled program per static shape runs the prefill and then a
 `lax.while_loop` over a `DecodeState`. Plain autoregressive decoding is the same
@@ -57,6 +57,13 @@ MIN_BUCKET = 16
 MAX_DRAFTS = 8  # drafts past the model's depth reuse its last MTP module (recursive)
 WEIGHT_DTYPES = ('float32', 'bfloat16')
 _COMPILED = {}  # (graphdef, Program) -> compiled executable, shared by every Decoder
+
+
+def clear_compiled() -> None:
+  """Forgets every compiled program. Decoders built afterwards compile anew: the way to
+  compare a module-level setting read while tracing (e.g. `sampling.BITWISE_THRESHOLDS`,
+  `decode_ops.ATTN_TALL`) in one process, one Decoder per setting."""
+  _COMPILED.clear()
 
 
 # -- static program and traced state -------------------------------------------------------
