@@ -1,4 +1,4 @@
-"""An independent float64 numpy implementation of DESIGN.md sections 1-3, for tests.
+"""An independent float64 numpy implementation of docs/design.md sections 1-3, for tests.
 
 Written from the equations, loop-by-loop where that is clearer, sharing no code with
 mtp_jax: a bug in the JAX model or loss shows up as a mismatch here.

@@ -1,4 +1,4 @@
-"""Self-speculative decoding (DESIGN.md §5): every property of the decoder is a test here.
+"""Self-speculative decoding (docs/design.md §5): every property of the decoder is a test here.
 
 Models are tiny and share compiled programs (the compile cache is keyed by model
 structure, so the random-init and the trained model run the same executables).

@@ -1,4 +1,4 @@
-"""The multi-depth loss (DESIGN.md section 3) against an independent numpy computation."""
+"""The multi-depth loss (docs/design.md section 3) against an independent numpy computation."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,7 +1,7 @@
 """Sampling math of the decoder: temperature / top-k / top-p, and the speculative rule.
 
 All functions are traced inside the decode program; per-row PRNG keys lead with the
-batch axis. DESIGN.md §5 has the acceptance rule and why it is lossless.
+batch axis. docs/design.md §5 has the acceptance rule and why it is lossless.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The main decoder and its D multi-token-prediction modules (DESIGN.md sections 1-2).
+"""The main decoder and its D multi-token-prediction modules (docs/design.md sections 1-2).
 
 Sequential (DeepSeek-V3) depth k at position i:
   h'^k_i = eh_proj([enorm(Emb(t_{i+k})) ; hnorm(h^{k-1}_i)])

@@ -2,7 +2,7 @@
 
 Shared by scripts/eval.py and the trainer's periodic evaluation, so both report the
 same `eval/...` keys: `evaluate`'s loss, accuracy, agreement and bits per byte
-per depth, plus the decoder's (DESIGN.md §5) on fixed validation prompts:
+per depth, plus the decoder's (docs/design.md §5) on fixed validation prompts:
   eval/decode_tau               mean accepted length, committed tokens / verify steps
   eval/decode_accept_mtp_<k>    P(the first k drafts of a verify step are accepted)
 Decoding here is greedy and never stops at EOS (every row generates the same number

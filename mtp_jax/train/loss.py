@@ -1,4 +1,4 @@
-"""The weighted multi-depth loss and its per-depth metrics (DESIGN.md sections 3-4).
+"""The weighted multi-depth loss and its per-depth metrics (docs/design.md sections 3-4).
 
   L = L_main + sum_k w_k L^k,   L^k = mean over valid i of -log P^k_{i+k+1}[t_{i+k+1}]
 
@@ -172,7 +172,7 @@ def _head_sums_batched(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT, teacher
 
   One large GEMM (and one for each of its two gradients) instead of K small ones inside a
   scan: the MaxText-shape train step (V 1024) ran 1.04x faster at D = 0 and 1.10x at
-  D = 3 (benchmarks/RESULTS.md, issue 14). The logits of every depth then exist at once
+  D = 3 (docs/benchmarks.md). The logits of every depth then exist at once
   and stay as residuals for the backward pass (4 K B T V bytes): the form for small
   vocabularies; loss_chunk > 0 keeps one [B, chunk, V] block alive.
   """
