@@ -1,7 +1,7 @@
 """kill -9 chaos: trains configs/tiny.py while SIGKILLing it at random moments, then checks
 that nothing was lost.
 
-  python scripts/chaos_train.py [--kills 10] [--seed 0] [--workdir /tmp/chaos]
+  python scripts/chaos_train.py [--kills 10] [--seed 0] [--workdir runs/chaos]
 
 1. An uninterrupted reference run of scripts/train.py.
 2. The same command in another workdir, SIGKILLed `--kills` times and restarted each
@@ -33,7 +33,8 @@ def parse_args():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--kills', type=int, default=10, help='SIGKILLs to deliver (at least)')
   p.add_argument('--seed', type=int, default=0, help='seeds the kill schedule')
-  p.add_argument('--workdir', default='/tmp/mtp_jax_chaos', help='reference/ and chaos/ go here')
+  p.add_argument('--workdir', default=os.path.join('runs', 'chaos'),
+                 help='reference/ and chaos/ go here')
   p.add_argument('--data_dir', default='', help='passed as --config.data.data_dir')
   p.add_argument('--steps', type=int, default=40)
   p.add_argument('--checkpoint_every', type=int, default=4)

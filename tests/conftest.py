@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 from helpers import REPO, TINY_DECODE, make_hf_model, train_word_model  # noqa: E402
 
 # Many tests compile the same tiny programs (init, train step) in separate setups and
-# subprocesses; a persistent cache shared by the session compiles each once.
+# subprocesses; a persistent cache shared by the whole test run compiles each once.
 # It lives in the user's cache directory, never in the checkout (which may be read-only).
 _CACHE = os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
     os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'mtp_jax', 'jax_cache'))
@@ -34,7 +34,7 @@ def devices():
 
 @pytest.fixture(scope='session')
 def stdlib_data_dir(tmp_path_factory):
-  """python_stdlib prepared once per session in a temp data_dir."""
+  """python_stdlib prepared once per test run in a temp data_dir."""
   from mtp_jax.data import stdlib_dataset
   data_dir = str(tmp_path_factory.mktemp('tfds'))
   stdlib_dataset.prepare_stdlib(data_dir=data_dir)
@@ -43,7 +43,7 @@ def stdlib_data_dir(tmp_path_factory):
 
 @pytest.fixture(scope='session')
 def tiny_run(stdlib_data_dir, tmp_path_factory):
-  """scripts/train.py on configs/tiny.py for 40 steps, run once per session.
+  """scripts/train.py on configs/tiny.py for 40 steps, run once per test run.
 
   Its evals also decode 4 validation prompts (eval/decode_*), which test_eval.py checks
   against scripts/eval.py. Returns (workdir, CompletedProcess); tests of outputs,
@@ -77,7 +77,7 @@ def trained(devices, tmp_path_factory):
 @pytest.fixture(scope='session')
 def hf_models(tmp_path_factory):
   """{family: (directory, transformers model)}: tiny random Llama and Qwen2 checkpoints
-  saved once per session (helpers.HF_FAMILIES)."""
+  saved once per test run (helpers.HF_FAMILIES)."""
   out = {}
   for family in ('llama', 'qwen2'):
     directory = tmp_path_factory.mktemp(f'hf_{family}')

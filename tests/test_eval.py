@@ -1,6 +1,6 @@
 """scripts/eval.py and the trainer's decode evaluation: one set of eval/... figures.
 
-Runs in-process on the session's trained tiny workdir (conftest.tiny_run, whose evals
+Runs in-process on the test run's trained tiny workdir (conftest.tiny_run, whose evals
 decode TINY_DECODE prompts), so compiled programs are shared between the tests.
 """
 import contextlib

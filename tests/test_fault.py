@@ -1,7 +1,7 @@
 """Fault tolerance: preemption, broken checkpoints, non-finite steps, init-from, kill -9 chaos.
 
 Every run uses tiny.py with the same train fields as test_train.py's exact-resume test,
-so the persistent compilation cache compiles the train step once for the whole session.
+so the persistent compilation cache compiles the train step once for the whole test run.
 """
 import glob
 import json

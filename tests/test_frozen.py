@@ -1,4 +1,4 @@
-"""MTP on a frozen trunk (issue 6): freeze_trunk, stop_gradient, self-distillation targets."""
+"""MTP on a frozen trunk: freeze_trunk, stop_gradient, self-distillation targets."""
 import os
 import warnings
 

@@ -12,7 +12,7 @@ from mtp_jax.data import tokenizers
 
 
 def build(depth, kind='sequential', seed=0, **model):
-  # Eager init: every tiny model shares shapes, so each init op compiles once per session.
+  # Eager init: every tiny model shares shapes, so each init op compiles once per test run.
   return MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(depth, kind, **model))),
                   rngs=nnx.Rngs(seed))
 

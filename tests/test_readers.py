@@ -1,7 +1,7 @@
-"""Reading a run never harms it (issue 10): decode, eval and --init_from read checkpoints
+"""Reading a run never harms it: decode, eval and --init_from read checkpoints
 read-only and verified, fall back past a broken newest step, and one trainer owns a workdir.
 
-The corruption tests copy the session's trained tiny workdir (conftest.tiny_run: steps 20
+The corruption tests copy the test run's trained tiny workdir (conftest.tiny_run: steps 20
 and 40) and run scripts/decode.py and scripts/eval.py in-process, as test_eval.py does.
 """
 import glob

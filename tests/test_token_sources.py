@@ -2,7 +2,7 @@
 
 Uses conftest's `trained` word-language model, as test_decode does (it accepts long
 blocks and rejects at word starts), so the compiled programs are shared when both files
-run in one session.
+run in one pytest process.
 """
 import numpy as np
 import pytest

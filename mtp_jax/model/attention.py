@@ -34,7 +34,7 @@ def attention_impl(cfg) -> str:
   """The attention core for training / prefill: 'blocked' or 'xla' (config.model.attention_core).
 
   auto: 'blocked' on CPU, where it is ~2x faster than jax.nn.dot_product_attention
-  (benchmarks/RESULTS.md); 'xla' elsewhere, the library call that dispatches to cuDNN
+  (docs/benchmarks.md); 'xla' elsewhere, the library call that dispatches to cuDNN
   flash attention / TPU kernels and must stay the accelerator path.
   """
   impl = getattr(cfg, 'attention_core', 'auto')
@@ -60,7 +60,7 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   with GQA the G query heads of a KV head stacked along the query axis) let XLA:CPU run
   the score / value products as plain batched matmuls; fwd + bwd of the core (8 x 32
   heads, B 16, T 256) took 0.85x the time of the softmax / select / 5-D form, 0.69x at
-  2 x 128 heads (benchmarks/RESULTS.md, issue 14). GQA: query head n uses kv head
+  2 x 128 heads (docs/benchmarks.md). GQA: query head n uses kv head
   n // (N / K), as jax.nn.dot_product_attention does. Returns [B, T, N, H].
 
   saved_core (no GQA only; Attention sets it under model.remat = block): the same forward
@@ -68,7 +68,7 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   heads-major q / k / v, named for the block remat policy (ATTENTION_SAVED_NAMES), and whose
   backward recomputes only the block probabilities (flash-style: dS = P (dP - rowsum(dO O))).
   Under remat the autodiff form reruns the whole forward in the backward pass first; this one
-  does not (benchmarks/RESULTS.md, issue 14 third pass). Without remat autodiff keeps the
+  does not (measured in docs/benchmarks.md). Without remat autodiff keeps the
   probabilities instead, and recomputing them would be extra work.
   """
   b, t, n, h = q_BxTxNxH.shape

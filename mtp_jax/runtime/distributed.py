@@ -24,7 +24,7 @@ MODES = ('auto', 'on', 'off')
 # --cpu_devices auto: a single-process CPU job trains on this many CPU devices (data
 # parallel) when its config is valid with them. XLA:CPU then runs the two halves of the
 # batch as two streams of thunks, which keeps both cores busy through the small ops
-# between the GEMMs (issue 14: the MaxText-shape step, remat block, 0.88-0.96x the time
+# between the GEMMs (the MaxText-shape step, remat block: 0.88-0.96x the time
 # of one device on a 2-core host; configs/stdlib_mtp.py, remat none, level). Only 2 was
 # measured (4 devices on 2 cores: slower than 2).
 AUTO_CPU_DEVICES = 2

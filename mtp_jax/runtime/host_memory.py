@@ -4,7 +4,7 @@ XLA:CPU allocates every executable's temporaries afresh on each run (the MaxText
 D = 3 train step: 551 MiB per device) and frees them at its end. glibc serves blocks that
 large with mmap and unmaps them on free, so each step faults every page back in, zeroed
 by the kernel: 282,000 minor faults and 0.7 s of system time per 1.9 s step on the 2-core
-VM of issue 14 (benchmarks/RESULTS.md, sixth pass). With `keep` the allocator takes them
+VM of docs/benchmarks.md. With `keep` the allocator takes them
 from its heap instead and keeps freed memory mapped, so the next step reuses the same
 pages: after the heap has grown to its peak in the first 2-4 steps, no faults at all
 (250,000-280,000 per step before); the step 0.72-0.89x the time.
