@@ -1,6 +1,10 @@
-"""A check of the few-row product forms inside a loop XLA cannot trim (issue 15, dec4).
+"""The few-row product forms of a decode step, inside a loop XLA cannot trim.
 
-  python benchmarks/few_row_check.py --out benchmarks/few_row_check.json
+  python benchmarks/few_row_check.py
+  python benchmarks/few_row_check.py --out benchmarks/results/few_row_check.json
+
+The rule these check is mtp_jax.model.decode_ops.decode_dot's: a float32 product of 2-64
+rows is the tall-skinny `W_t x^T` behind an optimization barrier (`f32 tall*` below).
 
 Each form multiplies M rows by 8 copies of one decode-layout weight [O, I] (cycled, more
 than the caches hold) in a fori_loop whose carry depends on the SUM of every product, so
@@ -8,10 +12,12 @@ no part of a product is dead code (an earlier throw-away check that kept one out
 column let XLA drop half the work of split products and looked 2x faster). Medians of 7
 interleaved calls, in units of the float32 1-row GEMV of the same weight.
 """
-import argparse
-import json
 import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 import jax
 import jax.numpy as jnp
@@ -60,16 +66,30 @@ FORMS = {'f32 gemv1': (1, F32, xwt), 'f32 tall1': (1, F32, tall), 'f32 tall2': (
          'bf16 xWt4': (4, BF16, xwt), 'bf16 tall4': (4, BF16, tall), 'bf16 tall8': (8, BF16, tall)}
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+NAME = 'few_row_check'
+
+
+def parse(argv):
+  p = common.parser(NAME, __doc__)
   p.add_argument('--shapes', default='4608x768,2304x768,768x2304', help='O x I of each weight')
-  p.add_argument('--copies', type=int, default=8)
+  p.add_argument('--copies', type=int, default=8, help='weight copies cycled (beyond the caches)')
   p.add_argument('--reps', type=int, default=7)
-  p.add_argument('--out', default='')
-  a = p.parse_args()
-  out = {'jax': jax.__version__, 'load_start': os.getloadavg(), 'shapes': {}}
-  for shape in a.shapes.split(','):
-    o, i = (int(x) for x in shape.split('x'))
+  a = p.parse_args(argv)
+  try:
+    a.shapes = [tuple(int(x) for x in s.split('x')) for s in a.shapes.split(',')]
+  except ValueError:
+    p.error(f'--shapes must be OxI,OxI,..., got {a.shapes!r}')
+  if a.smoke:
+    a.shapes, a.copies, a.reps = [(64, 32)], 2, 1
+  return a
+
+
+def main(argv=None) -> int:
+  a = parse(argv)
+  run = common.start(a, NAME)
+  out = {'shapes': {}}
+  for o, i in a.shapes:
+    shape = f'{o}x{i}'
     ws = {dt: [jnp.asarray(np.random.randn(o, i).astype(np.float32)).astype(dt)
                for _ in range(a.copies)] for dt in (F32, BF16)}
     fns = {}
@@ -94,12 +114,11 @@ def main():
     out['shapes'][shape] = {'gemv1_us': base,
                             'over_gemv1': {k: float(np.median(v)) / base for k, v in t.items()}}
     print(shape, f'gemv1 {base:.0f} us', ' '.join(
-        f'{k}={v:.2f}' for k, v in out['shapes'][shape]['over_gemv1'].items()), flush=True)
-  out['load_end'] = os.getloadavg()
-  if a.out:
-    with open(a.out, 'w') as f:
-      json.dump(out, f, indent=1)
+        f'{k}={v:.2f}' for k, v in out['shapes'][shape]['over_gemv1'].items()),
+          file=sys.stderr, flush=True)
+  common.write(run, out)
+  return 0
 
 
 if __name__ == '__main__':
-  main()
+  sys.exit(main())

@@ -1,6 +1,7 @@
 """MLA decode: W_vb absorbed into o_proj vs the two steps (W_vb, then o_proj), interleaved.
 
-  /work/notes/quiet.sh python benchmarks/mla_decode_forms.py --out benchmarks/mla_decode_forms.json
+  python benchmarks/mla_decode_forms.py
+  python benchmarks/mla_decode_forms.py --out benchmarks/results/mla_decode_forms.json
 
 MLAttention.prepare_decode picks the output form by size (the absorbed [d, n kvr] matrix
 when kvr d <= dv (kvr + d), else vb_t + o_t): a decode step reads every weight once. This
@@ -8,19 +9,23 @@ times one MLAttention.decode call (batch 1, 1 and 4 new tokens, a 512-slot laten
 random weights) with each form, interleaved, for dsv3_mini's widths and for DeepSeek-V3's
 ratios at d 1024 (kv_lora_rank 4 x v_head_dim, as 512 / 128). Medians over --reps calls.
 """
-import argparse
 import json
-import platform
 import os
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
-from mtp_jax.model import mla
-from mtp_jax.model.mtp import ModelArgs
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from mtp_jax.model import mla  # noqa: E402
+from mtp_jax.model.mtp import ModelArgs  # noqa: E402
+
+NAME = 'mla_decode_forms'
 
 SHAPES = {  # d, heads, kv_lora_rank, qk_nope, qk_rope, v_head_dim, q_lora_rank
     'dsv3_mini': (128, 4, 32, 32, 16, 32, 96),
@@ -61,23 +66,31 @@ def time_forms(shape, rows, reps):
           'chosen': 'absorbed' if kvr * d <= dv * (kvr + d) else 'two_step'}
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--reps', type=int, default=300)
-  parser.add_argument('--out', default='')
-  a = parser.parse_args()
+def parse(argv):
+  p = common.parser(NAME, __doc__)
+  p.add_argument('--reps', type=int, default=300, help='timed calls of each form')
+  a = p.parse_args(argv)
+  if a.reps < 1:
+    p.error('--reps must be >= 1')
+  if a.smoke:
+    a.reps = 2
+  return a
+
+
+def main(argv=None) -> int:
+  a = parse(argv)
+  run = common.start(a, NAME)
   rows_out = []
   for name, shape in SHAPES.items():
-    for rows in (1, 4):
+    if a.smoke and name != 'dsv3_mini':
+      continue
+    for rows in ((1,) if a.smoke else (1, 4)):
       r = dict(shape=name, **time_forms(shape, rows, a.reps))
       rows_out.append(r)
-      print(json.dumps(r), flush=True)
-  if a.out:
-    with open(a.out, 'w') as f:
-      json.dump({'machine': platform.processor() or platform.machine(), 'cpus': os.cpu_count(),
-                 'jax': jax.__version__, 'load_average': os.getloadavg(), 'results': rows_out},
-                f, indent=1)
+      print(json.dumps(r), file=sys.stderr, flush=True)
+  common.write(run, {'slots': SLOTS, 'results': rows_out})
+  return 0
 
 
 if __name__ == '__main__':
-  main()
+  sys.exit(main())

@@ -1,20 +1,15 @@
 """What one T > 0 sampling step costs apart from the model, and cheaper equivalent forms.
 
-  flock /tmp/mtp_bench.lock python benchmarks/sampling_cost.py --out benchmarks/sampling_cost.json
+  python benchmarks/sampling_cost.py
+  python benchmarks/sampling_cost.py --out benchmarks/results/sampling_cost.json
 
-An AR sampling step of the decoder (num_drafts = 0) runs, besides the model, the
-speculative `_accept` with no drafts: `adjusted_logprobs` (temperature, then top-k and
-top-p, both computed with a full sort even when switched off: the switches are traced),
-exp, log, and `jax.random.categorical` with per-row keys folded in three times per step.
 Each form below is one sampling step `(logits [B, V], keys [B], step) -> tokens [B]`, run
 `--steps` times in a `lax.fori_loop` (a different logits row per step) and timed
 interleaved with the others in one process; `argmax` is the loop + greedy floor.
 
   current      sampling.accept(num_drafts=0) with both top-k / top-p switches compiled in
-               (Sampling's defaults), i.e. the decoder's step before issue 15 made them
-               static; since then its bonus draw is itself inverse-CDF, so `static` (Gumbel)
-               no longer draws the same tokens as `current` (the check reads ~0 now; it
-               read 1.0 when benchmarks/sampling_cost.json was measured)
+               (Sampling's defaults: use_top_k / use_top_p on, the values off); its bonus
+               draw is inverse-CDF, so `static` (Gumbel) draws other tokens than `current`
   static       top-k / top-p left out at trace time (static flags), categorical on x / T
   one_fold     static, with one fold_in per row per step instead of three
   inv_cdf      one uniform per row (instead of V Gumbels), cumsum of softmax(x / T), count
@@ -28,10 +23,8 @@ Checks (printed, in the JSON): `static` draws equal `current`'s; every form's dr
 the exact distribution (chi-square over --check_draws draws of a fixed row);
 `static_topk_topp`'s log-probabilities equal `adjusted_logprobs`'.
 """
-import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -40,7 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+NAME = 'sampling_cost'
 
 
 from mtp_jax.decode import decoder as DECODE  # noqa: E402
@@ -163,15 +159,17 @@ def chi_square_p(tokens, probs):
   return float(stats.chisquare(obs, exp).pvalue)
 
 
-def checks(v, n, temperature=1.0):
+def checks(v, n, temperature=1.0, forms=tuple(FORMS)):
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(1, v)) * 2.0, jnp.float32)
   prog = DECODE.Program(batch=1, prompt_len=16, max_new=16, num_drafts=0, greedy=False)
   out = {'V': v, 'draws': n}
   exact = np.asarray(jax.nn.softmax(logits[0] / temperature))
   tok = {f: draws(prog, f, logits, n, sampling_for(f, temperature)) for f in
-         ('current', 'static', 'one_fold', 'inv_cdf', 'shared_key', 'rbg_one_fold', 'rbg_inv_cdf')}
-  out['static_equals_current'] = float(np.mean(tok['static'] == tok['current']))
+         ('current', 'static', 'one_fold', 'inv_cdf', 'shared_key', 'rbg_one_fold', 'rbg_inv_cdf')
+         if f in forms}
+  if 'static' in tok and 'current' in tok:
+    out['static_equals_current'] = float(np.mean(tok['static'] == tok['current']))
   out['chi_square_p'] = {f: round(chi_square_p(t, exact), 4) for f, t in tok.items()}
   s = sampling_for('current_topk_topp', temperature)
   want = np.asarray(SAMPLING.adjusted_logprobs(logits, s))
@@ -181,6 +179,8 @@ def checks(v, n, temperature=1.0):
   out['topk_topp_same_support'] = same_support
   out['topk_topp_max_abs_logp_diff'] = float(np.max(np.abs(want[fin] - got[fin])))
   out['topk_topp_kept'] = int(fin.sum())
+  if 'current_topk_topp' not in forms:
+    return out
   t_cur = draws(prog, 'current_topk_topp', logits, n, s)
   t_new = draws(prog, 'static_topk_topp', logits, n, s)
   p = np.exp(np.where(fin, want, -np.inf))[0]
@@ -189,29 +189,39 @@ def checks(v, n, temperature=1.0):
   return out
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv):
+  p = common.parser(NAME, __doc__)
   p.add_argument('--batches', default='1,8')
   p.add_argument('--vocabs', default='256,4096')
+  p.add_argument('--forms', default=','.join(FORMS), help='comma-separated, of FORMS')
   p.add_argument('--steps', type=int, default=256, help='sampling steps per timed call')
   p.add_argument('--reps', type=int, default=9)
   p.add_argument('--check_draws', type=int, default=20000)
-  p.add_argument('--out', default='')
   args = p.parse_args(argv)
-  report = {'machine': f'{platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__}',
-            'command': ' '.join(['python'] + sys.argv), 'load_start': os.getloadavg(),
-            'steps_per_call': args.steps, 'timing': [], 'checks': []}
+  args.forms = [f for f in args.forms.split(',') if f]
+  if not args.forms or any(f not in FORMS for f in args.forms):
+    p.error(f'--forms must name some of {", ".join(FORMS)}, got {args.forms}')
+  if args.smoke:
+    args.batches, args.vocabs, args.steps, args.reps, args.check_draws = '1', '64', 4, 1, 200
+    args.forms = ['argmax', 'current', 'static', 'inv_cdf']
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse(argv)
+  run = common.start(args, NAME)
+  report = {'steps_per_call': args.steps, 'forms': args.forms, 'timing': [], 'checks': []}
   for v in [int(x) for x in args.vocabs.split(',')]:
-    c = checks(v, args.check_draws)
+    c = checks(v, args.check_draws, forms=args.forms)
     report['checks'].append(c)
-    print(json.dumps(c), flush=True)
+    print(json.dumps(c), file=sys.stderr, flush=True)
   rng = np.random.default_rng(1)
   for b in [int(x) for x in args.batches.split(',')]:
     prog = DECODE.Program(batch=b, prompt_len=16, max_new=16, num_drafts=0, greedy=False)
     for v in [int(x) for x in args.vocabs.split(',')]:
       logits = jnp.asarray(rng.normal(size=(16, b, v)) * 2.0, jnp.float32)
       fns = {}
-      for f in FORMS:
+      for f in args.forms:
         fn, keys, s = loop_fn(prog, f, args.steps), keys_for(f, b), sampling_for(f)
         jax.block_until_ready(fn(logits, keys, s))  # compile
         fns[f] = (fn, keys, s)
@@ -222,17 +232,16 @@ def main(argv=None):
           jax.block_until_ready(fn(logits, keys, s))
           times[f].append(time.perf_counter() - t0)
       us = {f: float(np.median(t)) / args.steps * 1e6 for f, t in times.items()}
+      base = us.get('argmax', 0.0)
       row = {'B': b, 'V': v, 'us_per_step': {f: round(u, 2) for f, u in us.items()},
-             'over_argmax_us': {f: round(u - us['argmax'], 2) for f, u in us.items()},
-             'over_current': {f: round(u / us['current'], 3) for f, u in us.items()}}
+             'over_argmax_us': {f: round(u - base, 2) for f, u in us.items()}}
+      if 'current' in us:
+        row['over_current'] = {f: round(u / us['current'], 3) for f, u in us.items()}
       report['timing'].append(row)
-      print(json.dumps(row), flush=True)
-  report['load_end'] = os.getloadavg()
-  if args.out:
-    with open(args.out, 'w') as f:
-      json.dump(report, f, indent=1)
-      f.write('\n')
+      print(json.dumps(row), file=sys.stderr, flush=True)
+  common.write(run, report)
+  return 0
 
 
 if __name__ == '__main__':
-  main()
+  sys.exit(main())
