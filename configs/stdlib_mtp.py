@@ -1,6 +1,11 @@
-"""The embedded main job: D = 3 sequential MTP on the Python standard library, byte level.
+"""The main job: a byte-level decoder with D = 3 sequential MTP modules, trained on the
+running interpreter's Python standard library (built on first use, no download).
 
-Sized for about 15 minutes on 2 CPU cores; README lists the figures it reaches.
+d 256, 4 layers, 2 x 128-wide heads; 6.4 M parameters (3.5 M trunk, 3.0 M in the three MTP
+modules); 300 steps of 16 x 256 tokens. About 10 minutes on 2 CPU cores; README.md lists
+the figures it reaches.
+
+  python scripts/train.py --config configs/stdlib_mtp.py
 """
 from mtp_jax import config_lib
 
