@@ -305,3 +305,22 @@ def make_hf_model(directory, family, seed=0):
         p.copy_((1.0 if name.endswith('norm.weight') else 0.0) + 0.2 * torch.randn_like(p))
   model.save_pretrained(directory, max_shard_size='100KB' if family == 'llama' else '50GB')
   return model
+
+
+def write_workdir(path, config, seed=1, steps=(3,)):
+  """A training workdir holding checkpoints `steps` of a random model of `config` (routing
+  biases random too), as the trainer writes them; returns the model."""
+  from mtp_jax.data import tokenizers
+  from mtp_jax.model import state as state_lib
+  model, optimizer = state_lib.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
+  if config.model.mlp == 'moe':
+    params_with_routing_bias(model, seed)
+  else:
+    randomize(model, seed)
+  ckpt = ckpt_lib.Checkpointer(os.path.join(path, 'checkpoints'), async_save=False)
+  state = nnx.state((model, optimizer))
+  for step in steps:
+    ckpt.save(step, state, meta={'step': step, 'config': json.loads(config.to_json_best_effort()),
+                                 **ckpt_lib.integrity_meta(state)}, force=True)
+  ckpt.close()
+  return model

@@ -20,14 +20,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from helpers import dsv3_model_config, params_with_routing_bias, randomize, tiny_model_config
-from mtp_jax import checkpoint as ckpt_lib
+from helpers import (dsv3_model_config, params_with_routing_bias, randomize, tiny_model_config,
+                     write_workdir)
 from mtp_jax.data import tokenizers
 from mtp_jax.commands import export as export_cmd
 from mtp_jax.interop import export, fp8, hf, hf_config, layouts
 from mtp_jax.interop.safetensors_io import INDEX, InteropError, Reader, read_json, write_dir
 from mtp_jax.model import layers
-from mtp_jax.model import state as state_lib
 from mtp_jax.model.mtp import MTPModel, ModelArgs
 
 TOKENS = np.arange(12, dtype=np.int32)[None] * 5 % 64
@@ -397,22 +396,6 @@ def test_mimo_keeps_a_qwen2_trunks_biases_and_its_rope_scaling(tmp_path):
 
 
 # -- the export command ---------------------------------------------------------------------
-def _workdir(path, config, seed, steps=(3,)):
-  """A workdir holding checkpoints of a random model (routing biases random too)."""
-  model, optimizer = state_lib.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
-  if config.model.mlp == 'moe':
-    params_with_routing_bias(model, seed)
-  else:
-    randomize(model, seed)
-  ckpt = ckpt_lib.Checkpointer(os.path.join(path, 'checkpoints'), async_save=False)
-  state = nnx.state((model, optimizer))
-  for step in steps:
-    ckpt.save(step, state, meta={'step': step, 'config': json.loads(config.to_json_best_effort()),
-                                 **ckpt_lib.integrity_meta(state)}, force=True)
-  ckpt.close()
-  return model
-
-
 def _byte_vocab(config):
   config.model.vocab_size = 320  # the byte tokenizer's 258 ids, rounded up
   return config
@@ -421,7 +404,7 @@ def _byte_vocab(config):
 @pytest.mark.parametrize('layout', ['deepseek_v3', 'mimo'])
 def test_export_command_round_trip_is_bit_exact(tmp_path, capsys, layout):
   config = _byte_vocab(dsv3_model_config(1) if layout == 'deepseek_v3' else tiny_model_config(2))
-  model = _workdir(str(tmp_path / 'run'), config, seed=3)
+  model = write_workdir(str(tmp_path / 'run'), config, seed=3)
   out = str(tmp_path / 'hf')
   assert export_cmd.main(['--workdir', str(tmp_path / 'run'), '--out', out, '--layout', layout,
                           '--json']) == 0
@@ -436,7 +419,7 @@ def test_export_falls_back_to_the_newest_intact_checkpoint(tmp_path, capsys):
   """Without --step a broken newest checkpoint (a trainer's half-removed step) gives way to
   the one before, with a warning; with --step it is one error line."""
   run = str(tmp_path / 'run')
-  _workdir(run, _byte_vocab(tiny_model_config(1)), seed=2, steps=(3, 5))
+  write_workdir(run, _byte_vocab(tiny_model_config(1)), seed=2, steps=(3, 5))
   arrays = glob.glob(os.path.join(run, 'checkpoints', '5', 'state', '**', 'd', '*'),
                      recursive=True)
   largest = max(arrays, key=os.path.getsize)
@@ -454,8 +437,8 @@ def test_export_falls_back_to_the_newest_intact_checkpoint(tmp_path, capsys):
 
 def test_export_command_bad_input_is_one_line_exit_2(tmp_path, capsys):
   gqa, mla = str(tmp_path / 'gqa'), str(tmp_path / 'mla')
-  _workdir(gqa, _byte_vocab(tiny_model_config(1)), seed=1)
-  _workdir(mla, _byte_vocab(dsv3_model_config(1)), seed=1)
+  write_workdir(gqa, _byte_vocab(tiny_model_config(1)), seed=1)
+  write_workdir(mla, _byte_vocab(dsv3_model_config(1)), seed=1)
   os.makedirs(tmp_path / 'full')
   open(tmp_path / 'full' / 'x', 'w').close()
   out = str(tmp_path / 'o')

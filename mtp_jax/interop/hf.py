@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax import config_lib
+from mtp_jax.checkpoint.partial import HF_PREFIX, InitFrom
 from mtp_jax.data import tokenizers
 from mtp_jax.interop import fp8 as fp8_lib
 from mtp_jax.interop import hf_config
@@ -36,17 +37,15 @@ from mtp_jax.interop import layouts
 from mtp_jax.interop.safetensors_io import InteropError, Reader
 from mtp_jax.model.mtp import MTPModel, ModelArgs
 
-PREFIX = 'hf:'
+PREFIX = HF_PREFIX
 SUPPORTED = hf_config.ARCHITECTURES
 Tensor = layouts.Tensor
 
 
-def source_dir(init_from: str | None) -> str | None:
-  """DIR of an `hf:DIR` --init_from, else None (an orbax workdir / checkpoint)."""
-  if not init_from or not str(init_from).startswith(PREFIX):
-    return None
-  rest = str(init_from)[len(PREFIX):].strip()
-  return os.path.abspath(os.path.expanduser(rest)) if rest else ''  # '': read_config says why
+def source_dir(init_from) -> str | None:
+  """DIR of an `hf:DIR` --init_from (a string or an InitFrom), else None."""
+  init = InitFrom.parse(init_from)
+  return init.path if init is not None and init.kind == 'hf' else None
 
 
 def _where(directory: str) -> str:
