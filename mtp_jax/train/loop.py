@@ -21,6 +21,7 @@ from mtp_jax import config_lib
 from mtp_jax.train import evaluation
 from mtp_jax.train import flops as flops_lib
 from mtp_jax.interop import hf
+from mtp_jax.checkpoint.partial import InitFrom
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import metrics as metrics_lib
 from mtp_jax.model import mtp as model_lib
@@ -65,7 +66,7 @@ class _Window:
 
 
 def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | None = None,
-                       init_from: str | None = None, batch_hook=None) -> dict:
+                       init_from: str | InitFrom | None = None, batch_hook=None) -> dict:
   """Trains `config` in `workdir`, resuming from its latest good checkpoint if one exists.
 
   stop_after: stop (with a checkpoint) once this step is reached, as a preempted job
@@ -77,7 +78,8 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   """
   workdir = os.path.abspath(workdir)
   devices = jax.devices() if devices is None else devices
-  hf_dir = hf.source_dir(init_from)
+  init_from = InitFrom.parse(init_from)  # parsed once; the typed value goes everywhere below
+  hf_dir = init_from.path if init_from is not None and init_from.kind == 'hf' else None
   # A Hugging Face trunk defines the model: config.json's sizes and the checkpoint's
   # tokenizer replace the config's (also on resume, so the same command resumes).
   hf_changes = hf.apply_to_config(config, hf_dir) if hf_dir is not None else []
@@ -108,7 +110,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
     undo_failed_start()
     raise
   if hf_changes:  # only once the run can start: a refused one prints its error alone
-    notify(f'--init_from hf:{hf_dir} sets ' + '; '.join(hf_changes))
+    notify(f'--init_from {init_from} sets ' + '; '.join(hf_changes))
   checkpointer = None
   try:
     # Only under the lock: the writer's start-up removes incomplete saves.
@@ -198,8 +200,8 @@ def _lock_workdir(workdir: str, is_main: bool, notify) -> resilience.WorkdirLock
   return lock
 
 
-def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader, init_from,
-                     workdir: str) -> None:
+def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader,
+                     init_from: InitFrom | None, workdir: str) -> None:
   """ConfigError / WorkdirError, before anything compiles, for a run that cannot start:
   a checkpoint of another config, an unusable --init_from, a frozen random trunk, or no
   disk space for one checkpoint."""
@@ -211,13 +213,13 @@ def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader, ini
       continue  # unreadable: restore_latest_good reports it and falls back
     ckpt_lib.check_compatible(meta.get('config', {}), config_dict, reader.directory)
     break
-  if init_from and not steps_saved:
-    if hf.source_dir(init_from) is not None:  # every tensor's name and shape, none read
-      hf.check_weights(hf.source_dir(init_from), model_lib.ModelArgs.from_config(config))
+  if init_from is not None and not steps_saved:
+    if init_from.kind == 'hf':  # every tensor's name, shape and dtype, none read
+      hf.check_weights(init_from.path, model_lib.ModelArgs.from_config(config))
     else:
       # Quiet: init_from reports a broken step it skips once, when it loads.
       ckpt_lib.check_init_from(init_from, config, config_dict, notify=lambda text: None)
-  if config.model.mtp.freeze_trunk and not (init_from or steps_saved):
+  if config.model.mtp.freeze_trunk and not (init_from is not None or steps_saved):
     raise config_lib.ConfigError(
         'model.mtp.freeze_trunk would train MTP modules on a randomly initialised, frozen '
         'trunk: give --init_from=<a trained workdir or checkpoint>')
@@ -249,7 +251,7 @@ class _Run:
     ckpt_lib.check_compatible(meta.get('config', {}), self.config_dict,
                               self.checkpointer.directory)
 
-  def resume(self, init_from: str | None):
+  def resume(self, init_from: InitFrom | None):
     """The latest good checkpoint of this run, else --init_from's trunk, else a fresh start."""
     notify = self.notify
     if self.checkpointer.all_steps():
@@ -264,12 +266,12 @@ class _Run:
       self.monitor.skipped_total = int(meta.get('skipped_total', 0))
       notify(f'Resumed from {self.checkpointer.directory} at step {self.start_step}.'
              + (' (--init_from ignored: the run has checkpoints of its own.)'
-                if init_from else ''))
+                if init_from is not None else ''))
       self.last_saved = self.start_step
-    elif hf.source_dir(init_from) is not None:
-      self.state, self.init_desc = hf.init_state(hf.source_dir(init_from), self.config,
+    elif init_from is not None and init_from.kind == 'hf':
+      self.state, self.init_desc = hf.init_state(init_from.path, self.config,
                                                  self.state, notify)
-    elif init_from:
+    elif init_from is not None:
       self.state, self.init_desc = ckpt_lib.init_from(
           init_from, self.config, self.config_dict, self.state, self.ts.abstract_state, notify)
 
