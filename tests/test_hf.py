@@ -341,6 +341,10 @@ def _bad_dir(kind, hf_models, tmp_path):
     _edit_tensors(st, lambda t: t.update({'model.layers.0.self_attn.q_norm.weight':
                                           np.ones([16], np.float32)}))
     return f'hf:{d}', 'unexpected tensor model.layers.0.self_attn.q_norm.weight'
+  if kind == 'truncated':  # header intact, data cut
+    st.write_bytes(st.read_bytes()[:-64])
+    return f'hf:{d}', ('model.safetensors is not a readable safetensors file: truncated: its '
+                       'header names more bytes than the file holds')
   if kind == 'no_tokenizer':
     os.remove(d / 'tokenizer.json')
     return f'hf:{d}', r'data.hf_tokenizer .* has no tokenizer.json'
@@ -349,7 +353,7 @@ def _bad_dir(kind, hf_models, tmp_path):
 
 BAD = ('nonexistent', 'a_file', 'empty', 'no_config', 'hidden_size', 'layers', 'qwen3',
        'unknown_arch', 'rope_type', 'missing_tensor', 'wrong_shape', 'extra_tensor',
-       'no_tokenizer')
+       'truncated', 'no_tokenizer')
 
 
 @pytest.mark.parametrize('kind', BAD)
