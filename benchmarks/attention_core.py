@@ -72,7 +72,7 @@ def parse(argv):
 def main(argv=None) -> int:
   a = parse(argv)
   import train_throughput as tt  # pylint: disable=import-outside-toplevel
-  run = common.start(a, NAME)
+  run = common.start(a, NAME, argv)
   b, t, n = a.batch, a.seq, a.heads
   h = (32 if a.smoke else 256) // n
   rng = np.random.default_rng(0)

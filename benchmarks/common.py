@@ -120,8 +120,10 @@ def peak() -> dict | None:
 class Run:
   """One benchmark run: its provenance and the lock it holds."""
 
-  def __init__(self, args, name: str):
+  def __init__(self, args, name: str, argv=None, script: str = ''):
     self.name, self.args = name, args
+    self.argv = list(sys.argv[1:] if argv is None else argv)
+    self.script = script or f'benchmarks/{name}.py'
     self.smoke = bool(getattr(args, 'smoke', False))
     self._lock = None
     lock = getattr(args, 'lock', '')
@@ -133,9 +135,9 @@ class Run:
     self.load_start = load_average()
 
   def envelope(self) -> dict:
-    argv = [a.replace(REPO + os.sep, '') for a in sys.argv[1:]]
+    argv = [a.replace(REPO + os.sep, '') for a in self.argv]
     return {'benchmark': self.name,
-            'command': ' '.join([f'python benchmarks/{self.name}.py', *argv]),
+            'command': ' '.join([f'python {self.script}', *argv]),
             **commit(), 'machine': machine(),
             'load_average': {'start': self.load_start, 'end': load_average()},
             'peak': peak(), 'date': self.started, 'smoke': self.smoke}
@@ -147,9 +149,10 @@ class Run:
       self._lock = None
 
 
-def start(args, name: str) -> Run:
-  """Takes the lock (unless --smoke) and notes the start: call before timing anything."""
-  return Run(args, name)
+def start(args, name: str, argv=None, script: str = '') -> Run:
+  """Takes the lock (unless --smoke) and notes the start: call before timing anything.
+  argv: the script's arguments (default sys.argv[1:]), recorded as the command."""
+  return Run(args, name, argv, script)
 
 
 def write(run: Run, result: dict, out: str | None = None) -> dict:

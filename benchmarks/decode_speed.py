@@ -84,7 +84,7 @@ def main(argv=None) -> int:
   from mtp_jax.model import state  # pylint: disable=import-outside-toplevel
   from mtp_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
 
-  run = common.start(args, NAME)
+  run = common.start(args, NAME, argv)
   if args.smoke:
     config, step = smoke_config(), 0
   else:

@@ -86,7 +86,7 @@ def parse(argv):
 
 def main(argv=None) -> int:
   a = parse(argv)
-  run = common.start(a, NAME)
+  run = common.start(a, NAME, argv)
   out = {'shapes': {}}
   for o, i in a.shapes:
     shape = f'{o}x{i}'

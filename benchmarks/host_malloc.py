@@ -99,7 +99,7 @@ def summarize(rounds: dict, configs) -> dict:
 
 def main(argv=None) -> int:
   args = parse(argv)
-  run = common.start(args, NAME)
+  run = common.start(args, NAME, argv)
   rounds = {m: [] for m in MODES}
   for i in range(args.rounds):
     for mode in (MODES if i % 2 == 0 else MODES[::-1]):

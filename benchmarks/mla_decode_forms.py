@@ -79,7 +79,7 @@ def parse(argv):
 
 def main(argv=None) -> int:
   a = parse(argv)
-  run = common.start(a, NAME)
+  run = common.start(a, NAME, argv)
   rows_out = []
   for name, shape in SHAPES.items():
     if a.smoke and name != 'dsv3_mini':

@@ -64,6 +64,7 @@ def parse(argv):
     p.error('--rounds and --prompt_len must be >= 1, --max_new_tokens >= 2')
   if args.smoke:
     args.rounds, args.prompt_len, args.max_new_tokens = 1, 4, 4
+    args.spec_drafts = min(args.spec_drafts, 1)
   return args
 
 
@@ -172,7 +173,7 @@ def common_config():
 
 def main(argv=None) -> int:
   args = parse(argv)
-  run_info = common.start(args, NAME)
+  run_info = common.start(args, NAME, argv)
   model = peer_shape_model(args.smoke)
   cfg = model.args
   dec = decode.Decoder(model)

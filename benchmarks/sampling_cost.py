@@ -203,13 +203,13 @@ def parse(argv):
     p.error(f'--forms must name some of {", ".join(FORMS)}, got {args.forms}')
   if args.smoke:
     args.batches, args.vocabs, args.steps, args.reps, args.check_draws = '1', '64', 4, 1, 200
-    args.forms = ['argmax', 'current', 'static', 'inv_cdf']
+    args.forms = ['argmax', 'current', 'inv_cdf']
   return args
 
 
 def main(argv=None) -> int:
   args = parse(argv)
-  run = common.start(args, NAME)
+  run = common.start(args, NAME, argv)
   report = {'steps_per_call': args.steps, 'forms': args.forms, 'timing': [], 'checks': []}
   for v in [int(x) for x in args.vocabs.split(',')]:
     c = checks(v, args.check_draws, forms=args.forms)

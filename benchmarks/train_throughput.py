@@ -517,7 +517,7 @@ def main(argv=None) -> int:
       jax.config.update('jax_num_cpu_devices', n)
     STEP_DEVICES = n or 1
     jax.config.update('jax_enable_compilation_cache', False)  # compile times must be real
-  run = common.start(args, NAME)
+  run = common.start(args, NAME, argv)
   r, smoke = args.rounds, args.smoke
   result = {'step_devices': STEP_DEVICES, 'cpu_devices_flag': args.cpu_devices,
             'host_malloc': HOST_MALLOC, 'sections': {}}

@@ -121,7 +121,7 @@ def pairs(records: list) -> dict:
 
 def main(argv=None) -> int:
   args = parse(argv)
-  run = common.start(args, NAME)
+  run = common.start(args, NAME, argv)
   records = []
 
   def peer(d):

@@ -212,7 +212,7 @@ def evaluate_all(root: str, trunk: str, args, runs) -> dict:
 
 def main(argv=None) -> int:
   args = parse(argv)
-  run = common.start(args, NAME)
+  run = common.start(args, NAME, argv, 'benchmarks/experiments/compare_mtp_targets.py')
   plan = plan_of(args)
   os.makedirs(args.root, exist_ok=True)
   start, up = time.time(), _uptime()

@@ -1,0 +1,199 @@
+"""Every benchmark script's --smoke run (tiny shapes, one round) writes the JSON of a real run.
+
+The smokes run in this process (the scripts' main(argv)), except where a script's own
+design is a child process per variant. Their figures mean nothing; the keys, the
+provenance and the invariants a real run must also satisfy (greedy speculative output
+equal to AR, an A/B's variants starting from the same loss) are what is checked.
+"""
+import glob
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+BENCH = os.path.join(REPO, 'benchmarks')
+sys.path.insert(0, BENCH)
+
+import common  # noqa: E402  (benchmarks/common.py)
+
+SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(BENCH, '*.py'))
+                 if not p.endswith('common.py'))
+ENVELOPE = ('benchmark', 'command', 'commit', 'local_changes', 'machine', 'load_average', 'peak',
+            'date', 'smoke', 'result')
+
+
+@pytest.fixture(autouse=True)
+def known_peak(monkeypatch):
+  # The peak a run records: a number here, so no test probes (and caches) a loaded host's.
+  monkeypatch.setenv('MTP_JAX_CPU_PEAK_FLOPS', '1e11')
+
+
+@pytest.fixture
+def fake_peer(tmp_path):
+  """A stand-in for MaxText's run_peer.sh: one JSON line of a run at $MTP_LIST."""
+  path = tmp_path / 'run_peer.sh'
+  path.write_text('echo "{\\"mtp_num_layers\\": $MTP_LIST, \\"rc\\": 0, '
+                  '\\"tokens_per_sec\\": 1000.0, \\"step_time_s\\": 4.1}"\n')
+  return str(path)
+
+
+def smoke(name, tmp_path, *argv) -> dict:
+  """benchmarks/<name>.py --smoke in this process: the JSON it wrote."""
+  module = importlib.import_module(name)
+  out = tmp_path / f'{name}.json'
+  assert module.main(['--smoke', '--out', str(out), *argv]) == 0
+  doc = json.loads(out.read_text())
+  assert set(ENVELOPE) <= set(doc), set(ENVELOPE) - set(doc)
+  assert doc['benchmark'] == name and doc['smoke'] is True
+  assert doc['command'].split()[1].endswith(f'{name}.py') and '--smoke' in doc['command']
+  assert doc['machine']['cores'] >= 1 and doc['machine']['cpu']
+  assert len(doc['load_average']['start']) == 3 and len(doc['load_average']['end']) == 3
+  assert doc['peak']['gflops'] == pytest.approx(100.0)
+  assert doc['commit'] is None or len(doc['commit']) == 12
+  return doc['result']
+
+
+def test_train_throughput_mfu(tmp_path):
+  mfu = smoke('train_throughput', tmp_path, '--only', 'mfu')['sections']['mfu']
+  assert 0 < mfu['step_time_best_s'] <= mfu['step_time_median_s']
+  assert mfu['tokens_per_sec_median'] == pytest.approx(
+      mfu['batch_size'] * mfu['seq_len'] / mfu['step_time_median_s'])
+  assert mfu['mfu_best_step_over_peak'] > 0 and mfu['model_flops_per_step'] > 0
+
+
+@pytest.mark.slow
+def test_train_throughput_other_sections(tmp_path):
+  s = smoke('train_throughput', tmp_path, '--only',
+            'overhead,moe,maxtext,memory,compile,ab')['sections']
+  assert s['overhead']['depths']['1']['flop_ratio'] > 1
+  moe = s['moe']['variants']
+  assert moe['dense_same_active']['time_ratio_vs_dense_median'] == 1.0
+  assert moe['dsv3_mini']['flop_ratio_vs_dense'] > 0
+  assert s['maxtext']['depths']['0']['tokens_per_sec_median'] > 0
+  row = s['memory']['default_cpu_scheduler']['runs'][0]
+  assert row['D1_temp_MiB'] > 0 and row['temp_ratio_D4_over_D1'] > 0
+  assert all(v > 0 for k, v in s['compile'].items() if k != 'bench_seconds')
+  for variants in s['ab']['models'].values():
+    for v in variants.values():  # the same init and batch: the same first loss
+      assert v['first_step_rel_diff']['loss'] < 1e-5
+
+
+def test_decode_speed(tmp_path):
+  r = smoke('decode_speed', tmp_path)
+  row = r['results'][0]
+  assert row['identical'] is True  # greedy speculative decoding is lossless
+  assert 1.0 <= row['mean_accepted_length'] <= row['num_drafts'] + 1
+  assert row['speedup'] > 0 and row['iteration_cost_ratio'] > 0
+  probe = r['cost_probe'][0]['float32']  # a difference of two tiny timings: any sign
+  assert {'ar_ms_per_step', 'drafts_1'} <= set(probe)
+
+
+def test_peer_generate(tmp_path):
+  r = smoke('peer_generate', tmp_path)
+  assert r['greedy_identical'] is True
+  assert set(r['project_over_peer_paired_median']) == {'greedy', 't1'}
+  assert all(v['median'] > 0 for v in r['tokens_per_sec'].values())
+
+
+@pytest.mark.slow
+def test_peer_generate_filters_and_switch(tmp_path):
+  r = smoke('peer_generate', tmp_path, '--filters', '--ab', 'sampling.BITWISE_THRESHOLDS')
+  assert 'project_t1_topk50_off' in r['tokens_per_sec']
+  assert set(r['on_over_off_paired_median']) >= {'project_t1', 'project_t1_topk50'}
+  from mtp_jax.decode import sampling
+  assert sampling.BITWISE_THRESHOLDS is True  # restored
+
+
+def test_sampling_cost(tmp_path):
+  r = smoke('sampling_cost', tmp_path)
+  row = r['timing'][0]
+  assert set(row['us_per_step']) == set(r['forms'])
+  assert row['over_current']['current'] == 1.0
+  assert set(r['checks'][0]['chi_square_p']) >= {'current', 'inv_cdf'}
+
+
+def test_few_row_check(tmp_path):
+  r = smoke('few_row_check', tmp_path)
+  (shape,) = r['shapes'].values()
+  assert shape['over_gemv1']['f32 gemv1'] == 1.0 and shape['gemv1_us'] > 0
+
+
+def test_mla_decode_forms(tmp_path):
+  (row,) = smoke('mla_decode_forms', tmp_path)['results']
+  assert row['chosen'] in ('absorbed', 'two_step') and row['absorbed_us'] > 0
+
+
+def test_attention_core(tmp_path):
+  r = smoke('attention_core', tmp_path, '--variants', 'xla,blocked16,saved16')
+  for name in ('blocked16', 'saved16'):  # the same function as the library call
+    assert r['variants'][name]['max_abs_diff_vs_first'] < 1e-3
+
+
+def test_host_malloc(tmp_path):
+  r = smoke('host_malloc', tmp_path, '--configs', 'stdlib_mtp')
+  assert [x['mode'] for x in r['rounds']['keep']] == ['keep']
+  summary = r['summary']['stdlib_mtp']
+  assert summary['first_equal'] is True  # the allocator changes no number
+  assert summary['time_ratio_keep_vs_system_median'] > 0
+
+
+def test_vs_maxtext(tmp_path, fake_peer):
+  r = smoke('vs_maxtext', tmp_path, '--peer', fake_peer, '--peer_root', str(tmp_path / 'peer'))
+  d0 = r['summary']['depths']['0']
+  assert d0['maxtext_tokens_per_sec'] == [1000.0]
+  assert d0['ratios'] == [round(d0['mtp_jax_tokens_per_sec'][0] / 1000.0, 3)]
+
+
+def test_vs_maxtext_needs_the_peer(capsys):
+  module = importlib.import_module('vs_maxtext')
+  with pytest.raises(SystemExit) as e:
+    module.parse([])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.strip().startswith('error: --peer')
+
+
+@pytest.mark.slow
+def test_compare_mtp_targets(tmp_path, stdlib_data_dir):
+  sys.path.insert(0, os.path.join(BENCH, 'experiments'))
+  r = smoke('compare_mtp_targets', tmp_path, '--root', str(tmp_path / 'root'),
+            '--data_dir', stdlib_data_dir)
+  run = r['runs']['distilled']
+  assert run['greedy_identical_to_ar'] is True and len(run['agree']) == 3
+
+
+def test_every_script_has_a_smoke_test():
+  tested = {n for n in SCRIPTS if f"smoke('{n}'" in open(__file__).read()}
+  assert tested == set(SCRIPTS)
+
+
+REQUIRED = {'decode_speed': ['--workdir', 'runs/x'], 'vs_maxtext': ['--peer', __file__]}
+
+
+@pytest.mark.parametrize('name', SCRIPTS + ['compare_mtp_targets'])
+def test_default_output_is_not_a_committed_file(name):
+  sys.path.insert(0, os.path.join(BENCH, 'experiments'))
+  args = importlib.import_module(name).parse(REQUIRED.get(name, []))
+  assert os.path.relpath(args.out, REPO).startswith(os.path.join('runs', 'benchmarks'))
+  assert not common.committed(args.out)
+  ignored = subprocess.run(['git', '-C', REPO, 'check-ignore', '-q', args.out], check=False)
+  assert ignored.returncode == 0, f'{args.out} is not gitignored'
+
+
+def test_committed_results_record_what_they_measured():
+  paths = glob.glob(os.path.join(BENCH, 'results', '*.json'))
+  assert paths
+  for path in paths:
+    text = open(path).read()
+    doc = json.loads(text)
+    assert doc['benchmark'] == os.path.basename(path)[:-5] and doc['smoke'] is False
+    assert doc['machine']['cpu'] and doc['machine']['cores'] >= 1 and doc['note']
+    for run in doc.get('runs', [doc]):
+      assert run['commit'] and run['command'] and run['date'], path
+      assert run['load_average']['start'] and run['load_average']['end'], path
+    for root in ('/work/', '/tmp/', '/root/', '/home/'):
+      assert root not in text, (path, root)
