@@ -33,7 +33,7 @@ class Sampling:
 
 # Top-k / top-p need a per-row threshold: the k-th largest logit, and the smallest
 # probability the nucleus keeps. A full-vocabulary sort finds both but costs 2.1-2.3x a
-# whole T = 1 AR step on XLA:CPU (benchmarks/peer_generate.json, V 4096). Both thresholds
+# whole T = 1 AR step on XLA:CPU (benchmarks/results/peer_generate.json, V 4096). Both thresholds
 # are instead found exactly, bit by bit, on an unsigned integer key with the float order:
 # 32 rounds of one compare-and-reduce over the row, no sort.
 _SIGN = 0x80000000

@@ -66,8 +66,7 @@ def decode_kernel(kernel, in_dims: int = 1) -> Array:
 
 
 # The few-row matmul rule, in this one place. XLA:CPU, jax 0.10.2, float32 weights
-# (benchmarks/few_row_matmul.py, JSON benchmarks/few_row_matmul.json, RESULTS.md "Few-row
-# products", and a 768 x 2048 check of 1-128 rows: the barrier form beats x W_t^T up to 64
+# (benchmarks/few_row_check.py, docs/benchmarks.md "Few-row products", and a 768 x 2048 check of 1-128 rows: the barrier form beats x W_t^T up to 64
 # rows, 882 vs 1185 us at 32, equal at 128): with W_t stored O x I the tall-skinny product W_t x^T (dot_general over W_t's
 # axis 1 and x's axis 1, output [O, M] kept in that layout by an optimization barrier,
 # then the small result transposed) costs near one 1-row weight read at M up to TALL_ROWS,
@@ -80,8 +79,7 @@ TALL_ROWS = 64
 # ... and the tall-skinny product's M padded up to a multiple of ROW_MULTIPLE past 4 rows:
 # YNNPACK's kernels run 5-7 rows slower than 8 and 9-15 slower than 16 (768-d block
 # weights, quiet, over the best 1-row product: 5 rows 1.4-2.3, 8 rows 1.1-1.9, 12 rows
-# 1.9-3.4, 16 rows 1.3-2.4; RESULTS.md "Where the end-to-end time goes"; the form is
-# few_row_matmul.py's Wt_x_bar_pad8), so the D = 3 MTP windows of 5 and 6 rows run as 8.
+# 1.9-3.4, 16 rows 1.3-2.4), so the D = 3 MTP windows of 5 and 6 rows run as 8.
 ROW_MULTIPLE = 8
 WRITE_LOOP_ROWS = 6  # cache updates: one in-place update per row up to here, else a scatter
 
@@ -115,7 +113,7 @@ def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
   if m <= TALL_ROWS:  # verify / MTP windows, up to batch 8-16
     # The barrier keeps the [O, M] product in that layout: without it XLA:CPU's layout
     # assignment makes the transpose free by laying the dot's output out as [M, O],
-    # which is the slow GEMM again (1.5-3x at 2-8 rows, few_row_matmul.py Wt_x vs Wt_x_bar).
+    # which is the slow GEMM again (1.5-3x at 2-8 rows).
     mp = _padded_rows(m)
     x = x_MxI if mp == m else jnp.pad(x_MxI, ((0, mp - m), (0, 0)))
     y_OxM = jax.lax.optimization_barrier(
@@ -130,8 +128,8 @@ def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
 # As einsums over [queries, ...] x [slots, ...] XLA:CPU runs them (YNNPACK, >= 2 queries)
 # as the slow GEMM form: at 4 queries a trunk pass's attention cost 4x the 1-query one
 # (0.4 AR step at d 768 / L 12); the tall-skinny form, [slots, queries] behind a barrier,
-# then the small transpose, cut a 4-row trunk pass from 1.40 to 1.26 one-row passes
-# (RESULTS.md "Where the end-to-end time goes"). One query (an AR step), prefill-sized
+# then the small transpose, cut a 4-row trunk pass from 1.40 to 1.26 one-row passes.
+# One query (an AR step), prefill-sized
 # windows and other backends keep the einsum.
 ATTN_TALL = True
 

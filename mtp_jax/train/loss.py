@@ -161,8 +161,7 @@ def cross_entropy_autodiff(logits_NxV: Array, targets_N: Array) -> tuple[Array, 
           jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32))
 
 
-# The cross-entropy _head_sums_batched runs (benchmarks/train_throughput.py's 'ce' variants,
-# custom VJPs measured no faster, swap it while tracing).
+# The cross-entropy _head_sums_batched runs (custom VJPs were measured no faster).
 cross_entropy = cross_entropy_autodiff
 
 
