@@ -195,5 +195,5 @@ def test_committed_results_record_what_they_measured():
     for run in doc.get('runs', [doc]):
       assert run['commit'] and run['command'] and run['date'], path
       assert run['load_average']['start'] and run['load_average']['end'], path
-    for root in ('/work/', '/tmp/', '/root/', '/home/'):
-      assert root not in text, (path, root)
+    for root in ('work', 'tmp', 'root', 'home'):  # no absolute path of the measuring host
+      assert f'/{root}/' not in text, (path, root)
