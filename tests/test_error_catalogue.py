@@ -3,9 +3,10 @@ and nothing on disk changed.
 
 Each case runs a command on input that is refused before anything compiles, in a folder
 of its own; a snapshot of that folder (names, sizes, modification times) before and after
-must match. The first case of each command, and every training case, runs as a user
-does: scripts/<name>.py in a fresh process. The others call the command's main(argv) in
-this process (the same code after the imports, without their seconds of start-up).
+must match. The first case of each command (a flag error, refused in a fraction of a
+second) and every training case run as a user does: scripts/<name>.py in a fresh process.
+The others call the command's main(argv) in this process (the same code after the
+imports, without their seconds of start-up; the trainer's sets up JAX, so it runs apart).
 """
 import concurrent.futures
 import contextlib
@@ -33,10 +34,11 @@ CASES = [
     ('train', ['--config', TINY, '--workdir', 'w', '--config.data.source=jsonl',
                '--config.data.path=missing.jsonl'], ['missing.jsonl']),
     ('train', ['--config', TINY, '--cpu_devices=many'], ['--cpu_devices']),
+    ('decode', ['--workdir', 'broken', '--mode', 'fast'], ['--mode']),
     ('decode', ['--workdir', 'missing', '--prompt', 'def '], ['does not exist']),
     ('decode', ['--workdir', 'empty', '--prompt', 'def '], ['no checkpoints/ directory']),
     ('decode', ['--workdir', 'broken', '--prompt', 'def '], ['step 5', 'Nothing was changed']),
-    ('decode', ['--workdir', 'broken', '--mode', 'fast'], ['--mode']),
+    ('eval', ['--workdir', 'broken', '--step', 'last'], ['--step']),
     ('eval', ['--workdir', 'missing'], ['does not exist']),
     ('eval', ['--workdir', 'broken', '--eval_batches', '0'], ['--eval_batches']),
     ('eval', ['--workdir', 'broken'], ['step 5']),
@@ -45,6 +47,8 @@ CASES = [
     ('export', ['--workdir', 'broken', '--out', 'a_dir', '--layout', 'mimo'], ['a_dir']),
     ('export', ['--workdir', 'broken', '--out', 'out', '--layout', 'mimo', '--shard_mb', '0'],
      ['--shard_mb']),
+    ('self_distill', ['--workdir', 'broken', '--out', 'out', '--num_prompts', 'many'],
+     ['--num_prompts']),
     ('self_distill', ['--workdir', 'missing', '--out', 'out'], ['does not exist']),
     ('self_distill', ['--workdir', 'broken', '--out', 'out'], ['step 5']),
     ('plot', ['--workdir', 'empty'], ['no metrics.jsonl']),

@@ -147,6 +147,19 @@ def test_benchmark_mfu_never_exceeds_one_and_raises_the_cache(peak_cache):
   assert peak.check(300e9, told.append) == 1.0 and len(told) == 1  # said once only
 
 
+def test_an_accelerators_table_peak_also_caps_mfu_at_one():
+  class Chip:
+    platform, device_kind, process_index = 'gpu', 'NVIDIA H200', 0
+
+  peak = peak_lib.job_peak(jnp.bfloat16, [Chip()] * 4)
+  assert peak.flops == 4 * 989e12 and peak.kind == 'table'
+  assert peak.line() == ('peak: 3.96 PFLOP/s for MFU (989 TFLOP/s per chip x 4, '
+                         'data sheet)')
+  told = []
+  assert peak.check(2e15, told.append) == 2e15 / peak.flops
+  assert peak.check(5e15, told.append) == 1.0 and len(told) == 1 and 'cache' not in told[0]
+
+
 # ----------------------------------------------------------------------------- failed starts
 
 def expect_exit_2(fn, *words):

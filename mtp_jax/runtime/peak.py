@@ -287,6 +287,8 @@ class Peak:
 
 
 def _fmt_flops(x: float) -> str:
+  if x >= 1e15:
+    return f'{x / 1e15:.3g} PFLOP/s'
   if x >= 1e12:
     return f'{x / 1e12:.3g} TFLOP/s'
   return f'{x / 1e9:.1f} GFLOP/s' if x >= 1e8 else f'{x:.3g} FLOP/s'
