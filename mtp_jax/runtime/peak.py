@@ -249,7 +249,7 @@ class Peak:
     if self.note:
       text += f'; {self.note}'
     if self.loaded:
-      text += '; taken under load: MFU may read high until a quiet run re-probes'
+      text += '; taken under load, so MFU may read high'
     return text
 
   def as_metrics(self) -> dict:
@@ -332,12 +332,12 @@ def job_peak(dtype=jnp.float32, devices=None, probe: bool = True) -> Peak:
       cached = update_cpu_peak(jnp.float32, measured={
           'flops': quick, 'best_by_size': {str(n): quick}, 'date': _now(),
           'load_average': _load(), 'jax': jax.__version__, 'source': 'a run\'s quick probe'})
-      note = f'raised from the cached {_fmt_flops(old)} by this run\'s probe'
+      note = f'raised from {_fmt_flops(old)} by this run\'s probe'
     elif _is_loaded(cached) and os.getloadavg()[0] < 0.5 * _cores():
       old = cached['flops']
       cached = update_cpu_peak(jnp.float32, rounds=1)  # quiet now: replace or confirm it
       if cached['flops'] > old:
-        note = f'raised from the cached {_fmt_flops(old)} (taken under load) by a probe now'
+        note = f'raised from {_fmt_flops(old)} (taken under load) by this run\'s probe'
   return Peak(cached['flops'], units, 'cpu cache', cached.get('date'),
               cached.get('load_average'), note, _is_loaded(cached))
 
