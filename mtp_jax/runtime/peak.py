@@ -78,7 +78,8 @@ def matmul_probe(device=None, n: int = 2048, dtype=jnp.float32, reps: int = 5) -
 # A probe taken while other jobs share the cores reads 2-4x low, and dividing by it
 # inflates MFU by as much; so a run never divides by its own probe. The first run on a
 # machine probes several times and caches the best (with the date and load average);
-# later probes (benchmarks/train_throughput.py, `python -m mtp_jax.runtime.peak`) only raise it.
+# later probes (each run's quick one, benchmarks/train_throughput.py, `python -m
+# mtp_jax.runtime.peak`) and a run's own achieved FLOP/s only raise it.
 CACHE_DIR_ENV = 'MTP_JAX_CACHE_DIR'  # default: $XDG_CACHE_HOME/mtp_jax or ~/.cache/mtp_jax
 PEAK_ENV = 'MTP_JAX_CPU_PEAK_FLOPS'  # a number (FLOP/s per process) overrides the cache
 PROBE_SIZES = ((2048, 5), (4096, 2))  # (n, repeats) per probe round
