@@ -212,6 +212,39 @@ def test_an_empty_data_directory_and_a_bad_config_key_leave_no_workdir(devices, 
   assert rc == 2 and not workdir.exists() and not (tmp_path / 'runs').exists()
 
 
+def test_a_lock_held_by_an_orphan_says_so_and_frees_when_it_goes(tmp_path):
+  """A trainer that exited while a process it forked lives on: the refusal says so; once
+  that process is gone, the same workdir locks at once."""
+  lock = tmp_path / resilience.LOCK_FILE
+  script = (
+      'import fcntl, json, os, socket, sys, time\n'
+      'fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n'
+      'fcntl.flock(fd, fcntl.LOCK_EX)\n'
+      'os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), '
+      '"since": "then"}).encode())\n'
+      'if os.fork():\n'
+      '  os._exit(0)\n'
+      'print(os.getpid(), flush=True)\n'
+      'time.sleep(120)\n')
+  proc = subprocess.Popen([sys.executable, '-c', script, str(lock)], stdout=subprocess.PIPE,
+                          text=True)
+  child = int(proc.stdout.readline())
+  proc.wait()
+  try:
+    with pytest.raises(resilience.WorkdirError, match='which has exited; a process it started'):
+      resilience.WorkdirLock(str(tmp_path)).acquire()
+  finally:
+    os.kill(child, 9)
+  deadline = time.time() + 30
+  while True:
+    try:
+      resilience.WorkdirLock(str(tmp_path)).acquire().release()
+      break
+    except resilience.WorkdirError:
+      assert time.time() < deadline
+      time.sleep(0.05)
+
+
 # ---------------------------------------------------------------------------------- readers
 
 def test_a_step_removed_while_it_is_read_gives_way_to_a_newer_one(tmp_path):

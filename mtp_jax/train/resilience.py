@@ -200,9 +200,23 @@ class WorkdirLock:
 def _lock_holder(fd: int) -> str:
   try:
     record = json.loads(os.pread(fd, 4096, 0).decode() or '{}')
-    return f"pid {record['pid']} on host {record['host']} (since {record['since']})"
+    text = f"pid {record['pid']} on host {record['host']} (since {record['since']})"
   except (OSError, ValueError, KeyError, TypeError):
     return 'another process'
+  if record['host'] == socket.gethostname() and not _alive(int(record['pid'])):
+    # The recorded trainer is gone, yet the flock is held: by a process it forked.
+    text += ', which has exited; a process it started still holds the lock'
+  return text
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except OSError:
+    return True  # exists, owned by someone else
+  return True
 
 
 def state_bytes(abstract_state) -> int:
