@@ -39,9 +39,9 @@ def parser() -> cli.ArgumentParser:
   p.add_argument('--dump_hlo', metavar='DIR',
                  help='write each compiled program as HLO text to DIR/<program>.hlo.txt')
   p.add_argument('--cache_dir', default=None,
-                 help="JAX's persistent compilation cache (default: "
-                 "~/.cache/mtp_jax/jax_cache; '' turns it off); a rerun of the same "
-                 'compile reads it back')
+                 help="where each compiled program's figures are kept, keyed by the lowered "
+                 "program, topology and compiler versions (default: ~/.cache/mtp_jax/aot; "
+                 "'' turns it off): a rerun of the same compile reads them back")
   return p
 
 
@@ -67,21 +67,17 @@ def main(argv=None) -> int:
   # JAX starts here, after the flags are known to be good; the compile-only TPU devices
   # need no TPU, and this process's own backend stays the CPU.
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  import jax  # pylint: disable=g-import-not-at-top
   from mtp_jax.train import aot  # pylint: disable=g-import-not-at-top
   cache = args.cache_dir
   if cache is None:
     cache = os.path.join(os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'),
-                         'mtp_jax', 'jax_cache')
-  if cache:
-    jax.config.update('jax_compilation_cache_dir', cache)
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
+                         'mtp_jax', 'aot')
   log = (lambda s: print(s, file=sys.stderr)) if args.json else print
   try:
     topo = aot.parse_topology(args.topology, args.num_slices)
     report = aot.compile_report(config, topo, programs, decode_batch=args.decode_batch,
                                 decode_tokens=args.decode_tokens, log=log,
-                                dump_dir=args.dump_hlo)
+                                dump_dir=args.dump_hlo, cache_dir=cache or None)
     if args.json:
       print(json.dumps(report, indent=1, default=str))
     else:

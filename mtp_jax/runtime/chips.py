@@ -1,9 +1,11 @@
 """Accelerator chips by their published figures: the one table the ahead-of-time check reads.
 
-Each figure is the vendor's data-sheet number for one chip, with the unit it is published
-in (Cloud TPU's system-architecture pages; NVIDIA's H100 / H200 data sheets, SXM parts,
-dense bf16 without sparsity). A figure that is not published is None, and the estimates
-that need it say so instead of guessing.
+Each figure is the vendor's data-sheet number for one chip (Cloud TPU's system-architecture
+pages; NVIDIA's H100 / H200 data sheets, SXM parts, dense bf16 without sparsity). A figure
+that is not published is None, and the estimates that need it say so instead of guessing.
+TPU HBM is taken in GiB: the TPU compiler's own limits read 95.74 GiB on a v5p and
+15.75 GiB on a v5e (what it leaves to a program), so the published "95 GB" and "16 GB"
+are binary gigabytes; whether a program fits is the compiler's verdict either way.
 
 `cores` is the TensorCores of one chip; v4 and v5p run both as one device (megacore), so a
 v5p-64 (64 cores) is 32 JAX devices.
@@ -46,11 +48,11 @@ CHIPS = {
     # Cloud TPU v4: 275 TFLOP/s (bf16), HBM2 32 GiB at 1200 GB/s; no per-chip ICI figure.
     'v4': Chip('v4', 'TPU v4', 275.0, 32 * GIB, '32 GiB', 1200.0, None, 2),
     # v5e: 197 TFLOP/s, HBM2 16 GB at 819 GB/s, ICI 400 GB/s bidirectional per chip.
-    'v5e': Chip('v5e', 'TPU v5 lite', 197.0, 16 * GB, '16 GB', 819.0, 400.0, 1),
+    'v5e': Chip('v5e', 'TPU v5 lite', 197.0, 16 * GIB, '16 GB', 819.0, 400.0, 1),
     # v5p: 459 TFLOP/s, HBM2e 95 GB at 2765 GB/s, ICI 1200 GB/s bidirectional per chip.
-    'v5p': Chip('v5p', 'TPU v5', 459.0, 95 * GB, '95 GB', 2765.0, 1200.0, 2),
+    'v5p': Chip('v5p', 'TPU v5', 459.0, 95 * GIB, '95 GB', 2765.0, 1200.0, 2),
     # v6e (Trillium): 918 TFLOP/s, HBM 32 GB at 1638 GB/s, ICI 800 GB/s bidirectional.
-    'v6e': Chip('v6e', 'TPU v6 lite', 918.0, 32 * GB, '32 GB', 1638.0, 800.0, 1),
+    'v6e': Chip('v6e', 'TPU v6 lite', 918.0, 32 * GIB, '32 GB', 1638.0, 800.0, 1),
     # H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s.
     'h100': Chip('h100', 'NVIDIA H100 80GB HBM3', 989.0, 80 * GB, '80 GB', 3350.0, 900.0, 1,
                  'gpu'),

@@ -30,6 +30,9 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import importlib.metadata
+import json
 import math
 import os
 import re
@@ -166,6 +169,17 @@ def traced_for(platform: str):
     jax.default_backend = real
 
 
+@contextlib.contextmanager
+def _no_jax_cache():
+  """JAX's persistent cache off: it writes compile-only executables it cannot read back."""
+  was = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_enable_compilation_cache', was)
+
+
 # -- per-chip bytes of sharded arrays ----------------------------------------------------
 def shard_bytes(x) -> int:
   shape = x.sharding.shard_shape(x.shape) if getattr(x, 'sharding', None) else x.shape
@@ -216,11 +230,16 @@ class HloStats:
 
 
 def _group_size(rest: str, num_devices: int) -> int:
+  """Devices in one replica group of a collective (the HLO spells groups three ways)."""
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*?\{([^}]*)\}", rest)
+  if m:  # mesh['axis_0'=16,'axis_1'=2] {'axis_0'}: the named axes' sizes multiplied
+    sizes = {a: int(n) for a, n in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+    return math.prod(sizes.get(a, 1) for a in re.findall(r"'(\w+)'", m.group(2)))
   m = re.search(r'replica_groups=\[(\d+),(\d+)\]', rest)
-  if m:
+  if m:  # iota groups [G, N]<=[...]
     return int(m.group(2))
   m = re.search(r'replica_groups=\{\{([\d,]*)\}', rest)
-  if m:
+  if m:  # explicit {{0,1,..},..}
     return len([s for s in m.group(1).split(',') if s])
   m = re.search(r'source_target_pairs=', rest)
   return 2 if m else num_devices
@@ -453,28 +472,43 @@ _OOM_USED = re.compile(r'Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm', re.I)
 _OOM_BY = re.compile(r'Exceeded hbm capacity by ([\d.]+[KMGT]?)', re.I)
 
 
-def _shortfall_line(program: str, topo: Topology, text: str) -> str:
-  """One line from the TPU compiler's out-of-memory report."""
-  used, by = _OOM_USED.search(text), _OOM_BY.search(text)
+_UNITS = {'': 1, 'K': 2 ** 10, 'M': 2 ** 20, 'G': 2 ** 30, 'T': 2 ** 40}
+
+
+def _gib(text: str) -> float:
+  m = re.fullmatch(r'([\d.]+)([KMGT]?)i?B?', text.strip())
+  return float(m.group(1)) * _UNITS[m.group(2)] / GIB if m else float('nan')
+
+
+def _shortfall_line(program: str, topo: Topology, text: str, hint: str = '') -> str:
+  """One line from the TPU compiler's out-of-memory error (its two spellings)."""
+  need = have = None
+  m = re.search(r'required for ([\w ]+?) \(([\d.]+[KMGT]?)\) exceeds available HBM '
+                r'\(([\d.]+[KMGT]?)\)', text)
+  what = 'memory'
+  if m:
+    what, need, have = m.group(1), _gib(m.group(2)), _gib(m.group(3))
+  m = re.search(r'Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm', text, re.I)
+  if m:
+    need, have = _gib(m.group(1)), _gib(m.group(2))
   sizes = re.findall(r'Size: ([\d.]+[KMGT]?)', text)
   shapes = re.findall(r'Shape: (\S+)', text)
-  ops = re.findall(r'op_name="([^"]+)"', text)
-  largest = ', '.join(f'{s} {sh.split("{")[0]}' + (f' ({o.split("/")[-1]})' if o else '')
-                      for s, sh, o in zip(sizes[:3], shapes[:3], (ops + [''] * 3)[:3]))
-  head = (f'{program} step needs {used.group(1)}B of HBM per chip, a {topo.chip.name} chip has '
-          f'{used.group(2)}B' if used else f'{program} step does not fit a {topo.chip.name} chip')
-  short = f' (short by {by.group(1)}B)' if by else ''
-  tail = f'; largest allocations: {largest}' if largest else ''
-  return f'does not fit {topo.name}: {head}{short}{tail}'
+  largest = ', '.join(f'{_gib(a):.2f} GiB {b.split("{")[0]}' for a, b in zip(sizes[:3], shapes[:3]))
+  head = (f'{program} step needs {need:.2f} GiB per chip for {what}, a {topo.chip.name} chip '
+          f'has {have:.2f} GiB (short by {need - have:.2f} GiB)' if need is not None
+          else f'{program} step does not fit a {topo.chip.name} chip: '
+          + ' '.join(text.split())[:200])
+  tail = f'; largest allocations: {largest}' if largest else (f'; {hint}' if hint else '')
+  return f'does not fit {topo.name}: {head}{tail}'
 
 
-def _compile(lowered, program: str, topo: Topology):
+def _compile(lowered, program: str, topo: Topology, hint: str = ''):
   try:
     return lowered.compile()
   except Exception as e:  # pylint: disable=broad-except
     text = str(e)
-    if 'RESOURCE_EXHAUSTED' in text or 'Ran out of memory' in text or 'hbm' in text.lower():
-      raise DoesNotFit(_shortfall_line(program, topo, text)) from e
+    if 'RESOURCE_EXHAUSTED' in text or 'Ran out of memory' in text:
+      raise DoesNotFit(_shortfall_line(program, topo, text, hint)) from e
     raise
 
 
@@ -534,12 +568,59 @@ def _program_report(compiled, lowered_s: float, compile_s: float, num_devices: i
           'unknown_trip_counts': hlo.unknown_trip_counts}
 
 
-def _timed_compile(fn, args, program, topo):
+# Compiled results by the lowered program: JAX's persistent compilation cache cannot read a
+# compile-only executable back ("PjRtCompiler must be constructed with a Client"), so the
+# figures themselves are kept, keyed by everything that decides the compiled program.
+_CACHE = {'dir': None}
+_ANALYSIS_VERSION = '1'  # bump when the figures read from a compiled program change
+
+
+def _libtpu_version() -> str:
+  try:
+    return importlib.metadata.version('libtpu')
+  except importlib.metadata.PackageNotFoundError:
+    return ''
+
+
+def _cache_key(lowered_text: str, program: str, topo: Topology) -> str:
+  h = hashlib.sha256()
+  for part in (lowered_text, program, topo.name, str(topo.num_slices), topo.chip.platform,
+               jax.__version__, _libtpu_version(), os.environ.get('XLA_FLAGS', ''),
+               os.environ.get('LIBTPU_INIT_ARGS', ''), _ANALYSIS_VERSION):
+    h.update(part.encode())
+    h.update(b'\0')
+  return h.hexdigest()[:40]
+
+
+def _compiled(fn, args, program: str, topo: Topology, num_devices: int, log,
+              hint: str = '') -> dict:
+  """Lowers and compiles `fn` (or reads a cached result of the same program) -> its report."""
   t0 = time.perf_counter()
   lowered = fn.lower(*args)
+  lower_s = time.perf_counter() - t0
+  path = None
+  if _CACHE['dir']:
+    path = os.path.join(_CACHE['dir'], _cache_key(lowered.as_text(), program, topo) + '.json')
+    if os.path.exists(path) and not _DUMP['dir']:
+      with open(path, encoding='utf-8') as f:
+        rep = json.load(f)
+      rep.update(lower_s=round(lower_s, 2), cached=True)
+      log(f'{program}: lowered in {lower_s:.1f} s; compile read from the cache (it took '
+          f'{rep["compile_s"]:.1f} s)')
+      return rep
   t1 = time.perf_counter()
-  compiled = _compile(lowered, program, topo)
-  return compiled, t1 - t0, time.perf_counter() - t1
+  compiled = _compile(lowered, program, topo, hint)
+  compile_s = time.perf_counter() - t1
+  log(f'{program}: lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s')
+  rep = _program_report(compiled, lower_s, compile_s, num_devices, program)
+  if path:
+    os.makedirs(_CACHE['dir'], exist_ok=True)
+    tmp = f'{path}.{os.getpid()}.tmp'
+    with open(tmp, 'w', encoding='utf-8') as f:
+      json.dump(rep, f)
+    os.replace(tmp, path)
+  rep['cached'] = False
+  return rep
 
 
 def _train_and_eval(config, devices, topo, programs, log) -> dict:
@@ -552,6 +633,8 @@ def _train_and_eval(config, devices, topo, programs, log) -> dict:
     shardings = sharding.state_shardings(abstract_state, mesh)
   abstract_state = ckpt_lib.abstract_like(abstract_state, shardings)
   out.update(_state_summary(abstract_state, shardings))
+  hint = 'largest parameters per chip (x3 with the Adam moments): ' + ', '.join(
+      f'{p} {out["params"][p]["bytes_per_chip"] / GIB:.2f} GiB' for p in out['largest_params'][:3])
   batch, batch_shardings = _batch_structs(config, mesh)
   out['batch_bytes'] = sum(shard_bytes(x) for x in batch.values())
   rep = sharding.replicated(mesh)
@@ -561,16 +644,14 @@ def _train_and_eval(config, devices, topo, programs, log) -> dict:
       fn = jax.jit(functools.partial(steps.train_step, config, graphdef),
                    in_shardings=(shardings, batch_shardings), out_shardings=(shardings, rep),
                    donate_argnums=0)
-      compiled, lo, co = _timed_compile(fn, (abstract_state, batch), 'train', topo)
-      out['train'] = _program_report(compiled, lo, co, len(devices), 'train')
-      log(f'train step: lowered in {lo:.1f} s, compiled in {co:.1f} s')
+      out['train'] = _compiled(fn, (abstract_state, batch), 'train', topo, len(devices), log,
+                               hint)
     if 'eval' in programs:
       fn = jax.jit(functools.partial(steps.eval_step, config, graphdef),
                    in_shardings=(shardings, batch_shardings, rep), out_shardings=rep)
       vocab = jax.ShapeDtypeStruct((config.model.vocab_size,), jnp.int32, sharding=rep)
-      compiled, lo, co = _timed_compile(fn, (abstract_state, batch, vocab), 'eval', topo)
-      out['eval'] = _program_report(compiled, lo, co, len(devices), 'eval')
-      log(f'eval step: lowered in {lo:.1f} s, compiled in {co:.1f} s')
+      out['eval'] = _compiled(fn, (abstract_state, batch, vocab), 'eval', topo, len(devices),
+                              log, hint)
   return out
 
 
@@ -601,9 +682,7 @@ def _decode(config, device, topo, batch: int, new_tokens: int, log) -> dict:
   abstract_in = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else struct(x),
                              example)
   fn = jax.jit(functools.partial(decoder_lib._decode, prog, graphdef, treedef))  # pylint: disable=protected-access
-  compiled, lo, co = _timed_compile(fn, abstract_in, 'decode', topo)
-  log(f'decode loop: lowered in {lo:.1f} s, compiled in {co:.1f} s')
-  rep = _program_report(compiled, lo, co, 1, 'decode')
+  rep = _compiled(fn, abstract_in, 'decode', topo, 1, log)
   rep.update({'batch': batch, 'prompt_len': prog.prompt_len, 'max_new': prog.max_new,
               'num_drafts': prog.num_drafts, 'weights': weights,
               'param_bytes': sum(shard_bytes(x) for x in abstract_in[0])})
@@ -612,11 +691,13 @@ def _decode(config, device, topo, batch: int, new_tokens: int, log) -> dict:
 
 def compile_report(config, topo: Topology, programs=PROGRAMS, decode_batch: int = 1,
                    decode_tokens: int = 64, devices=None, log=lambda s: None,
-                   dump_dir: str | None = None) -> dict:
+                   dump_dir: str | None = None, cache_dir: str | None = None) -> dict:
   """Compiles `programs` of `config` for `topo` and returns the per-chip report (a dict).
 
-  dump_dir: also write each compiled program's HLO text there (<program>.hlo.txt)."""
-  _DUMP['dir'] = dump_dir
+  dump_dir: also write each compiled program's HLO text there (<program>.hlo.txt; then
+  nothing is read from the cache). cache_dir: keep each program's figures there, keyed by
+  the lowered program, the topology and the compiler versions; a rerun reads them back."""
+  _DUMP['dir'], _CACHE['dir'] = dump_dir, cache_dir
   bad = [p for p in programs if p not in PROGRAMS]
   if bad or not programs:
     raise RequestError(f'programs must be some of {PROGRAMS}, got {tuple(programs)}')
@@ -624,7 +705,7 @@ def compile_report(config, topo: Topology, programs=PROGRAMS, decode_batch: int 
   devices = topology_devices(topo) if devices is None else devices
   config_lib.validate(config, len(devices))
   t0 = time.perf_counter()
-  with traced_for(topo.chip.platform):
+  with traced_for(topo.chip.platform), _no_jax_cache():
     report = {'topology': topo.name, 'num_slices': topo.num_slices, 'chips': len(devices),
               'device_kind': devices[0].device_kind, 'chip': dataclasses.asdict(topo.chip)}
     if 'train' in programs or 'eval' in programs:
@@ -740,8 +821,9 @@ def format_report(report: dict) -> str:
     if not prog:
       continue
     mem, est = prog['memory'], prog['estimate']
+    cached = ' (figures from the cache)' if prog.get('cached') else ''
     lines.append(
-        f'{name}: compile {prog["compile_s"]:.1f} s; HBM per chip {mem["total"] / GIB:.2f} of '
+        f'{name}: compile {prog["compile_s"]:.1f} s{cached}; HBM per chip {mem["total"] / GIB:.2f} of '
         f'{hbm / GIB:.1f} GiB ({100 * prog["hbm_fraction"]:.0f} %): arguments '
         f'{mem["argument"] / GIB:.2f}, outputs {mem["output"] / GIB:.2f} (aliased '
         f'{mem["alias"] / GIB:.2f}), temporaries {mem["temp"] / GIB:.2f} GiB')

@@ -1,0 +1,60 @@
+"""A DeepSeek-V3-style MoE with D = 1 MTP on a TPU v5p-64 slice (32 chips): MLA attention,
+a dense first layer, then DeepSeekMoE layers of 2 shared + 64 routed experts (top 6).
+
+  python scripts/aot_compile.py --config configs/tpu_moe.py --topology v5p-64
+
+DeepSeek-V2-Lite's widths (d 2048, 16 heads, kv latent 512, expert SwiGLU 1408) with
+DeepSeek-V3's query compression and MTP layer (MLA + MoE). ~7.5B parameters, ~1.4B active
+per token. Mesh (data 8, fsdp 4, tensor 1) with the expert rule on 'data': each chip
+stores 8 of the 64 routed experts of every layer (a quarter of each one's rows).
+"""
+from mtp_jax import config_lib
+
+DEVICES = 32  # v5p-64 = 32 chips
+
+
+def get_config():
+  c = config_lib.base_config()
+  m = c.model
+  m.vocab_size = 32768
+  m.d_model = 2048
+  m.n_layers = 12
+  m.n_heads = 16
+  m.mlp_dim = 10944  # the dense first layer
+  m.tie_embeddings = False
+  m.dtype = 'bfloat16'
+  m.remat = 'block'
+  m.scan_layers = True
+  m.loss_chunk = 1024
+  m.attention = 'mla'
+  m.mla.q_lora_rank = 1536
+  m.mla.kv_lora_rank = 512
+  m.mla.qk_nope_head_dim = 128
+  m.mla.qk_rope_head_dim = 64
+  m.mla.v_head_dim = 128
+  m.mlp = 'moe'
+  m.moe.first_k_dense = 1
+  m.moe.n_routed_experts = 64
+  m.moe.n_shared_experts = 2
+  m.moe.num_experts_per_tok = 6
+  m.moe.moe_intermediate_size = 1408
+  m.moe.routed_scaling_factor = 1.0
+  m.mtp.depth = 1  # its block: MLA + MoE, as DeepSeek-V3's layer 61
+  m.mtp.lambda_values = (0.3, 0.1)
+  m.mtp.lambda_boundaries = (40000,)
+  d = c.data
+  d.tokenizer = 'sentencepiece'
+  d.spm_model = '/mnt/shared/tokenizer/spm32k.model'
+  d.seq_len = 4096
+  d.batch_size = 128  # 512k tokens per step; 4 sequences per chip
+  d.worker_count = 8
+  t = c.train
+  t.steps = 50000
+  t.lr = 3e-4
+  t.warmup_steps = 2000
+  t.log_every = 100
+  t.eval_every = 2000
+  t.eval_batches = 8
+  t.checkpoint_every = 1000
+  c.mesh.shape = (8, 4, 1)
+  return c

@@ -1,0 +1,148 @@
+"""Ahead-of-time TPU compiles (mtp_jax/train/aot.py, mtp-aot-compile) on a CPU machine.
+
+libtpu describes a TPU slice without a TPU; one small config is compiled once for a v5e-8
+and its figures are checked against what the shardings and flops.py say. Skipped, with
+the reason, only where libtpu cannot load.
+"""
+import math
+
+import pytest
+
+from helpers import REPO, load_config
+from mtp_jax import config_lib
+from mtp_jax.commands import aot_compile
+from mtp_jax.errors import RequestError
+from mtp_jax.train import aot
+
+TOPOLOGY = 'v5e-8'
+
+
+def small_config():
+  """Two scanned layers whose widths are multiples of 128 (TPU tiles hold them unpadded)."""
+  c = load_config('tiny')
+  m = c.model
+  m.vocab_size, m.d_model, m.n_layers, m.mlp_dim = 512, 256, 2, 512
+  m.n_heads, m.n_kv_heads, m.head_dim = 2, 2, 128
+  m.dtype, m.remat, m.scan_layers, m.loss_chunk = 'bfloat16', 'block', True, 64
+  m.mtp.depth = 1
+  c.data.seq_len, c.data.batch_size = 128, 8
+  c.mesh.shape = (2, 2, 2)
+  return c
+
+
+@pytest.fixture(scope='module')
+def report():
+  try:
+    topo = aot.parse_topology(TOPOLOGY)
+    devices = aot.topology_devices(topo)
+  except RequestError as e:
+    pytest.skip(f'libtpu cannot describe a TPU slice here: {e}')
+  return aot.compile_report(small_config(), topo, devices=devices), topo
+
+
+def test_topology_names():
+  assert aot.parse_topology('v5p-64').shape == (2, 4, 4)  # 64 TensorCores, 32 chips
+  assert aot.parse_topology('v5p-256').chips == 128
+  assert aot.parse_topology('v4-8').shape == (2, 2, 1)
+  assert aot.parse_topology('v5litepod-16').shape == (4, 4)
+  assert aot.parse_topology('v6e-256').shape == (16, 16)
+  assert aot.parse_topology('v5e-1').chips == 1
+  assert aot.parse_topology('v5p-16', num_slices=2).chips == 16
+  for bad in ('v5p-63', 'v6e-512', 'v9-8', 'tpu', 'v5e-3'):
+    with pytest.raises(RequestError, match='--topology'):
+      aot.parse_topology(bad)
+
+
+def test_argument_bytes_are_the_state_over_its_shards(report):
+  rep, _ = report
+  mesh = rep['mesh']
+  assert mesh == {'data': 2, 'fsdp': 2, 'tensor': 2}
+  # per chip: every parameter's bytes over the mesh axes its spec names
+  expected = 0
+  for info in rep['params'].values():
+    full = math.prod(info['shape']) * (4 if info['dtype'] == 'float32' else 2)
+    spec = () if info['spec'] == 'replicated' else eval(info['spec'])  # noqa: S307
+    ways = math.prod(mesh[a] for axes in spec if axes
+                     for a in ((axes,) if isinstance(axes, str) else axes))
+    expected += full // ways
+  assert rep['param_bytes'] == expected
+  assert 1.9 < rep['optimizer_bytes'] / rep['param_bytes'] < 2.1  # Adam's two moments
+  state = rep['param_bytes'] + rep['optimizer_bytes'] + rep['batch_bytes']
+  args = rep['train']['memory']['argument']
+  assert 0.95 < args / state < 1.25, (args, state)  # TPU tiles pad a few small arrays
+  assert rep['train']['fits'] and rep['train']['memory']['total'] < rep['chip']['hbm_bytes']
+
+
+def test_flops_agree_with_flops_py(report):
+  rep, _ = report
+  train = rep['train']
+  # flops.py's count plus what the compiled step does on top (aot.expected_compiled_flops:
+  # the masked half of the T x T scores, remat block's second pass over the attention core,
+  # the rematerialised vocab chunks) -- within a few percent
+  assert 0.98 < train['flops_ratio_vs_expected'] < 1.04, train['flops_ratio_vs_expected']
+  assert train['flops_ratio_vs_noncausal'] > train['flops_ratio_vs_expected']
+  assert train['flops_ratio_vs_flops_py'] > 1.0
+  # cost_analysis counts the scanned layers' loop body once; the HLO count does not
+  assert train['hlo_matmul_flops'] > train['cost_analysis']['flops'] * 0.5
+  assert rep['eval']['hlo_matmul_flops'] < train['hlo_matmul_flops'] / 2
+
+
+def test_shardings_follow_the_rules(report):
+  rep, _ = report
+  rules = dict(config_lib.DEFAULT_RULES)
+  gate = rep['params']['layers.0.mlp.gate_proj.kernel.value']
+  assert eval(gate['spec']) == (rules['embed'], rules['mlp'])  # noqa: S307
+  emb = rep['params']['embed.embedding.value']
+  assert eval(emb['spec']) == (rules['vocab'], rules['embed'])  # noqa: S307
+  assert not rep['replicated_params']
+  coll = rep['train']['collectives']
+  assert coll['all-gather']['count'] > 0 and coll['all-reduce']['count'] > 0  # FSDP + DP
+  assert rep['decode']['num_drafts'] == 1 and rep['decode']['fits']
+  est = rep['train']['estimate']
+  assert est['step_s'] > 0 and 0 < est['mfu'] < 1
+
+
+def test_report_text_and_command_line(report, capsys):
+  rep, _ = report
+  text = aot.format_report(rep)
+  for word in ('HBM per chip', 'flops.py', 'collectives per step', 'roofline estimate'):
+    assert word in text
+  # bad input: one line, exit 2, before anything compiles
+  assert aot_compile.main(['--config', f'{REPO}/configs/tiny.py', '--topology', 'v9-8']) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith('error: --topology')
+
+
+def test_a_rerun_reads_the_figures_back(report, tmp_path):
+  _, topo = report
+  first = aot.compile_report(small_config(), topo, ('eval',), cache_dir=str(tmp_path))
+  again = aot.compile_report(small_config(), topo, ('eval',), cache_dir=str(tmp_path))
+  assert not first['eval']['cached'] and again['eval']['cached']
+  assert again['eval']['memory'] == first['eval']['memory']
+  assert again['eval']['hlo_matmul_flops'] == first['eval']['hlo_matmul_flops']
+
+
+TOO_BIG = """from mtp_jax import config_lib
+
+
+def get_config():
+  c = config_lib.base_config()
+  c.model.vocab_size = 4194304  # untied: 2 x 4 GiB of float32 tables, 3x with Adam
+  c.model.d_model, c.model.n_layers, c.model.mlp_dim = 256, 1, 512
+  c.model.tie_embeddings = False
+  c.model.mtp.depth = 0
+  c.data.seq_len, c.data.batch_size = 64, 2
+  c.mesh.shape = (1, 1, 1)
+  return c
+"""
+
+
+def test_too_small_a_topology_fails_in_one_line(report, tmp_path, capsys):
+  """24 GiB of embedding, head and Adam moments do not fit one 16 GB v5e chip."""
+  path = tmp_path / 'too_big.py'
+  path.write_text(TOO_BIG)
+  code = aot_compile.main(['--config', str(path), '--topology', 'v5e-1', '--programs', 'train',
+                           '--cache_dir', ''])
+  err = [line for line in capsys.readouterr().err.splitlines() if line.startswith('error:')]
+  assert code == 1, err
+  assert len(err) == 1 and 'does not fit v5e-1' in err[0] and 'short by' in err[0], err
