@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from helpers import REPO, dsv3_model_config, load_config, tiny_model_config, write_workdir
 from mtp_jax.data import tokenizers
@@ -19,6 +20,7 @@ from mtp_jax.decode.decoder import Decoder
 from mtp_jax.interop import export, hf
 from mtp_jax.interop.safetensors_io import Reader
 from mtp_jax.model import state as state_lib
+from mtp_jax.model.mtp import MTPModel, ModelArgs
 from mtp_jax.train import loop as train
 
 CASES = ('llama', 'mimo', 'deepseek_v3', 'deepseek_v3_fp8')
@@ -158,6 +160,32 @@ def test_byte_tokenizer_export_reproduces_the_id_offset(exports):
   for text in TEXTS:
     ids = ours.encode(text)
     assert tok.encode(text) == ids and tok.decode(ids + [1, 0]) == text
+
+
+def test_sentencepiece_tokenizer_exports_as_tokenizer_model(tmp_path):
+  """A SentencePiece-trained run exports its model as tokenizer.model: AutoTokenizer and
+  `--init_from hf:` (which takes tokenizer.model when there is no tokenizer.json) give its
+  ids."""
+  transformers = pytest.importorskip('transformers')
+  spm_path = tmp_path / 'code.model'  # 256 byte-fallback pieces + the characters + merges
+  spm_path.write_bytes(tokenizers.train_sentencepiece([open(json.__file__).read()] * 4,
+                                                      vocab_size=360, num_threads=1))
+  c = _model_config('llama')
+  c.model.vocab_size = 384
+  model = MTPModel(ModelArgs.from_config(c), rngs=nnx.Rngs(0))
+  c.data.tokenizer, c.data.spm_model = 'sentencepiece', str(spm_path)
+  out = tmp_path / 'spm_export'
+  export.export_model(model, str(out), 'llama', data_config=c.data)
+  ours = tokenizers.get_tokenizer(c.data)
+  theirs = transformers.AutoTokenizer.from_pretrained(str(out))
+  back = load_config('tiny')
+  hf.apply_to_config(back, str(out))
+  assert back.data.tokenizer == 'sentencepiece'
+  again = tokenizers.get_tokenizer(back.data)
+  for text in TEXTS[:3]:
+    assert theirs(text)['input_ids'] == ours.encode(text) == again.encode(text), text
+  assert _json(out, 'generation_config.json') == {'eos_token_id': ours.eos_id,
+                                                  'pad_token_id': ours.pad_id}
 
 
 def test_unsupported_architecture_is_one_line_naming_the_supported(exports, tmp_path):

@@ -17,6 +17,7 @@ import shutil
 
 import jax
 import numpy as np
+import sentencepiece
 from flax import nnx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -116,9 +117,15 @@ def write_tokenizer(directory: str, data_config) -> dict:
             'pad_token_id': tokenizers.PAD_ID}
   tok = tokenizers.get_tokenizer(data_config)
   ids = {'bos_token_id': None, 'eos_token_id': tok.eos_id, 'pad_token_id': tok.pad_id}
-  if kind == 'sentencepiece':
-    shutil.copyfile(os.path.expanduser(data_config.spm_model),
-                    os.path.join(directory, 'tokenizer.model'))
+  if kind == 'sentencepiece':  # ids as trained: no bos, no dummy prefix (train_sentencepiece)
+    path = os.path.expanduser(data_config.spm_model)
+    shutil.copyfile(path, os.path.join(directory, 'tokenizer.model'))
+    piece = sentencepiece.SentencePieceProcessor(model_file=path).id_to_piece
+    _write_json(os.path.join(directory, 'tokenizer_config.json'), {
+        'tokenizer_class': 'LlamaTokenizer', 'add_bos_token': False, 'add_eos_token': False,
+        'add_prefix_space': False, 'legacy': False, 'bos_token': None,
+        'eos_token': piece(tok.eos_id), 'pad_token': piece(tok.pad_id),
+        'model_max_length': 1 << 30, 'clean_up_tokenization_spaces': False})
     return ids
   source = os.path.abspath(os.path.expanduser(data_config.hf_tokenizer))
   for name in TOKENIZER_FILES:

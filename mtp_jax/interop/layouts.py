@@ -199,11 +199,10 @@ def mtp_prefix(layout: str, args: ModelArgs, k: int) -> str:
   return f'model.mtp_layers.{k - 1}'
 
 
-def tensor_table(args: ModelArgs, layout: str, depths: int | None = None,
-                 tied_head: bool = True) -> list[Tensor]:
+def tensor_table(args: ModelArgs, layout: str, depths: int | None = None) -> list[Tensor]:
   """Every tensor of `args` in `layout`: the trunk and MTP depths 1..depths (default: the
-  model's; none in the llama layout). tied_head: a tied model also writes lm_head (the
-  deepseek_v3 and mimo layouts: vLLM's MTP loaders read it)."""
+  model's; none in the llama layout). A tied model writes lm_head too, as a copy (vLLM's
+  MTP loaders read it; tying loaders skip it) that may be absent on import."""
   check_layout(args, layout)
   depths = (0 if layout == 'llama' else args.mtp_depth) if depths is None else depths
   d, v = args.d_model, args.vocab_size
@@ -214,7 +213,7 @@ def tensor_table(args: ModelArgs, layout: str, depths: int | None = None,
          Tensor('model.norm.weight', ('norm', 'scale'), 'copy', (d,))]
   if not args.tie_embeddings:
     out.append(Tensor('lm_head.weight', ('lm_head', 'kernel'), 'T', (v, d)))
-  elif tied_head:
+  else:
     out.append(Tensor('lm_head.weight', None, 'alias', (v, d), of='model.embed_tokens.weight'))
   for i in range(args.n_layers):
     out += _block(f'model.layers.{i}', ('layers', str(i)), args, i, bias, fp8)
