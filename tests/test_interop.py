@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from helpers import REPO, dsv3_model_config, load_config, tiny_model_config, write_workdir
+from mtp_jax.checkpoint.partial import InitFrom
 from mtp_jax.data import tokenizers
 from mtp_jax.decode.decoder import Decoder
 from mtp_jax.interop import export, hf
@@ -232,3 +233,18 @@ def test_command_line_trains_the_mtp_modules_of_a_deepseek_v3_export(stdlib_data
   metrics = [json.loads(line) for line in open(tmp_path / 'mtp' / 'metrics.jsonl')]
   last = [m for m in metrics if 'train/loss_mtp_2' in m][-1]
   assert last['train/loss_mtp_2'] > 0
+
+
+def test_init_from_is_parsed_once_into_a_typed_value(tmp_path):
+  assert InitFrom.parse(None) is None and InitFrom.parse('  ') is None
+  got = InitFrom.parse(f'hf:{tmp_path}/x/../model')
+  assert (got.kind, got.path, got.step, str(got)) == ('hf', f'{tmp_path}/model', None,
+                                                      f'hf:{tmp_path}/model')
+  assert InitFrom.parse('hf:') == InitFrom('hf', '')
+  assert InitFrom.parse(got) is got
+  (tmp_path / 'run' / 'checkpoints' / '40' / 'state').mkdir(parents=True)
+  step = InitFrom.parse(str(tmp_path / 'run' / 'checkpoints' / '40'))
+  assert (step.kind, step.step) == ('checkpoint', 40)
+  assert InitFrom.parse(str(tmp_path / 'run')) == InitFrom('checkpoint', str(tmp_path / 'run'))
+  assert hf.source_dir(got) == hf.source_dir(str(got)) == f'{tmp_path}/model'
+  assert hf.source_dir(step) is None
