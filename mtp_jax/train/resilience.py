@@ -84,6 +84,8 @@ def check_workdir(workdir: str) -> str | None:
       f.flush()
       os.fsync(f.fileno())
   except OSError as e:
+    if created is not None:  # e.g. created, but no space for the probe: taken away again
+      remove_failed_start(workdir, created, None)
     raise WorkdirError(f'--workdir {workdir!r} is not a usable directory: '
                        f'{e.strerror or e} (errno {e.errno})') from e
   for sub in ('checkpoints',):
@@ -125,9 +127,11 @@ def remove_failed_start(workdir: str, created: str | None, before: set[str] | No
   train.lock). Nothing is removed once a checkpoint exists.
   """
   path = os.path.abspath(workdir)
-  if not os.path.isdir(path) or _has_checkpoint(path):
+  if _has_checkpoint(path):
     return
   if created is None:
+    if before is None or not os.path.isdir(path):
+      return  # (made by another process in between: not this run's to clean)
     for name in set(os.listdir(path)) - (before or set()):
       target = os.path.join(path, name)
       if os.path.isdir(target) and not os.path.islink(target):
