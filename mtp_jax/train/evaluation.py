@@ -31,6 +31,7 @@ from mtp_jax.train import steps
 from mtp_jax.errors import RequestError
 from mtp_jax.errors import ConfigError
 from mtp_jax.data import tokenizers
+from mtp_jax.data import user_data
 from mtp_jax.train.metrics import TAU_KEY, depth_name, metric_key
 
 MAX_PLAIN_DOCS = 4096  # documents read from a split without a 'path' feature to order by
@@ -108,9 +109,11 @@ def validation_prompts(config, tokenizer, n: int, length: int,
   split = split or config.data.eval_split
   prompts = prompts_from_docs(split_texts(config.data, split), tokenizer, n, length)
   if len(prompts) < n:
-    raise ConfigError(f'split {split!r} of data.dataset {config.data.dataset!r} has only '
+    raise ConfigError(f'split {split!r} of {user_data.describe(config.data)} has only '
                       f'{len(prompts)} documents of {4 * length}+ tokens, too few for {n} '
-                      f'decode prompts of {length} tokens (ask for fewer or shorter prompts)')
+                      f'decode prompts of {length} tokens: ask for fewer or shorter prompts '
+                      '(train.eval_decode_prompts, or --num_prompts / --prompt_len), or hold '
+                      'out more documents (data.validation_percent)')
   return prompts
 
 
