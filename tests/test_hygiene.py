@@ -265,6 +265,14 @@ def test_a_step_removed_while_it_is_read_gives_way_to_a_newer_one(tmp_path):
     return 'read'
 
   assert reader.newest_first(action, newest=2)[:2] == (4, 'read')
+  removal.join()
+  (tmp_path / '2').mkdir()  # asked for by number: one line naming it, even mid-removal
+
+  def missing(step):
+    raise FileNotFoundError(f'{tmp_path}/{step}/meta/metadata')
+
+  with pytest.raises(ckpt_lib.CheckpointError, match='checkpoint 2 in .* was removed while'):
+    reader.newest_first(missing, step=2)
 
   def broken(step):
     raise ValueError(f'step {step}: restored arrays differ from the saved ones')
