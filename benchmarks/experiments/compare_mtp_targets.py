@@ -69,9 +69,12 @@ def parse(argv):
   return args
 
 
-SMOKE = {'trunk_steps': 2, 'mtp_steps': 2, 'distill': dict(DISTILL, num_prompts=8, batch_size=8,
-                                                           max_new_tokens=16),
-         'runs': ('distilled',)}
+SMOKE = {'trunk_steps': 2, 'mtp_steps': 2, 'runs': ('distilled',),
+         'distill': dict(DISTILL, num_prompts=16, batch_size=16, max_new_tokens=16),
+         # small batches of short rows, and a validation split the 16 records can fill
+         'extra': ['--config.data.batch_size=2', '--config.data.seq_len=64',
+                   '--config.train.eval_batches=1', '--config.train.eval_decode_tokens=8'],
+         'distilled_extra': ['--config.data.validation_percent=25']}
 
 
 def _uptime() -> str:
@@ -110,7 +113,7 @@ def plan_of(args) -> dict:
   plan = SMOKE if args.smoke else {'trunk_steps': TRUNK_STEPS, 'mtp_steps': MTP_STEPS,
                                    'distill': DISTILL, 'runs': tuple(RUNS)}
   data = [f'--config.data.data_dir={args.data_dir}'] if args.data_dir else []
-  return dict(plan, model=MODEL + data)
+  return dict(plan, model=MODEL + data + plan.get('extra', []))
 
 
 def train_all(root: str, stages: dict, plan: dict) -> str:
@@ -131,7 +134,8 @@ def train_all(root: str, stages: dict, plan: dict) -> str:
     targets, on_distilled = RUNS[name]
     workdir = os.path.join(root, name)
     data = (['--config.data.source=jsonl', f'--config.data.path={distilled}/data.jsonl',
-             '--config.data.tokens_key=tokens'] if on_distilled else [])
+             '--config.data.tokens_key=tokens', *plan.get('distilled_extra', [])]
+            if on_distilled else [])
     _stage(name, [py, 'scripts/train.py', *plan['model'], f'--workdir={workdir}',
                   f'--init_from={trunk}',
                   f'--config.model.mtp.depth={DEPTH}', '--config.model.mtp.freeze_trunk=True',
