@@ -91,10 +91,23 @@ def load_config(path: str, overrides=()):
   except flags.Error as e:
     raise ConfigError(f'bad --config override: {_clean(e)}') from e
   except AttributeError as e:  # ml_collections: an unknown --config.x key
-    raise ConfigError(f'unknown config field in a --config.* override: {_clean(e)}') from e
+    raise ConfigError(_unknown_field(e, overrides)) from e
   except Exception as e:  # pylint: disable=broad-except
     raise ConfigError(f'bad --config file or override ({type(e).__name__}): {_clean(e)}') from e
   return config
+
+
+def _unknown_field(e: AttributeError, overrides) -> str:
+  """'unknown config field train.stepz (--config.train.stepz=3): did you mean "steps"?'."""
+  text = _clean(e).strip('\'"')
+  name, _, hint = text.partition('. ')
+  for o in overrides:
+    key = o.split('=', 1)[0][len('--config.'):]
+    if key == name or key.endswith('.' + name):
+      hint = hint.split(' instead of ')[0].replace('Did you mean', 'did you mean')
+      return (f'unknown config field {key} ({o})' + (f': {hint}?' if hint else '')).replace(
+          '??', '?')
+  return f'unknown config field in a --config.* override: {text}'
 
 
 def _clean(e: BaseException) -> str:

@@ -178,7 +178,7 @@ CLI_CASES = [
     ('config file not found', ['--config=configs/no_such.py'],
      ['cannot load --config', 'No such file or directory']),
     ('unknown override key', ['--config=configs/tiny.py', '--config.model.mtp.dept=2'],
-     ['unknown config field', 'Did you mean "depth"']),
+     ['unknown config field', 'model.mtp.dept', 'did you mean "depth"']),
     ('wrong override type', ['--config=configs/tiny.py', '--config.model.mtp.depth=two'],
      ['--config.model.mtp.depth=two', "invalid literal for int()"]),
     ('unknown flag', ['--config=configs/tiny.py', '--chekpoint=3'], ['unrecognized arguments: --chekpoint=3']),
