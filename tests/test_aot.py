@@ -77,7 +77,7 @@ def test_flops_agree_with_flops_py(report):
   rep, _ = report
   train = rep['train']
   # flops.py's count plus what the compiled step does on top (aot.expected_compiled_flops:
-  # the masked half of the T x T scores, remat block's second pass over the attention core,
+  # the masked half of the T x T scores, remat block's recomputed attention core,
   # the rematerialised vocab chunks) -- within a few percent
   assert 0.98 < train['flops_ratio_vs_expected'] < 1.04, train['flops_ratio_vs_expected']
   assert train['flops_ratio_vs_noncausal'] > train['flops_ratio_vs_expected']
