@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from helpers import REPO, hf_tokenizer_texts, load_config
 from mtp_jax import config_lib
-from mtp_jax.interop import hf
+from mtp_jax.interop import export, hf
 from mtp_jax.interop import layouts
 from mtp_jax.model import layers
 from mtp_jax.runtime import sharding
@@ -107,6 +107,30 @@ def test_greedy_decoding_equals_generate(loaded, family):
   for prompt, got in zip(prompts, ar.tokens):
     want = ref_greedy(ref, prompt, 24)
     assert got.tolist() == want and len(set(want)) > 1
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_a_loaded_trunk_exports_as_its_own_family(loaded, family, tmp_path):
+  """The llama layout writes an hf: trunk back as the class it came from (Qwen2 with its
+  biases), with the checkpoint's tokenizer files: transformers loads it with the original's
+  logits and tokens, and it reads back bit-exactly."""
+  from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # pylint: disable=g-import-not-at-top
+  c, model, ref, tok = loaded[family]
+  out = tmp_path / 'export'
+  export.export_model(model, str(out), 'llama', data_config=c.data)
+  again = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+  assert type(again).__name__ == type(ref).__name__
+  ids = np.asarray([tok.encode(CODE)[:24]], np.int32)
+  np.testing.assert_array_equal(ref_logits(again, ids), ref_logits(ref, ids))
+  # (the generic fast tokenizer, as in the tokenizer test below)
+  assert PreTrainedTokenizerFast.from_pretrained(str(out))(CODE)['input_ids'] == tok.encode(CODE)
+  back = config_lib.base_config()
+  back.model.mtp.depth = 2
+  hf.apply_to_config(back, str(out))
+  reread = export.model_params(hf.load_model(str(out), back))
+  for path, x in export.model_params(model).items():
+    if path[0] != 'mtp':
+      np.testing.assert_array_equal(reread[path], x, err_msg=str(path))
 
 
 def test_rope_scaling_equals_transformers_at_llama_3_1_sizes():
