@@ -64,6 +64,7 @@ def parse(argv):
   p.add_argument('--data_dir', default='', help='data.data_dir of the stdlib data set')
   args = p.parse_args(argv)
   if args.smoke:
+    ENV_DROP.append('XLA_FLAGS')
     args.num_prompts, args.prompt_len, args.max_new_tokens = 2, 16, 8
     args.sample_seeds, args.eval_batches = 1, 1
   return args
@@ -85,6 +86,17 @@ def _finished(workdir: str, step: int) -> bool:
   return os.path.isdir(os.path.join(workdir, 'checkpoints', str(step)))
 
 
+# --smoke: the trainer's own device choice, whatever device count the caller forced
+ENV_DROP = []
+
+
+def _env() -> dict:
+  env = dict(os.environ, PYTHONPATH=REPO)
+  for k in ENV_DROP:
+    env.pop(k, None)
+  return env
+
+
 def _stage(name, cmd, root, done, log_runs):
   """Runs cmd (logged to root/name.log) unless done; records command, wall time, uptime.
 
@@ -99,7 +111,7 @@ def _stage(name, cmd, root, done, log_runs):
     start, entry['uptime_before'] = time.time(), _uptime()
     with open(os.path.join(root, f'{name}.log'), 'w') as log:
       proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                            env=dict(os.environ, PYTHONPATH=REPO))
+                            env=_env())
     if proc.returncode:
       sys.exit(f'stage {name} failed (exit {proc.returncode}); see {root}/{name}.log')
     entry.update(wall_s=round(time.time() - start, 1), uptime_after=_uptime())
