@@ -280,7 +280,8 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
       if op == 'while':
         cond = re.search(r'condition=%([\w.\-]+)', rest)
         loop = re.search(r'body=%([\w.\-]+)', rest)
-        n = trip_count(cond.group(1)) if cond else None
+        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)  # the GPU compiler's
+        n = int(known.group(1)) if known else (trip_count(cond.group(1)) if cond else None)
         if n is None:
           stats.unknown_trip_counts += 1
         for target in (cond, loop):
@@ -458,14 +459,16 @@ def _memory(compiled) -> dict:
   ma = compiled.memory_analysis()
   out = {k: int(getattr(ma, f'{k}_size_in_bytes', 0) or 0)
          for k in ('argument', 'output', 'alias', 'temp', 'generated_code')}
-  out['total'] = out['argument'] + out['output'] - out['alias'] + out['temp'] + out['generated_code']
+  out['total'] = (out['argument'] + out['output'] - out['alias'] + out['temp']
+                  + out['generated_code'])
   return out
 
 
 def _cost(compiled) -> dict:
   ca = compiled.cost_analysis()
   ca = ca[0] if isinstance(ca, (list, tuple)) else (ca or {})
-  return {'flops': float(ca.get('flops', 0.0)), 'bytes_accessed': float(ca.get('bytes accessed', 0.0))}
+  return {'flops': float(ca.get('flops', 0.0)),
+          'bytes_accessed': float(ca.get('bytes accessed', 0.0))}
 
 
 _OOM_USED = re.compile(r'Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm', re.I)
@@ -572,7 +575,7 @@ def _program_report(compiled, lowered_s: float, compile_s: float, num_devices: i
 # compile-only executable back ("PjRtCompiler must be constructed with a Client"), so the
 # figures themselves are kept, keyed by everything that decides the compiled program.
 _CACHE = {'dir': None}
-_ANALYSIS_VERSION = '1'  # bump when the figures read from a compiled program change
+_ANALYSIS_VERSION = '2'  # bump when the figures read from a compiled program change
 
 
 def _libtpu_version() -> str:
@@ -681,7 +684,10 @@ def _decode(config, device, topo, batch: int, new_tokens: int, log) -> dict:
              np.zeros((batch,), np.int32), np.int32(1), sampling, np.int32(0), np.float32(0))
   abstract_in = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else struct(x),
                              example)
-  fn = jax.jit(functools.partial(decoder_lib._decode, prog, graphdef, treedef))  # pylint: disable=protected-access
+  # the function Decoder.compile jits (private to the decoder; no public hook takes abstract
+  # weights)
+  # pylint: disable-next=protected-access
+  fn = jax.jit(functools.partial(decoder_lib._decode, prog, graphdef, treedef))
   rep = _compiled(fn, abstract_in, 'decode', topo, 1, log)
   rep.update({'batch': batch, 'prompt_len': prog.prompt_len, 'max_new': prog.max_new,
               'num_drafts': prog.num_drafts, 'weights': weights,
@@ -823,7 +829,8 @@ def format_report(report: dict) -> str:
     mem, est = prog['memory'], prog['estimate']
     cached = ' (figures from the cache)' if prog.get('cached') else ''
     lines.append(
-        f'{name}: compile {prog["compile_s"]:.1f} s{cached}; HBM per chip {mem["total"] / GIB:.2f} of '
+        f'{name}: compile {prog["compile_s"]:.1f} s{cached}; HBM per chip '
+        f'{mem["total"] / GIB:.2f} of '
         f'{hbm / GIB:.1f} GiB ({100 * prog["hbm_fraction"]:.0f} %): arguments '
         f'{mem["argument"] / GIB:.2f}, outputs {mem["output"] / GIB:.2f} (aliased '
         f'{mem["alias"] / GIB:.2f}), temporaries {mem["temp"] / GIB:.2f} GiB')
@@ -831,7 +838,8 @@ def format_report(report: dict) -> str:
     if name == 'train':
       flop_line += (f'; flops.py {report["flops_py"]["model_train_per_chip"]:.4g} (ratio '
                     f'{prog["flops_ratio_vs_flops_py"]:.3f}); with the full T x T scores '
-                    f'and the recomputed forward {report["flops_py"]["expected_compiled_per_chip"]:.4g}'
+                    'and the recomputed forward '
+                    f'{report["flops_py"]["expected_compiled_per_chip"]:.4g}'
                     f' (ratio {prog["flops_ratio_vs_expected"]:.3f})')
     lines.append(flop_line)
     coll = prog['collectives']
@@ -839,8 +847,9 @@ def format_report(report: dict) -> str:
         f'{op} {c["count"]:.0f}x {c["bytes"] / 2 ** 20:.1f} MiB' for op, c in sorted(coll.items()))
         or 'none'))
     ici = 'n/a' if est['ici_s'] is None else f'{est["ici_s"] * 1e3:.2f} ms'
+    hbm_t = f'{est["hbm_s"] * 1e3:.2f}' if prog['cost_analysis']['bytes_accessed'] else 'n/a'
     est_line = (f'  roofline estimate: {est["step_s"] * 1e3:.2f} ms per step (compute '
-                f'{est["compute_s"] * 1e3:.2f}, HBM {est["hbm_s"] * 1e3:.2f}, ICI {ici})')
+                f'{est["compute_s"] * 1e3:.2f}, HBM {hbm_t}, ICI {ici})')
     if name == 'train' and est.get('mfu'):
       est_line += f', MFU <= {est["mfu"]:.2f}'
     lines.append(est_line)
