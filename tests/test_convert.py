@@ -10,6 +10,7 @@ import dataclasses
 import glob
 import json
 import os
+import pathlib
 import re
 
 import jax
@@ -423,8 +424,8 @@ def test_export_falls_back_to_the_newest_intact_checkpoint(tmp_path, capsys):
   arrays = glob.glob(os.path.join(run, 'checkpoints', '5', 'state', '**', 'd', '*'),
                      recursive=True)
   largest = max(arrays, key=os.path.getsize)
-  data = open(largest, 'rb').read()
-  open(largest, 'wb').write(data[:len(data) // 2])
+  data = pathlib.Path(largest).read_bytes()
+  pathlib.Path(largest).write_bytes(data[:len(data) // 2])
   assert export_cmd.main(['--workdir', run, '--out', str(tmp_path / 'a'), '--layout', 'llama',
                           '--json']) == 0
   captured = capsys.readouterr()
@@ -481,7 +482,7 @@ def _run(argv) -> int:
 # -- bad checkpoints --------------------------------------------------------------------------
 def _corrupt(path, how):
   """A safetensors file truncated, with a bad header, or with a dtype nobody reads."""
-  raw = open(path, 'rb').read()
+  raw = pathlib.Path(path).read_bytes()
   n = int.from_bytes(raw[:8], 'little')
   if how == 'truncated':
     raw = raw[:-7]
@@ -494,7 +495,7 @@ def _corrupt(path, how):
     text = json.dumps(header).encode()
     text += b' ' * (-len(text) % 8)
     raw = len(text).to_bytes(8, 'little') + text + raw[8 + n:]
-  open(path, 'wb').write(raw)
+  pathlib.Path(path).write_bytes(raw)
 
 
 def test_bad_checkpoints_name_the_tensor_or_field(tmp_path, dsv3):

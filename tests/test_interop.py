@@ -7,6 +7,7 @@ export and decode greedily what this project's decoder decodes.
 """
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -169,7 +170,7 @@ def test_sentencepiece_tokenizer_exports_as_tokenizer_model(tmp_path):
   ids."""
   transformers = pytest.importorskip('transformers')
   spm_path = tmp_path / 'code.model'  # 256 byte-fallback pieces + the characters + merges
-  spm_path.write_bytes(tokenizers.train_sentencepiece([open(json.__file__).read()] * 4,
+  spm_path.write_bytes(tokenizers.train_sentencepiece([pathlib.Path(json.__file__).read_text()] * 4,
                                                       vocab_size=360, num_threads=1))
   c = _model_config('llama')
   c.model.vocab_size = 384
@@ -230,7 +231,8 @@ def test_command_line_trains_the_mtp_modules_of_a_deepseek_v3_export(stdlib_data
                      capture_output=True, text=True, env=env, timeout=600, check=False)
   assert r.returncode == 0, r.stderr[-3000:]
   assert 'MTP depth(s) 1..2 loaded from its MTP layers' in r.stderr + r.stdout
-  metrics = [json.loads(line) for line in open(tmp_path / 'mtp' / 'metrics.jsonl')]
+  lines = (tmp_path / 'mtp' / 'metrics.jsonl').read_text().splitlines()
+  metrics = [json.loads(line) for line in lines]
   last = [m for m in metrics if 'train/loss_mtp_2' in m][-1]
   assert last['train/loss_mtp_2'] > 0
 
