@@ -18,12 +18,10 @@ gradients; the GQA variant against itself) and writes the medians and ratios.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # benchmarks/common.py
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -26,11 +26,9 @@ import platform
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
+from mtp_jax import cli  # argparse and absl only: no JAX
 
-from mtp_jax import cli  # noqa: E402  (argparse and absl only: no JAX)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RUNS_DIR = os.path.join('runs', 'benchmarks')  # relative to the checkout; gitignored
 RESULTS_DIR = os.path.join('benchmarks', 'results')  # the committed, cited results

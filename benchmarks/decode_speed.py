@@ -19,8 +19,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # benchmarks/common.py
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

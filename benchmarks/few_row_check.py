@@ -12,12 +12,10 @@ no part of a product is dead code (an earlier throw-away check that kept one out
 column let XLA drop half the work of split products and looked 2x faster). Medians of 7
 interleaved calls, in units of the float32 1-row GEMV of the same weight.
 """
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # benchmarks/common.py
 
 import jax
 import jax.numpy as jnp

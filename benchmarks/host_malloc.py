@@ -19,8 +19,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # benchmarks/common.py
 
 NAME = 'host_malloc'
 MODES = ('system', 'keep')

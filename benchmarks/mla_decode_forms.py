@@ -10,12 +10,10 @@ random weights) with each form, interleaved, for dsv3_mini's widths and for Deep
 ratios at d 1024 (kv_lora_rank 4 x v_head_dim, as 512 / 128). Medians over --reps calls.
 """
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # benchmarks/common.py
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

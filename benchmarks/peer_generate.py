@@ -20,7 +20,6 @@ Decoder compiled after `decoder.clear_compiled()`), e.g. sampling.BITWISE_THRESH
 import functools
 import json
 import math
-import os
 import sys
 import time
 
@@ -28,8 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # benchmarks/common.py
 
 from decode_speed import random_model  # noqa: E402
 from mtp_jax.decode import decoder as decode  # noqa: E402

@@ -24,7 +24,6 @@ the exact distribution (chi-square over --check_draws draws of a fixed row);
 `static_topk_topp`'s log-probabilities equal `adjusted_logprobs`'.
 """
 import json
-import os
 import sys
 import time
 
@@ -33,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # benchmarks/common.py
 
 NAME = 'sampling_cost'
 

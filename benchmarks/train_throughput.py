@@ -33,8 +33,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  (no JAX)
+import common  # benchmarks/common.py: no JAX
 
 from mtp_jax.runtime import host_memory  # noqa: E402  (standard library only)
 

@@ -10,16 +10,13 @@ import importlib
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
+import common  # benchmarks/common.py: pytest.ini puts benchmarks/ on the path
 from helpers import REPO
 
 BENCH = os.path.join(REPO, 'benchmarks')
-sys.path.insert(0, BENCH)
-
-import common  # noqa: E402  (benchmarks/common.py)
 
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(BENCH, '*.py'))
                  if not p.endswith('common.py'))
@@ -159,7 +156,6 @@ def test_vs_maxtext_needs_the_peer(capsys):
 
 @pytest.mark.slow
 def test_compare_mtp_targets(tmp_path, stdlib_data_dir):
-  sys.path.insert(0, os.path.join(BENCH, 'experiments'))
   r = smoke('compare_mtp_targets', tmp_path, '--root', str(tmp_path / 'root'),
             '--data_dir', stdlib_data_dir)
   run = r['runs']['distilled']
@@ -174,9 +170,8 @@ def test_every_script_has_a_smoke_test():
 REQUIRED = {'decode_speed': ['--workdir', 'runs/x'], 'vs_maxtext': ['--peer', __file__]}
 
 
-@pytest.mark.parametrize('name', SCRIPTS + ['compare_mtp_targets'])
+@pytest.mark.parametrize('name', SCRIPTS)
 def test_default_output_is_not_a_committed_file(name):
-  sys.path.insert(0, os.path.join(BENCH, 'experiments'))
   args = importlib.import_module(name).parse(REQUIRED.get(name, []))
   assert os.path.relpath(args.out, REPO).startswith(os.path.join('runs', 'benchmarks'))
   assert not common.committed(args.out)

@@ -1,6 +1,6 @@
 """Which training signal makes the best drafts for a frozen trunk? (the FastMTP recipe)
 
-  python benchmarks/experiments/compare_mtp_targets.py [--root runs/compare_mtp_targets]
+  python benchmarks/compare_mtp_targets.py [--root runs/compare_mtp_targets]
       [--out benchmarks/results/compare_mtp_targets.json] [--num_prompts 32] [--sample_seeds 2]
 
 One command, four stages (a stage whose workdir already holds its last checkpoint is
@@ -28,9 +28,9 @@ import subprocess
 import sys
 import time
 
+import common  # benchmarks/common.py
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-import common  # noqa: E402
 
 REPO = common.REPO
 NAME = 'compare_mtp_targets'
@@ -228,7 +228,7 @@ def evaluate_all(root: str, trunk: str, args, runs) -> dict:
 
 def main(argv=None) -> int:
   args = parse(argv)
-  run = common.start(args, NAME, argv, 'benchmarks/experiments/compare_mtp_targets.py')
+  run = common.start(args, NAME, argv, 'benchmarks/compare_mtp_targets.py')
   plan = plan_of(args)
   os.makedirs(args.root, exist_ok=True)
   start, up = time.time(), _uptime()
