@@ -12,6 +12,7 @@ from helpers import REPO, load_config
 from mtp_jax import config_lib
 from mtp_jax.commands import aot_compile
 from mtp_jax.errors import RequestError
+from mtp_jax.runtime import sharding
 from mtp_jax.train import aot
 
 TOPOLOGY = 'v5e-8'
@@ -146,3 +147,14 @@ def test_too_small_a_topology_fails_in_one_line(report, tmp_path, capsys):
   err = [line for line in capsys.readouterr().err.splitlines() if line.startswith('error:')]
   assert code == 1, err
   assert len(err) == 1 and 'does not fit v5e-1' in err[0] and 'short by' in err[0], err
+
+
+def test_multislice_mesh_spans_the_slices_with_the_data_axis(report):
+  """Two v5p-16 slices (8 chips each): data = 2 runs across the slices, fsdp inside one."""
+  topo = aot.parse_topology('v5p-16', num_slices=2)
+  devices = aot.topology_devices(topo)
+  config = small_config()
+  config.mesh.shape = (2, 8, 1)
+  mesh = sharding.make_mesh(config, devices)
+  slices = [[d.slice_index for d in row] for row in mesh.devices[:, :, 0]]
+  assert slices == [[0] * 8, [1] * 8]
