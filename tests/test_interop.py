@@ -143,12 +143,17 @@ def test_auto_model_loads_each_export_and_decodes_the_same(case, exports):
 
 
 def test_auto_model_reads_the_fp8_export(exports):
-  """With accelerate installed, transformers dequantises the FP8 export on a CPU."""
+  """transformers dequantises the FP8 export on a CPU (with accelerate, a test dependency) and
+  decodes greedily what this project does from the same blocks."""
   transformers = pytest.importorskip('transformers')
-  pytest.importorskip('accelerate')
   _, directory = exports['deepseek_v3_fp8']
   ref = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
   assert type(ref).__name__ == 'DeepseekV3ForCausalLM'
+  _, model = hf.load_dir(str(directory))  # the same FP8 blocks, dequantised by this project
+  prompt = tokenizers.ByteTokenizer().encode('def f(x):')
+  got = Decoder(model).generate([prompt], 16, num_drafts=0, eos_id=None).tokens[0].tolist()
+  want = _greedy(ref, prompt, 16)
+  assert got == want and len(set(want)) > 1
 
 
 def test_byte_tokenizer_export_reproduces_the_id_offset(exports):
