@@ -11,7 +11,7 @@ from helpers import (dsv3_model_config, params_with_routing_bias, set_field, ste
                      synthetic_batches)
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
-from mtp_jax.interop import convert
+from mtp_jax.interop import fp8
 from mtp_jax.train import flops
 from mtp_jax.model import moe
 from mtp_jax.train import loss as loss_lib
@@ -358,9 +358,9 @@ def test_fp8_block_dequantisation():
       blk = w[p * 128:(p + 1) * 128, c * 128:(c + 1) * 128]
       scale[p, c] = np.abs(blk).max() / 448.0  # e4m3's largest finite value
       q[p * 128:(p + 1) * 128, c * 128:(c + 1) * 128] = (blk / scale[p, c]).astype(q.dtype)
-  got = convert.dequantize_fp8(q, scale)
+  got = fp8.dequantize(q, scale)
   assert got.dtype == np.float32
   np.testing.assert_array_equal(got[130:, 260:], q[130:, 260:].astype(np.float32) * scale[1, 2])
   np.testing.assert_allclose(got, w, rtol=2 ** -3, atol=float(scale.max()) * 2 ** -6)
   with pytest.raises(ValueError, match='expected \\(2, 3\\)'):
-    convert.dequantize_fp8(q, scale[:, :2])
+    fp8.dequantize(q, scale[:, :2])

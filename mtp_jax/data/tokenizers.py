@@ -145,7 +145,7 @@ class SentencePieceTokenizer:
     return out
 
 
-def _byte_level_chars() -> dict[str, int]:
+def byte_level_chars() -> dict[str, int]:
   """GPT-2's byte-level alphabet: the printable character standing for each byte."""
   keep = [*range(ord('!'), ord('~') + 1), *range(ord('\xa1'), ord('\xac') + 1),
           *range(ord('\xae'), ord('\xff') + 1)]
@@ -268,7 +268,7 @@ class HFTokenizer:
   def token_bytes(self) -> np.ndarray:
     spec = json.loads(self._json)
     byte_level = 'ByteLevel' in json.dumps(spec.get('decoder'))  # GPT-2 style byte BPE
-    chars = _byte_level_chars()
+    chars = byte_level_chars()
     added = {i: t for i, t in self._tok.get_added_tokens_decoder().items()}
     out = np.zeros([self.vocab_size], np.int32)
     for i in range(self.vocab_size):

@@ -88,7 +88,7 @@ def byte_tokenizer_json() -> str:
   no merges), pad 0 and eos 1 as special tokens."""
   offset = tokenizers.BYTE_VOCAB_SIZE - 256
   vocab = dict(BYTE_SPECIALS)
-  chars = tokenizers._byte_level_chars()  # pylint: disable=protected-access
+  chars = tokenizers.byte_level_chars()
   vocab.update({c: b + offset for c, b in chars.items()})
   tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -12,8 +12,8 @@ rotate, and their key is one per token, as in multi-query attention), dv = v_hea
 
 Parameter names are Hugging Face's DeepSeek-V3 ones under `self_attn`. The rotary dims
 use this package's rotate-half RoPE (layers.apply_rope); DeepSeek's released weights use
-the interleaved-pair form, so convert.py permutes the rotary rows of q_b_proj / q_proj and
-kv_a_proj_with_mqa on import and export (convert.rope_to_half / rope_to_pairs).
+the interleaved-pair form, so interop/layouts.py permutes the rotary rows of q_b_proj / q_proj and
+kv_a_proj_with_mqa on import and export (layouts.rope_to_half / rope_to_pairs).
 
 Cached decoding (DeepSeek-V2 section 2.1.2, "absorbed" form) keeps per position only
 what MLA compresses into: the latent [kv_a_layernorm(c_kv) ; RoPE(k_r)], kv_lora_rank +
