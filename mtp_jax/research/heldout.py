@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import sys
 import sysconfig
 from collections.abc import Sequence
 
@@ -102,7 +103,7 @@ def heldout_documents(rule: HeldoutRule = HeldoutRule()) -> tuple[list[tuple[str
     docs.append((rel, text))
     total += len(raw)
     digest.update(f'{rel}\t{h}\n'.encode())
-  desc = {'root': root, 'rule': dataclasses.asdict(rule), 'scanned': counts,
+  desc = {'root': _portable(root), 'rule': dataclasses.asdict(rule), 'scanned': counts,
           'eligible_by_size': len(candidates), 'documents': len(docs), 'bytes': total,
           'packages': sorted({d[0].split('/')[0] for d in docs}),
           'fingerprint': digest.hexdigest()[:12]}
@@ -142,3 +143,13 @@ def prompts_from(docs: Sequence[str], tokenizer, n: int, length: int) -> list[li
   if len(out) < n:
     raise ValueError(f'only {len(out)} held-out documents have {4 * length}+ tokens')
   return out
+
+
+def _portable(path: str) -> str:
+  """A recorded root without this machine's absolute path: relative to sys.prefix (the
+  venv) when it lies inside it."""
+  prefix = os.path.abspath(sys.prefix)
+  path = os.path.abspath(path)
+  if path == prefix or path.startswith(prefix + os.sep):
+    return os.path.join('<sys.prefix>', os.path.relpath(path, prefix))
+  return path
