@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 from mtp_jax import cli
@@ -67,6 +68,12 @@ def main(argv=None) -> int:
   # JAX starts here, after the flags are known to be good; the compile-only TPU devices
   # need no TPU, and this process's own backend stays the CPU.
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  # libtpu looks for the TPU VM it runs on and warns at length when there is none; it is
+  # told this one host and the slice being compiled for (no device is opened either way).
+  accelerator = args.topology.strip().lower().replace('v5e-', 'v5litepod-')
+  if re.fullmatch(r'(v4|v5p|v5litepod|v6e)-\d+', accelerator):
+    os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+    os.environ.setdefault('TPU_ACCELERATOR_TYPE', accelerator)
   from mtp_jax.train import aot  # pylint: disable=g-import-not-at-top
   cache = args.cache_dir
   if cache is None:
