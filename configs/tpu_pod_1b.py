@@ -7,8 +7,12 @@ The workdir (checkpoints) must be one directory every host sees: a GCS bucket mo
 with gcsfuse, or Filestore / NFS, at the same path on all workers.
 
 Mesh (data 2, fsdp 16, tensor 1): parameters and optimizer state sharded ZeRO-3 style
-over 16 chips, two data-parallel replicas. CI only parses, validates and builds it
-abstractly (tests/test_scale.py).
+over 16 chips, two data-parallel replicas. Checked before renting the slice:
+
+  python scripts/aot_compile.py --config configs/tpu_pod_1b.py --topology v5p-64
+
+compiles the train step (all 18 layers, scanned, remat block) to 62.1 GiB per chip of a
+v5p's 95 (docs/scaling.md has the figures).
 """
 from mtp_jax import config_lib
 
