@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 from mtp_jax import cli  # argparse and absl only: no JAX
+from mtp_jax.runtime import machine as machine_lib  # standard library only
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,17 +61,6 @@ def load_average() -> list[float]:
   return [round(x, 2) for x in os.getloadavg()]
 
 
-def cpu_model() -> str:
-  try:
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
 def cpu_flags() -> list[str]:
   """The vector extensions that decide XLA:CPU's kernels (AVX-512 or not)."""
   try:
@@ -87,7 +77,7 @@ def cpu_flags() -> list[str]:
 def machine() -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-  return {'cpu': cpu_model(), 'cores': cores, 'vector_flags': cpu_flags(),
+  return {'cpu': machine_lib.cpu_model(), 'cores': cores, 'vector_flags': cpu_flags(),
           'platform': platform.platform(), 'python': platform.python_version(),
           'jax': jax.__version__, 'backend': jax.default_backend()}
 

@@ -11,11 +11,12 @@ import datetime
 import functools
 import json
 import os
-import platform
 import time
 
 import jax
 import jax.numpy as jnp
+
+from mtp_jax.runtime import machine
 
 
 # -- peak FLOP/s -------------------------------------------------------------------------
@@ -92,21 +93,10 @@ def cache_dir() -> str:
   return os.path.join(base, 'mtp_jax')
 
 
-def _cpu_model() -> str:
-  try:
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
 def machine_key(dtype) -> str:
   """What a cached peak is valid for: CPU model, usable cores, matmul dtype."""
   cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-  return f'{_cpu_model()} | {cores} cores | {jnp.dtype(dtype).name}'
+  return f'{machine.cpu_model()} | {cores} cores | {jnp.dtype(dtype).name}'
 
 
 def _peak_file() -> str:

@@ -1,0 +1,17 @@
+"""What machine this is, in words a result file can record (standard library only, so a
+benchmark can ask before JAX starts)."""
+from __future__ import annotations
+
+import platform
+
+
+def cpu_model() -> str:
+  """The CPU's model name ('AMD EPYC 9R14'), or what platform knows of it."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
