@@ -227,6 +227,8 @@ class HloStats:
   matmul_flops: float = 0.0  # per chip per run, loop bodies times their trip counts
   collectives: dict = dataclasses.field(default_factory=dict)  # op -> {count, bytes, ici_bytes}
   unknown_trip_counts: int = 0  # while loops whose trip count could not be read (counted once)
+  kernel_calls: float = 0.0  # executions of compiled kernels (Mosaic, cuDNN) whose FLOPs the
+  # HLO does not show: matmul_flops leaves them out
 
 
 def _group_size(rest: str, num_devices: int) -> int:
@@ -310,6 +312,9 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
         continue
       if op == 'custom-call' and ('$gemm' in rest or '$matmul' in rest):  # cuBLAS on GPU
         stats.matmul_flops += k * _gemm_flops(typ, rest, shapes)
+        continue
+      if op == 'custom-call' and ('tpu_custom_call' in rest or '__cudnn$' in rest):
+        stats.kernel_calls += k
         continue
       base = op[:-len('-start')] if op.endswith('-start') else op
       if base not in COLLECTIVES or op.endswith('-done'):
@@ -568,6 +573,7 @@ def _program_report(compiled, lowered_s: float, compile_s: float, num_devices: i
   return {'lower_s': round(lowered_s, 2), 'compile_s': round(compile_s, 2),
           'memory': _memory(compiled), 'cost_analysis': _cost(compiled),
           'hlo_matmul_flops': hlo.matmul_flops, 'collectives': hlo.collectives,
+          'kernel_calls': hlo.kernel_calls,
           'unknown_trip_counts': hlo.unknown_trip_counts}
 
 
@@ -575,7 +581,7 @@ def _program_report(compiled, lowered_s: float, compile_s: float, num_devices: i
 # compile-only executable back ("PjRtCompiler must be constructed with a Client"), so the
 # figures themselves are kept, keyed by everything that decides the compiled program.
 _CACHE = {'dir': None}
-_ANALYSIS_VERSION = '2'  # bump when the figures read from a compiled program change
+_ANALYSIS_VERSION = '3'  # bump when the figures read from a compiled program change
 
 
 def _libtpu_version() -> str:
@@ -834,7 +840,10 @@ def format_report(report: dict) -> str:
         f'{hbm / GIB:.1f} GiB ({100 * prog["hbm_fraction"]:.0f} %): arguments '
         f'{mem["argument"] / GIB:.2f}, outputs {mem["output"] / GIB:.2f} (aliased '
         f'{mem["alias"] / GIB:.2f}), temporaries {mem["temp"] / GIB:.2f} GiB')
-    flop_line = f'  FLOPs per chip per step {prog["hlo_matmul_flops"]:.4g} (matmuls in the HLO)'
+    kernels = (f', without {prog["kernel_calls"]:.0f} kernel calls whose FLOPs it does not show'
+               if prog.get('kernel_calls') else '')
+    flop_line = (f'  FLOPs per chip per step {prog["hlo_matmul_flops"]:.4g} (matmuls in the HLO'
+                 f'{kernels})')
     if name == 'train':
       flop_line += (f'; flops.py {report["flops_py"]["model_train_per_chip"]:.4g} (ratio '
                     f'{prog["flops_ratio_vs_flops_py"]:.3f}); with the full T x T scores '
