@@ -1,5 +1,5 @@
 """The research sweep: configs, the induction task, the held-out corpus, the sweep machinery
-(resumable runs, mean/std tables against the per-run JSON), the sweep figures, and
+(resumable runs, mean/std tables against the runs' results), the sweep figures, and
 trained parallel heads decoding losslessly."""
 import json
 import os
@@ -154,7 +154,7 @@ def _per_run_metric(r, budget, metric):
 
 @pytest.mark.slow  # 21 s at load 1, 37 s at load 8-10 (2 cores): 4 tiny runs, 2 steps, 1 decoder
 def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, tmp_path):
-  """2 seeds x 2 variants, a few steps: tables = mean/std of the per-run JSON; a rerun
+  """2 seeds x 2 variants, a few steps: tables = mean/std of the saved runs; a rerun
   skips finished runs; a run stopped after a checkpoint resumes to the same result."""
   out, work = str(tmp_path / 'out'), str(tmp_path / 'work')
   args = A.parse(['--smoke', '--seeds', '0,1', '--groups', 'lm', '--variants', 'd0,d1',
@@ -170,13 +170,13 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
   sweep.stop_at = last.save_every
   with pytest.raises(research.Interrupted):
     sweep.run(last)
-  assert not os.path.exists(sweep.result_path(last))
+  assert not sweep.finished(last)
   sweep.stop_at = None
   logs = []
   sweep.log = logs.append
   sweep.run(last)
   assert any(f'resumed at step {last.save_every}' in s for s in logs), logs
-  resumed = json.load(open(sweep.result_path(last)))
+  resumed = sweep.saved(last)
   # The same run uninterrupted (a fresh output folder, the same compiled steps).
   fresh = research.Sweep(work + '2', out + '2')
   fresh._setups, fresh.lm_eval = sweep._setups, sweep.lm_eval  # pylint: disable=protected-access
@@ -192,8 +192,9 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
   assert any('finished, not rerun' in s for s in logs), logs
 
   summary = A.tabulate(out, {0, 1})
-  files = sorted(os.listdir(os.path.join(out, 'lm')))
-  assert files == ['d0_s0.json', 'd0_s1.json', 'd1_s0.json', 'd1_s1.json']
+  assert [n for n in os.listdir(out) if n.startswith('lm')] == ['lm.json']  # no .tmp left
+  assert [(r['variant'], r['seed']) for r in json.load(open(os.path.join(out, 'lm.json')))] == [
+      ('d0', 0), ('d0', 1), ('d1', 0), ('d1', 1)]
   results = {(r['variant'], r['seed']): r for r in research.load_results(out, 'lm')}
   for budget in A.BUDGETS:
     for v in ('d0', 'd1'):
@@ -274,3 +275,12 @@ def test_parallel_heads_train_and_decode_losslessly_after_training(devices):
     np.testing.assert_array_equal(s, a)
   st = sp.stats()
   assert st['mean_accepted_length'] > 1.5 and st['acceptance_per_depth'][1] > 0, st
+
+
+def test_the_committed_summary_is_the_tabulation_of_the_committed_runs():
+  """benchmarks/research/summary.json is what `mtp-ablation --no_run` tabulates from lm.json and
+  induction.json beside it: the figures docs/research.md quotes come from those runs."""
+  out = os.path.join(REPO, 'benchmarks', 'research')
+  summary = json.loads(json.dumps(A.tabulate(out), default=A._json_default))  # pylint: disable=protected-access
+  with open(os.path.join(out, 'summary.json')) as f:
+    assert summary == json.load(f)

@@ -14,6 +14,7 @@ import numpy as np
 matplotlib.use('Agg')  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mtp_jax.research.results import load_results  # noqa: E402
 from mtp_jax.train.metrics import TAU_KEY, key_depths, metric_key  # noqa: E402
 
 
@@ -310,16 +311,11 @@ def plot_sweep_acceptance(results: list[dict], path: str, budget: str = 'equal_t
 
 
 def plot_sweep(out_dir: str, fig_dir: str | None = None) -> list[str]:
-  """The sweep's figures from OUT/lm/*.json and OUT/induction/*.json; their paths."""
+  """The sweep's figures from OUT/lm.json and OUT/induction.json; their paths."""
   fig_dir = fig_dir or out_dir
-  groups = {}
-  for g in ('lm', 'induction'):
-    d = os.path.join(out_dir, g)
-    if os.path.isdir(d):
-      groups[g] = [json.load(open(os.path.join(d, n))) for n in sorted(os.listdir(d))
-                   if n.endswith('.json')]
+  groups = {g: load_results(out_dir, g) for g in ('lm', 'induction')}
   if not any(groups.values()):
-    raise FileNotFoundError(f'no lm/*.json or induction/*.json under {out_dir}')
+    raise FileNotFoundError(f'no lm.json or induction.json under {out_dir}')
   paths = []
   if groups.get('lm'):
     paths.append(plot_sweep_loss(groups['lm'], os.path.join(fig_dir, 'loss_vs_flops.png')))

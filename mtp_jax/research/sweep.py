@@ -38,6 +38,7 @@ from mtp_jax.runtime import sharding
 from mtp_jax.model import state as state_lib
 from mtp_jax.train import steps as steps_lib
 from mtp_jax.data import induction, pipeline, tokenizers
+from mtp_jax.research import results as results_lib
 from mtp_jax.research.heldout import HeldoutRule, heldout_documents, pack_rows, prompts_from
 from mtp_jax.research.stats import batch_bpb_se
 
@@ -48,7 +49,7 @@ RESULT_VERSION = 1
 @dataclasses.dataclass
 class Run:
   """One training run of a sweep: a variant's config at one seed."""
-  group: str  # output subfolder, e.g. 'lm' or 'induction'
+  group: str  # the output file OUT/<group>.json, e.g. 'lm' or 'induction'
   variant: str
   seed: int
   config: object  # ml_collections ConfigDict; its seed / shuffle_seed are set by the sweep
@@ -175,7 +176,7 @@ class Interrupted(RuntimeError):
 
 
 class Sweep:
-  """Runs a list of Runs; results to `out_dir/<group>/<run>.json`, checkpoints to workdir."""
+  """Runs a list of Runs; results to `out_dir/<group>.json`, checkpoints to workdir."""
 
   def __init__(self, workdir: str, out_dir: str, *, log: Callable[[str], None] = print,
                devices=None):
@@ -187,17 +188,18 @@ class Sweep:
     self.induction_eval: InductionEvaluator | None = None
 
   def result_path(self, run: Run) -> str:
-    return os.path.join(self.out_dir, run.group, run.name + '.json')
+    return results_lib.results_path(self.out_dir, run.group)
+
+  def saved(self, run: Run) -> dict | None:
+    """The run's finished result in the output folder, or None."""
+    saved = results_lib.find_result(self.out_dir, run.group, run.variant, run.seed)
+    if saved is not None and saved.get('config') != _config_dict(run.config):
+      raise ValueError(f'{self.result_path(run)} holds {run.name} of another config; '
+                       'move the file away to rerun')
+    return saved
 
   def finished(self, run: Run) -> bool:
-    path = self.result_path(run)
-    if not os.path.isfile(path):
-      return False
-    with open(path) as f:
-      saved = json.load(f)
-    if saved.get('config') != _config_dict(run.config):
-      raise ValueError(f'{path} holds a run of another config; move it away to rerun')
-    return True
+    return self.saved(run) is not None
 
   def _setup(self, run: Run):
     key = (run.group, run.variant)
@@ -208,10 +210,10 @@ class Sweep:
     return self._setups[key]
 
   def run(self, run: Run) -> dict:
-    if self.finished(run):
+    saved = self.saved(run)
+    if saved is not None:
       self.log(f'{run.group}/{run.name}: finished, not rerun ({self.result_path(run)})')
-      with open(self.result_path(run)) as f:
-        return json.load(f)
+      return saved
     config = tokenizers.resolve_vocab_size(run.config)
     ts = self._setup(run)
     _, state, _, _ = state_lib.init_state(config, ts.mesh, ts.rules)
@@ -282,7 +284,7 @@ class Sweep:
       out['evaluation'] = self.lm_eval.describe
     else:
       out['task'] = dict(run.task)
-    _write_json(self.result_path(run), out)
+    results_lib.save_result(self.out_dir, run.group, out)
     ckpt.close()
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     self.log(f'{run.group}/{run.name}: done, {result["train_seconds"]:.0f} s of training '
@@ -294,21 +296,4 @@ def _config_dict(config) -> dict:
   return json.loads(config.to_json_best_effort())
 
 
-def _write_json(path: str, obj) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)  # a killed sweep never leaves half a JSON that looks finished
-
-
-def load_results(out_dir: str, group: str) -> list[dict]:
-  d = os.path.join(out_dir, group)
-  if not os.path.isdir(d):
-    return []
-  out = []
-  for name in sorted(os.listdir(d)):
-    if name.endswith('.json'):
-      with open(os.path.join(d, name)) as f:
-        out.append(json.load(f))
-  return out
+load_results = results_lib.load_results

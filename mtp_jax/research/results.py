@@ -1,0 +1,50 @@
+"""A sweep's per-run results: one JSON file per group (`OUT/<group>.json`, a list of runs).
+
+Standard library only, so the figures and tables read results without importing JAX. A
+result is added by rewriting the group's file through a temporary and a rename: a sweep
+killed mid-write leaves the previous, complete file, never half a result that looks done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def results_path(out_dir: str, group: str) -> str:
+  return os.path.join(out_dir, group + '.json')
+
+
+def load_results(out_dir: str, group: str) -> list[dict]:
+  """The group's finished runs, sorted by variant and seed ([] when there are none)."""
+  path = results_path(out_dir, group)
+  if not os.path.isfile(path):
+    return []
+  with open(path) as f:
+    runs = json.load(f)
+  if not isinstance(runs, list):
+    raise ValueError(f'{path}: expected a list of run results, got {type(runs).__name__}')
+  return sorted(runs, key=lambda r: (str(r.get('variant')), int(r.get('seed', 0))))
+
+
+def find_result(out_dir: str, group: str, variant: str, seed: int) -> dict | None:
+  for r in load_results(out_dir, group):
+    if r.get('variant') == variant and r.get('seed') == seed:
+      return r
+  return None
+
+
+def save_result(out_dir: str, group: str, result: dict) -> str:
+  """Adds `result` to its group's file (replacing a run of the same variant and seed)."""
+  key = (result['variant'], result['seed'])
+  runs = [r for r in load_results(out_dir, group) if (r.get('variant'), r.get('seed')) != key]
+  runs.append(result)
+  runs.sort(key=lambda r: (str(r['variant']), int(r['seed'])))
+  path = results_path(out_dir, group)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(runs, f, indent=1)
+    f.write('\n')
+  os.replace(tmp, path)
+  return path
