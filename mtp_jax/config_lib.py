@@ -92,7 +92,7 @@ def base_config() -> ml_collections.ConfigDict:
   moe.routed_scaling_factor = 1.0  # gates = this x the top-k affinities normalised to sum 1
   moe.n_group = 1  # node-limited routing: E experts in this many equal groups (1: off) ...
   moe.topk_group = 1  # ... a token's top-k comes from its best this-many groups (DeepSeek-V3: 8, 4)
-  moe.dispatch = 'auto'  # grouped matmul: ragged (lax.ragged_dot) | blocks | auto (blocks on CPU)
+  moe.dispatch = 'auto'  # grouped matmul: ragged | blocks | gmm (TPU kernel) | auto
   moe.first_k_dense = 1  # the first this many trunk layers keep a dense MLP (mlp_dim)
   moe.bias_update_rate = 1e-3  # gamma of aux-loss-free balancing (0: bias update off)
   moe.balance_loss_weight = 1e-4  # alpha of the sequence-wise balance loss (0: off)
@@ -482,8 +482,9 @@ def _validate_block_kinds(config) -> None:
     _require(mo.first_k_dense <= m.n_layers,
              f'model.moe.first_k_dense ({mo.first_k_dense}) must be <= model.n_layers ({m.n_layers})')
     g, tg = mo.get('n_group', 1), mo.get('topk_group', 1)
-    _require(mo.get('dispatch', 'auto') in ('auto', 'ragged', 'blocks'),
-             f"model.moe.dispatch must be 'auto', 'ragged' or 'blocks', got {mo.get('dispatch')!r}")
+    _require(mo.get('dispatch', 'auto') in ('auto', 'ragged', 'blocks', 'gmm'),
+             "model.moe.dispatch must be 'auto', 'ragged', 'blocks' or 'gmm', "
+             f"got {mo.get('dispatch')!r}")
     require_positive_int('model.moe.n_group', g)
     require_positive_int('model.moe.topk_group', tg)
     _require(mo.n_routed_experts % g == 0,

@@ -158,3 +158,24 @@ def test_multislice_mesh_spans_the_slices_with_the_data_axis(report):
   mesh = sharding.make_mesh(config, devices)
   slices = [[d.slice_index for d in row] for row in mesh.devices[:, :, 0]]
   assert slices == [[0] * 8, [1] * 8]
+
+
+def test_moe_experts_are_multiplied_where_they_are_stored(report):
+  """A small DeepSeekMoE step on the same slice (8 routed experts over 'data', 4 per chip):
+  it fits, each chip multiplies its own experts' rows in the TPU grouped-matmul kernel
+  (forward, recomputed forward, and both gradients: 4 kernels per product per layer), and
+  the gated outputs go back with a reduce-scatter, not an all-reduce of every token."""
+  _, topo = report
+  c = small_config()
+  m = c.model
+  m.mlp, m.mtp.depth = 'moe', 0
+  m.moe.first_k_dense, m.moe.n_routed_experts, m.moe.num_experts_per_tok = 0, 8, 2
+  m.moe.moe_intermediate_size, m.moe.n_shared_experts = 256, 1  # 128 per tensor shard
+  rep = aot.compile_report(c, topo, programs=('train',), devices=aot.topology_devices(topo))
+  kernel = next(v for k, v in rep['params'].items() if k.endswith('experts.gate_proj.value'))
+  assert eval(kernel['spec'])[0] == 'data'  # noqa: S307
+  assert kernel['bytes_per_chip'] == 8 * 256 * 256 * 4 // 8  # 4 experts, a quarter of each
+  train = rep['train']
+  assert train['fits']
+  assert train['kernel_calls'] == 2 * 3 * 4, train['kernel_calls']  # layers x products x 4
+  assert train['collectives']['reduce-scatter']['count'] > 0

@@ -10,6 +10,7 @@ import numpy_reference as ref
 from helpers import (dsv3_model_config, params_with_routing_bias, set_field, step_losses,
                      synthetic_batches)
 from mtp_jax import config_lib
+from mtp_jax.runtime import sharding
 from mtp_jax.data import tokenizers
 from mtp_jax.interop import fp8
 from mtp_jax.train import flops
@@ -274,6 +275,62 @@ def test_scan_layers_with_moe_equals_the_loop():
   np.testing.assert_allclose(bal1, bal0, rtol=1e-5)
   np.testing.assert_allclose(l1, l0, rtol=1e-5)
   for a, b in zip(g0, g1):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def _ws(experts):
+  return [w[...] for w in (experts.gate_proj, experts.up_proj, experts.down_proj)]
+
+
+@pytest.mark.parametrize('form', ['ragged', 'gmm'])
+def test_grouped_product_forms_agree_with_rows_past_the_groups(form):
+  """The three grouped-matmul forms on rows sorted by expert, with an empty expert and 9 of
+  40 rows in no group (as the expert-parallel dispatch hands over the rows of other
+  devices' experts): the same products, zero rows past the groups, the same gradients
+  for weights and rows. 'gmm' is the TPU kernel, run here in Pallas's interpret mode."""
+  experts = build(n_routed_experts=8).layers[1].mlp.experts
+  rng = np.random.default_rng(2)
+  xs = jnp.asarray(rng.normal(size=(40, 32)).astype(np.float32))
+  sizes = jnp.array([3, 0, 9, 5, 1, 7, 0, 6], jnp.int32)
+  kw = {'interpret': True} if form == 'gmm' else {}
+  f = lambda ws, xs, form, kw: jnp.sum(jnp.sin(moe.grouped_products(xs, sizes, ws, form, **kw)))  # noqa: E731
+  y = moe.grouped_products(xs, sizes, _ws(experts), form, **kw)
+  y_blocks = moe.grouped_products(xs, sizes, _ws(experts), 'blocks')
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_blocks), rtol=1e-5, atol=1e-6)
+  assert not np.asarray(y_blocks)[31:].any() and not np.asarray(y)[31:].any()
+  g = jax.grad(f, argnums=(0, 1))(_ws(experts), xs, form, kw)
+  g_blocks = jax.grad(f, argnums=(0, 1))(_ws(experts), xs, 'blocks', {})
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_blocks)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+  assert not np.asarray(g[1])[31:].any()  # rows of no group get no gradient
+
+
+@pytest.mark.parametrize('shape', [(2, 2, 2), (8, 1, 1)])
+def test_expert_parallel_dispatch_equals_the_global_one(devices, shape):
+  """Under a mesh each device multiplies only its own experts' rows (the experts over
+  'data': 4 of 8 per device at (2, 2, 2), one at (8, 1, 1)) and reduce-scatters the
+  outputs back: the layer's output and its gradients for weights and inputs are those of
+  the global sort-based dispatch without a mesh."""
+  config = dsv3_model_config(1, n_routed_experts=8, num_experts_per_tok=2)
+  layer = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)),
+                   rngs=nnx.Rngs(0)).layers[1].mlp
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 6, 32)).astype(np.float32))
+
+  def loss(layer, x):
+    y = layer(x)
+    return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
+
+  grad = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+  (_, y0), (gl0, gx0) = grad(layer, x)
+  config.mesh.shape = shape
+  mesh = sharding.make_mesh(config, devices)
+  with sharding.use_mesh(mesh, sharding.rules_of(config)):
+    assert moe.expert_layout()['expert'] == ('data',)
+    (_, y1), (gl1, gx1) = nnx.jit(grad)(layer, x)
+  np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(gx1), np.asarray(gx0), rtol=1e-4, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(nnx.state(gl0, nnx.Param)),
+                  jax.tree.leaves(nnx.state(gl1, nnx.Param))):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 

@@ -24,21 +24,30 @@ selects: the gates stay the normalised affinities of the chosen experts.
 
 Dispatch is dropless and sort-based: the N*K (token, expert) pairs are sorted by expert,
 and each expert's contiguous group is multiplied by its weights in a grouped matmul, in
-one of two forms (`model.moe.dispatch`):
+one of three forms (`model.moe.dispatch`):
   'ragged'  `jax.lax.ragged_dot`: the grouped-GEMM primitive that GPU / TPU lower to a
             kernel. On XLA:CPU (jax 0.10.2) it lowers to a masked dense product: x is
             broadcast to [E, M, D] and every expert multiplies every row, E times the
             active FLOPs (measured: M 2048, D 128, F 96: 16 ms at E = 8, 299 ms at
-            E = 32, against 0.9 ms for one dense dot of the same rows).
+            E = 32, against 0.9 ms for one dense dot of the same rows). On TPU its
+            gradient for the weights is expanded into a dense product over every expert.
   'blocks'  each expert's group padded to a multiple of a block of B rows, so that every
             block belongs to one expert: one batched matmul of the blocks with their
             experts' (gathered) weights. It costs the active FLOPs plus at most
             E (B - 1) padding rows, and gathers one weight copy per block.
-  'auto'    'blocks' on CPU, 'ragged' elsewhere (the default).
-Both are exact (no capacity, no dropped tokens), forward and gradients, also under an
-8-device mesh with the experts sharded (tests/test_moe.py). Sorting and the gather /
-scatter are O(N K log(N K)) and O(N K D). Padding positions are routed (and counted in
-the load) like any token.
+  'gmm'     the TPU grouped-matmul kernel (Pallas megablox `gmm`, its weight gradient
+            `tgmm`): only the grouped rows are computed, forward and backward.
+  'auto'    'blocks' on CPU, 'gmm' on TPU, 'ragged' on GPU (the default).
+
+Under a mesh the dispatch runs per device (expert_parallel_swiglu, in jax.shard_map):
+each device all-gathers the tokens of its expert group (the devices that differ only in
+the expert axes), multiplies the rows routed to the E / P experts it holds, and
+reduce-scatters the gated outputs back to the devices the tokens came from. No device
+sorts or multiplies the whole batch, and no expert's weights leave the devices that hold
+them except along their FSDP axes. Every form is exact (no capacity, no dropped tokens),
+forward and gradients, with or without a mesh (tests/test_moe.py). Sorting and the
+gather / scatter are O(N K log(N K)) and O(N K D). Padding positions are routed (and
+counted in the load) like any token.
 
 Every MoE call leaves its statistics on the module as nnx.Intermediate variables
 (`expert_load` [E], `balance` []); model.run_blocks carries them out of its pure block
@@ -57,11 +66,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import spmd as flax_spmd
+from jax.sharding import PartitionSpec as P
 
 from mtp_jax.model import layers
 
 from mtp_jax.model import decode_ops
-from mtp_jax.runtime.sharding import constrain
+from mtp_jax.runtime.sharding import constrain, logical_spec
 
 Array = jax.Array
 
@@ -121,12 +132,18 @@ def balance_loss(scores_BxTxE: Array, idx_BxTxK: Array) -> Array:
   return jnp.mean(jnp.sum(f_BxE * p_BxE, axis=-1))
 
 
-DISPATCHES = ('auto', 'ragged', 'blocks')
+DISPATCHES = ('auto', 'ragged', 'blocks', 'gmm')
 
 
-def resolve_dispatch(dispatch: str) -> str:
+def resolve_dispatch(dispatch: str, per_device: bool = True) -> str:
+  """The grouped-matmul form for `dispatch` on this backend. `per_device`: the product runs
+  on one device's rows (no mesh, or inside the expert-parallel shard_map), where the TPU
+  kernel applies; under a GSPMD-partitioned mesh TPU takes ragged_dot."""
   if dispatch == 'auto':
-    return 'blocks' if jax.default_backend() == 'cpu' else 'ragged'
+    backend = jax.default_backend()
+    if backend == 'cpu':
+      return 'blocks'
+    return 'gmm' if backend == 'tpu' and per_device else 'ragged'
   return dispatch
 
 
@@ -153,6 +170,59 @@ def block_layout(sizes_E: Array, m: int, block: int) -> tuple[Array, Array, int]
   return slot_M, jnp.minimum(block_expert_J, e - 1), n_blocks
 
 
+def _common_tile(a: int, b: int) -> int | None:
+  """A TPU tile for both dims of a product and of its transpose: the largest of 512, 256,
+  128 dividing both, or None."""
+  return next((t for t in (512, 256, 128) if a % t == 0 and b % t == 0), None)
+
+
+def _gmm(a_MxI: Array, w_GxIxO: Array, sizes_G: Array, interpret: bool = False) -> Array:
+  """The TPU grouped-matmul kernel (Pallas megablox): only the G groups' rows are
+  computed, and its gradient for the weights is a grouped product too (`tgmm`). The
+  kernel leaves rows past sum(sizes) unwritten, in its output and in its input's
+  gradient: both are masked to zero here."""
+  from jax.experimental.pallas.ops.tpu.megablox import gmm  # deferred: Pallas, TPU only
+  m, i = a_MxI.shape
+  tm = 128 if m >= 128 else max(8, 1 << (m - 1).bit_length())
+  pad = -m % tm
+  valid = (jnp.arange(m + pad) < jnp.sum(sizes_G))[:, None]
+  a = jnp.where(valid, jnp.pad(a_MxI, ((0, pad), (0, 0))), 0)
+  t = _common_tile(i, w_GxIxO.shape[2])
+  tiling = (tm, t, t)  # the backward pass multiplies by the transpose with the same tiles
+  out = gmm(a, w_GxIxO, sizes_G.astype(jnp.int32), a_MxI.dtype, tiling, None, None, False,
+            interpret)
+  return jnp.where(valid, out, 0)[:m]
+
+
+def grouped_products(xs_MxD: Array, sizes_E: Array, ws, form: str,
+                     interpret: bool = False) -> Array:
+  """[M, D]: the SwiGLU of rows sorted by expert, expert e taking the sizes_E[e] rows after
+  the groups before it; rows past sum(sizes_E) come out zero. `ws`: the gate, up and down
+  kernels [E, D, F], [E, D, F], [E, F, D]; `form`: 'ragged', 'blocks' or 'gmm'."""
+  if form == 'gmm' and not all(_common_tile(*w.shape[1:]) for w in ws):
+    form = 'ragged'  # the kernel tiles dims of multiples of 128 (here: sharded too finely)
+  if form in ('ragged', 'gmm'):
+    if form == 'ragged':
+      mm = lambda a, w: jax.lax.ragged_dot(a, w, sizes_E)  # noqa: E731
+    else:
+      mm = lambda a, w: _gmm(a, w, sizes_E, interpret)  # noqa: E731
+    h_MxF = jax.nn.silu(mm(xs_MxD, ws[0])) * mm(xs_MxD, ws[1])
+    return mm(h_MxF, ws[2])
+  m, d = xs_MxD.shape
+  e = sizes_E.shape[0]
+  rest = m - jnp.sum(sizes_E)  # rows of no group: a last block group, zeroed below
+  sizes = jnp.concatenate([sizes_E, rest[None]])
+  block = block_rows(m, e)
+  slot_M, expert_J, n_blocks = block_layout(sizes, m, block)
+  expert_J = jnp.minimum(expert_J, e - 1)
+  x_JxBxD = jnp.zeros((n_blocks * block, d), xs_MxD.dtype).at[slot_M].set(xs_MxD).reshape(
+      n_blocks, block, d)
+  mm = lambda a, w: jnp.einsum('jbi,jio->jbo', a, w[expert_J])  # noqa: E731
+  h_JxBxF = jax.nn.silu(mm(x_JxBxD, ws[0])) * mm(x_JxBxD, ws[1])
+  y_MxD = mm(h_JxBxF, ws[2]).reshape(n_blocks * block, d)[slot_M]
+  return jnp.where((jnp.arange(m) < m - rest)[:, None], y_MxD, 0)
+
+
 def grouped_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, num_experts: int,
                    dtype, dispatch: str = 'auto') -> Array:
   """[N, K, D]: expert idx[n, j]'s SwiGLU of token n, by sort + a grouped matmul."""
@@ -162,20 +232,83 @@ def grouped_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, num_experts: 
   xs_MxD = x_NxD[order_M // k].astype(dtype)
   sizes_E = jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
   ws = [w[...].astype(dtype) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)]
-  if resolve_dispatch(dispatch) == 'ragged':
-    mm = lambda a, w: jax.lax.ragged_dot(a, w, sizes_E)  # noqa: E731
-    h_MxF = jax.nn.silu(mm(xs_MxD, ws[0])) * mm(xs_MxD, ws[1])
-    y_MxD = mm(h_MxF, ws[2])
-  else:
-    m, d = xs_MxD.shape
-    block = block_rows(m, num_experts)
-    slot_M, expert_J, n_blocks = block_layout(sizes_E, m, block)
-    x_JxBxD = jnp.zeros((n_blocks * block, d), dtype).at[slot_M].set(xs_MxD).reshape(
-        n_blocks, block, d)
-    mm = lambda a, w: jnp.einsum('jbi,jio->jbo', a, w[expert_J])  # noqa: E731
-    h_JxBxF = jax.nn.silu(mm(x_JxBxD, ws[0])) * mm(x_JxBxD, ws[1])
-    y_MxD = mm(h_JxBxF, ws[2]).reshape(n_blocks * block, d)[slot_M]
+  form = resolve_dispatch(dispatch, per_device=jax.sharding.get_abstract_mesh().empty)
+  y_MxD = grouped_products(xs_MxD, sizes_E, ws, form)
   return jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(n, k, -1)
+
+
+# -- expert parallelism -------------------------------------------------------------------------
+def _mesh_axes(name: str) -> tuple[str, ...]:
+  spec = logical_spec((name,))[0]
+  return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+
+
+def expert_layout() -> dict | None:
+  """The mesh axes of the active rules that the per-device dispatch needs, or None when it
+  does not apply (no mesh, or a rule table it does not cover: then GSPMD partitions the
+  global dispatch). Applies when the experts are split over batch axes only, their model
+  dim over axes other than the experts', and the expert MLP dim over neither."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not flax_spmd.get_logical_axis_rules():
+    return None
+  ax = {n: _mesh_axes(n) for n in ('expert', 'batch', 'length', 'embed', 'mlp')}
+  expert, batch, embed, mlp = (set(ax[n]) for n in ('expert', 'batch', 'embed', 'mlp'))
+  if not expert <= batch or embed & expert or mlp & (batch | embed | set(ax['length'])):
+    return None
+  return ax
+
+
+def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
+                           experts: Experts, num_experts: int, dtype, dispatch: str,
+                           ax: dict, interpret: bool = False) -> Array:
+  """[B, T, D]: sum_j gates[.., j] FFN_idx[.., j](x), each device computing its own experts.
+
+  Under the mesh, per device (jax.shard_map): the tokens of the devices that share its
+  expert-axis coordinates are all-gathered over the expert axes, the device's experts'
+  weights over their model-dim (FSDP) axes; it sorts the rows routed to its own experts and
+  multiplies them in one grouped matmul (the rows of other devices' experts are skipped by
+  the TPU kernel); the gated outputs are then reduce-scattered back over the expert axes
+  (and summed over the expert-MLP axes). Communication per layer is the tokens' all-gather
+  and the outputs' reduce-scatter, whatever K; every device holds E / P experts.
+  """
+  k = idx_BxTxK.shape[-1]
+  expert_axes, mlp_axes = ax['expert'], ax['mlp']
+  act = P(ax['batch'] or None, ax['length'] or None, None)
+  w_in = P(expert_axes or None, ax['embed'] or None, mlp_axes or None)
+  w_out = P(expert_axes or None, mlp_axes or None, ax['embed'] or None)
+  form = resolve_dispatch(dispatch, per_device=True)
+
+  def local(x, idx, gates, wg, wu, wd):
+    b, t, d = x.shape
+    x, idx, gates = x.reshape(b * t, d), idx.reshape(b * t, k), gates.reshape(b * t, k)
+    if expert_axes:  # the tokens of the whole expert group
+      x, idx, gates = (jax.lax.all_gather(a, expert_axes, axis=0, tiled=True)
+                       for a in (x, idx, gates))
+    if ax['embed']:  # this device's experts, whole in the model dim
+      wg, wu = (jax.lax.all_gather(w, ax['embed'], axis=1, tiled=True) for w in (wg, wu))
+      wd = jax.lax.all_gather(wd, ax['embed'], axis=2, tiled=True)
+    e_local = wg.shape[0]
+    first = jax.lax.axis_index(expert_axes) * e_local if expert_axes else 0
+    local_M = idx.reshape(-1) - first
+    mine_M = (local_M >= 0) & (local_M < e_local)
+    key_M = jnp.where(mine_M, local_M, e_local)  # other devices' rows sort last
+    order_M = jnp.argsort(key_M, stable=True)
+    sizes_E = jnp.bincount(key_M, length=e_local + 1)[:e_local].astype(jnp.int32)
+    ws = [w.astype(dtype) for w in (wg, wu, wd)]
+    y_MxD = grouped_products(x[order_M // k].astype(dtype), sizes_E, ws, form, interpret)
+    y_NxKxD = jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(-1, k, d)
+    g_NxK = jnp.where(mine_M.reshape(-1, k), gates, 0).astype(dtype)
+    y_NxD = jnp.einsum('nk,nkd->nd', g_NxK, y_NxKxD)
+    if expert_axes:  # each token's own rows back, summed over the devices of its experts
+      y_NxD = jax.lax.psum_scatter(y_NxD, expert_axes, scatter_dimension=0, tiled=True)
+    if mlp_axes:  # the down projection's partial sums over the expert-MLP shards
+      y_NxD = jax.lax.psum(y_NxD, mlp_axes)
+    return y_NxD.reshape(b, t, d)
+
+  run = jax.shard_map(local, in_specs=(act, act, act, w_in, w_in, w_out), out_specs=act,
+                      check_vma=False)
+  return run(x_BxTxD, idx_BxTxK, gates_BxTxK, experts.gate_proj[...], experts.up_proj[...],
+             experts.down_proj[...])
 
 
 def gathered_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, dtype) -> Array:
@@ -220,9 +353,15 @@ class MoE(nnx.Module):
     bias_E = jax.lax.stop_gradient(self.gate.e_score_correction_bias[...])
     idx_NxK, gates_NxK = route(scores_NxE, bias_E, self.top_k, self.scaling, self.n_group,
                                self.topk_group)
-    y_NxKxD = grouped_swiglu(x_NxD, idx_NxK, self.experts, self.num_experts, self.dtype,
-                             self.dispatch)
-    y_NxD = jnp.einsum('nk,nkd->nd', gates_NxK.astype(self.dtype), y_NxKxD)
+    ax = expert_layout()
+    if ax is None:
+      y_NxKxD = grouped_swiglu(x_NxD, idx_NxK, self.experts, self.num_experts, self.dtype,
+                               self.dispatch)
+      y_NxD = jnp.einsum('nk,nkd->nd', gates_NxK.astype(self.dtype), y_NxKxD)
+    else:
+      y_NxD = expert_parallel_swiglu(
+          x_BxTxD, idx_NxK.reshape(b, t, -1), gates_NxK.reshape(b, t, -1), self.experts,
+          self.num_experts, self.dtype, self.dispatch, ax).reshape(b * t, d)
     if self.shared_experts is not None:
       y_NxD = y_NxD + self.shared_experts(x_BxTxD).reshape(b * t, d)
     self.expert_load = nnx.Intermediate(

@@ -68,7 +68,7 @@ class ModelArgs:
   routed_scaling_factor: float = 1.0
   n_group: int = 1  # node-limited routing: expert groups (1: off) ...
   topk_group: int = 1  # ... and how many of them a token may use
-  moe_dispatch: str = 'auto'  # grouped matmul: auto | ragged | blocks (moe.DISPATCHES)
+  moe_dispatch: str = 'auto'  # grouped matmul: auto | ragged | blocks | gmm (moe.DISPATCHES)
   first_k_dense: int = 1
   attention_core: str = 'auto'  # attention core without a cache (attn_lib.attention_impl)
   attention_block: int = 64
