@@ -37,7 +37,7 @@ one of three forms (`model.moe.dispatch`):
             E (B - 1) padding rows, and gathers one weight copy per block.
   'gmm'     the TPU grouped-matmul kernel (Pallas megablox `gmm`, its weight gradient
             `tgmm`): only the grouped rows are computed, forward and backward.
-  'auto'    'blocks' on CPU, 'gmm' on TPU, 'ragged' on GPU (the default).
+  'auto'    'blocks' on CPU, 'gmm' on TPU (training), 'ragged' on GPU (the default).
 
 Under a mesh the dispatch runs per device (expert_parallel_swiglu, in jax.shard_map):
 each device all-gathers the tokens of its expert group (the devices that differ only in
@@ -135,15 +135,17 @@ def balance_loss(scores_BxTxE: Array, idx_BxTxK: Array) -> Array:
 DISPATCHES = ('auto', 'ragged', 'blocks', 'gmm')
 
 
-def resolve_dispatch(dispatch: str, per_device: bool = True) -> str:
-  """The grouped-matmul form for `dispatch` on this backend. `per_device`: the product runs
-  on one device's rows (no mesh, or inside the expert-parallel shard_map), where the TPU
-  kernel applies; under a GSPMD-partitioned mesh TPU takes ragged_dot."""
+def resolve_dispatch(dispatch: str, per_device: bool = True, backward: bool = True) -> str:
+  """The grouped-matmul form for `dispatch` on this backend. On TPU, 'auto' takes the gmm
+  kernel where the product runs on one device's rows (`per_device`: no mesh, or inside the
+  expert-parallel shard_map) and is differentiated (`backward`): its weight gradient is
+  what ragged_dot gets wrong there; ragged_dot's forward is a TPU kernel already, so
+  decoding and GSPMD-partitioned meshes keep it."""
   if dispatch == 'auto':
     backend = jax.default_backend()
     if backend == 'cpu':
       return 'blocks'
-    return 'gmm' if backend == 'tpu' and per_device else 'ragged'
+    return 'gmm' if backend == 'tpu' and per_device and backward else 'ragged'
   return dispatch
 
 
@@ -224,15 +226,16 @@ def grouped_products(xs_MxD: Array, sizes_E: Array, ws, form: str,
 
 
 def grouped_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, num_experts: int,
-                   dtype, dispatch: str = 'auto') -> Array:
-  """[N, K, D]: expert idx[n, j]'s SwiGLU of token n, by sort + a grouped matmul."""
+                   dtype, dispatch: str = 'auto', backward: bool = True) -> Array:
+  """[N, K, D]: expert idx[n, j]'s SwiGLU of token n, by sort + a grouped matmul
+  (`backward`: it is differentiated, resolve_dispatch)."""
   n, k = idx_NxK.shape
   flat_M = idx_NxK.reshape(-1)
   order_M = jnp.argsort(flat_M, stable=True)
   xs_MxD = x_NxD[order_M // k].astype(dtype)
   sizes_E = jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
   ws = [w[...].astype(dtype) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)]
-  form = resolve_dispatch(dispatch, per_device=jax.sharding.get_abstract_mesh().empty)
+  form = resolve_dispatch(dispatch, jax.sharding.get_abstract_mesh().empty, backward)
   y_MxD = grouped_products(xs_MxD, sizes_E, ws, form)
   return jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(n, k, -1)
 
@@ -295,10 +298,13 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
     order_M = jnp.argsort(key_M, stable=True)
     sizes_E = jnp.bincount(key_M, length=e_local + 1)[:e_local].astype(jnp.int32)
     ws = [w.astype(dtype) for w in (wg, wu, wd)]
-    y_MxD = grouped_products(x[order_M // k].astype(dtype), sizes_E, ws, form, interpret)
-    y_NxKxD = jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(-1, k, d)
-    g_NxK = jnp.where(mine_M.reshape(-1, k), gates, 0).astype(dtype)
-    y_NxD = jnp.einsum('nk,nkd->nd', g_NxK, y_NxKxD)
+    token_M = order_M // k  # the token of each sorted row
+    y_MxD = grouped_products(x[token_M].astype(dtype), sizes_E, ws, form, interpret)
+    g_M = jnp.where(mine_M, gates.reshape(-1), 0)[order_M]
+    # Each token's gated sum over its rows here, added straight from the sorted rows (no
+    # [N, K, D] unsort, no K-wide product); float32 sums, as a matmul accumulates.
+    y_NxD = jnp.zeros((x.shape[0], d), jnp.float32).at[token_M].add(
+        y_MxD.astype(jnp.float32) * g_M[:, None]).astype(dtype)
     if expert_axes:  # each token's own rows back, summed over the devices of its experts
       y_NxD = jax.lax.psum_scatter(y_NxD, expert_axes, scatter_dimension=0, tiled=True)
     if mlp_axes:  # the down projection's partial sums over the expert-MLP shards
@@ -396,7 +402,7 @@ class MoE(nnx.Module):
       y_NxKxD = gathered_swiglu(x_NxD, idx_NxK, self.experts, self.dtype)
     else:
       y_NxKxD = grouped_swiglu(x_NxD, idx_NxK, self.experts, self.num_experts, self.dtype,
-                               self.dispatch)
+                               self.dispatch, backward=False)
     y_NxD = jnp.einsum('nk,nkd->nd', gates_NxK.astype(self.dtype), y_NxKxD)
     if self.shared_experts is not None:
       y_NxD = y_NxD + self.shared_experts.decode(x_BxTxD).reshape(b * t, d)
