@@ -6,9 +6,9 @@ a dense first layer, then DeepSeekMoE layers of 2 shared + 64 routed experts (to
 DeepSeek-V2-Lite's widths (d 2048, 16 heads, kv latent 512, expert SwiGLU 1408) with
 DeepSeek-V3's query compression and MTP layer (MLA + MoE). 7.3B parameters, 1.4B active
 per token. Mesh (data 8, fsdp 4, tensor 1) with the expert rule on 'data': each chip
-stores 8 of the 64 routed experts of every layer (a quarter of each one's rows). Batch 64:
-at 128 sequences the compiled step needs 101.7 GiB of temporaries per chip, more than a
-v5p chip's 95.7 (docs/scaling.md).
+stores 8 of the 64 routed experts of every layer (a quarter of each one's rows) and
+multiplies only the tokens routed to those 8 (model/moe.py, expert parallelism); its
+compiled train step and memory per chip are in docs/scaling.md.
 """
 from mtp_jax import config_lib
 
@@ -48,7 +48,7 @@ def get_config():
   d.tokenizer = 'sentencepiece'
   d.spm_model = '/mnt/shared/tokenizer/spm32k.model'
   d.seq_len = 4096
-  d.batch_size = 64  # 256k tokens per step; 2 sequences per chip
+  d.batch_size = 128  # 512k tokens per step; 4 sequences per chip
   d.worker_count = 8
   t = c.train
   t.steps = 50000
