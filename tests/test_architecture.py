@@ -36,6 +36,7 @@ DEFERRED = {
     ('mtp_jax.train.evaluation', 'mtp_jax.data.pipeline'),
     ('mtp_jax.data.user_data', 'pyarrow.parquet'),  # optional: parquet data only
     ('mtp_jax.data.user_data', 'datasets'),  # optional: data.source hf_disk only
+    ('mtp_jax.model.moe', 'jax.experimental.pallas.ops.tpu.megablox'),  # the TPU gmm form
 }
 
 

@@ -183,7 +183,8 @@ def _gmm(a_MxI: Array, w_GxIxO: Array, sizes_G: Array, interpret: bool = False) 
   computed, and its gradient for the weights is a grouped product too (`tgmm`). The
   kernel leaves rows past sum(sizes) unwritten, in its output and in its input's
   gradient: both are masked to zero here."""
-  from jax.experimental.pallas.ops.tpu.megablox import gmm  # deferred: Pallas, TPU only
+  # Deferred: the Pallas TPU kernels load only where this form is chosen.
+  from jax.experimental.pallas.ops.tpu.megablox import gmm
   m, i = a_MxI.shape
   tm = 128 if m >= 128 else max(8, 1 << (m - 1).bit_length())
   pad = -m % tm
@@ -262,8 +263,7 @@ def expert_layout() -> dict | None:
 
 
 def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
-                           experts: Experts, num_experts: int, dtype, dispatch: str,
-                           ax: dict, interpret: bool = False) -> Array:
+                           experts: Experts, dtype, dispatch: str, ax: dict) -> Array:
   """[B, T, D]: sum_j gates[.., j] FFN_idx[.., j](x), each device computing its own experts.
 
   Under the mesh, per device (jax.shard_map): the tokens of the devices that share its
@@ -299,7 +299,7 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
     sizes_E = jnp.bincount(key_M, length=e_local + 1)[:e_local].astype(jnp.int32)
     ws = [w.astype(dtype) for w in (wg, wu, wd)]
     token_M = order_M // k  # the token of each sorted row
-    y_MxD = grouped_products(x[token_M].astype(dtype), sizes_E, ws, form, interpret)
+    y_MxD = grouped_products(x[token_M].astype(dtype), sizes_E, ws, form)
     g_M = jnp.where(mine_M, gates.reshape(-1), 0)[order_M]
     # Each token's gated sum over its rows here, added straight from the sorted rows (no
     # [N, K, D] unsort, no K-wide product); float32 sums, as a matmul accumulates.
@@ -367,7 +367,7 @@ class MoE(nnx.Module):
     else:
       y_NxD = expert_parallel_swiglu(
           x_BxTxD, idx_NxK.reshape(b, t, -1), gates_NxK.reshape(b, t, -1), self.experts,
-          self.num_experts, self.dtype, self.dispatch, ax).reshape(b * t, d)
+          self.dtype, self.dispatch, ax).reshape(b * t, d)
     if self.shared_experts is not None:
       y_NxD = y_NxD + self.shared_experts(x_BxTxD).reshape(b * t, d)
     self.expert_load = nnx.Intermediate(
