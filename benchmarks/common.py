@@ -113,6 +113,7 @@ class Run:
     self.argv = list(sys.argv[1:] if argv is None else argv)
     self.script = script or f'benchmarks/{name}.py'
     self.smoke = bool(getattr(args, 'smoke', False))
+    self.note = ''  # what a reader of the result file needs to know (how to read it)
     self._lock = None
     lock = getattr(args, 'lock', '')
     if lock and not self.smoke:
@@ -128,7 +129,8 @@ class Run:
             'command': ' '.join([f'python {self.script}', *argv]),
             **commit(), 'machine': machine(),
             'load_average': {'start': self.load_start, 'end': load_average()},
-            'peak': peak(), 'date': self.started, 'smoke': self.smoke}
+            'peak': peak(), 'date': self.started, 'smoke': self.smoke,
+            **({'note': self.note} if self.note else {})}
 
   def release(self):
     if self._lock is not None:

@@ -56,6 +56,12 @@ from mtp_jax.train import steps as steps_lib  # noqa: E402
 
 NAME = 'train_throughput'
 SECTIONS = ('mfu', 'overhead', 'moe', 'maxtext', 'memory', 'compile', 'ab')
+# The sections with a committed result of their own (benchmarks/results/<name>.json): a run
+# of that one section is recorded under that name.
+RESULT_NAMES = {'mfu': 'train_mfu', 'overhead': 'train_overhead', 'moe': 'train_moe',
+                'memory': 'train_memory'}
+NOTE = ('Ratios compare variants timed round robin in one process, so the load hits each '
+        'alike; MFU divides model FLOPs (the active parameters only for MoE) by "peak".')
 
 # CPU devices a Step trains on (data parallel): main() sets it from --cpu_devices, whose
 # default 'auto' is the trainer's rule (2 on a 2+ core CPU host).
@@ -516,7 +522,9 @@ def main(argv=None) -> int:
       jax.config.update('jax_num_cpu_devices', n)
     STEP_DEVICES = n or 1
     jax.config.update('jax_enable_compilation_cache', False)  # compile times must be real
-  run = common.start(args, NAME, argv)
+  name = RESULT_NAMES.get(args.only[0], NAME) if len(args.only) == 1 else NAME
+  run = common.start(args, name, argv, script=f'benchmarks/{NAME}.py')
+  run.note = NOTE
   r, smoke = args.rounds, args.smoke
   result = {'step_devices': STEP_DEVICES, 'cpu_devices_flag': args.cpu_devices,
             'host_malloc': HOST_MALLOC, 'sections': {}}

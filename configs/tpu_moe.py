@@ -46,7 +46,7 @@ def get_config():
   m.mtp.lambda_boundaries = (40000,)
   d = c.data
   d.tokenizer = 'sentencepiece'
-  d.spm_model = '/mnt/shared/tokenizer/spm32k.model'
+  d.spm_model = '/mnt/shared/tokenizer/spm32k.model'  # the same path on every host
   d.seq_len = 4096
   d.batch_size = 128  # 512k tokens per step; 4 sequences per chip
   d.worker_count = 8
