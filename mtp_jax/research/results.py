@@ -11,6 +11,10 @@ import json
 import os
 
 
+def _order(run: dict) -> tuple:
+  return str(run.get('variant')), int(run.get('seed', 0))
+
+
 def results_path(out_dir: str, group: str) -> str:
   return os.path.join(out_dir, group + '.json')
 
@@ -24,7 +28,7 @@ def load_results(out_dir: str, group: str) -> list[dict]:
     runs = json.load(f)
   if not isinstance(runs, list):
     raise ValueError(f'{path}: expected a list of run results, got {type(runs).__name__}')
-  return sorted(runs, key=lambda r: (str(r.get('variant')), int(r.get('seed', 0))))
+  return sorted(runs, key=_order)
 
 
 def find_result(out_dir: str, group: str, variant: str, seed: int) -> dict | None:
@@ -36,10 +40,8 @@ def find_result(out_dir: str, group: str, variant: str, seed: int) -> dict | Non
 
 def save_result(out_dir: str, group: str, result: dict) -> str:
   """Adds `result` to its group's file (replacing a run of the same variant and seed)."""
-  key = (result['variant'], result['seed'])
-  runs = [r for r in load_results(out_dir, group) if (r.get('variant'), r.get('seed')) != key]
-  runs.append(result)
-  runs.sort(key=lambda r: (str(r['variant']), int(r['seed'])))
+  runs = [r for r in load_results(out_dir, group) if _order(r) != _order(result)]
+  runs = sorted(runs + [result], key=_order)
   path = results_path(out_dir, group)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = path + '.tmp'
