@@ -8,7 +8,7 @@
 
 The names below are the public API (`from mtp_jax import checkpoint as ckpt_lib`).
 """
-from mtp_jax.checkpoint.compat import check_compatible, config_diffs
+from mtp_jax.checkpoint.compat import DATA_FIELDS, check_compatible, config_diffs
 from mtp_jax.checkpoint.integrity import data_state_hash, fingerprint, integrity_meta, verify
 from mtp_jax.checkpoint.partial import check_init_from, init_from, resolve_checkpoint
 from mtp_jax.checkpoint.reader import (CheckpointReader, load_workdir, read_state_arrays,
@@ -17,7 +17,7 @@ from mtp_jax.checkpoint.store import (QUARANTINE_DIR, TMP_MARKER, CheckpointErro
                                       Restored, abstract_like, short)
 
 __all__ = [
-    'CheckpointError', 'CheckpointReader', 'Checkpointer', 'QUARANTINE_DIR', 'Restored',
+    'CheckpointError', 'CheckpointReader', 'Checkpointer', 'DATA_FIELDS', 'QUARANTINE_DIR', 'Restored',
     'TMP_MARKER', 'abstract_like', 'check_compatible', 'check_init_from', 'config_diffs',
     'data_state_hash', 'fingerprint', 'init_from', 'integrity_meta', 'load_workdir',
     'read_state_arrays', 'resolve_checkpoint', 'restore_state', 'short', 'verify', 'warn',

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from mtp_jax import config_lib
 from mtp_jax.errors import ConfigError
@@ -48,14 +49,50 @@ def config_diffs(saved_config: dict, config_dict: dict, ignore=()) -> list[str]:
   return diffs
 
 
-def check_compatible(saved_config: dict, config_dict: dict, directory: str) -> None:
-  """Raises ConfigError when a checkpoint was written by a config of another shape."""
-  diffs = config_diffs(saved_config, config_dict)
-  if diffs:
+# What the data stream of a run is: a checkpoint's data-iterator position indexes into it.
+# Resuming on another stream is refused unless asked for (new_data=True, `--new_data`).
+DATA_FIELDS = ('data.source', 'data.path', 'data.extensions', 'data.tokens_key',
+               'data.dataset', 'data.corpus_dir', 'data.text_key', 'data.train_split',
+               'data.eval_split', 'data.validation_percent', 'data.shuffle_seed')
+# The tokenizer's file on resume: another one may map the same ids to other text.
+_RESUME_ONLY = ('data.hf_tokenizer',)
+
+
+def _field_diffs(saved_config: dict, config_dict: dict, fields) -> list[str]:
+  """'field: checkpoint X vs config Y' for each of `fields` that differs (a field missing
+  from an older checkpoint holds its base_config() default there)."""
+  default = config_lib.base_config().to_dict()
+  diffs = []
+  for field in fields:
+    old, new = _lookup(saved_config, field), _lookup(config_dict, field)
+    old = _lookup(default, field) if old is None else old
+    new = _lookup(default, field) if new is None else new
+    if _norm(old) != _norm(new):
+      diffs.append(f'{field}: checkpoint {old!r} vs config {new!r}')
+  return diffs
+
+
+def check_compatible(saved_config: dict, config_dict: dict, directory: str,
+                     new_data: bool = False) -> list[str]:
+  """Raises ConfigError when resuming a checkpoint of `saved_config` as `config_dict` would
+  train another model, tokenizer or sequence length, or (unless new_data) read another
+  data stream. Returns the data fields that differ (accepted under new_data)."""
+  workdir = os.path.dirname(os.path.abspath(directory))
+  model = config_diffs(saved_config, config_dict) + _field_diffs(saved_config, config_dict,
+                                                                 _RESUME_ONLY)
+  data = _field_diffs(saved_config, config_dict, DATA_FIELDS)
+  fresh = (f'start a new --workdir (with --init_from={workdir} to start from its weights)')
+  if model:
     raise ConfigError(
-        f'the workdir holds a checkpoint of an incompatible config ({directory}): '
-        + '; '.join(diffs) + '. Use a new --workdir (with --init_from=<this workdir> to '
-        'start from its trunk, embedding and head).')
+        f'--workdir {workdir} holds checkpoints of an incompatible config (another model or '
+        'tokenizer): '
+        + '; '.join(model + data) + f'. To train this config, {fresh}.')
+  if data and not new_data:
+    raise ConfigError(
+        f'--workdir {workdir} was trained on another data stream: ' + '; '.join(data)
+        + f'. To train on this data, {fresh}, or resume this run on it with --new_data '
+        '(model and optimizer continue, the data iterator starts at its beginning).')
+  return data
 
 
 def _flatten(d: dict, prefix: str = '') -> dict:

@@ -23,6 +23,10 @@ def parser() -> cli.ArgumentParser:
       '(new MTP depths start fresh; ignored once --workdir has checkpoints of its own), or '
       'hf:DIR, a local Hugging Face directory (config.json, *.safetensors, tokenizer), '
       'which also sets config.model and the tokenizer')
+  p.add_argument('--new_data', action='store_true',
+                 help='resume the workdir on another data stream (data.source, path, splits, '
+                 '...): model and optimizer continue, the data iterator starts afresh; '
+                 'without it such a change is refused')
   # Multi-process jobs (docs/scaling.md). Not config fields: they describe one launch,
   # not the experiment.
   p.add_argument('--distributed', default='auto', choices=('auto', 'on', 'off'),
@@ -74,7 +78,8 @@ def main(argv=None) -> int:
   distributed.initialize(args.distributed, args.coordinator_address, args.num_processes,
                          args.process_id, cpu_devices)
   try:
-    loop.train_and_evaluate(config, workdir, init_from=args.init_from)
+    loop.train_and_evaluate(config, workdir, init_from=args.init_from,
+                             new_data=args.new_data)
   except Exception as e:  # pylint: disable=broad-except
     return cli.report_expected(e)
   return 0

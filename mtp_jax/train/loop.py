@@ -66,15 +66,18 @@ class _Window:
 
 
 def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | None = None,
-                       init_from: str | InitFrom | None = None, batch_hook=None) -> dict:
+                       init_from: str | InitFrom | None = None, new_data: bool = False,
+                       batch_hook=None) -> dict:
   """Trains `config` in `workdir`, resuming from its latest good checkpoint if one exists.
 
   stop_after: stop (with a checkpoint) once this step is reached, as a preempted job
   would; the schedule still follows config.train.steps. SIGTERM / SIGINT do the same
   at the end of the current step. init_from: a workdir or checkpoint whose trunk and
   shared embedding/head start this run (ignored once the run has checkpoints of its
-  own). batch_hook(step, batch) -> batch: a test hook for fault injection. Returns the
-  last metrics.
+  own). new_data: resume the workdir's model and optimizer on a data stream other than
+  its checkpoints' (the data iterator starts afresh); without it that is a ConfigError.
+  batch_hook(step, batch) -> batch: a test hook for fault injection. Returns the last
+  metrics. config.json is written with each checkpoint: it always describes the newest one.
   """
   workdir = os.path.abspath(workdir)
   devices = jax.devices() if devices is None else devices
@@ -103,8 +106,9 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   config_dict = json.loads(config.to_json_best_effort())
   checkpoints_dir = os.path.join(workdir, 'checkpoints')
   try:  # fail before compiling anything, and before writing anything
-    _check_resumable(config, config_dict, ckpt_lib.CheckpointReader(checkpoints_dir),
-                     init_from, workdir)
+    data_changes = _check_resumable(config, config_dict,
+                                    ckpt_lib.CheckpointReader(checkpoints_dir), init_from,
+                                    workdir, new_data)
     decode_prompts = evaluation.training_prompts(config, tokenizer)  # [] when off
   except BaseException:
     undo_failed_start()
@@ -121,7 +125,8 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
              f'{", ".join(checkpointer.incomplete)} (removed).')
     if is_main:  # the only writer of metrics.jsonl
       metrics_lib.repair_jsonl(os.path.join(workdir, 'metrics.jsonl'))
-    run = _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from)
+    run = _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from,
+                 data_changes)
   except BaseException:
     if checkpointer is not None:
       checkpointer.close()
@@ -158,17 +163,19 @@ class _Notifier:
       print(text, file=sys.stderr, flush=True)
 
 
-def _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from) -> '_Run':
+def _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from,
+           data_changes) -> '_Run':
   """The run's state on the mesh: resumed, or loaded from --init_from, or fresh."""
   workdir = os.path.dirname(checkpointer.directory)
   ts, state = steps.setup(config, devices)
   data_iter = pipeline.make_train_iter(config, process_index=jax.process_index(),
                                        process_count=jax.process_count())
   run = _Run(config, config_dict, ts, state, data_iter, checkpointer, notify)
+  run.new_data = bool(data_changes)
   run.resume(init_from)
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(config.to_json_best_effort(indent=2))
+  if data_changes:
+    notify(f'--new_data: step {run.start_step}\'s model and optimizer continue on '
+           + '; '.join(data_changes) + ' (its data iterator starts at the beginning).')
   run.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
   # CPU: the cached peak, checked against a quick matmul probe now, in this process.
   run.mfu = flops_lib.MFU(config, devices, notify=notify)
@@ -201,17 +208,20 @@ def _lock_workdir(workdir: str, is_main: bool, notify) -> resilience.WorkdirLock
 
 
 def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader,
-                     init_from: InitFrom | None, workdir: str) -> None:
+                     init_from: InitFrom | None, workdir: str, new_data: bool) -> list[str]:
   """ConfigError / WorkdirError, before anything compiles, for a run that cannot start:
-  a checkpoint of another config, an unusable --init_from, a frozen random trunk, or no
-  disk space for one checkpoint."""
+  a checkpoint of another config (or data stream, without new_data), an unusable
+  --init_from, a frozen random trunk, or no disk space for one checkpoint. Returns the
+  data fields that differ from the checkpoint's (accepted under new_data)."""
   steps_saved = reader.steps()
+  data_changes = []
   for s in reversed(steps_saved):
     try:
       meta = reader.read_meta(s)
     except Exception:  # pylint: disable=broad-except
       continue  # unreadable: restore_latest_good reports it and falls back
-    ckpt_lib.check_compatible(meta.get('config', {}), config_dict, reader.directory)
+    data_changes = ckpt_lib.check_compatible(meta.get('config', {}), config_dict,
+                                             reader.directory, new_data)
     break
   if init_from is not None and not steps_saved:
     if init_from.kind == 'hf':  # every tensor's name, shape and dtype, none read
@@ -225,6 +235,7 @@ def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader,
         'trunk: give --init_from=<a trained workdir or checkpoint>')
   resilience.check_disk_space(workdir, resilience.checkpoint_bytes_estimate(
       state_lib.abstract_train_state(config)))
+  return data_changes
 
 
 class _Run:
@@ -246,17 +257,18 @@ class _Run:
     # Set by train_and_evaluate before the loop starts.
     self.writer = self.progress = self.mfu = self.token_bytes = None
     self.decode_prompts = []
+    self.new_data = False  # resume on another data stream: the iterator is not restored
 
   def _check_meta(self, meta):
     ckpt_lib.check_compatible(meta.get('config', {}), self.config_dict,
-                              self.checkpointer.directory)
+                              self.checkpointer.directory, self.new_data)
 
   def resume(self, init_from: InitFrom | None):
     """The latest good checkpoint of this run, else --init_from's trunk, else a fresh start."""
     notify = self.notify
     if self.checkpointer.all_steps():
-      restored = self.checkpointer.restore_latest_good(self.ts.abstract_state, self.data_iter,
-                                                       self._check_meta)
+      restored = self.checkpointer.restore_latest_good(
+          self.ts.abstract_state, None if self.new_data else self.data_iter, self._check_meta)
       self.state, meta, self.start_step = restored.state, restored.meta, restored.step
       if restored.broken:
         notify('WARNING: ' + '; '.join(f'checkpoint {s} is broken ({r})'
@@ -299,6 +311,11 @@ class _Run:
       meta['init_from'] = self.init_desc
     self.checkpointer.save(step, self.state, self.data_iter, meta, force=True)
     self.last_saved = step
+    if jax.process_index() == 0:  # the record of the newest checkpoint's config, whole or old
+      path = os.path.join(os.path.dirname(self.checkpointer.directory), 'config.json')
+      with open(path + '.tmp', 'w') as f:
+        f.write(self.config.to_json_best_effort(indent=2))
+      os.replace(path + '.tmp', path)
 
   def log(self, step: int, m):
     """Checks step's metrics (non-finite policy), adds them up, writes a line every log_every."""
