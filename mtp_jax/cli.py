@@ -6,6 +6,7 @@ import it before parsing flags. The error types themselves live in errors.py.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 
@@ -35,6 +36,26 @@ class ArgumentParser(argparse.ArgumentParser):
   def error(self, message):  # argparse's default prints the whole usage first
     print(f'error: {message}', file=sys.stderr)
     sys.exit(2)
+
+  def parse_args(self, args=None, namespace=None):
+    args = sys.argv[1:] if args is None else list(args)
+    self._check_flag_names(args)
+    return super().parse_args(args, namespace)
+
+  def _check_flag_names(self, args) -> None:
+    """An unknown --flag is named with the closest real one (dashes read as underscores:
+    --max-new-tokens -> --max_new_tokens), before argparse's other checks."""
+    known = [o for a in self._actions for o in a.option_strings if o.startswith('--')]
+    for token in args:
+      if token == '--':
+        return
+      name = token.split('=', 1)[0]
+      if not name.startswith('--') or ' ' in name or any(o.startswith(name) for o in known):
+        continue  # a value (argparse reads one with a space as such), a flag, an abbreviation
+      fixed = '--' + name[2:].replace('-', '_')
+      close = [fixed] if fixed in known else difflib.get_close_matches(fixed, known, 1, 0.7)
+      self.error(f'unrecognized arguments: {token}'
+                 + (f' (did you mean {close[0]}?)' if close else ' (--help lists the options)'))
 
 
 def report_expected(e: BaseException) -> int:
@@ -82,10 +103,12 @@ def load_config(path: str, overrides=()):
   if not os.path.isfile(path):
     raise ConfigError(f'cannot load --config {path!r}: No such file or directory')
   values = flags.FlagValues()
+  argv = ['mtp_jax', f'--config={path}'] + list(overrides)
+  # sys_argv: the overrides are these, not the process's own argv (main(argv) in a test).
   holder = config_flags.DEFINE_config_file('config', path, 'config file', flag_values=values,
-                                           lock_config=True)
+                                           lock_config=True, sys_argv=argv)
   try:
-    values(['mtp_jax', f'--config={path}'] + list(overrides))
+    values(argv)
     config = holder.value
     config.keys()  # a config file that failed to load raises only when used
   except flags.Error as e:

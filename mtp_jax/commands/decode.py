@@ -13,6 +13,7 @@ import json
 import sys
 
 from mtp_jax import cli  # argparse only: JAX starts after the flags
+from mtp_jax.commands import preflight
 
 
 def parse(argv):
@@ -38,6 +39,12 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
+  try:  # a mistyped path is answered before JAX starts
+    preflight.read_workdir(args.workdir)
+    if args.prompts_file is not None:
+      preflight.readable_file(args.prompts_file, '--prompts_file')
+  except cli.RequestError as e:
+    return cli.report_expected(e)
   from mtp_jax.decode import generate  # after flag parsing: JAX starts here
   try:
     prompts = generate.read_prompts(args.prompt, args.prompts_file)

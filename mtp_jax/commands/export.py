@@ -23,6 +23,7 @@ import json
 import sys
 
 from mtp_jax import cli  # argparse only: JAX starts after the flags
+from mtp_jax.commands import preflight
 
 # mtp_jax.interop.layouts.LAYOUTS, without importing JAX before the flags are parsed
 LAYOUTS = ('llama', 'deepseek_v3', 'mimo')
@@ -50,6 +51,10 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
+  try:  # a mistyped path is answered before JAX starts
+    preflight.read_workdir(args.workdir)
+  except cli.RequestError as e:
+    return cli.report_expected(e)
   from absl import logging  # pylint: disable=g-import-not-at-top
   from mtp_jax.interop import export  # pylint: disable=g-import-not-at-top  (JAX starts here)
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO

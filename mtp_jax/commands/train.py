@@ -11,6 +11,7 @@ import os
 import sys
 
 from mtp_jax import cli
+from mtp_jax.commands import preflight
 
 
 def parser() -> cli.ArgumentParser:
@@ -59,6 +60,10 @@ def main(argv=None) -> int:
     return cli.report_expected(e)
   workdir = args.workdir or os.path.join(
       'runs', os.path.splitext(os.path.basename(args.config))[0])
+  try:  # a mistyped path is answered before JAX starts
+    preflight.train_paths(config, workdir, args.init_from)
+  except (cli.ConfigError, cli.RequestError) as e:
+    return cli.report_expected(e)
   # Standard library only: the allocator is set before JAX starts its first thread.
   from mtp_jax.runtime import host_memory  # pylint: disable=g-import-not-at-top
   try:

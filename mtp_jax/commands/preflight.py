@@ -1,0 +1,107 @@
+"""The path and file checks of the command lines, run before JAX and the model are imported.
+
+Standard library only, so a mistyped path costs a user a second, not the start-up of JAX.
+Each message is the one the deeper check (data, tokenizer, checkpoint and workdir layers)
+gives for the same mistake; those checks stay, for callers of the library.
+"""
+from __future__ import annotations
+
+import os
+
+from mtp_jax.errors import ConfigError, RequestError
+
+HF_PREFIX = 'hf:'
+# data.source -> what data.path must be (mtp_jax/data/user_data.py reads it).
+_RECORD_SUFFIX = {'jsonl': '.jsonl', 'parquet': '.parquet'}
+
+
+def train_paths(config, workdir: str, init_from: str | None) -> None:
+  """ConfigError / RequestError for a --workdir, --init_from or data / tokenizer file that
+  cannot be what the run needs."""
+  _train_workdir(workdir)
+  if init_from:
+    _init_from(init_from.strip())
+  _data_path(config.data)
+  _tokenizer_files(config.data)
+
+
+def read_workdir(workdir: str) -> None:
+  """A trained workdir to read (decode, eval, export): it exists and holds checkpoints/."""
+  if not os.path.exists(workdir):
+    raise RequestError(f'--workdir {workdir!r} does not exist')
+  if not os.path.isdir(workdir):
+    raise RequestError(f'--workdir {workdir!r} is not a directory')
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+    raise RequestError(f'--workdir {workdir!r} has no checkpoints/ directory (train it first)')
+
+
+def readable_file(path: str, flag: str) -> None:
+  """RequestError unless `path` is a file this process can read."""
+  try:
+    with open(path, 'rb'):
+      pass
+  except OSError as e:
+    raise RequestError(f'{flag} {path!r} cannot be read: {e}') from e
+
+
+def _train_workdir(workdir: str) -> None:
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise RequestError(f'--workdir {workdir!r} exists and is not a directory')
+  parent = os.path.dirname(os.path.abspath(workdir))
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise RequestError(f'--workdir {workdir!r} is not a usable directory: {parent!r} is a file')
+
+
+def _init_from(value: str) -> None:
+  if value.startswith(HF_PREFIX):
+    directory = os.path.abspath(os.path.expanduser(value[len(HF_PREFIX):].strip()))
+    if not os.path.isdir(directory):
+      what = 'does not exist' if not os.path.exists(directory) else 'is not a directory'
+      raise RequestError(f'--init_from hf:{directory}: {what}: give a local directory holding '
+                         'config.json and *.safetensors (nothing is downloaded from the '
+                         'Hugging Face hub)')
+    if not os.path.isfile(os.path.join(directory, 'config.json')):
+      raise RequestError(f'--init_from hf:{directory}: no config.json in the directory')
+    return
+  if not value:
+    return
+  path = os.path.abspath(os.path.expanduser(value))
+  if not os.path.isdir(path):
+    raise ConfigError(f'--init_from {path!r} is not a directory (give a workdir, its '
+                      'checkpoints/ directory or one step directory)')
+
+
+def _data_path(d) -> None:
+  if d.source == 'tfds' or not isinstance(d.path, str) or not d.path:
+    return  # config_lib.validate names a missing or misplaced data.path
+  root = os.path.abspath(os.path.expanduser(d.path))
+  suffix = _RECORD_SUFFIX.get(d.source)
+  if suffix is not None:
+    if os.path.isfile(root) and not root.endswith(suffix):
+      raise ConfigError(f'data.path {root!r} is not a {suffix} file (data.source {d.source})')
+    if not os.path.exists(root):
+      raise ConfigError(f'data.path {root!r} is neither a {suffix} file nor a directory')
+  elif d.source == 'hf_disk' and not os.path.isdir(root):
+    raise ConfigError(f'data.path {root!r} is not a directory (data.source hf_disk reads '
+                      'what datasets.Dataset.save_to_disk wrote)')
+  elif d.source == 'files' and not os.path.isdir(root):
+    raise ConfigError(f'data.path: corpus root {root!r} is not a readable directory')
+
+
+def _tokenizer_files(d) -> None:
+  if d.tokenizer == 'sentencepiece' and d.spm_model:
+    path = os.path.expanduser(d.spm_model)
+    if not os.path.isfile(path):
+      raise ConfigError(f'data.spm_model {path!r} does not exist '
+                        '(train one with scripts/train_tokenizer.py)')
+  if d.tokenizer == 'hf' and d.hf_tokenizer:
+    directory = os.path.abspath(os.path.expanduser(d.hf_tokenizer))
+    if not os.path.isdir(directory):
+      raise ConfigError(f'data.hf_tokenizer {directory!r} is not a directory (a local Hugging '
+                        'Face model directory holding tokenizer.json)')
+    if not os.path.isfile(os.path.join(directory, 'tokenizer.json')):
+      raise ConfigError(f'data.hf_tokenizer {directory!r} has no tokenizer.json (nor a '
+                        'SentencePiece tokenizer.model, which --init_from hf:DIR would take '
+                        'instead)')
