@@ -336,6 +336,26 @@ def test_exports_in_a_loop_beside_a_live_trainer(tmp_path, capfd):
 
 # ---------------------------------------------------------------------------------- console
 
+def test_each_command_the_final_block_suggests_is_installed(tmp_path):
+  """After `pip install -e '.[tensorboard]'` (the README's install) each `next:` command
+  exists beside this interpreter and answers --help: the project's console scripts, and
+  tensorboard from the `tensorboard` extra."""
+  import tomllib
+  project = tomllib.load(open(os.path.join(REPO, 'pyproject.toml'), 'rb'))['project']
+  assert any(r.startswith('tensorboard>') for r in project['optional-dependencies']['tensorboard'])
+  block = metrics_lib.final_block(str(tmp_path), 1, 1, 'def ').splitlines()
+  commands = [line.split()[0] for line in block[block.index('next:') + 1:]]
+  assert commands == ['mtp-decode', 'mtp-eval', 'tensorboard']
+  bindir = os.path.dirname(sys.executable)
+  for name in commands:
+    assert name in project['scripts'] or name == 'tensorboard', name
+    path = shutil.which(name, path=bindir)
+    assert path, f'{name} is not installed in {bindir}'
+    proc = subprocess.run([path, '--help'], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (name, proc.stderr[-500:])
+    assert ('--logdir' if name == 'tensorboard' else '--workdir') in proc.stdout, name
+
+
 def test_console_lines_name_their_units_and_the_final_block_what_to_run_next(tmp_path):
   line = metrics_lib.eval_line(40, {'eval/loss_main': 3.2, 'eval/loss_mtp_1': 3.9,
                                     'eval/bpb_main': 1.5, 'eval/acc_main': 0.4,
@@ -349,14 +369,17 @@ def test_console_lines_name_their_units_and_the_final_block_what_to_run_next(tmp
   workdir = tmp_path / 'my run'
   workdir.mkdir()
   (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
-  block = metrics_lib.final_block(str(workdir), 20, 20).splitlines()
+  block = metrics_lib.final_block(str(workdir), 20, 20, "# It's a").splitlines()
   assert block[0] == f'done: step 20 in {workdir} (checkpoint 20)'
   assert 'last train loss 4.0000 nats/token (step 20), 1000 tokens/s, MFU 0.50' in block[1]
   assert 'bits per byte, main model: last 2.5000 (step 20), best 2.0000 (step 10)' in block[2]
   quoted = f"'{workdir}'"
-  assert f'  mtp-decode --workdir {quoted} --mode compare --prompt "def "' in block
+  assert (f'  mtp-decode --workdir {quoted} --mode compare --prompt '
+          + "'# It'\"'\"'s a'") in block  # the run's own text, quoted for the shell
   assert f'  mtp-eval --workdir {quoted}' in block
   assert f"  tensorboard --logdir '{workdir}/tensorboard'" in block
+  assert any('--prompts_file' in line for line in metrics_lib.final_block(str(workdir), 20, 20)
+             .splitlines())  # no text from the run: a prompts file, not a made-up prompt
   config = jsonl_config('docs.jsonl')
   assert metrics_lib.data_line(config) == ('data: jsonl docs.jsonl, byte tokenizer, batches of '
                                            '8 x 32 tokens')

@@ -3,6 +3,7 @@ or model is refused with one line naming the fields (config.json and the checkpo
 as they were); what may change on resume does; `--new_data` continues on other data."""
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -137,8 +138,13 @@ def test_allowed_change_at_the_final_step_keeps_the_record(trained, devices, cap
   c = files_config(a)
   c.train.log_every, c.train.eval_every = 5, 5
   train.train_and_evaluate(c, str(workdir), devices=devices[:1])
-  assert 'Nothing to do' in capfd.readouterr().err
+  err = capfd.readouterr().err
+  assert 'Nothing to do' in err
   assert _record(workdir) == before  # nothing trained, nothing rewritten
+  # The final block's decode prompt is the start of one of this run's own documents.
+  decode_line = next(line for line in err.splitlines() if 'mtp-decode' in line)
+  prompt = shlex.split(decode_line)[shlex.split(decode_line).index('--prompt') + 1]
+  assert prompt.startswith('corpus 0 document ') and len(prompt) <= 24, decode_line
 
 
 def test_new_data_continues_the_model_on_other_data(trained, devices, tmp_path):

@@ -125,6 +125,23 @@ def training_prompts(config, tokenizer) -> list[list[int]]:
   return validation_prompts(config, tokenizer, n, config_lib.decode_prompt_len(config))
 
 
+def suggested_prompt(tokenizer, batches, max_chars: int = 24) -> str:
+  """A prompt for the final block's `mtp-decode` line, from the run's own validation data:
+  the start of the first document in `batches` that begins with text, cut at its first line
+  end and at a word boundary within max_chars ('' when none does)."""
+  for batch in batches:
+    for tokens, positions in zip(np.asarray(batch['tokens']), np.asarray(batch['positions'])):
+      for start in np.flatnonzero(positions == 0):
+        text = tokenizer.decode(tokens[start:start + 4 * max_chars].tolist())
+        line = text.lstrip().split('\n', 1)[0].rstrip()
+        if len(line) > max_chars:
+          cut = line.rfind(' ', 0, max_chars + 1)
+          line = line[:cut + 1] if cut > 0 else line[:max_chars]
+        if line.strip() and line.isprintable():
+          return line
+  return ''
+
+
 # -- decoding ------------------------------------------------------------------------------------
 def _identity(tree):
   return tree

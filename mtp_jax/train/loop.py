@@ -144,7 +144,8 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
     raise
   lock.release()
   if run.last_saved == config.train.steps:
-    notify(metrics_lib.final_block(workdir, run.last_saved, run.last_saved))
+    notify(metrics_lib.final_block(workdir, run.last_saved, run.last_saved,
+                                   run.suggested_prompt(tokenizer)))
   return out
 
 
@@ -302,6 +303,13 @@ class _Run:
     self.writer.write(step, out)
     self.progress.message(metrics_lib.eval_line(step, out))
     return out
+
+  def suggested_prompt(self, tokenizer) -> str:
+    """The start of a validation document, for the final block's decode line."""
+    batches = self.eval_batches or pipeline.make_eval_batches(
+        self.config, num_batches=1, process_index=jax.process_index(),
+        process_count=jax.process_count())
+    return evaluation.suggested_prompt(tokenizer, batches)
 
   def save(self, step: int):
     meta = {'step': int(step), 'config': self.config_dict, 'window': self.window.to_json(),

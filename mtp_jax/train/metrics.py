@@ -218,8 +218,9 @@ def _read_rows(workdir: str) -> list[dict]:
   return rows
 
 
-def final_block(workdir: str, step: int, checkpoint: int | None) -> str:
-  """What a finished run says last: where it is, its last and best figures, what to run next."""
+def final_block(workdir: str, step: int, checkpoint: int | None, prompt: str = '') -> str:
+  """What a finished run says last: where it is, its last and best figures, what to run next
+  (prompt: the decode line's, from the run's own data; '' reads prompts from a file)."""
   rows = _read_rows(workdir)
   lines = [f'done: step {step} in {workdir}'
            + (f' (checkpoint {checkpoint})' if checkpoint is not None else '')]
@@ -245,7 +246,8 @@ def final_block(workdir: str, step: int, checkpoint: int | None) -> str:
     lines.append(f'  eval decode tau: last {tau[-1][TAU_KEY]:.3f} tokens per verify step')
   quoted = _quote(workdir)
   lines += ['next:',
-            f'  mtp-decode --workdir {quoted} --mode compare --prompt "def "',
+            f'  mtp-decode --workdir {quoted} --mode compare '
+            + (f'--prompt {_quote(prompt)}' if prompt else '--prompts_file prompts.txt'),
             f'  mtp-eval --workdir {quoted}',
             f'  tensorboard --logdir {_quote(os.path.join(workdir, "tensorboard"))}']
   return '\n'.join(lines)
