@@ -598,3 +598,15 @@ def test_logits_match_transformers_deepseek_v3_both_ways(tmp_path):
     theirs = back(tokens).logits.numpy()
   ours = np.asarray(_logits(model, TOKENS)[0])
   assert np.abs(ours - theirs).max() <= 1e-4 and np.abs(ours).max() > 1
+
+
+def test_exported_files_are_readable_like_the_rest_of_the_directory(tmp_path):
+  """safetensors writes 0600; an export's weights get the mode its config.json gets."""
+  tensors = {f'w{i}': np.full((64,), i, np.float32) for i in range(3)}
+  (tmp_path / 'probe.json').write_text('{}')
+  want = os.stat(tmp_path / 'probe.json').st_mode & 0o777
+  for name, shard in (('one', 1 << 20), ('sharded', 256)):
+    names = write_dir(str(tmp_path / name), tensors, shard_bytes=shard)
+    assert len(names) == (1 if name == 'one' else 4)
+    for file in names:
+      assert os.stat(tmp_path / name / file).st_mode & 0o777 == want, (file, oct(want))

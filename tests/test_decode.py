@@ -640,3 +640,11 @@ def test_read_prompts(tmp_path):
       generate.read_prompts(None, str(lines))
   with pytest.raises(cli.RequestError, match='cannot be read'):
     generate.read_prompts(None, str(tmp_path / 'missing.txt'))
+
+
+def test_decode_output_marks_where_the_prompt_ends():
+  from mtp_jax.commands import decode
+  plain = decode.show('import os', 'e = self._create()', styled=False).splitlines()
+  assert plain == ['[prompt]', 'import os', '[continuation]', 'e = self._create()', decode.RULE]
+  styled = decode.show('import os', 'e = 1', styled=True)
+  assert styled.startswith('\x1b[2mimport os\x1b[0me = 1\n')  # dimmed prompt, then the text

@@ -92,3 +92,4 @@ def test_abbreviations_and_values_are_not_flag_mistakes(capsys):
   from mtp_jax.commands import decode
   args = decode.parse(['--workdir', 'w', '--max_new', '5', '--prompt', '--json-like text'])
   assert args.max_new_tokens == 5 and args.prompt == '--json-like text'
+

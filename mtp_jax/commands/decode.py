@@ -5,11 +5,14 @@
       [--mode {spec,ar,compare}] [--json]
 
 Parses flags and calls mtp_jax.decode.generate.decode_workdir. Bad input exits
-with code 2 and a one-line error, before anything is compiled.
+with code 2 and a one-line error, before anything is compiled. Each prompt is printed
+apart from its continuation (dimmed on a terminal, under `[prompt]` / `[continuation]`
+headings elsewhere; NO_COLOR=1 asks for the headings); --json gives both as plain strings.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from mtp_jax import cli  # argparse only: JAX starts after the flags
@@ -37,6 +40,18 @@ def parse(argv):
   return p.parse_args(argv)
 
 
+RULE = '-' * 40
+
+
+def show(prompt: str, text: str, styled: bool) -> str:
+  """One prompt and its continuation, marked apart so the model's text is never read as a
+  change to the prompt: on a terminal the prompt is dimmed and the continuation follows
+  it in place; elsewhere (a pipe, a file) each is under its own heading."""
+  if styled:
+    return f'\x1b[2m{prompt}\x1b[0m{text}\n{RULE}'
+  return f'[prompt]\n{prompt}\n[continuation]\n{text}\n{RULE}'
+
+
 def main(argv=None) -> int:
   args = parse(argv)
   try:  # a mistyped path is answered before JAX starts
@@ -59,9 +74,9 @@ def main(argv=None) -> int:
     print(json.dumps(out))
     return 0
   outputs = out['spec_outputs' if args.mode == 'compare' else 'outputs']
+  styled = sys.stdout.isatty() and not os.environ.get('NO_COLOR')
   for prompt, text in zip(prompts, outputs):
-    print(f'{prompt}{text}')
-    print('-' * 40)
+    print(show(prompt, text, styled))
   keys = ('new_tokens', 'verify_steps', 'mean_accepted_length', 'tokens_per_sec',
           'ar_tokens_per_sec', 'spec_tokens_per_sec', 'speedup', 'identical')
   summary = {k: out[k] for k in keys if k in out}

@@ -160,6 +160,13 @@ class Reader:
                      shape=self._shape[name])[...].copy()
 
 
+def _file_mode() -> int:
+  """The mode open() gives a new file here: 0666 less the process umask (0644 usually)."""
+  mask = os.umask(0)
+  os.umask(mask)
+  return 0o666 & ~mask
+
+
 def write_dir(directory: str, tensors: dict, shard_bytes: int = SHARD_BYTES) -> list[str]:
   """model.safetensors, or shards + model.safetensors.index.json when the tensors exceed
   shard_bytes, in insertion order (layer by layer). Returns the file names written."""
@@ -176,9 +183,11 @@ def write_dir(directory: str, tensors: dict, shard_bytes: int = SHARD_BYTES) -> 
     names = ['model.safetensors']
   else:
     names = [f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors' for i in range(len(shards))]
+  mode = _file_mode()
   for file, keys in zip(names, shards):
-    save_file({k: np.ascontiguousarray(tensors[k]) for k in keys},
-              os.path.join(directory, file), metadata=meta)
+    path = os.path.join(directory, file)
+    save_file({k: np.ascontiguousarray(tensors[k]) for k in keys}, path, metadata=meta)
+    os.chmod(path, mode)  # safetensors writes 0600; the export's other files follow the umask
   if len(shards) == 1:
     return names
   total = int(sum(x.nbytes for x in tensors.values()))
