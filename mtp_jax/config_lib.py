@@ -100,9 +100,28 @@ def base_config() -> ml_collections.ConfigDict:
   mtp = m.mtp = ml_collections.ConfigDict()
   mtp.depth = 1  # D, number of MTP depths (0: plain next-token model)
   mtp.kind = 'sequential'  # sequential (DeepSeek-V3) | parallel (independent heads)
-  mtp.lambda_values = (0.3,)  # piecewise-constant lambda; w_k = lambda / D
-  mtp.lambda_boundaries = ()  # steps where lambda moves to the next value
+  # lambda(step), w_k = lambda / D. lambda_schedule 'step': piecewise constant, lambda_values
+  # has one more entry than lambda_boundaries (the steps where it moves to the next value);
+  # 'linear' / 'cosine': lambda_values[j] is the value at step lambda_boundaries[j] (as many
+  # of each), interpolated between them (cosine: half a cosine wave), constant outside;
+  # DeepSeek-V3's 0.3 -> 0.1 over a run of S steps: values (0.3, 0.1), boundaries (0, S).
+  mtp.lambda_schedule = 'step'
+  mtp.lambda_values = (0.3,)
+  mtp.lambda_boundaries = ()
   mtp.weights = ()  # explicit per-depth weights w_1..w_D, override lambda / D
+  # Depth curriculum (Aynetdinov & Akbik 2025), through the loss weights (shapes and the
+  # compiled step never change): k_max = D + 1 heads counting the main one, phase P steps;
+  # forward: depths 1..min(D, floor(s / P)) are active at step s (next-token only first,
+  # then one more depth per phase); reverse: depths 1..max(0, D - floor(s / P)) (all
+  # first, the deepest switched off first). An inactive depth has weight 0 and its
+  # parameters and Adam moments are not updated. none: every depth, every step.
+  mtp.curriculum = 'none'
+  mtp.curriculum_phase_steps = 0  # P (0: train.steps / (D + 1), equal phases)
+  # Per-depth target offsets o_1..o_D: depth k at position i predicts t_(i+o_k) (leap
+  # targets, L-MTP); () = the adjacent targets o_k = k + 1. A sequential depth reads
+  # t_(i+o_k-1), the token before its target. Only depths 1..c with o_k = k + 1 can draft
+  # (a leap depth cannot propose the next token): the decoder drafts with those.
+  mtp.target_offsets = ()
   mtp.detach_trunk = False  # stop_gradient on h^0 only where it enters depth 1 (Emb, OutHead still shared)
   # MTP as a pure add-on during joint training: the MTP losses send no gradient into the
   # trunk's hidden state h^0, the shared Emb (the MTP inputs t_(i+k)) or the shared OutHead;
@@ -311,13 +330,7 @@ def validate(config, num_devices: int | None = None) -> None:
            f'({d.seq_len - 1}): depth k predicts t_(i+k+1) inside the sequence')
   _require(mtp.kind in ('sequential', 'parallel'),
            f"model.mtp.kind must be 'sequential' or 'parallel', got {mtp.kind!r}")
-  lv, lb = tuple(mtp.lambda_values), tuple(mtp.lambda_boundaries)
-  _require(len(lv) == len(lb) + 1,
-           f'model.mtp.lambda_values needs one more entry than model.mtp.lambda_boundaries '
-           f'(got {len(lv)} values, {len(lb)} boundaries)')
-  _require(all(v >= 0 for v in lv), f'model.mtp.lambda_values must be >= 0, got {lv}')
-  _require(all(b2 > b1 for b1, b2 in zip(lb, lb[1:])) and all(b > 0 for b in lb),
-           f'model.mtp.lambda_boundaries must be positive and increasing, got {lb}')
+  _validate_mtp_schedules(config)
   for name in ('detach_trunk', 'stop_gradient', 'freeze_trunk'):
     _require(isinstance(mtp[name], bool),
              f'model.mtp.{name} must be True or False, got {mtp[name]!r}')
@@ -401,6 +414,62 @@ def validate(config, num_devices: int | None = None) -> None:
       _require(m.moe.n_routed_experts % ways == 0,
                f'model.moe.n_routed_experts ({m.moe.n_routed_experts}) must be divisible by '
                f'the mesh axes the expert rule shards over ({ways} devices)')
+
+
+def _validate_mtp_schedules(config) -> None:
+  """model.mtp.lambda_* , curriculum and target_offsets (one-line errors)."""
+  mtp = config.model.mtp
+  kind = optional(config, 'model.mtp.lambda_schedule', 'step')
+  _require(kind in ('step', 'linear', 'cosine'),
+           f"model.mtp.lambda_schedule must be 'step', 'linear' or 'cosine', got {kind!r}")
+  lv, lb = tuple(mtp.lambda_values), tuple(mtp.lambda_boundaries)
+  if kind == 'step':
+    _require(len(lv) == len(lb) + 1,
+             f'model.mtp.lambda_values needs one more entry than model.mtp.lambda_boundaries '
+             f'(got {len(lv)} values, {len(lb)} boundaries)')
+    _require(all(b > 0 for b in lb), f'model.mtp.lambda_boundaries must be positive and '
+             f'increasing, got {lb}')
+  else:
+    _require(len(lv) == len(lb) >= 1,
+             f"model.mtp.lambda_schedule {kind!r} needs as many model.mtp.lambda_values as "
+             f'model.mtp.lambda_boundaries (the value at each step), got {len(lv)} values, '
+             f'{len(lb)} boundaries')
+    _require(all(b >= 0 for b in lb), f'model.mtp.lambda_boundaries must be >= 0 and '
+             f'increasing, got {lb}')
+  _require(all(b2 > b1 for b1, b2 in zip(lb, lb[1:])),
+           f'model.mtp.lambda_boundaries must be increasing, got {lb}')
+  _require(all(isinstance(b, int) and not isinstance(b, bool) for b in lb),
+           f'model.mtp.lambda_boundaries must be integer steps, got {lb}')
+  _require(all(v >= 0 for v in lv), f'model.mtp.lambda_values must be >= 0, got {lv}')
+  cur = optional(config, 'model.mtp.curriculum', 'none')
+  _require(cur in ('none', 'forward', 'reverse'),
+           f"model.mtp.curriculum must be 'none', 'forward' or 'reverse', got {cur!r}")
+  phase = optional(config, 'model.mtp.curriculum_phase_steps', 0)
+  _require(isinstance(phase, int) and not isinstance(phase, bool) and phase >= 0,
+           f'model.mtp.curriculum_phase_steps must be a non-negative integer (0: '
+           f'train.steps / (D + 1)), got {phase!r}')
+  _require(cur == 'none' or mtp.depth > 0,
+           f'model.mtp.curriculum={cur!r} switches MTP depths on and off, but '
+           'model.mtp.depth is 0')
+  offsets = tuple(optional(config, 'model.mtp.target_offsets', ()))
+  if offsets:
+    _require(len(offsets) == mtp.depth,
+             f'model.mtp.target_offsets has {len(offsets)} entries but model.mtp.depth is '
+             f'{mtp.depth}')
+    _require(all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+             and offsets[0] >= 2 and all(b > a for a, b in zip(offsets, offsets[1:])),
+             'model.mtp.target_offsets must be increasing integers >= 2 (depth k predicts '
+             f't_(i+o_k); the main head has offset 1), got {offsets}')
+    _require(offsets[-1] < config.data.seq_len,
+             f'model.mtp.target_offsets ({offsets}) must stay below data.seq_len '
+             f'({config.data.seq_len})')
+
+
+def target_offsets(config) -> tuple:
+  """(1, o_1, ..., o_D): the target offset of every head of `config`, the main one first."""
+  depth = config.model.mtp.depth
+  offsets = tuple(optional(config, 'model.mtp.target_offsets', ()))
+  return (1,) + (offsets or tuple(range(2, depth + 2)))
 
 
 def _validate_rope_scaling(rs) -> None:

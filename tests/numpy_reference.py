@@ -152,8 +152,10 @@ def _mlp_half(p, x, eps, moe):
 
 
 def forward(params, tokens_T, pos_T, seg_T, depth, kind='sequential', eps=1e-6, theta=1e4,
-            moe=(2, 1.0)):
-  """[h^0, ..., h^D] for one sequence; depth k reads t_{i+k} (0 past the end)."""
+            moe=(2, 1.0), offsets=None):
+  """[h^0, ..., h^D] for one sequence; sequential depth k reads t_{i+o_k-1} (0 past the
+  end), o_k = offsets[k - 1] or k + 1."""
+  offsets = list(offsets or range(2, depth + 2))
   emb = params['embed']['embedding']
   t = len(tokens_T)
   x = emb[tokens_T]
@@ -163,7 +165,8 @@ def forward(params, tokens_T, pos_T, seg_T, depth, kind='sequential', eps=1e-6, 
   for k in range(1, depth + 1):
     p = params['mtp'][k - 1]
     if kind == 'sequential':
-      shifted = np.array([tokens_T[i + k] if i + k < t else 0 for i in range(t)])
+      s = offsets[k - 1] - 1
+      shifted = np.array([tokens_T[i + s] if i + s < t else 0 for i in range(t)])
       e = rmsnorm(emb[shifted], p['enorm']['scale'], eps)
       hprev = rmsnorm(hs[-1], p['hnorm']['scale'], eps)
       inp = np.concatenate([e, hprev], axis=-1) @ p['eh_proj']['kernel']
@@ -179,17 +182,19 @@ def head_logits(params, h, depth, eps=1e-6):
   return rmsnorm(h, scale, eps) @ w
 
 
-def loss(params, tokens_BxT, pos_BxT, seg_BxT, depth, weights, kind='sequential'):
-  """L = L_main + sum_k w_k L^k with §3's valid positions; also per-depth (sum, count)."""
+def loss(params, tokens_BxT, pos_BxT, seg_BxT, depth, weights, kind='sequential', offsets=None):
+  """L = L_main + sum_k w_k L^k with §3's valid positions; also per-depth (sum, count).
+  offsets: o_1..o_D, depth k's target t_{i+o_k} (default k + 1)."""
+  heads = [1] + list(offsets or range(2, depth + 2))
   b, t = tokens_BxT.shape
   sums = np.zeros(depth + 1)
   counts = np.zeros(depth + 1)
   for r in range(b):
-    hs = forward(params, tokens_BxT[r], pos_BxT[r], seg_BxT[r], depth, kind)
+    hs = forward(params, tokens_BxT[r], pos_BxT[r], seg_BxT[r], depth, kind, offsets=offsets)
     for k in range(depth + 1):
       logits = head_logits(params, hs[k], k)
       for i in range(t):
-        j = i + k + 1
+        j = i + heads[k]
         if seg_BxT[r, i] == 0 or j >= t or seg_BxT[r, j] != seg_BxT[r, i]:
           continue
         z = logits[i] - logits[i].max()

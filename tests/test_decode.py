@@ -648,3 +648,26 @@ def test_decode_output_marks_where_the_prompt_ends():
   assert plain == ['[prompt]', 'import os', '[continuation]', 'e = self._create()', decode.RULE]
   styled = decode.show('import os', 'e = 1', styled=True)
   assert styled.startswith('\x1b[2mimport os\x1b[0me = 1\n')  # dimmed prompt, then the text
+
+
+def test_leap_depths_do_not_draft():
+  """Target offsets (2, 4): depth 2 predicts t_(i+4), not the position after depth 1's
+  draft, so the decoder drafts with depth 1 only (and refuses a second draft); lossless.
+  Offsets (3,): no depth can draft, decoding is autoregressive."""
+  config = byte_config(2)
+  config.model.mtp.target_offsets = (2, 4)
+  model = build(config)
+  assert model.args.drafting_depths() == 1
+  dec = decode.Decoder(model)
+  prompts = random_prompts(4, seed=17)
+  sp = dec.generate(prompts, MAX_NEW, eos_id=None, record=True)
+  assert sp.num_drafts == 1
+  for a, s in zip(uncached_greedy(model, prompts, MAX_NEW), sp.tokens):
+    np.testing.assert_array_equal(s, a)
+  with pytest.raises(cli.RequestError, match='target_offsets.*first 1 depth'):
+    dec.program(1, 4, 4, num_drafts=2)
+  config = byte_config(1)
+  config.model.mtp.target_offsets = (3,)
+  leap = decode.Decoder(build(config))
+  assert leap.args.drafting_depths() == 0
+  assert leap.generate(prompts[:1], 4, eos_id=None).num_drafts == 0

@@ -22,8 +22,9 @@ def _lookup(d: dict, dotted: str):
 
 # Training-only model switches that may change between runs of the same model.
 _TRAINING_ONLY = {'remat', 'scan_layers', 'loss_chunk', 'dtype', 'mtp.lambda_values',
-                  'mtp.lambda_boundaries', 'mtp.weights', 'mtp.detach_trunk',
-                  'mtp.stop_gradient'}
+                  'mtp.lambda_boundaries', 'mtp.lambda_schedule', 'mtp.weights',
+                  'mtp.detach_trunk', 'mtp.stop_gradient', 'mtp.curriculum',
+                  'mtp.curriculum_phase_steps'}
 # Not here: mtp.freeze_trunk changes the optimizer state's tree, so resuming with it
 # switched is an incompatible config (a clear error, not a failed restore that would
 # send good checkpoints to corrupt_checkpoints/).

@@ -24,6 +24,9 @@ a window are never read: a query at position p sees only slots <= p, all of them
 either true or written by the same call. `hidden[k-1]` keeps h^k at n'-1-k, the one
 input of depth k+1's next window that is not produced in that iteration.
 Parallel heads read only h^0, so their window is the verify window.
+Leap targets (model.mtp.target_offsets): depth k drafts position n-1+k only if it predicts
+t_(i+k+1); the decoder drafts with the leading depths whose offsets are 2, 3, ...
+(ModelArgs.drafting_depths) and refuses more drafts; a leap depth is trained, not used.
 
 Here: the program, its state, the while loop and the host-side `Decoder`. The cached
 block math is the model's own (layers.Block.decode, MTPModel.decode_trunk /
@@ -416,8 +419,14 @@ class Decoder:
   def program(self, batch: int, prompt_len: int, max_new: int, *, num_drafts: int | None = None,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
               record: bool = False, draft_threshold: float = 0.0) -> Program:
-    num_drafts = self.args.mtp_depth if num_drafts is None else num_drafts
-    depth = self.args.mtp_depth
+    depth = self.args.drafting_depths()
+    num_drafts = depth if num_drafts is None else num_drafts
+    if depth < self.args.mtp_depth:  # leap targets: only the adjacent prefix drafts
+      if not 0 <= num_drafts <= depth:
+        raise RequestError(
+            f'num_drafts must be in [0, {depth}]: model.mtp.target_offsets '
+            f'{self.args.mtp_target_offsets} let only the first {depth} depth(s) draft '
+            '(offsets 2, 3, ...); a leap depth does not predict the next position')
     # Sequential modules chain, so the last one can run again (recursive drafts).
     limit = MAX_DRAFTS if depth and self.args.mtp_kind == 'sequential' else depth
     if not 0 <= num_drafts <= max(limit, depth):

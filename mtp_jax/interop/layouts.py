@@ -103,6 +103,10 @@ def check_layout(args: ModelArgs, layout: str) -> None:
   if layout != 'llama' and args.mtp_depth and args.mtp_kind != 'sequential':
     raise InteropError(f'the {layout} layout holds sequential MTP modules only, not '
                        f'model.mtp.kind={args.mtp_kind!r} (--layout llama writes the trunk)')
+  if layout != 'llama' and args.mtp_depth and args.drafting_depths() < args.mtp_depth:
+    raise InteropError(f'the {layout} layout\'s MTP layers predict the adjacent tokens; this '
+                       f'model has leap targets model.mtp.target_offsets '
+                       f'{args.mtp_target_offsets} (--layout llama writes the trunk)')
   kinds = [block_classes(args, i) for i in range(args.n_layers + (args.mtp_depth > 0))]
   if layout == 'llama':
     kinds = kinds[:args.n_layers]

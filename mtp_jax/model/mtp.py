@@ -49,6 +49,7 @@ class ModelArgs:
   mtp_kind: str = 'sequential'
   detach_trunk: bool = False
   stop_gradient: bool = False  # MTP losses reach neither h^0 nor Emb nor OutHead (config_lib)
+  mtp_target_offsets: tuple = ()  # o_1..o_D: depth k predicts t_(i+o_k); () = k + 1
   remat: str = 'none'  # none | block | full (see remat_policy); never changes parameters
   scan_layers: bool = False  # lax.scan over trunk blocks and MTP depths; never changes parameters
   # Block kinds (config_lib documents each field): attention gqa | mla, mlp dense | moe.
@@ -90,7 +91,21 @@ class ModelArgs:
       if field.name not in values:  # a config saved before a field existed: its default
         values[field.name] = config_lib.optional(config, 'model.' + config_path(field.name),
                                                  field.default)
+    values['mtp_target_offsets'] = tuple(int(o) for o in values['mtp_target_offsets'])
     return cls(**values)
+
+  def target_offsets(self) -> tuple:
+    """(1, o_1, ..., o_D): how far ahead each head predicts, the main head first."""
+    return (1,) + (tuple(self.mtp_target_offsets) or tuple(range(2, self.mtp_depth + 2)))
+
+  def drafting_depths(self) -> int:
+    """How many leading depths can draft: those with o_k = k + 1. A leap depth (o_k > k + 1)
+    predicts a token past the position the next draft fills, so the chain stops before it."""
+    offsets = self.target_offsets()
+    c = 0
+    while c < self.mtp_depth and offsets[c + 1] == c + 2:
+      c += 1
+    return c
 
 
 # Where each ModelArgs field lives under config.model when not under its own name there.
@@ -101,7 +116,8 @@ _MOE_FIELDS = ('n_routed_experts', 'n_shared_experts', 'num_experts_per_tok',
                'first_k_dense')
 _CONFIG_PATHS = {
     'mtp_depth': 'mtp.depth', 'mtp_kind': 'mtp.kind', 'detach_trunk': 'mtp.detach_trunk',
-    'stop_gradient': 'mtp.stop_gradient', 'mtp_block_attention': 'mtp.block_attention',
+    'stop_gradient': 'mtp.stop_gradient', 'mtp_target_offsets': 'mtp.target_offsets',
+    'mtp_block_attention': 'mtp.block_attention',
     'mtp_block_mlp': 'mtp.block_mlp', 'moe_dispatch': 'moe.dispatch',
     **{name: f'mla.{name}' for name in _MLA_FIELDS},
     **{name: f'moe.{name}' for name in _MOE_FIELDS},
@@ -404,8 +420,9 @@ class MTPModel(nnx.Module):
                segment_ids_BxT: Array | None = None) -> list[Array]:
     """Hidden states [h^0, h^1, ..., h^D], each [B, T, d], for teacher-forced training.
 
-    Depth k reads the true tokens t_{i+k} (shifted left by k; the tail is padding and
-    is masked out by the loss).
+    Sequential depth k reads the true tokens t_{i+o_k-1} (shifted left by o_k - 1, o_k = k + 1
+    unless model.mtp.target_offsets says otherwise; the tail is padding and is masked out
+    by the loss).
     """
     b, t = tokens_BxT.shape[:2]
     if positions_BxT is None:
@@ -419,10 +436,11 @@ class MTPModel(nnx.Module):
     h = jax.lax.stop_gradient(h0) if detach else h0
     if self.args.scan_layers and self.args.mtp_depth > 1:
       return hiddens + self._scan_depths(h, tokens_BxT, positions_BxT, mask)
+    offsets = self.args.target_offsets()
     for k in range(1, self.args.mtp_depth + 1):
       module = self.mtp[k - 1]
       if self.args.mtp_kind == 'sequential':
-        x = module.combine(h, self.mtp_embed(shift_left(tokens_BxT, k)))
+        x = module.combine(h, self.mtp_embed(shift_left(tokens_BxT, offsets[k] - 1)))
         h = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
         hiddens.append(h)
       else:
@@ -439,8 +457,8 @@ class MTPModel(nnx.Module):
     graphdef, _ = nnx.split(self.mtp[0])
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in self.mtp])
     sequential = self.args.mtp_kind == 'sequential'
-    tokens_KxBxT = jnp.stack([shift_left(tokens_BxT, k)
-                              for k in range(1, self.args.mtp_depth + 1)])
+    tokens_KxBxT = jnp.stack([shift_left(tokens_BxT, o - 1)
+                              for o in self.args.target_offsets()[1:]])
 
     def body(h, xs):
       state, tokens = xs

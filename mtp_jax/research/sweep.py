@@ -120,10 +120,15 @@ class LMEvaluator:
             'tokens': float(tot['count'][0]), 'depths': depths}
     return out
 
-  def decode(self, ts, state, depth: int) -> dict:
-    if not depth or not self.prompts:
+  def decode(self, ts, state) -> dict:
+    """Free-running decoding with every depth that can draft (ModelArgs.drafting_depths),
+    whatever a curriculum left active at the end of training."""
+    if not self.prompts:
       return {}
     dec = evaluation.local_decoder(ts.graphdef, state, ts.mesh)
+    depth = dec.args.drafting_depths()
+    if not depth:
+      return {}
     out = {}
     for temp in self.temperatures:
       res = dec.generate(self.prompts, self.new_tokens, num_drafts=depth, temperature=temp,
@@ -256,7 +261,7 @@ class Sweep:
       if names:
         t0 = time.time()
         ev = {'step': step, 'flops': step * per_step, **self.lm_eval.teacher_forced(ts, state),
-              'decode': self.lm_eval.decode(ts, state, config.model.mtp.depth)}
+              'decode': self.lm_eval.decode(ts, state)}
         for name in names:
           result['evals'][name] = ev
         self.log(f'{run.group}/{run.name}: eval {"/".join(names)} @ {step}: stdlib bpb '

@@ -170,7 +170,7 @@ def decode_metrics(decoder: decode.Decoder, prompts: Sequence[Sequence[int]],
   add the speedup, tokens/s of both and `identical` (spec tokens == AR tokens). A
   model without MTP modules decodes autoregressively only (compare) or not at all.
   """
-  depth = decoder.args.mtp_depth
+  depth = decoder.args.drafting_depths()  # every depth that can draft (not leap ones)
   kw = dict(batch_size=batch_size or len(prompts), warm_up=compare, eos_id=None,
             pad_to=(max(map(len, prompts)), max_new_tokens))
   modes = ([0] if compare else []) + ([depth] if depth else [])

@@ -344,6 +344,8 @@ class _Run:
       out[metric_key('train', 'grad_norm')] = float(m['grad_norm'])
     out[metric_key('train', 'lr')] = float(m['lr'])
     out[metric_key('train', 'lambda')] = float(m['lambda'])
+    if 'active_depths' in m:  # the depth curriculum's a(s) at this line's step
+      out[metric_key('train', 'active_depths')] = float(m['active_depths'])
     out.update(moe.log_metrics(m))  # this step's expert load, bias range, balance loss
     out[metric_key('train', 'skipped_steps')] = float(monitor.skipped_total)
     done = max(window.steps + window.skipped, 1)

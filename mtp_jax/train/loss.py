@@ -3,8 +3,10 @@
   L = L_main + sum_k w_k L^k,   L^k = mean over valid i of -log P^k_{i+k+1}[t_{i+k+1}]
 
 Every depth keeps the static length T; targets of depth k are tokens shifted left by
-k + 1. Position i is valid at depth k only when t_{i+k+1} exists and lies in t_i's
-document. loss_chunk = 0: every depth's logits in one [(D+1) B T, V] product (small
+its target offset o_k (k + 1 unless model.mtp.target_offsets sets leap targets). Position
+i is valid at depth k only when t_{i+o_k} exists and lies in t_i's document. The weights
+w_k follow lambda's schedule and the depth curriculum (depth_weights): a function of the
+step alone, so the compiled step is the same at every step. loss_chunk = 0: every depth's logits in one [(D+1) B T, V] product (small
 vocabularies: the fastest form, its logits all alive at once); loss_chunk > 0: depth by
 depth in sequence chunks under `jax.checkpoint`, so the [D+1, B, T, V] logits never exist
 at once (not even as saved residuals): the form for large vocabularies.
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from mtp_jax import config_lib
 from mtp_jax.model import moe
 from mtp_jax.train.metrics import metric_key
 from mtp_jax.model.mtp import MTPModel, shift_left, vocab_logits
@@ -23,29 +26,37 @@ from mtp_jax.model.mtp import MTPModel, shift_left, vocab_logits
 Array = jax.Array
 
 
-def valid_mask(segment_ids_BxT: Array, depth: int) -> Array:
-  """Positions whose target t_{i+depth+1} is inside the sequence and in t_i's document."""
-  target_seg = shift_left(segment_ids_BxT, depth + 1, fill=0)
+def _offset(depth: int, offsets) -> int:
+  return depth + 1 if offsets is None else int(offsets[depth])
+
+
+def valid_mask(segment_ids_BxT: Array, depth: int, offsets=None) -> Array:
+  """Positions whose target t_{i+o} (o = offsets[depth], default depth + 1) is inside the
+  sequence and in t_i's document."""
+  target_seg = shift_left(segment_ids_BxT, _offset(depth, offsets), fill=0)
   return (segment_ids_BxT != 0) & (target_seg == segment_ids_BxT)
 
 
-def targets(tokens_BxT: Array, depth: int) -> Array:
-  return shift_left(tokens_BxT, depth + 1, fill=0)
+def targets(tokens_BxT: Array, depth: int, offsets=None) -> Array:
+  """t_{i+o} at i: depth `depth`'s targets (offsets as in valid_mask)."""
+  return shift_left(tokens_BxT, _offset(depth, offsets), fill=0)
 
 
-def self_targets(pred0_BxT: Array, num_mtp: int) -> Array:
-  """[D, B, T] self-distillation targets: depth k at i gets the main model's argmax at i + k.
+def self_targets(pred0_BxT: Array, num_mtp: int, offsets=None) -> Array:
+  """[D, B, T] self-distillation targets: depth k at i gets the main model's argmax at
+  i + o_k - 1 (o_k = k + 1 by default).
 
-  pred0[i + k] is the main model's choice for token i+k+1 after the true prefix up to token
-  i+k (0-based): what the verifier picks, so what depth k's draft must match. valid_mask(seg,
-  k) keeps i..i+k+1 in one document, so the same positions are valid as for the data
-  targets. No gradient flows through an argmax.
+  pred0[i + o_k - 1] is the main model's choice for token i+o_k after the true prefix up
+  to token i+o_k-1 (0-based): what the verifier picks, so what depth k's draft must
+  match. valid_mask keeps i..i+o_k in one document, so the same positions are valid as
+  for the data targets. No gradient flows through an argmax.
   """
   pred0_BxT = jax.lax.stop_gradient(pred0_BxT)
-  return jnp.stack([shift_left(pred0_BxT, k, fill=0) for k in range(1, num_mtp + 1)])
+  return jnp.stack([shift_left(pred0_BxT, _offset(k, offsets) - 1, fill=0)
+                    for k in range(1, num_mtp + 1)])
 
 
-def teacher_hiddens(h0_BxTxD: Array, num_mtp: int) -> Array:
+def teacher_hiddens(h0_BxTxD: Array, num_mtp: int, offsets=None) -> Array:
   """[D, B, T, d] the main model's final hidden state at i + k for depth k at i ('soft').
 
   Its logits are the main model's distribution of token i+k+1 after the true prefix up to
@@ -55,7 +66,8 @@ def teacher_hiddens(h0_BxTxD: Array, num_mtp: int) -> Array:
   into the teacher.
   """
   h0_BxTxD = jax.lax.stop_gradient(h0_BxTxD)
-  return jnp.stack([shift_left(h0_BxTxD, k) for k in range(1, num_mtp + 1)])
+  return jnp.stack([shift_left(h0_BxTxD, _offset(k, offsets) - 1)
+                    for k in range(1, num_mtp + 1)])
 
 
 def _nll(logits, targets, teacher_logits=None):
@@ -67,20 +79,66 @@ def _nll(logits, targets, teacher_logits=None):
   return optax.softmax_cross_entropy(logits, p)
 
 
-def valid_counts(segment_ids_BxT: Array, num_depths: int) -> Array:
+def valid_counts(segment_ids_BxT: Array, num_depths: int, offsets=None) -> Array:
   """[D+1] number of valid positions per depth (the loss normalisers)."""
-  return jnp.stack([valid_mask(segment_ids_BxT, k).sum() for k in range(num_depths)])
+  return jnp.stack([valid_mask(segment_ids_BxT, k, offsets).sum() for k in range(num_depths)])
 
 
 def lambda_at(config, step) -> Array:
-  """The step-indexed piecewise-constant lambda of config.model.mtp."""
-  values = jnp.asarray(config.model.mtp.lambda_values, jnp.float32)
-  bounds = jnp.asarray(config.model.mtp.lambda_boundaries, jnp.int32).reshape(-1)
-  return values[jnp.searchsorted(bounds, step, side='right')]
+  """lambda at `step` under model.mtp.lambda_schedule (config_lib documents the forms)."""
+  mtp = config.model.mtp
+  values = jnp.asarray(mtp.lambda_values, jnp.float32)
+  bounds = jnp.asarray(mtp.lambda_boundaries, jnp.int32).reshape(-1)
+  kind = config_lib.optional(config, 'model.mtp.lambda_schedule', 'step')
+  if kind == 'step':
+    return values[jnp.searchsorted(bounds, step, side='right')]
+  if len(values) == 1:
+    return values[0]
+  # segment j: bounds[j] <= step < bounds[j + 1]; clamp outside the knots
+  j = jnp.clip(jnp.searchsorted(bounds, step, side='right') - 1, 0, len(values) - 2)
+  lo, hi = bounds[j].astype(jnp.float32), bounds[j + 1].astype(jnp.float32)
+  frac = jnp.clip((jnp.asarray(step, jnp.float32) - lo) / (hi - lo), 0.0, 1.0)
+  if kind == 'cosine':
+    frac = 0.5 * (1.0 - jnp.cos(jnp.pi * frac))
+  return values[j] + (values[j + 1] - values[j]) * frac
+
+
+def curriculum_phase(config) -> tuple[int, int]:
+  """(P, k_max) of the depth curriculum: phase length in steps and heads counting the main
+  one. P = model.mtp.curriculum_phase_steps, or train.steps / k_max when that is 0 (then
+  the phase index floor(s / (S / k_max)) is computed as floor(s k_max / S), exactly)."""
+  k_max = config.model.mtp.depth + 1
+  return int(config_lib.optional(config, 'model.mtp.curriculum_phase_steps', 0)), k_max
+
+
+def active_depths(config, step) -> Array:
+  """The number a(s) of active MTP depths at step s (depths 1..a(s) are active).
+
+  Aynetdinov & Akbik 2025, k(s) heads counting the main one, k_max = D + 1:
+    forward  k(s) = min(k_max, floor(s / P) + 1)    a(s) = k(s) - 1
+    reverse  k(s) = max(1, k_max - floor(s / P))
+  none: a(s) = D.
+  """
+  depth = config.model.mtp.depth
+  kind = config_lib.optional(config, 'model.mtp.curriculum', 'none')
+  step = jnp.asarray(step, jnp.int32)
+  if kind == 'none' or depth == 0:
+    return jnp.full((), depth, jnp.int32)
+  phase_steps, k_max = curriculum_phase(config)
+  if phase_steps:
+    phase = step // phase_steps
+  else:
+    phase = (step * k_max) // max(int(config.train.steps), 1)
+  if kind == 'forward':
+    heads = jnp.minimum(k_max, phase + 1)
+  else:
+    heads = jnp.maximum(1, k_max - phase)
+  return (heads - 1).astype(jnp.int32)
 
 
 def depth_weights(config, step) -> Array:
-  """[D+1] weights: 1 for the main loss, then w_k (explicit, or lambda / D)."""
+  """[D+1] weights: 1 for the main loss, then w_k (explicit, or lambda / D), times 1 for
+  an active depth of the curriculum and 0 for an inactive one."""
   depth = config.model.mtp.depth
   if depth == 0:
     return jnp.ones((1,), jnp.float32)
@@ -88,7 +146,8 @@ def depth_weights(config, step) -> Array:
     w = jnp.asarray(config.model.mtp.weights, jnp.float32)
   else:
     w = jnp.full((depth,), lambda_at(config, step) / depth, jnp.float32)
-  return jnp.concatenate([jnp.ones((1,), jnp.float32), w])
+  active = jnp.arange(1, depth + 1) <= active_depths(config, step)
+  return jnp.concatenate([jnp.ones((1,), jnp.float32), jnp.where(active, w, 0.0)])
 
 
 def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk: int,
@@ -214,8 +273,9 @@ def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: A
   hiddens = model(tokens, batch.get('positions'), seg)
   routing = moe.collect(model)
   num = len(hiddens)
-  mask_KxBxT = jnp.stack([valid_mask(seg, k) for k in range(num)])
-  targets_KxBxT = jnp.stack([targets(tokens, k) for k in range(num)])
+  offsets = model.args.target_offsets()
+  mask_KxBxT = jnp.stack([valid_mask(seg, k, offsets) for k in range(num)])
+  targets_KxBxT = jnp.stack([targets(tokens, k, offsets) for k in range(num)])
   if num == 1 or (mtp_targets == 'data' and not model.args.stop_gradient):
     loss_K, correct_K, pred_KxBxT = _head_sums(model, hiddens, targets_KxBxT, mask_KxBxT, chunk)
   else:  # depth 0 first: its argmax gives the 'self' targets; OutHead differs under stop_gradient
@@ -223,18 +283,20 @@ def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: A
                                            mask_KxBxT[:1], chunk)
     mtp_tgt, teacher = targets_KxBxT[1:], None
     if mtp_targets == 'self':
-      mtp_tgt = self_targets(pred_0[0], num - 1)
+      mtp_tgt = self_targets(pred_0[0], num - 1, offsets)
     elif mtp_targets == 'soft':
-      teacher = teacher_hiddens(hiddens[0], num - 1)
+      teacher = teacher_hiddens(hiddens[0], num - 1, offsets)
     loss_k, _, pred_k = _head_sums(model, hiddens[1:], mtp_tgt, mask_KxBxT[1:], chunk, first=1,
                                    teacher_KxBxTxD=teacher)
     correct_k = jnp.sum((pred_k == targets_KxBxT[1:]) & mask_KxBxT[1:], axis=(1, 2))
     loss_K = jnp.concatenate([loss_0, loss_k])
     correct_K = jnp.concatenate([correct_0, correct_k.astype(correct_0.dtype)])
     pred_KxBxT = jnp.concatenate([pred_0, pred_k])
-  # does depth k's argmax at i equal the main model's argmax at i + k?
+  # does depth k's argmax at i equal the main model's argmax at i + o_k - 1 (its choice of
+  # the same token t_{i+o_k})?
   agree = [jnp.zeros((), jnp.float32)] + [
-      jnp.sum((pred_KxBxT[k] == shift_left(pred_KxBxT[0], k, fill=-1)) & mask_KxBxT[k])
+      jnp.sum((pred_KxBxT[k] == shift_left(pred_KxBxT[0], offsets[k] - 1, fill=-1))
+              & mask_KxBxT[k])
       .astype(jnp.float32) for k in range(1, num)]
   sums = {'loss_sum': loss_K, 'correct': correct_K, 'agree': jnp.stack(agree),
           'count': mask_KxBxT.sum(axis=(1, 2)).astype(jnp.float32)}

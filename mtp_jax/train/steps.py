@@ -53,8 +53,10 @@ def train_step(config, graphdef, state, batch):
   num_depths = config.model.mtp.depth + 1
   step = optimizer.step[...]
   weights = loss_lib.depth_weights(config, step)
+  active = loss_lib.active_depths(config, step)
+  offsets = config_lib.target_offsets(config)
   # Normalisers from the whole batch: microbatch gradients then sum to the big-batch one.
-  counts = loss_lib.valid_counts(batch['segment_ids'], num_depths)
+  counts = loss_lib.valid_counts(batch['segment_ids'], num_depths, offsets)
   # The frozen parameters (model.mtp.freeze_trunk) go to `rest`: no gradient for them.
   model_graph, params, rest = nnx.split(model, state_lib.trainable(config), ...)
   mtp_targets = config_lib.optional(config, 'loss.mtp_targets', 'data')
@@ -81,12 +83,41 @@ def train_step(config, graphdef, state, batch):
     ((loss, sums), grads), _ = jax.lax.scan(body, zeros, micro)
   grad_norm = optax.global_norm(grads)
   optimizer.update(model, grads)
+  new_state = nnx.state((model, optimizer))
+  if config_lib.optional(config, 'model.mtp.curriculum', 'none') != 'none':
+    new_state = hold_inactive_depths(old_state, new_state, active)
   if 'moe_load' in sums:  # aux-loss-free balancing: the routing bias, outside the gradient
     sums.update(moe.update_bias(model, sums['moe_load'],
                                 config_lib.optional(config, 'model.moe.bias_update_rate', 0.0)))
   metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': state_lib.lr_schedule(config)(step),
-             'lambda': weights[1:].sum() if num_depths > 1 else jnp.zeros(()), **sums}
-  return resilience.keep_finite_update(old_state, nnx.state((model, optimizer)), metrics)
+             'lambda': weights[1:].sum() if num_depths > 1 else jnp.zeros(()),
+             'active_depths': active, **sums}
+  return resilience.keep_finite_update(old_state, new_state, metrics)
+
+
+def _mtp_depth_of(path) -> int | None:
+  """k for a state leaf of MTP depth k (a path through 'mtp', k - 1), else None: the
+  model's own parameters and the optimizer's moments of them alike."""
+  keys = [getattr(p, 'key', getattr(p, 'idx', None)) for p in path]
+  for a, b in zip(keys, keys[1:]):
+    if a == 'mtp' and isinstance(b, int):
+      return b + 1
+  return None
+
+
+def hold_inactive_depths(old_state, new_state, active):
+  """new_state with every leaf of an inactive MTP depth (k > active) taken from old_state.
+
+  An inactive depth's loss weight is 0, so its gradient is 0 already; holding its
+  parameters and Adam moments also stops the momentum of earlier steps and the weight
+  decay from moving it: a switched-off depth stays as it was, a not-yet-active one at
+  its initialisation (as an optimizer that skips parameters without a gradient does).
+  A select per leaf: shapes and the compiled step are the same at every step.
+  """
+  def pick(path, old, new):
+    k = _mtp_depth_of(path)
+    return new if k is None else jnp.where(k <= active, new, old)
+  return jax.tree_util.tree_map_with_path(pick, old_state, new_state)
 
 
 def eval_step(config, graphdef, state, batch, token_bytes_V):
@@ -96,8 +127,9 @@ def eval_step(config, graphdef, state, batch, token_bytes_V):
   weights = jnp.ones((num_depths,), jnp.float32)
   _, sums = loss_lib.loss_and_metrics(model, batch, weights, None, config.model.loss_chunk)
   seg = batch['segment_ids']
-  byte_sums = [jnp.sum(jnp.where(loss_lib.valid_mask(seg, k),
-                                 token_bytes_V[loss_lib.targets(batch['tokens'], k)], 0))
+  offsets = model.args.target_offsets()
+  byte_sums = [jnp.sum(jnp.where(loss_lib.valid_mask(seg, k, offsets),
+                                 token_bytes_V[loss_lib.targets(batch['tokens'], k, offsets)], 0))
                for k in range(num_depths)]
   sums['bytes'] = jnp.stack(byte_sums).astype(jnp.float32)
   return sums
