@@ -19,12 +19,24 @@ results and what they support: docs/research.md.
 `,smoke` is the same on configs/tiny.py's shapes with a few steps (tests).
 
   python scripts/ablation.py --seeds 0,1,2
+
+The sized sweep (`mtp-ablation --groups sized`, docs/research.md) uses `,decay`: the same
+model and data with a cosine decay to 0.1 x the peak learning rate over each run's own
+length, one run per budget, and two more variants, D = 3 sequential under the depth
+curriculum: `d3f` (forward) and `d3r` (reverse), phases of a quarter of the run
+(model.mtp.curriculum). SIZED_VARIANTS lists them; the design (seeds, steps) comes from
+mtp_jax/research/design.py.
 """
 from mtp_jax import config_lib
 
 VARIANTS = {'d0': (0, 'sequential'), 'd1': (1, 'sequential'), 'd3': (3, 'sequential'),
             'd3p': (3, 'parallel')}  # variant -> (model.mtp.depth, model.mtp.kind)
 BASELINE = 'd0'
+# The sized sweep's variants: (model.mtp.depth, model.mtp.kind, model.mtp.curriculum).
+SIZED_VARIANTS = {'d0': (0, 'sequential', 'none'), 'd1': (1, 'sequential', 'none'),
+                  'd3': (3, 'sequential', 'none'), 'd3f': (3, 'sequential', 'forward'),
+                  'd3r': (3, 'sequential', 'reverse'), 'd3p': (3, 'parallel', 'none')}
+DECAY_MIN_LR_RATIO = 0.1  # ',decay': cosine to this fraction of train.lr at the run's end
 STEPS, WARMUP = 320, 20
 SMOKE_STEPS, SMOKE_WARMUP = 12, 2
 
@@ -73,10 +85,16 @@ DEVICES = 1  # mesh.shape below: the research sweep runs each variant on one dev
 
 def get_config(arg: str = 'd3'):
   variant, *opts = arg.split(',')
-  if variant not in VARIANTS or any(o != 'smoke' for o in opts):
+  decay = 'decay' in opts
+  known = SIZED_VARIANTS if decay else VARIANTS
+  if variant not in known or any(o not in ('smoke', 'decay') for o in opts):
     raise ValueError(f'configs/ablation.py: unknown argument {arg!r}; use '
-                     f'configs/ablation.py:<variant>[,smoke] with variant one of '
-                     f'{", ".join(VARIANTS)}')
+                     f'configs/ablation.py:<variant>[,smoke][,decay] with variant one of '
+                     f'{", ".join(VARIANTS)} (with ,decay: {", ".join(SIZED_VARIANTS)})')
   c = _base('smoke' in opts)
-  c.model.mtp.depth, c.model.mtp.kind = VARIANTS[variant]
+  if decay:
+    c.model.mtp.depth, c.model.mtp.kind, c.model.mtp.curriculum = SIZED_VARIANTS[variant]
+    c.train.min_lr_ratio = DECAY_MIN_LR_RATIO
+  else:
+    c.model.mtp.depth, c.model.mtp.kind = VARIANTS[variant]
   return c

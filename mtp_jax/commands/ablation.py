@@ -14,6 +14,15 @@ Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
   speculative decoding of held-out prompts, greedy and sampled at T = 1 and T = 0.7.
 - `induction`: configs/induction.py's D = 0 / 1 / 3 at equal training FLOPs; accuracy
   on the second occurrence of a repeated random span vs training steps.
+- `sized`: configs/ablation.py's `,decay` variants d0 / d1 / d3 / d3f / d3r / d3p with a
+  learning rate decayed over each run, so every budget is its own run (`<variant>@tokens`
+  at the design's steps, `<variant>@flops` at its equal-FLOP steps; d0@tokens is both);
+  the seeds and steps come from `--design` (mtp_jax/research/design.py), which sizes the
+  sweep to a minimum detectable paired effect and writes OUT/design.json. Every table
+  prints the minimum detectable effect of the seeds it has.
+- `names`: configs/induction_names.py's D = 0 / parallel n = 2 / sequential D = 1 on
+  stories with random names (Gloeckle et al. 2024 section 4.1): accuracy on the second
+  token of a name at its second mention vs steps, at equal steps and equal FLOPs.
 
 Each run writes OUT/<group>/<variant>_s<seed>.json when it finishes; a run whose JSON
 exists is skipped, an interrupted one resumes from its last checkpoint in WORKDIR. The
@@ -34,7 +43,9 @@ from mtp_jax.research import stats  # numpy and scipy only
 # The checkout this package is installed from (pip install -e .): configs/ lives there.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-GROUPS = ('lm', 'induction')
+GROUPS = ('lm', 'induction', 'sized', 'names')
+DEFAULT_GROUPS = ('lm', 'induction')
+SIZED_BUDGETS = {'tokens': 'equal_tokens', 'flops': 'equal_flops'}  # variant suffix -> budget
 BUDGETS = {'equal_flops': 'equal training FLOPs', 'equal_tokens': 'equal training tokens'}
 TEMPS = ('T0', 'T1', 'T0.7')
 TEMP_NAMES = {'T0': 'greedy', 'T1': 'T = 1', 'T0.7': 'T = 0.7'}
@@ -50,13 +61,15 @@ def load_config_module(name: str):
 
 ABLATION = load_config_module('ablation')
 INDUCTION = load_config_module('induction')
-CONFIGS = {'lm': ABLATION, 'induction': INDUCTION}
+NAMES = load_config_module('induction_names')
+CONFIGS = {'lm': ABLATION, 'induction': INDUCTION, 'names': NAMES}
 
 
 def parse(argv):
   p = cli.ArgumentParser(prog='mtp-ablation', description=__doc__.splitlines()[0])
   p.add_argument('--seeds', default='0,1,2', help='comma-separated integer seeds')
-  p.add_argument('--groups', default=','.join(GROUPS))
+  p.add_argument('--groups', default=','.join(DEFAULT_GROUPS),
+                 help=f'comma-separated, of {", ".join(GROUPS)}')
   p.add_argument('--variants', default='', help='subset of variants (default: all of a group)')
   p.add_argument('--workdir', default=os.path.join('runs', 'ablation', 'workdirs'),
                  help='checkpoints of unfinished runs')
@@ -67,7 +80,19 @@ def parse(argv):
   p.add_argument('--data_dir', default='', help='data.data_dir of the stdlib data set')
   p.add_argument('--temperatures', default='0,1,0.7',
                  help='decode temperatures of the lm runs (0 = greedy)')
+  p.add_argument('--design', action='store_true',
+                 help='size the sized sweep: measure step times briefly, print the design, '
+                      'write OUT/design.json; trains nothing')
+  p.add_argument('--spread_from', default=os.path.join(REPO, 'benchmarks', 'research'),
+                 help='the committed sweep whose seed spread sizes the design')
+  p.add_argument('--budget_hours', type=float, default=2.0, help='--design: the time budget')
+  p.add_argument('--measure_steps', type=int, default=4,
+                 help='--design: timed train steps per variant')
+  p.add_argument('--sized_steps', type=int, default=0,
+                 help='sized: steps of an equal-token run (default: OUT/design.json)')
   args = p.parse_args(argv)
+  if args.budget_hours <= 0 or args.measure_steps < 1 or args.sized_steps < 0:
+    p.error('--budget_hours must be > 0, --measure_steps >= 1 and --sized_steps >= 0')
   try:
     args.seeds = [int(s) for s in args.seeds.split(',')]
   except ValueError:
@@ -85,7 +110,8 @@ def parse(argv):
   if bad:
     p.error(f'unknown group(s) {bad}; choose from {", ".join(GROUPS)}')
   args.variants = args.variants.split(',') if args.variants else []
-  known = set(ABLATION.VARIANTS) | set(INDUCTION.VARIANTS)
+  known = set(ABLATION.VARIANTS) | set(INDUCTION.VARIANTS) | set(ABLATION.SIZED_VARIANTS) \
+      | set(NAMES.VARIANTS)
   bad = [v for v in args.variants if v not in known]
   if bad:
     p.error(f'unknown variant(s) {bad}; choose from {", ".join(sorted(known))}')
@@ -93,8 +119,43 @@ def parse(argv):
 
 
 def group_variants(args, group: str) -> list[str]:
-  allv = list(CONFIGS[group].VARIANTS)
+  allv = list(ABLATION.SIZED_VARIANTS if group == 'sized' else CONFIGS[group].VARIANTS)
   return [v for v in allv if not args.variants or v in args.variants]
+
+
+def sized_runs(steps: int, smoke: bool = False, variants=None) -> list[tuple[str, str, int]]:
+  """One seed's runs of the sized sweep [(variant, budget, steps)] when an equal-token run
+  takes `steps`: every variant at `steps`, each MTP variant again at its equal-FLOP steps
+  (the most whose FLOPs do not exceed d0's run; D = 0's run serves both budgets)."""
+  opt = ',decay' + (',smoke' if smoke else '')
+  base = ABLATION.get_config(ABLATION.BASELINE + opt)
+  base.train.steps = steps
+  out = []
+  for v in variants or ABLATION.SIZED_VARIANTS:
+    out.append((v, 'tokens', steps))
+    if v != ABLATION.BASELINE:
+      c = ABLATION.get_config(v + opt)
+      c.train.steps = steps
+      out.append((v, 'flops', ABLATION.equal_flop_steps(c, base)))
+  return out
+
+
+def design_path(out: str) -> str:
+  return os.path.join(out, 'design.json')
+
+
+def sized_steps(args) -> int:
+  """The equal-token steps of the sized sweep: --sized_steps, else OUT/design.json's."""
+  if args.sized_steps:
+    return args.sized_steps
+  if args.smoke:
+    return ABLATION.SMOKE_STEPS
+  path = design_path(args.out)
+  if not os.path.isfile(path):
+    raise cli.RequestError(f'the sized group needs its design: run mtp-ablation --design '
+                         f'--out {args.out} first (or pass --sized_steps)')
+  with open(path) as f:
+    return int(json.load(f)['steps'])
 
 
 def make_runs(args):
@@ -102,8 +163,20 @@ def make_runs(args):
   from mtp_jax.research import sweep as research  # deferred: JAX starts here, after the argument checks
   opt = ',smoke' if args.smoke else ''
   runs = []
+  sized = sized_runs(sized_steps(args), args.smoke,
+                     group_variants(args, 'sized')) if 'sized' in args.groups else []
   for seed in args.seeds:
     for group in args.groups:
+      if group == 'sized':
+        for v, budget, steps in sized:
+          c = ABLATION.get_config(v + ',decay' + opt)
+          c.seed, c.data.shuffle_seed, c.train.steps = seed, seed, steps
+          if args.data_dir:
+            c.data.data_dir = args.data_dir
+          runs.append(research.Run('sized', f'{v}@{budget}', seed, c,
+                                   eval_at={SIZED_BUDGETS[budget]: steps},
+                                   save_every=4 if args.smoke else 100))
+        continue
       mod = CONFIGS[group]
       base = mod.get_config(mod.BASELINE + opt)
       for v in group_variants(args, group):
@@ -117,6 +190,11 @@ def make_runs(args):
           runs.append(research.Run('lm', v, seed, c, eval_at={
               'equal_flops': equal, 'equal_tokens': int(c.train.steps)},
               save_every=4 if args.smoke else 50))
+        elif group == 'names':  # every variant the same steps; equal FLOPs from the curves
+          every = NAMES.SMOKE_EVAL_EVERY if args.smoke else NAMES.EVAL_EVERY
+          runs.append(research.Run('names', v, seed, c, kind='induction', eval_every=every,
+                                   log_every=every, task=NAMES.SMOKE_TASK if args.smoke
+                                   else NAMES.TASK, save_every=4 if args.smoke else 100))
         else:
           c.train.steps = equal  # equal compute: D = k trains fewer steps than D = 0
           every = INDUCTION.SMOKE_EVAL_EVERY if args.smoke else INDUCTION.EVAL_EVERY
@@ -143,12 +221,45 @@ def make_sweep(args, runs):
         num_prompts=2 if args.smoke else 16, prompt_len=16 if args.smoke else 64,
         new_tokens=8 if args.smoke else 64, heldout_rule=rule,
         temperatures=args.temperatures)
-  ind = [r for r in runs if r.kind == 'induction']
-  if ind:
-    rows = INDUCTION.SMOKE_EVAL_ROWS if args.smoke else INDUCTION.EVAL_ROWS
-    task = induction.InductionTask(seq_len=ind[0].config.data.seq_len, **ind[0].task)
-    sweep.induction_eval = research.InductionEvaluator(task, rows)
+  for group in ('induction', 'names'):
+    ind = [r for r in runs if r.group == group]
+    if ind:
+      mod = CONFIGS[group]
+      rows = mod.SMOKE_EVAL_ROWS if args.smoke else mod.EVAL_ROWS
+      task = induction.make_task(ind[0].config.data.seq_len, **ind[0].task)
+      sweep.induction_evals[group] = research.InductionEvaluator(task, rows)
+  sweep.induction_eval = sweep.induction_evals.get('induction')
   return sweep
+
+
+def make_design(args) -> dict:
+  """--design: the committed spread, step times measured briefly, the chosen design."""
+  from mtp_jax.research import design as design_lib
+  from mtp_jax.research import sweep as research  # deferred: JAX starts here
+  spread = design_lib.committed_spread(args.spread_from, ABLATION.BASELINE)
+  opt = ',decay' + (',smoke' if args.smoke else '')
+  load = os.getloadavg()
+  step_s, eval_s = {}, {}
+  measured = {}  # variants of one shape cost the same (the curriculum only sets weights)
+  for v in ABLATION.SIZED_VARIANTS:
+    c = ABLATION.get_config(v + opt)
+    key = (c.model.mtp.depth, c.model.mtp.kind)
+    if key not in measured:
+      print(f'measuring {v} ...', file=sys.stderr, flush=True)
+      measured[key] = (
+          research.measure_step_seconds(c, args.measure_steps),
+          research.measure_eval_seconds(
+              c, eval_batches=2 if args.smoke else 32, sets=2,
+              num_prompts=2 if args.smoke else 16, prompt_len=16 if args.smoke else 64,
+              new_tokens=8 if args.smoke else 64, temperatures=args.temperatures))
+    step_s[v], eval_s[v] = measured[key]
+  design = design_lib.choose(spread, lambda n: sized_runs(n, args.smoke), step_s, eval_s,
+                             budget_hours=args.budget_hours)
+  design['load_average'] = {'before': list(load), 'after': list(os.getloadavg())}
+  design['command'] = (f'mtp-ablation --groups sized --seeds '
+                       f'{",".join(str(s) for s in range(design["seeds"]))} '
+                       f'--sized_steps {design["steps"]}')
+  return design
 
 
 # -- tables -------------------------------------------------------------------------------------
@@ -279,7 +390,130 @@ def tabulate(out_dir: str, seeds=None) -> dict:
             f'{v} - d0 copy accuracy at {v}\'s last step (equal steps and tokens)'] = {
                 'welch': stats.welch([a[s] for s in common], [b[s] for s in common]),
                 'paired': stats.paired([a[s] for s in common], [b[s] for s in common])}
+  sized = [r for r in research.load_results(out_dir, 'sized')
+           if seeds is None or r['seed'] in seeds]
+  if sized:
+    summary['sized'] = tabulate_sized(sized)
+  names = [r for r in research.load_results(out_dir, 'names')
+           if seeds is None or r['seed'] in seeds]
+  if names:
+    summary['names'] = tabulate_names(names)
   return summary
+
+
+def paired_test(a: dict, b: dict) -> dict | None:
+  """Paired t test of per-seed values a - b over their common seeds, with the minimum
+  detectable effect (alpha 0.05, power 0.8) at the observed sd of the differences."""
+  common = sorted(s for s in a if s in b and a[s] is not None and b[s] is not None)
+  if len(common) < 2:
+    return None
+  diffs = [a[s] - b[s] for s in common]
+  out = stats.paired([a[s] for s in common], [b[s] for s in common])
+  sd = stats.mean_std(diffs)[1]
+  return {**out, 'n': len(common), 'sd': sd, 'mde': stats.min_detectable_effect(sd, len(common))}
+
+
+def tabulate_sized(runs: list[dict]) -> dict:
+  """The sized sweep per budget: variant rows (mean ± std), paired tests against d0 (and
+  the curricula against static d3), and the minimum detectable effect of the design."""
+  by = {}
+  for r in runs:
+    v, suffix = r['variant'].split('@')
+    by.setdefault((v, SIZED_BUDGETS[suffix]), []).append(r)
+  out = {}
+  for budget in BUDGETS:
+    table = {}
+    for v in ABLATION.SIZED_VARIANTS:
+      rs = by.get((v, budget)) or (by.get((v, 'equal_tokens')) if v == ABLATION.BASELINE
+                                   else None)  # D = 0's one run serves both budgets
+      if not rs:
+        continue
+      cfg = rs[0]['config']['model']['mtp']
+      table[v] = {'depth': rs[0]['depth'], 'mtp_kind': rs[0]['mtp_kind'],
+                  'curriculum': cfg.get('curriculum', 'none'),
+                  'seeds': sorted(r['seed'] for r in rs),
+                  'metrics': aggregate({r['seed']: lm_metrics(r, next(iter(r['evals'])))
+                                        for r in rs})}
+    tests, pooled = {}, {'stdlib_bpb': [], 'heldout_bpb': []}
+    pairs = [(v, ABLATION.BASELINE) for v in table if v != ABLATION.BASELINE]
+    pairs += [(v, 'd3') for v in ('d3f', 'd3r') if v in table and 'd3' in table]
+    for v, ref in pairs:
+      if ref not in table:
+        continue
+      for metric in ('stdlib_bpb', 'heldout_bpb') + (('tau_T0', 'tau_T1') if ref == 'd3'
+                                                     else ()):
+        if metric not in table[v]['metrics'] or metric not in table[ref]['metrics']:
+          continue
+        t = paired_test(table[v]['metrics'][metric]['per_seed'],
+                        table[ref]['metrics'][metric]['per_seed'])
+        if t is not None:
+          tests[f'{v} - {ref} {metric}'] = t
+          if ref == ABLATION.BASELINE:
+            a, b = table[v]['metrics'][metric]['per_seed'], table[ref]['metrics'][metric]['per_seed']
+            pooled[metric].append([a[s] - b[s] for s in a if s in b])
+    design = {}
+    for metric, groups in pooled.items():
+      sd, dof = stats.pooled_sd(groups)
+      n = min((len(g) for g in groups), default=0)
+      if dof:
+        design[metric] = {'pooled_sd': sd, 'dof': dof, 'n': n,
+                          'mde': stats.min_detectable_effect(sd, n)}
+    out[budget] = {'table': table, 'tests': tests, 'mde': design}
+  return out
+
+
+def _names_equal_flop_step(r: dict, base: dict) -> int:
+  return max(1, int(base['steps'] * base['flops_per_step'] // r['flops_per_step']))
+
+
+def _at_step(curve: list[dict], step: int) -> float:
+  """Copy accuracy at the last evaluation at or before `step`."""
+  return [p for p in curve if p['step'] <= step][-1]['copy_acc']
+
+
+def tabulate_names(runs: list[dict]) -> dict:
+  """Name-story induction: per variant the curve's landmarks, equal steps and equal FLOPs
+  against D = 0, paired by seed (same task batches and trunk initialisation)."""
+  by = {}
+  for r in runs:
+    by.setdefault(r['variant'], {})[r['seed']] = r
+  base = by.get(NAMES.BASELINE, {})
+  table = {}
+  for v in [v for v in NAMES.VARIANTS if v in by]:
+    per = {}
+    for seed, r in by[v].items():
+      curve = [p for p in r['curve'] if 'copy_acc' in p]
+      m = {'steps': r['steps'], 'copy_acc_final': curve[-1]['copy_acc'],
+           'other_acc_final': curve[-1]['other_acc'],
+           'copy_acc_quarter': _at_step(curve, r['steps'] // 4),
+           'copy_acc_half': _at_step(curve, r['steps'] // 2),
+           'steps_to_half': next((p['step'] for p in curve if p['copy_acc'] >= 0.5), None)}
+      b = base.get(seed)
+      if b is not None:  # equal FLOPs: this run at the most steps within D = 0's FLOPs
+        eq = _names_equal_flop_step(r, b)
+        m['equal_flop_step'] = eq
+        m['copy_acc_equal_flops'] = _at_step(curve, eq)
+      per[seed] = m
+    table[v] = {'depth': next(iter(by[v].values()))['depth'],
+                'mtp_kind': next(iter(by[v].values()))['mtp_kind'],
+                'seeds': sorted(by[v]), 'metrics': aggregate(per)}
+  tests = {}
+  if NAMES.BASELINE in table:
+    b = table[NAMES.BASELINE]['metrics']['copy_acc_final']['per_seed']
+    for v in table:
+      if v == NAMES.BASELINE:
+        continue
+      m = table[v]['metrics']
+      for name, metric in (('equal steps', 'copy_acc_final'),
+                           ('equal FLOPs', 'copy_acc_equal_flops'),
+                           ('half the steps', 'copy_acc_half')):
+        other = b if metric != 'copy_acc_half' else \
+            table[NAMES.BASELINE]['metrics']['copy_acc_half']['per_seed']
+        t = paired_test(m[metric]['per_seed'], other) if metric in m else None
+        if t is not None:
+          tests[f'{v} - d0 copy accuracy, {name}'] = t
+  task = next(iter(runs))['task']
+  return {'table': table, 'tests': tests, 'task': task, 'chance': NAMES.CHANCE}
 
 
 def _pm(m: dict, fmt: str = '{:.3f}') -> str:
@@ -367,7 +601,76 @@ def markdown(summary: dict) -> str:
       if 'paired' in t:
         line += f'; paired t = {t["paired"]["t"]:.2f}, p = {t["paired"]["p"]:.3f}'
       out.append(line)
+  if summary.get('sized'):
+    out += [''] + markdown_sized(summary['sized'])
+  if summary.get('names'):
+    out += [''] + markdown_names(summary['names'])
   return '\n'.join(out)
+
+
+def _test_line(name: str, t: dict, fmt: str = '{:+.4f}') -> str:
+  return (f'- {name}: {fmt.format(t["diff"])}, paired t = {t["t"]:.2f}, p = {t["p"]:.3f}, '
+          f'n = {t["n"]}; minimum detectable effect {t["mde"]:.3f} (sd of the differences '
+          f'{t["sd"]:.4f})')
+
+
+def markdown_sized(sized: dict) -> list[str]:
+  out = []
+  for budget, title in BUDGETS.items():
+    part = sized.get(budget)
+    if not part or not part['table']:
+      continue
+    table = part['table']
+    ns = sorted({len(row['seeds']) for row in table.values()})
+    out += [f'**Sized sweep, {title}** (decayed learning rate, one run per budget; mean ± std '
+            f'over seeds, n = {"/".join(map(str, ns))})', '',
+            '| variant | steps | train TFLOP | stdlib val bpb | held-out bpb | '
+            'agreement per depth | tau greedy | tau T = 1 |', '|---|---|---|---|---|---|---|---|']
+    for v, row in table.items():
+      m = row['metrics']
+      agree = ' / '.join(_pm(m[f'heldout_agree_{k}'], '{:.2f}')
+                         for k in range(1, row['depth'] + 1)) or 'n.a.'
+      taus = [_pm(m.get(f'tau_{t}'), '{:.2f}') if row['depth'] else '1 (n.a.)'
+              for t in ('T0', 'T1')]
+      label = _label(v, row) + (f', {row["curriculum"]} curriculum'
+                                if row.get('curriculum', 'none') != 'none' else '')
+      out.append(f'| {label} | {_pm(m["steps"], "{:.0f}")} | {_pm(m["train_tflop"], "{:.2f}")} '
+                 f'| {_pm(m["stdlib_bpb"])} | {_pm(m["heldout_bpb"])} | {agree} | '
+                 f'{" | ".join(taus)} |')
+    out.append('')
+    for metric, d in part['mde'].items():
+      out.append(f'Minimum detectable paired effect on {metric} (alpha 0.05, power 0.8, '
+                 f'n = {d["n"]}): {d["mde"]:.3f} bits per byte (pooled sd of the paired '
+                 f'differences against d0: {d["pooled_sd"]:.4f}, {d["dof"]} dof).')
+    if part['tests']:
+      out += ['', 'Paired differences (negative bpb = better than the reference):', '']
+      out += [_test_line(name, t) for name, t in part['tests'].items()]
+    out.append('')
+  return out
+
+
+def markdown_names(names: dict) -> list[str]:
+  table = names['table']
+  out = [f'**Induction on stories with random names** (copy accuracy = main-head top-1 '
+         f'accuracy on the second token of a name at its second mention; chance '
+         f'{names["chance"]:.3f}; mean ± std over seeds)', '',
+         '| variant | steps | after 1/4 of the steps | after 1/2 | at the end (equal steps) | '
+         'at equal FLOPs | steps to 50 % | at the end, each seed |',
+         '|---|---|---|---|---|---|---|---|']
+  for v, row in table.items():
+    m = row['metrics']
+    reach = m['steps_to_half']
+    reached = f'{reach["n"]}/{len(row["seeds"])} seeds' + (
+        f', {reach["mean"]:.0f}' if reach['n'] else '')
+    eqf = _pm(m.get('copy_acc_equal_flops')) if row['depth'] else '(= at the end)'
+    label = f'{v} (D = 0)' if not row['depth'] else f'{v} (D = {row["depth"]} {row["mtp_kind"]})'
+    out.append(f'| {label} | {_pm(m["steps"], "{:.0f}")} | {_pm(m["copy_acc_quarter"])} | '
+               f'{_pm(m["copy_acc_half"])} | {_pm(m["copy_acc_final"])} | {eqf} | {reached} | '
+               f'{_seeds(m["copy_acc_final"])} |')
+  out.append('')
+  out += [_test_line(name, t, '{:+.3f}') for name, t in names['tests'].items()]
+  out.append('')
+  return out
 
 
 def ind_alphabet(summary: dict):
@@ -381,7 +684,25 @@ def _label(v: str, row: dict) -> str:
 
 
 def main(argv=None) -> int:
+  try:
+    return _main(argv)
+  except cli.RequestError as e:
+    return cli.report_expected(e)
+
+
+def _main(argv=None) -> int:
   args = parse(argv)
+  if args.design:
+    from mtp_jax.research import design as design_lib
+    design = make_design(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(design_path(args.out), 'w') as f:
+      json.dump(design, f, indent=1, default=_json_default)
+    print(design_lib.describe(design))
+    la = design['load_average']
+    print(f"Measured at load average {la['before'][0]:.1f} (1 min) on {os.cpu_count()} cores; "
+          f"the estimate scales with the load.\nRun: {design['command']}")
+    return 0
   if not args.no_run:
     runs = make_runs(args)
     sweep = make_sweep(args, runs)

@@ -86,3 +86,129 @@ def copy_accuracy(pred_BxT: np.ndarray, batch: dict) -> float:
   """Accuracy on the copyable tokens: pred[:, i] is the prediction of tokens[:, i + 1]."""
   target, mask = batch['tokens'][:, 1:], batch['copy_mask'][:, 1:]
   return float(((pred_BxT[:, :-1] == target) & mask).sum() / max(mask.sum(), 1))
+
+
+# -- stories with random names (Gloeckle et al. 2024, section 4.1, scaled down) ----------------
+# Short children's-story sentences; {A} and {B} are the story's two characters. Every story
+# opens with one INTRO sentence that names both, so each name's next mention is its second.
+INTRO = (
+    'Once upon a time, {A} and {B} went to the park.',
+    '{A} lived next to {B} in a small town.',
+    'One day {A} met {B} by the river.',
+    '{A} and {B} were best friends.',
+)
+BODY = (
+    '{A} found a shiny red stone.', '{B} wanted to see it.', '{A} gave the stone to {B}.',
+    '{B} said thank you to {A}.', 'Then {B} and {A} played a game.', '{A} was very happy.',
+    '{B} ran home to tell mom.', 'Later {A} and {B} ate cake together.',
+    'The dog barked at {B}.', '{A} laughed and jumped.', 'It started to rain on {A}.',
+    '{B} shared a big umbrella.', 'At night {A} dreamed of the sea.', '{B} sang a song.',
+)
+LETTERS = 'abcdefghijklmnopqrstuvwxyz'
+# A name's capital is none that starts a template word ('Once', 'The', ...): in a story a
+# capital then marks one name only, and the letter after it has one right answer.
+NAME_CAPITALS = ''.join(sorted(set(LETTERS.upper()) - {
+    ch for t in INTRO + BODY for ch in t.replace('{A}', '').replace('{B}', '') if ch.isupper()}))
+
+
+@dataclasses.dataclass(frozen=True)
+class NameStoryTask:
+  """Template stories whose two characters have random names: the scaled-down induction
+  test of Gloeckle et al. 2024 (section 4.1), on the byte tokenizer.
+
+  A name is a capital letter (NAME_CAPITALS) and name_min - 1 .. name_max - 1 lower-case
+  letters, drawn anew for every story (the two names start with different capitals),
+  so each name is
+  several tokens and nothing but its first mention predicts it. A story is an INTRO
+  sentence naming both characters and body_min .. body_max BODY sentences, joined by
+  spaces; rows are stories packed one after another as separate documents (segment ids
+  1, 2, ...; positions restart), the last one cut at seq_len.
+
+  The score: the main head's top-1 accuracy on the second token of a name at its second
+  mention. After the mention's capital, only an induction head (look back to where that
+  capital started the name, copy what followed) beats chance, 1/26. `copy_mask` marks
+  those target tokens.
+  """
+  seq_len: int = 128
+  name_min: int = 3
+  name_max: int = 6
+  body_min: int = 2
+  body_max: int = 4
+  kind: str = 'names'
+
+  def __post_init__(self):
+    if not 2 <= self.name_min <= self.name_max:
+      raise ValueError(f'need 2 <= name_min <= name_max, got {self.name_min}, {self.name_max}')
+    if not 1 <= self.body_min <= self.body_max:
+      raise ValueError(f'need 1 <= body_min <= body_max, got {self.body_min}, {self.body_max}')
+    if self.seq_len < 64:
+      raise ValueError(f'seq_len {self.seq_len} cannot hold a story opening (need >= 64)')
+
+  def story(self, rng: np.random.Generator) -> tuple[str, list[int]]:
+    """(text, character offsets of the scored characters: each name's second letter at
+    its second mention)."""
+    caps = rng.choice(len(NAME_CAPITALS), 2, replace=False)
+    names = []
+    for cap in caps:
+      n = int(rng.integers(self.name_min, self.name_max + 1))
+      names.append(NAME_CAPITALS[cap] + ''.join(LETTERS[i] for i in rng.integers(0, 26, n - 1)))
+    picks = [INTRO[int(rng.integers(len(INTRO)))]] + [
+        BODY[int(i)] for i in rng.integers(0, len(BODY),
+                                           int(rng.integers(self.body_min, self.body_max + 1)))]
+    text, mentions = '', {0: 0, 1: 0}
+    scored = []
+    for sentence in picks:
+      text += ' ' if text else ''
+      rest = sentence
+      while rest:  # fill the slots left to right, counting each name's mentions
+        cut = [(rest.find(f'{{{c}}}'), j) for j, c in enumerate('AB') if f'{{{c}}}' in rest]
+        if not cut:
+          text += rest
+          break
+        at, j = min(cut)
+        text += rest[:at]
+        mentions[j] += 1
+        if mentions[j] == 2:
+          scored.append(len(text) + 1)
+        text += names[j]
+        rest = rest[at + 3:]
+    return text, scored
+
+  def rows(self, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    """{tokens, segment_ids, positions, copy_mask}, each [n, T], of n fresh rows."""
+    tok = tokenizers.ByteTokenizer()
+    t = self.seq_len
+    out = {k: np.zeros((n, t), np.int32) for k in ('tokens', 'segment_ids', 'positions')}
+    mask = np.zeros((n, t), bool)
+    for r in range(n):
+      i, seg = 0, 1
+      while i < t:
+        text, scored = self.story(rng)
+        ids = tok.encode_array(text.encode())  # one token per byte: offsets carry over
+        m = min(len(ids), t - i)
+        out['tokens'][r, i:i + m] = ids[:m]
+        out['segment_ids'][r, i:i + m] = seg
+        out['positions'][r, i:i + m] = np.arange(m)
+        for c in scored:
+          if c < m:
+            mask[r, i + c] = True
+        i, seg = i + m, seg + 1
+    out['copy_mask'] = mask
+    return out
+
+  def batch(self, seed: int, step: int, batch_size: int) -> dict[str, np.ndarray]:
+    """Training batch `step` of run `seed` (a pure function of both, as InductionTask's)."""
+    return self.rows(np.random.default_rng([seed, step]), batch_size)
+
+  def eval_batch(self, n: int, seed: int = 12345) -> dict[str, np.ndarray]:
+    """A fixed evaluation set of n rows, from a seed no training run uses."""
+    return self.rows(np.random.default_rng([seed, 2**31]), n)
+
+
+def make_task(seq_len: int, kind: str = 'spans', **fields):
+  """The task of a sweep run's `task` fields: 'spans' (InductionTask) or 'names'."""
+  if kind == 'names':
+    return NameStoryTask(seq_len=seq_len, **fields)
+  if kind != 'spans':
+    raise ValueError(f"induction task kind must be 'spans' or 'names', got {kind!r}")
+  return InductionTask(seq_len=seq_len, **fields)

@@ -311,11 +311,11 @@ def plot_sweep_acceptance(results: list[dict], path: str, budget: str = 'equal_t
 
 
 def plot_sweep(out_dir: str, fig_dir: str | None = None) -> list[str]:
-  """The sweep's figures from OUT/lm.json and OUT/induction.json; their paths."""
+  """The sweep's figures from OUT/lm.json, OUT/induction.json and OUT/names.json; their paths."""
   fig_dir = fig_dir or out_dir
-  groups = {g: load_results(out_dir, g) for g in ('lm', 'induction')}
+  groups = {g: load_results(out_dir, g) for g in ('lm', 'induction', 'names')}
   if not any(groups.values()):
-    raise FileNotFoundError(f'no lm.json or induction.json under {out_dir}')
+    raise FileNotFoundError(f'no lm.json, induction.json or names.json under {out_dir}')
   paths = []
   if groups.get('lm'):
     paths.append(plot_sweep_loss(groups['lm'], os.path.join(fig_dir, 'loss_vs_flops.png')))
@@ -326,4 +326,6 @@ def plot_sweep(out_dir: str, fig_dir: str | None = None) -> list[str]:
     alphabet = groups['induction'][0].get('task', {}).get('alphabet')
     paths.append(plot_induction(groups['induction'], os.path.join(fig_dir, 'induction.png'),
                                 1 / alphabet if alphabet else None))
+  if groups.get('names'):  # the second letter of a random name: one of 26
+    paths.append(plot_induction(groups['names'], os.path.join(fig_dir, 'names.png'), 1 / 26))
   return paths

@@ -5,7 +5,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import stats
+from scipy import optimize, stats
 
 
 def mean_std(xs: Sequence[float]) -> tuple[float, float]:
@@ -45,3 +45,53 @@ def batch_bpb_se(loss_sums: Sequence[float], bytes_: Sequence[float]) -> float:
   r = ls.sum() / by.sum()
   resid = (ls - r * by) / by.mean()
   return float(math.sqrt((resid ** 2).sum() / (n * (n - 1))) / math.log(2)) if n > 1 else 0.0
+
+
+def paired_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
+  """Power of the two-sided paired t test (n pairs, sd of the paired differences) to find a
+  true mean difference `effect`: P(|T| > t_(1-alpha/2, n-1)) with T noncentral t of
+  n - 1 degrees of freedom and noncentrality effect sqrt(n) / sd."""
+  if n < 2:
+    return 0.0
+  if sd <= 0:
+    return 1.0 if effect else alpha
+  dof, ncp = n - 1, abs(effect) * math.sqrt(n) / sd
+  crit = stats.t.ppf(1 - alpha / 2, dof)
+  p = float(stats.nct.sf(crit, dof, ncp) + stats.nct.cdf(-crit, dof, ncp))
+  # scipy's noncentral t can fail far in the tail (1 dof, large ncp): the power is ~1 there
+  return p if math.isfinite(p) else float(stats.norm.sf(crit - ncp))
+
+
+def min_detectable_effect(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+  """The smallest true mean paired difference the two-sided paired t test of n pairs
+  detects with probability `power` at level `alpha` (exact, noncentral t); inf for n < 2."""
+  if n < 2:
+    return math.inf
+  if sd <= 0:
+    return 0.0
+  hi = sd
+  while paired_power(hi, sd, n, alpha) < power:
+    hi *= 2
+  return float(optimize.brentq(lambda e: paired_power(e, sd, n, alpha) - power, 0.0, hi,
+                               xtol=1e-10))
+
+
+def seeds_for_effect(effect: float, sd: float, alpha: float = 0.05, power: float = 0.8,
+                     max_seeds: int = 10_000) -> int:
+  """The fewest pairs (seeds) whose paired t test detects `effect` (min_detectable_effect
+  <= effect); max_seeds + 1 when none up to max_seeds does."""
+  n = 2
+  while n <= max_seeds and min_detectable_effect(sd, n, alpha, power) > effect:
+    n += 1
+  return n
+
+
+def pooled_sd(groups: Sequence[Sequence[float]]) -> tuple[float, int]:
+  """(pooled sample sd, degrees of freedom) of several samples, each about its own mean."""
+  ss, dof = 0.0, 0
+  for g in groups:
+    a = np.asarray(g, np.float64)
+    if len(a) > 1:
+      ss += float(((a - a.mean()) ** 2).sum())
+      dof += len(a) - 1
+  return (math.sqrt(ss / dof) if dof else 0.0), dof

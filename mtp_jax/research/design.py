@@ -1,0 +1,143 @@
+"""Sizing a sweep to the paired effect it must detect, before it runs.
+
+The spread: from a committed sweep (OUT/lm.json), the per-seed paired differences
+bpb(variant) - bpb(D = 0) of every MTP variant, on both evaluation corpora, pooled into one
+standard deviation of a paired difference per budget (stats.pooled_sd; each comparison
+about its own mean, so the effects themselves do not count as spread).
+
+The design: seeds n and steps S per equal-token run (tokens per run = S x tokens per
+step), with one run per (variant, budget) because a decayed learning rate makes every
+budget its own run. `choose` takes the measured seconds per step of each variant and per
+evaluation, and
+1. the seeds n_needed whose minimum detectable paired effect (two-sided paired t, alpha,
+   power; stats.min_detectable_effect) at the equal-token spread is <= the target;
+2. if n_needed seeds at the minimum steps fit the time budget: n = n_needed, and S the
+   most steps that still fit (more tokens per run);
+3. else the most seeds that fit at the minimum steps (at least min_seeds), S likewise;
+4. if not even min_seeds fit: min_seeds at the minimum steps, marked over budget, with
+   its wall time.
+The spread is assumed not to shrink with more tokens per run or the decayed schedule
+(conservative: both are expected to reduce it), so the minimum detectable effects it
+reports are upper bounds under that assumption; the sweep's own tables report the
+ones its results support.
+
+Standard library, numpy and scipy only (mtp_jax.research.stats).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from mtp_jax.research import results as results_lib
+from mtp_jax.research import stats
+
+TARGET_MDE = 0.05  # bits per byte
+ALPHA, POWER = 0.05, 0.8
+MIN_SEEDS = 5
+TOKENS_FACTOR = 3  # tokens per run: at least this many times the committed sweep's
+BUDGET_HOURS = 2.0
+CORPORA = ('stdlib_val', 'heldout')
+
+
+def committed_spread(out_dir: str, baseline: str = 'd0') -> dict:
+  """The paired spread of a committed lm sweep, per budget: pooled sd, its dof, each
+  comparison's sd, plus the sweep's seeds and tokens per run."""
+  runs = results_lib.load_results(out_dir, 'lm')
+  if not runs:
+    raise FileNotFoundError(f'no lm.json under {out_dir}: the spread comes from a committed '
+                            'sweep')
+  by = {(r['variant'], r['seed']): r for r in runs}
+  base = {s: r for (v, s), r in by.items() if v == baseline}
+  if not base:
+    raise ValueError(f'{out_dir}/lm.json has no {baseline} runs to pair against')
+  any_base = next(iter(base.values()))
+  out = {'seeds': sorted(base), 'steps': int(any_base['steps']),
+         'tokens_per_step': int(any_base['tokens_per_step']),
+         'tokens_per_run': int(any_base['steps']) * int(any_base['tokens_per_step']),
+         'budgets': {}}
+  variants = sorted({v for v, _ in by if v != baseline})
+  for budget in sorted(any_base['evals']):
+    groups, each = [], {}
+    for v in variants:
+      for corpus in CORPORA:
+        diffs = [by[(v, s)]['evals'][budget][corpus]['bpb'][0]
+                 - base[s]['evals'][budget][corpus]['bpb'][0]
+                 for s in sorted(base) if (v, s) in by and budget in by[(v, s)]['evals']]
+        if len(diffs) > 1:
+          groups.append(diffs)
+          each[f'{v} - {baseline} {corpus}'] = stats.mean_std(diffs)[1]
+    sd, dof = stats.pooled_sd(groups)
+    out['budgets'][budget] = {'pooled_sd': sd, 'dof': dof, 'comparisons': each}
+  return out
+
+
+def per_seed_seconds(runs: Sequence[tuple[str, str, int]], step_seconds: dict,
+                     eval_seconds: dict) -> float:
+  """Wall seconds of one seed's runs [(variant, budget, steps)]: steps x the variant's
+  seconds per step, plus one evaluation per run."""
+  return sum(step_seconds[v] * n + eval_seconds[v] for v, _, n in runs)
+
+
+def choose(spread: dict, runs_for: Callable[[int], list], step_seconds: dict,
+           eval_seconds: dict, *, budget_hours: float = BUDGET_HOURS,
+           target: float = TARGET_MDE, min_seeds: int = MIN_SEEDS,
+           tokens_factor: float = TOKENS_FACTOR, quantum: int = 10) -> dict:
+  """The design (module docstring). runs_for(S): one seed's [(variant, budget, steps)]
+  when the equal-token runs take S steps."""
+  budget = budget_hours * 3600
+  sd = spread['budgets']['equal_tokens']['pooled_sd']
+  min_steps = int(math.ceil(tokens_factor * spread['steps'] / quantum) * quantum)
+  per = lambda s: per_seed_seconds(runs_for(s), step_seconds, eval_seconds)  # noqa: E731
+  needed = stats.seeds_for_effect(target, sd, ALPHA, POWER)
+  fit = int(budget // per(min_steps))
+  if fit >= max(needed, min_seeds):
+    n, case = max(needed, min_seeds), 'target met within the budget'
+  elif fit >= min_seeds:
+    n, case = fit, 'the most seeds the budget allows; the target is not met'
+  else:
+    n, case = min_seeds, 'over budget: the minimum design does not fit'
+  steps = min_steps
+  if n * per(min_steps) <= budget:  # spend what is left on tokens per run
+    while n * per(steps + quantum) <= budget:
+      steps += quantum
+  wall = n * per(steps)
+  mde = {b: stats.min_detectable_effect(v['pooled_sd'], n, ALPHA, POWER)
+         for b, v in spread['budgets'].items()}
+  return {
+      'seeds': n, 'steps': steps, 'tokens_per_run': steps * spread['tokens_per_step'],
+      'tokens_factor': steps / spread['steps'], 'runs_per_seed': len(runs_for(steps)),
+      'runs': runs_for(steps), 'wall_seconds': wall, 'per_seed_seconds': per(steps),
+      'budget_seconds': budget, 'fits_budget': wall <= budget, 'case': case,
+      'target_mde': target, 'alpha': ALPHA, 'power': POWER,
+      'seeds_needed_for_target': needed,
+      'wall_seconds_for_target': needed * per(min_steps),
+      'min_detectable_effect': mde, 'spread': spread,
+      'step_seconds': dict(step_seconds), 'eval_seconds': dict(eval_seconds)}
+
+
+def describe(design: dict) -> str:
+  """The design as the lines the command prints."""
+  sp = design['spread']
+  tok = sp['budgets']['equal_tokens']
+  lines = [
+      f"Spread of the committed sweep (n = {len(sp['seeds'])}, {sp['tokens_per_run']:,} tokens "
+      f"per run): sd of a paired bpb difference {tok['pooled_sd']:.4f} at equal tokens "
+      f"(pooled, {tok['dof']} dof)" + ''.join(
+          f", {v['pooled_sd']:.4f} at {b.replace('_', ' ')}"
+          for b, v in sp['budgets'].items() if b != 'equal_tokens') + '.',
+      f"Target: minimum detectable paired effect <= {design['target_mde']} bits per byte "
+      f"(alpha {design['alpha']}, power {design['power']}): "
+      f"{design['seeds_needed_for_target']} seeds at equal tokens, "
+      f"{design['wall_seconds_for_target'] / 3600:.1f} h at the minimum tokens per run.",
+      f"Chosen ({design['case']}): {design['seeds']} seeds x {design['runs_per_seed']} runs, "
+      f"{design['steps']} steps = {design['tokens_per_run']:,} tokens per equal-token run "
+      f"({design['tokens_factor']:.1f}x the committed sweep), estimated wall time "
+      f"{design['wall_seconds'] / 3600:.2f} h (budget {design['budget_seconds'] / 3600:.1f} h).",
+      'Minimum detectable paired effect of this design at the committed spread: ' + ', '.join(
+          f"{b.replace('_', ' ')} {v:.3f}" for b, v in design['min_detectable_effect'].items())
+      + ' bits per byte.',
+      'Seconds per step (measured): ' + ', '.join(
+          f'{v} {s:.3f}' for v, s in design['step_seconds'].items())
+      + '; per evaluation: ' + ', '.join(
+          f'{v} {s:.1f}' for v, s in design['eval_seconds'].items()) + '.']
+  return '\n'.join(lines)

@@ -1,0 +1,186 @@
+"""The sized sweep: the minimum detectable effect, the design chosen from the committed
+spread, its variants and budgets, and name-story induction (task, runs, resumption)."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from helpers import REPO
+from mtp_jax import config_lib
+from mtp_jax.commands import ablation as A
+from mtp_jax.data import induction
+from mtp_jax.research import design as design_lib
+from mtp_jax.research import stats
+from mtp_jax.research import sweep as research
+
+COMMITTED = os.path.join(REPO, 'benchmarks', 'research')
+
+
+def test_minimum_detectable_effect_has_the_stated_power():
+  """At the MDE the paired t test rejects in ~80 % of simulated experiments (alpha 0.05);
+  it shrinks with n, and seeds_for_effect is the first n that reaches a target."""
+  from scipy import stats as sps
+  sd, n = 0.1, 8
+  mde = stats.min_detectable_effect(sd, n)
+  rng = np.random.default_rng(0)
+  d = rng.normal(mde, sd, (20000, n))
+  p = sps.ttest_1samp(d, 0.0, axis=1).pvalue
+  assert abs(np.mean(p < 0.05) - 0.8) < 0.015
+  assert stats.paired_power(mde, sd, n) == pytest.approx(0.8, abs=1e-6)
+  assert stats.min_detectable_effect(sd, 20) < mde < stats.min_detectable_effect(sd, 5)
+  need = stats.seeds_for_effect(0.05, sd)
+  assert stats.min_detectable_effect(sd, need) <= 0.05 < stats.min_detectable_effect(sd, need - 1)
+  assert stats.min_detectable_effect(sd, 1) == math.inf
+  # the large-sample limit: (z_0.975 + z_0.8) sd / sqrt(n)
+  assert stats.min_detectable_effect(sd, 400) == pytest.approx(2.8016 * sd / 20, rel=0.01)
+  sd_pooled, dof = stats.pooled_sd([[1.0, 2.0, 3.0], [10.0, 12.0]])
+  assert dof == 3 and sd_pooled == pytest.approx(math.sqrt((2 + 2) / 3))
+
+
+def test_committed_spread_pools_the_paired_differences():
+  spread = design_lib.committed_spread(COMMITTED)
+  runs = {(r['variant'], r['seed']): r for r in json.load(open(os.path.join(COMMITTED, 'lm.json')))}
+  groups = []
+  for v in ('d1', 'd3', 'd3p'):
+    for corpus in ('stdlib_val', 'heldout'):
+      groups.append([runs[(v, s)]['evals']['equal_tokens'][corpus]['bpb'][0]
+                     - runs[('d0', s)]['evals']['equal_tokens'][corpus]['bpb'][0]
+                     for s in (0, 1, 2)])
+  tok = spread['budgets']['equal_tokens']
+  assert tok['dof'] == 12 and tok['pooled_sd'] == pytest.approx(stats.pooled_sd(groups)[0])
+  assert spread['tokens_per_run'] == 320 * 1024 and spread['seeds'] == [0, 1, 2]
+
+
+def _spread(sd=0.1):
+  return {'seeds': [0, 1, 2], 'steps': 320, 'tokens_per_step': 1024,
+          'tokens_per_run': 320 * 1024,
+          'budgets': {'equal_tokens': {'pooled_sd': sd, 'dof': 12, 'comparisons': {}},
+                      'equal_flops': {'pooled_sd': 2 * sd, 'dof': 12, 'comparisons': {}}}}
+
+
+def _runs_for(steps):
+  return [('d0', 'tokens', steps), ('d1', 'tokens', steps), ('d1', 'flops', steps // 2)]
+
+
+@pytest.mark.parametrize('hours,sd,case', [
+    (100.0, 0.05, 'target met'), (2.0, 0.1, 'the most seeds'), (0.5, 0.1, 'over budget')])
+def test_design_choice(hours, sd, case):
+  step_s, eval_s = {'d0': 0.1, 'd1': 0.2}, {'d0': 5.0, 'd1': 5.0}
+  d = design_lib.choose(_spread(sd), _runs_for, step_s, eval_s, budget_hours=hours)
+  per = lambda s: sum(step_s[v] * n + eval_s[v] for v, _, n in _runs_for(s))  # noqa: E731
+  assert d['case'].startswith(case)
+  assert d['steps'] >= 960 and d['steps'] % 10 == 0 and d['seeds'] >= 5
+  assert d['wall_seconds'] == pytest.approx(d['seeds'] * per(d['steps']))
+  assert d['min_detectable_effect']['equal_tokens'] == pytest.approx(
+      stats.min_detectable_effect(sd, d['seeds']))
+  if case == 'over budget':
+    assert (d['seeds'], d['steps'], d['fits_budget']) == (5, 960, False)
+    return
+  assert d['fits_budget'] and d['seeds'] * per(d['steps'] + 10) > hours * 3600  # the largest
+  if case == 'target met':
+    assert d['seeds'] == max(5, d['seeds_needed_for_target'])
+    assert d['min_detectable_effect']['equal_tokens'] <= 0.05
+  else:
+    assert d['seeds'] == int(hours * 3600 // per(960)) < d['seeds_needed_for_target']
+  assert 'Chosen' in design_lib.describe(d)
+
+
+def test_sized_variants_and_budgets():
+  base = A.ABLATION.get_config('d0,decay')
+  flat = lambda c: {k: v for k, v in config_lib.base_config().items()}  # noqa: E731,F841
+  for v, (depth, kind, cur) in A.ABLATION.SIZED_VARIANTS.items():
+    c = A.ABLATION.get_config(v + ',decay')
+    config_lib.validate(c)
+    assert (c.model.mtp.depth, c.model.mtp.kind, c.model.mtp.curriculum) == (depth, kind, cur)
+    assert c.train.min_lr_ratio == 0.1 and c.model.d_model == base.model.d_model
+  runs = A.sized_runs(960)
+  assert runs[0] == ('d0', 'tokens', 960) and len(runs) == 11
+  flops = {v: n for v, b, n in runs if b == 'flops'}
+  assert flops['d3'] == flops['d3f'] == flops['d3r'] < flops['d1'] < 960  # same compiled shapes
+  with pytest.raises(ValueError, match='unknown argument'):
+    A.ABLATION.get_config('d3f')  # the curricula exist in the sized sweep only
+
+
+def test_name_stories_score_the_second_token_at_the_second_mention():
+  task = induction.NameStoryTask(seq_len=128)
+  a, b = task.batch(3, 7, 16), task.batch(3, 7, 16)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  assert not np.array_equal(a['tokens'], task.batch(3, 8, 16)['tokens'])
+  text, scored = task.story(np.random.default_rng(5))
+  for c in scored:  # the scored letter is a name's 2nd letter, and that name occurred before
+    start = c - 1
+    end = start + next(i for i, ch in enumerate(text[start:] + ' ') if not ch.isalpha())
+    name = text[start:end]
+    assert name[0].isupper() and name[1:].islower() and len(name) >= 3
+    assert text.count(name) >= 2 and text.find(name) < start
+    assert text.find(name, text.find(name) + 1) == start  # the second mention
+  tok, mask, seg = a['tokens'], a['copy_mask'], a['segment_ids']
+  assert mask.sum() >= 16 and seg.min() >= 1  # rows are full of stories, no padding
+  raw = (tok - 2).astype(np.uint8)
+  for r, i in zip(*np.nonzero(mask)):
+    assert chr(raw[r, i]).islower() and chr(raw[r, i - 1]).isupper()
+    # the name's first mention in the same story has the same two letters
+    same = np.nonzero(seg[r] == seg[r, i])[0]
+    before = [j for j in same if j < i - 1 and raw[r, j] == raw[r, i - 1]]
+    assert any(raw[r, j + 1] == raw[r, i] for j in before)
+  # a perfect copier scores 1
+  copier = np.zeros_like(tok)
+  for r, i in zip(*np.nonzero(mask)):
+    j = next(j for j in range(i - 1) if seg[r, j] == seg[r, i] and tok[r, j] == tok[r, i - 1])
+    copier[r, i - 1] = tok[r, j + 1]
+  assert induction.copy_accuracy(copier, a) == 1.0
+  assert isinstance(induction.make_task(64, **A.NAMES.TASK), induction.NameStoryTask)
+  with pytest.raises(ValueError, match='kind'):
+    induction.make_task(64, kind='cards')
+
+
+def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_path):
+  """Tiny sized (d0, d3f) and names (d0, p2) runs, 2 seeds: a sized run stopped after its
+  checkpoint resumes to the uninterrupted result; the tables carry the minimum detectable
+  effect; the names table reads equal steps and equal FLOPs off the curves."""
+  out, work = str(tmp_path / 'out'), str(tmp_path / 'work')
+  args = A.parse(['--smoke', '--seeds', '0,1', '--groups', 'sized,names', '--variants',
+                  'd0,d3f,p2', '--temperatures', '0', '--out', out, '--workdir', work,
+                  '--data_dir', stdlib_data_dir])
+  runs = A.make_runs(args)
+  names = [(r.group, r.variant, r.seed) for r in runs]
+  assert names[:3] == [('sized', 'd0@tokens', 0), ('sized', 'd3f@tokens', 0),
+                       ('sized', 'd3f@flops', 0)]
+  assert ('names', 'p2', 1) in names and all(r.steps == A.NAMES.SMOKE_STEPS
+                                             for r in runs if r.group == 'names')
+  sweep = A.make_sweep(args, runs)
+  last = [r for r in runs if r.group == 'sized' and r.steps > r.save_every][-1]  # d3f@tokens, s1
+  for r in runs:
+    if r is not last:
+      sweep.run(r)
+  sweep.stop_at = last.save_every
+  with pytest.raises(research.Interrupted):
+    sweep.run(last)
+  sweep.stop_at = None
+  resumed = sweep.run(last)
+  fresh = research.Sweep(work + '2', out + '2')
+  fresh._setups, fresh.lm_eval = sweep._setups, sweep.lm_eval  # pylint: disable=protected-access
+  straight = fresh.run(last)
+  for a, b in zip(resumed['curve'], straight['curve']):
+    np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-5)
+  budget = next(iter(last.eval_at))
+  np.testing.assert_allclose(resumed['evals'][budget]['heldout']['bpb'],
+                             straight['evals'][budget]['heldout']['bpb'], rtol=1e-5)
+  assert len(resumed['evals'][budget]['heldout']['bpb']) == 4  # every depth, curriculum or not
+  summary = A.tabulate(out, {0, 1})
+  tok = summary['sized']['equal_tokens']
+  assert set(tok['table']) == {'d0', 'd3f'} and tok['table']['d3f']['curriculum'] == 'forward'
+  assert 'd3f - d0 stdlib_bpb' in tok['tests'] and tok['mde']['stdlib_bpb']['n'] == 2
+  assert summary['sized']['equal_flops']['table']['d3f']['metrics']['steps']['mean'] < \
+      tok['table']['d3f']['metrics']['steps']['mean']
+  nm = summary['names']
+  assert set(nm['table']) == {'d0', 'p2'}
+  p2 = nm['table']['p2']['metrics']
+  assert p2['equal_flop_step']['mean'] < A.NAMES.SMOKE_STEPS
+  assert 'p2 - d0 copy accuracy, equal FLOPs' in nm['tests']
+  text = A.markdown(summary)
+  assert 'Minimum detectable paired effect on stdlib_bpb' in text
+  assert 'minimum detectable effect' in text and 'stories with random names' in text
