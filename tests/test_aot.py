@@ -1,12 +1,18 @@
-"""Ahead-of-time TPU compiles (mtp_jax/train/aot.py, mtp-aot-compile) on a CPU machine.
+"""Ahead-of-time TPU compiles (mtp_jax/train/aot/, mtp-aot-compile) on a CPU machine.
 
 libtpu describes a TPU slice without a TPU; one small config is compiled once for a v5e-8
-and its figures are checked against what the shardings and flops.py say. Skipped, with
-the reason, only where libtpu cannot load.
+and its figures are checked against what the shardings and flops.py say, its unrolled
+twin against it, and a small splash-attention call for the kernel count; the HLO reader
+also reads a synthetic module. Skipped, with the reason, only where libtpu cannot load.
 """
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import REPO, load_config
 from mtp_jax import config_lib
@@ -179,3 +185,135 @@ def test_moe_experts_are_multiplied_where_they_are_stored(report):
   assert train['fits']
   assert train['kernel_calls'] == 2 * 3 * 4, train['kernel_calls']  # layers x products x 4
   assert train['collectives']['reduce-scatter']['count'] > 0
+
+
+# -- the HLO reader ------------------------------------------------------------------------
+# A module as the TPU compiler prints it: a loop of 6 dots, and a Pallas kernel call whose
+# kernel metadata spans lines, one of them starting with '}}' (as libtpu prints a splash
+# call), before the loop and the root.
+MULTILINE_HLO = r"""HloModule jit_step, entry_computation_layout={(f32[8,8]{1,0})->f32[8,8]{1,0}}
+
+%body (p: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %p = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,8]{1,0} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %i.next = s32[] add(%i, %one)
+  %y = f32[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[8,8]{1,0}) tuple(%i.next, %y)
+}
+
+%cond (p.1: (s32[], f32[8,8])) -> pred[] {
+  %p.1 = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %n = s32[] constant(6)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8,8], q: bf16[4,256,128], k: bf16[256,128], v: bf16[256,128]) -> f32[8,8] {
+  %a = f32[8,8]{1,0} parameter(0)
+  %q = bf16[4,256,128]{2,1,0} parameter(1)
+  %k = bf16[256,128]{1,0} parameter(2)
+  %v = bf16[256,128]{1,0} parameter(3)
+  %data_next = s8[1,2,2]{2,1,0} constant({ { { 0, 0 }, { 0, 1 } } })
+  %block_mask = s8[1,2,2]{2,1,0} constant({ { { 1, 0 }, { 2, 1 } } })
+  %splash_mqa_fwd.1 = (bf16[4,256,128]{2,1,0}, f32[4,256,128]{2,1,0}) custom-call(%data_next, %block_mask, %q, %k, %v), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\"block_q\": 128, \"block_kv\": 128, \"q_layout\": 1}"
+}}, metadata={op_name="jit(step)/splash_mqa_fwd/pallas_call"}, backend_config={"custom_call_config":{"body":"TUzvUgFN"}}
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,8]{1,0}) tuple(%zero, %a)
+  %w = (s32[], f32[8,8]{1,0}) while(%init), condition=%cond, body=%body
+  %out = f32[8,8]{1,0} get-tuple-element(%w), index=1
+  ROOT %r = f32[8,8]{1,0} dot(%out, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_the_hlo_reader_keeps_what_follows_a_kernel_call_printed_over_lines():
+  comps, _, entry = aot.read_computations(MULTILINE_HLO)
+  assert entry == 'main'
+  assert [i[0] for i in comps['main']][-4:] == ['init', 'w', 'out', 'r']
+  stats = aot.analyze_hlo(MULTILINE_HLO, 1)
+  dot = 2 * 8 * 8 * 8
+  # 4 query heads x 256 x 256 positions, 3 of the 4 128-blocks kept (causal), QK^T and PV
+  splash = 2 * (4 * 256 * 256 * 3 / 4) * (128 + 128)
+  assert stats.kernels['splash_attention']['by_name'] == {'splash_mqa_fwd': 1.0}
+  assert stats.kernels['splash_attention']['causal_assumed'] == 0
+  assert stats.kernel_flops == splash
+  assert stats.matmul_flops == 6 * dot + dot + splash
+  # HBM: the loop body (the dot: two operands and its result, and the counter's add) and
+  # its condition (the compare) run 6 times; cost_analysis's way counts them once
+  body = 3 * 8 * 8 * 4 + 3 * 4
+  cond = 4 + 4 + 1
+  assert stats.hbm_bytes - stats.hbm_bytes_once == 5 * (body + cond)
+  # the kernel reads its two block tables, q, k and v and writes its two results, and
+  # reads the key/value blocks again for each kept pair (4 heads x 2 query blocks x 3/4)
+  io = 2 * 4 + (4 * 256 * 128 * 2 + 2 * 256 * 128 * 2) + 4 * 256 * 128 * (2 + 4)
+  reread = 4 * 0.75 * 2 * 256 * (128 + 128) * 2 - 2 * 256 * 128 * 2
+  assert stats.kernels['splash_attention']['hbm_bytes'] == io + reread
+
+
+def test_causal_kept_blocks():
+  assert aot.causal_kept_fraction(1024, 1024, 512, 512) == 3 / 4
+  assert aot.causal_kept_fraction(4096, 4096, 512, 512) == 36 / 64
+  assert aot.causal_kept_fraction(1024, 1024, 256, 512) == 6 / 8  # rows 0-255 reach block 0
+  assert aot.causal_kept_fraction(128, 128, 512, 512) == 1.0
+
+
+def test_scanned_and_unscanned_layers_count_the_same(report):
+  """cost_analysis counts the scanned layers' loop body once, in FLOPs and in bytes; the
+  report weights it by its trip count, so the same 2-layer model unrolled reads the same."""
+  rep, topo = report
+  c = small_config()
+  c.model.scan_layers = False
+  flat = aot.compile_report(c, topo, ('train',), devices=aot.topology_devices(topo))['train']
+  scanned = rep['train']
+  assert scanned['unknown_trip_counts'] == 0
+  assert abs(scanned['hlo_matmul_flops'] / flat['hlo_matmul_flops'] - 1) < 0.05
+  assert abs(scanned['hbm_bytes'] / flat['hbm_bytes'] - 1) < 0.05, (scanned['hbm_bytes'],
+                                                                     flat['hbm_bytes'])
+  # what cost_analysis reads for the scanned program falls short by about a layer
+  assert scanned['cost_analysis']['bytes_accessed'] < 0.9 * scanned['hbm_bytes']
+  assert scanned['cost_analysis']['flops'] < 0.8 * scanned['hlo_matmul_flops']
+  # counted each computation once, the reader's bytes are XLA's own figure's, near enough
+  assert abs(flat['hbm_bytes_once'] / flat['cost_analysis']['bytes_accessed'] - 1) < 0.1
+  assert scanned['estimate']['hbm_bytes'] == scanned['hbm_bytes']
+
+
+def test_splash_kernel_calls_are_counted_from_their_shapes(report):
+  """A causal splash attention (Pallas TPU kernel, one sequence per chip inside shard_map)
+  compiled for the slice: its forward, dq and dkv calls and their FLOPs, which
+  cost_analysis does not see."""
+  _, topo = report
+  devices = aot.topology_devices(topo)
+  mesh = jax.sharding.Mesh(devices, ('data',))
+  h, t, d = 2, 1024, 128
+  kernel = splash.make_splash_mha_single_device(
+      masks.MultiHeadMask([masks.CausalMask((t, t))] * h),
+      block_sizes=splash.BlockSizes(*(512,) * 8))
+
+  def attention(q, k, v, seg):
+    def per_chip(q, k, v, seg):
+      out = jax.vmap(lambda *a: kernel(*a[:3], segment_ids=splash.SegmentIds(a[3], a[3])))(
+          q, k, v, seg)
+      return out
+    return jax.shard_map(per_chip, mesh=mesh, in_specs=P('data'), out_specs=P('data'),
+                         check_vma=False)(q, k, v, seg).astype(jnp.float32).sum()
+
+  shard = NamedSharding(mesh, P('data'))
+  qkv = jax.ShapeDtypeStruct((8, h, t, d), jnp.bfloat16, sharding=shard)
+  seg = jax.ShapeDtypeStruct((8, t), jnp.int32, sharding=shard)
+  with aot.traced_for('tpu'):
+    compiled = jax.jit(jax.grad(attention, argnums=(0, 1, 2))).lower(qkv, qkv, qkv,
+                                                                     seg).compile()
+  stats = aot.analyze_hlo(aot.hlo_text(compiled), 8)
+  got = stats.kernels['splash_attention']
+  assert stats.kernel_calls == 3 and got['causal_assumed'] == 0, got
+  assert set(got['by_name']) == {'splash_mha_fwd', 'splash_mha_dq', 'splash_mha_dkv'}, got
+  # 2 heads x 1024 x 1024 positions, 3 of the 4 512-blocks kept: forward QK^T and PV (2 d
+  # each), dq 3 matmuls, dkv 4
+  pairs = h * t * t * 3 / 4
+  assert got['flops'] == 2 * pairs * d * (2 + 3 + 4)
+  assert compiled.cost_analysis()['flops'] < 0.01 * got['flops']
+  operands = 3 * h * t * d * 2
+  assert got['hbm_bytes'] > 3 * operands  # q, k, v read by each pass, and the gradients

@@ -1,0 +1,41 @@
+"""Ahead-of-time compiles of the real train step, eval step and decode loop for a TPU slice
+(or a GPU host).
+
+With libtpu installed, `jax.experimental.topologies` describes a TPU slice on a machine
+that has none: its devices are compile-only, but a program compiled for them is the
+program the slice would run, with the slice's memory limits. `compile_report` lowers and
+compiles `steps.train_step`, `steps.eval_step` and the decoder's while loop with the
+config's mesh and sharding rules and reads, per chip:
+
+  memory    parameter, optimizer and batch bytes (from the shardings), the compiled
+            program's argument / output / temporary bytes, their total against the chip's
+            HBM; a program that does not fit fails with the shortfall and the largest
+            allocations (the TPU compiler's own list).
+  FLOPs     matmul FLOPs counted in the compiled HLO and its kernel calls (splash / Triton /
+            cuDNN attention, the grouped-matmul kernel: from their shapes), every loop body
+            times its trip count, beside flops.py's model count.
+  HBM       bytes read and written by the compiled ops, loop bodies times their trip
+            counts (XLA's cost_analysis counts a while body once and sees no kernel's
+            insides; its figure is kept beside).
+  traffic   all-gather / reduce-scatter / all-reduce / all-to-all / collective-permute ops
+            of the compiled HLO with their executions per step and bytes.
+  estimate  a roofline step time (the largest of compute, HBM and ICI time) and the MFU it
+            implies for flops.py's count.
+
+The modules: devices (accelerator types and their compile-only devices), hlo (reading a
+compiled module), kernels (kernel calls from their shapes), programs (compiling the steps),
+figures (FLOPs against flops.py, fit, roofline), report (the text).
+"""
+from mtp_jax.train.aot.devices import Topology, parse_topology, topology_devices, traced_for
+from mtp_jax.train.aot.figures import (GIB, PROGRAMS, DoesNotFit, attention_core_of,
+                                       check_fits, expected_compiled_flops)
+from mtp_jax.train.aot.hlo import COLLECTIVES, HloStats, analyze_hlo, read_computations
+from mtp_jax.train.aot.kernels import KernelCall, causal_kept_fraction, kernel_call
+from mtp_jax.train.aot.programs import compile_report, hlo_text, shard_bytes, spec_text
+from mtp_jax.train.aot.report import format_report
+
+__all__ = ['COLLECTIVES', 'GIB', 'PROGRAMS', 'DoesNotFit', 'HloStats', 'KernelCall', 'Topology',
+           'analyze_hlo', 'attention_core_of', 'causal_kept_fraction', 'check_fits',
+           'compile_report', 'expected_compiled_flops', 'format_report', 'hlo_text', 'kernel_call',
+           'parse_topology', 'read_computations', 'shard_bytes', 'spec_text',
+           'topology_devices', 'traced_for']
