@@ -68,10 +68,14 @@ def base_config() -> ml_collections.ConfigDict:
   m.scan_layers = False  # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
   m.loss_chunk = 0  # sequence chunk for the vocab projection + CE (0: whole length, all depths in one product)
   m.attention = 'gqa'  # block attention: gqa (grouped-query, n_kv_heads) | mla (model.mla.*)
-  # Attention core without a cache: auto (blocked on CPU, xla elsewhere) | xla
-  # (jax.nn.dot_product_attention: cuDNN / TPU kernels) | blocked (skips masked key blocks)
+  # Attention core without a cache (mtp_jax/model/attention.py): auto (blocked on CPU, splash
+  # on TPU, triton on GPU) | blocked (plain JAX, skips masked key blocks) | splash (the Pallas
+  # TPU splash-attention kernel; Pallas interpret mode on CPU) | triton (the Pallas GPU flash
+  # kernel `mha`) | xla (jax.nn.dot_product_attention's XLA path: dense T x T scores)
   m.attention_core = 'auto'
   m.attention_block = 64  # query/key block of the blocked core
+  m.attention_block_q = 512  # splash: query block (at most data.seq_len, which it must divide)
+  m.attention_block_kv = 512  # splash: key/value block (likewise)
   m.mlp = 'dense'  # block MLP: dense (SwiGLU, mlp_dim) | moe (DeepSeekMoE, model.moe.*)
 
   # Multi-head latent attention (DeepSeek-V2/V3; mtp_jax/model/mla.py), used when attention='mla'.
@@ -280,6 +284,35 @@ def _same_kind(value, want) -> bool:
   return isinstance(value, type(want))
 
 
+ATTENTION_CORES = ('auto', 'blocked', 'splash', 'triton', 'xla')
+# The Triton kernel's blocks (jax.experimental.pallas.ops.gpu.attention.BlockSizes' default):
+# 128 queries x 128 keys forward, 32 x 32 backward, each at most T.
+_TRITON_BLOCKS = (128, 32)
+
+
+def attention_kernel_problem(core: str, seq_len: int, block_q: int, block_kv: int) -> str:
+  """One line saying why attention core `core` cannot take sequences of seq_len with
+  these splash blocks, or '' when it can ('auto' and the non-kernel cores: always '').
+
+  splash: each block (at most T) must divide T and be a multiple of 128, the kernel's
+  lane width (its key blocks must be; the query blocks tile the segment-id rows alike).
+  triton: T must be a multiple of each of its blocks (at most T)."""
+  if core == 'splash':
+    for name, block in (('attention_block_q', block_q), ('attention_block_kv', block_kv)):
+      b = min(block, seq_len)
+      if seq_len % b or b % 128:
+        return (f'model.attention_core=splash needs data.seq_len ({seq_len}) to be a multiple '
+                f'of model.{name} ({block}) or of 128 if shorter, and that block a multiple '
+                'of 128; change data.seq_len or the block, or use attention_core=blocked / xla')
+  if core == 'triton':
+    for block in _TRITON_BLOCKS:
+      if seq_len % min(block, seq_len):
+        return (f'model.attention_core=triton needs data.seq_len ({seq_len}) to be a multiple '
+                f'of {block} (the Pallas GPU kernel\'s block) when longer; change '
+                'data.seq_len or use attention_core=xla')
+  return ''
+
+
 def validate(config, num_devices: int | None = None) -> None:
   """Checks every field that could fail later, before anything compiles."""
   check_schema(config)
@@ -300,11 +333,15 @@ def validate(config, num_devices: int | None = None) -> None:
            f"model.dtype must be float32, bfloat16 or float16, got {m.dtype!r}")
   _require(m.remat in ('none', 'block', 'full'),
            f"model.remat must be none, block or full, got {m.remat!r}")
-  _require(m.attention_core in ('auto', 'xla', 'blocked'),
-           f"model.attention_core must be auto, xla or blocked, got {m.attention_core!r}")
-  _require(isinstance(m.attention_block, int) and not isinstance(m.attention_block, bool)
-           and m.attention_block > 0,
-           f'model.attention_block must be a positive integer, got {m.attention_block!r}')
+  _require(m.attention_core in ATTENTION_CORES,
+           f"model.attention_core must be one of {', '.join(ATTENTION_CORES)}, "
+           f"got {m.attention_core!r}")
+  for name in ('attention_block', 'attention_block_q', 'attention_block_kv'):
+    _require(isinstance(m[name], int) and not isinstance(m[name], bool) and m[name] > 0,
+             f'model.{name} must be a positive integer, got {m[name]!r}')
+  problem = attention_kernel_problem(m.attention_core, d.seq_len, m.attention_block_q,
+                                     m.attention_block_kv)
+  _require(not problem, problem)
   _require(isinstance(m.scan_layers, bool),
            f'model.scan_layers must be True or False, got {m.scan_layers!r}')
   _require(m.loss_chunk >= 0 and (m.loss_chunk == 0 or d.seq_len % m.loss_chunk == 0),

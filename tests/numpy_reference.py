@@ -27,6 +27,30 @@ def silu(g):
   return g / (1.0 + np.exp(-g))
 
 
+def causal_attention(q_TxNxH, k_TxKxH, v_TxKxV, seg_T, scale, do_TxNxV=None):
+  """softmax(q k^T * scale) v over the earlier positions of the same document, one sequence;
+  query head n reads kv head n // (N / K). With do: also (dq, dk, dv), the gradients of
+  sum(out * do), from the softmax Jacobian (dS = P (dP - rowsum(P dP)))."""
+  t, n, _ = q_TxNxH.shape
+  group = n // k_TxKxH.shape[1]
+  allowed = (np.arange(t)[None, :] <= np.arange(t)[:, None]) & (seg_T[:, None] == seg_T[None, :])
+  out = np.zeros((t, n, v_TxKxV.shape[-1]))
+  dq, dk, dv = np.zeros(q_TxNxH.shape), np.zeros(k_TxKxH.shape), np.zeros(v_TxKxV.shape)
+  for head in range(n):
+    kv = head // group
+    s = np.where(allowed, q_TxNxH[:, head] @ k_TxKxH[:, kv].T * scale, -np.inf)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    out[:, head] = p @ v_TxKxV[:, kv]
+    if do_TxNxV is not None:
+      dp = do_TxNxV[:, head] @ v_TxKxV[:, kv].T
+      ds = p * (dp - np.sum(p * dp, axis=1, keepdims=True))
+      dq[:, head] = ds @ k_TxKxH[:, kv] * scale
+      dk[:, kv] += ds.T @ q_TxNxH[:, head] * scale
+      dv[:, kv] += p.T @ do_TxNxV[:, head]
+  return out if do_TxNxV is None else (out, dq, dk, dv)
+
+
 def mla_attention(a, h_TxD, pos_T, seg_T, eps, theta):
   """Multi-head latent attention (DeepSeek-V3 eqs. 1-11), widths read off the kernels.
 

@@ -37,6 +37,8 @@ DEFERRED = {
     ('mtp_jax.data.user_data', 'pyarrow.parquet'),  # optional: parquet data only
     ('mtp_jax.data.user_data', 'datasets'),  # optional: data.source hf_disk only
     ('mtp_jax.model.moe', 'jax.experimental.pallas.ops.tpu.megablox'),  # the TPU gmm form
+    ('mtp_jax.model.attention', 'jax.experimental.pallas.ops.tpu.splash_attention'),  # TPU
+    ('mtp_jax.model.attention', 'jax.experimental.pallas.ops.gpu.attention'),  # GPU kernel
 }
 
 

@@ -1,9 +1,18 @@
-"""The attention core without a cache (training, prefill): masks and the blocked kernel.
+"""The attention core without a cache (training, prefill): masks, the blocked core, kernels.
 
-`blocked_causal_attention` never computes a fully masked key block; with `saved_core`
-its custom VJP saves the per-block outputs and log-sum-exps, so the backward pass does
-not recompute the forward's softmax. `attention_impl` picks it on CPU and the library's
-`jax.nn.dot_product_attention` (cuDNN / TPU kernels) elsewhere.
+`attention_impl` names the core (config.model.attention_core):
+  blocked  `blocked_causal_attention`, plain JAX: never computes a fully masked key block;
+           with `saved_core` its custom VJP saves the per-block outputs and log-sum-exps,
+           so the backward pass does not recompute the forward's softmax. The CPU default.
+  splash   `splash_attention`: the Pallas TPU splash-attention kernel (forward, and its own
+           dq / dkv backward kernels), causal with segment ids, per shard in jax.shard_map.
+           The TPU default; on CPU the same kernel runs in Pallas interpret mode.
+  triton   `triton_attention`: the Pallas GPU (Triton) flash-attention kernel `mha`,
+           causal with segment ids, per shard in jax.shard_map. The GPU default.
+  xla      `jax.nn.dot_product_attention` with a dense mask and no `implementation`: the
+           XLA path on every backend (dense [B, K, G, T, T] float32 scores), no fused kernel.
+The kernel cores take the [B, T] segment ids where the others take the dense [B, 1, T, T]
+mask (`training_mask`).
 """
 from __future__ import annotations
 
@@ -12,7 +21,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax.core import spmd as flax_spmd
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from mtp_jax import config_lib
+from mtp_jax.errors import ConfigError
+from mtp_jax.runtime import sharding
 
 Array = jax.Array
 
@@ -30,17 +45,31 @@ def attention_mask(segment_ids_BxT: Array) -> Array:
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention_impl(cfg) -> str:
-  """The attention core for training / prefill: 'blocked' or 'xla' (config.model.attention_core).
+# The core `auto` picks per backend: on CPU the blocked core (~2x faster there than
+# jax.nn.dot_product_attention, docs/benchmarks.md), on TPU / GPU the backend's kernel.
+AUTO_CORES = {'cpu': 'blocked', 'tpu': 'splash', 'gpu': 'triton', 'cuda': 'triton'}
+# The cores that read segment ids instead of a dense mask (the Pallas kernels).
+SEGMENT_CORES = ('splash', 'triton')
 
-  auto: 'blocked' on CPU, where it is ~2x faster than jax.nn.dot_product_attention
-  (docs/benchmarks.md); 'xla' elsewhere, the library call that dispatches to cuDNN
-  flash attention / TPU kernels and must stay the accelerator path.
-  """
+
+def attention_impl(cfg) -> str:
+  """The attention core for training / prefill (config.model.attention_core; module
+  docstring): 'blocked', 'splash', 'triton' or 'xla'; auto by backend (AUTO_CORES)."""
   impl = getattr(cfg, 'attention_core', 'auto')
   if impl == 'auto':
-    return 'blocked' if jax.default_backend() == 'cpu' else 'xla'
+    return AUTO_CORES.get(jax.default_backend(), 'xla')
   return impl
+
+
+def training_mask(segment_ids_BxT: Array, impl: str) -> Array:
+  """What the layers' no-cache path reads as its mask for core `impl`: the segment ids
+  themselves for the kernels (SEGMENT_CORES), else the dense attention_mask."""
+  return segment_ids_BxT if impl in SEGMENT_CORES else attention_mask(segment_ids_BxT)
+
+
+def dense_mask(mask: Array) -> Array:
+  """The [B, 1, T, T] mask of a training_mask: [B, T] segment ids are expanded."""
+  return attention_mask(mask) if mask.ndim == 2 else mask
 
 
 def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
@@ -120,7 +149,9 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
 # The names under which remat='block' (model.remat_policy) saves the custom-VJP core's
 # residuals: with them saved its backward never reruns its forward.
 QKV_SAVED_NAME = 'attention_qkv_heads_major'
-ATTENTION_SAVED_NAMES = ('attention_out', 'attention_lse', QKV_SAVED_NAME)
+# the kernel cores' residuals (output, row log-sum-exp, their inputs: _saved_kernel)
+KERNEL_SAVED_NAME = 'attention_kernel_residuals'
+ATTENTION_SAVED_NAMES = ('attention_out', 'attention_lse', QKV_SAVED_NAME, KERNEL_SAVED_NAME)
 
 
 def _query_blocks(t: int, block: int) -> list:
@@ -185,3 +216,132 @@ def _saved_core_bwd(block, res, do_BxNxTxH):
 
 
 _saved_core.defvjp(_saved_core_fwd, _saved_core_bwd)
+
+
+# -- the Pallas kernels: splash (TPU) and the Triton flash kernel (GPU) ----------------------
+def kernel_attention(impl: str, q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxV: Array,
+                     segment_ids_BxT: Array, scale: float, block_q: int = 512,
+                     block_kv: int = 512) -> Array:
+  """softmax(q k^T * scale) v, causal within each document (segment), by the kernel of
+  `impl` ('splash' or 'triton'), per shard of the mesh in context: [B, T, N, V].
+
+  GQA: query head n uses kv head n // (N / K). The value width V may differ from the
+  query / key width H (MLA): splash takes it as it is; the Triton kernel wants one
+  width, so v is zero-padded to H there and the output's extra columns sliced off.
+  Interpret mode (exact, slow) where the default backend is CPU. Shapes the kernel
+  cannot take raise ConfigError (config_lib.attention_kernel_problem) while tracing,
+  before anything compiles.
+  """
+  problem = config_lib.attention_kernel_problem(impl, q_BxTxNxH.shape[1], block_q, block_kv)
+  if problem:
+    raise ConfigError(problem)
+  interpret = jax.default_backend() == 'cpu'
+  if impl == 'splash':
+    local = functools.partial(_splash_local, scale=scale, block_q=block_q, block_kv=block_kv,
+                              interpret=interpret)
+  elif impl == 'triton':
+    local = functools.partial(_triton_local, scale=scale, interpret=interpret)
+  else:
+    raise ValueError(f'no attention kernel {impl!r}')
+  return _per_shard(local, q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, segment_ids_BxT)
+
+
+def _per_shard(fn, q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT):
+  """fn(q, k, v, seg) on each device's shard in jax.shard_map over the mesh in context:
+  rows over the mesh axes of the 'batch' rule, heads over those of 'act_heads' (q and
+  k / v alike, so a shard holds whole GQA groups), each only where it divides the
+  array; whatever does not divide stays whole on every device. fn itself outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not flax_spmd.get_logical_axis_rules():
+    return fn(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT)
+
+  def axes(logical: str, *sizes: int):
+    spec = sharding.logical_spec((logical,))[0]
+    names = () if spec is None else (tuple(spec) if isinstance(spec, (tuple, list)) else (spec,))
+    ways = math.prod(mesh.shape[a] for a in names)
+    return (names if len(names) > 1 else names[0]) if names and all(
+        s % ways == 0 for s in sizes) else None
+
+  rows = axes('batch', q_BxTxNxH.shape[0])
+  heads = axes('act_heads', q_BxTxNxH.shape[2], k_BxTxKxH.shape[2])
+  qkv = P(rows, None, heads, None)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(qkv, qkv, qkv, P(rows, None)), out_specs=qkv,
+                       check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT)
+
+
+def _splash_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT, *, scale, block_q, block_kv,
+                  interpret):
+  """One shard through the Pallas TPU splash kernel (make_splash_mha: causal mask, segment
+  ids, vmapped over rows). Its multi-head form takes K <= N kv heads and maps query head
+  n to kv head n // (N / K): grouped-query attention with no K / V repeated in memory.
+  Blocks of block_q queries x block_kv keys (at most T) in the forward and both backward
+  kernels (dq, dkv); its residuals are named for remat (_saved_kernel)."""
+  # Deferred: the Pallas TPU kernels load only where the splash core is chosen.
+  import jax.experimental.pallas.ops.tpu.splash_attention as splash
+  _, t, n, _ = q_BxTxNxH.shape
+  kernel = _splash_kernel(t, n, min(block_q, t), min(block_kv, t), interpret)
+  heads_major = lambda x: jnp.transpose(x, (0, 2, 1, 3))
+  q_BxNxTxH = heads_major((q_BxTxNxH * scale).astype(q_BxTxNxH.dtype))
+  k_BxKxTxH = heads_major(k_BxTxKxH.astype(q_BxTxNxH.dtype))
+  v_BxKxTxV = heads_major(v_BxTxKxV.astype(q_BxTxNxH.dtype))
+  rows = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, splash.SegmentIds(q=seg, kv=seg)))
+  return heads_major(_saved_kernel(rows, q_BxNxTxH, k_BxKxTxH, v_BxKxTxV, seg_BxT))
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(t: int, n: int, bq: int, bkv: int, interpret: bool):
+  """The splash kernel of n heads over T positions, causal, blocks bq x bkv. Its block
+  tables (which blocks the causal mask keeps) are computed once per shape, as concrete
+  constants even when first asked for inside a trace (a scanned, rematerialised layer)."""
+  # Deferred: as in _splash_local.
+  import jax.experimental.pallas.ops.tpu.splash_attention as splash
+  sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
+                            block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq,
+                            block_kv_dq=bkv)
+  with jax.ensure_compile_time_eval():
+    return splash.make_splash_mha(splash.MultiHeadMask([splash.CausalMask((t, t))] * n),
+                                  block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                  interpret=interpret)
+
+
+def _triton_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT, *, scale, interpret):
+  """One shard through the Pallas GPU flash kernel (`mha`: causal, segment ids, its own
+  Triton backward; residuals named for remat by _saved_kernel). It takes one head count
+  and one head width for q, k and v: GQA's kv heads are repeated (a [B, T, N, H] copy, no
+  scores) and v is zero-padded to H."""
+  n, kv, v_width = q_BxTxNxH.shape[2], k_BxTxKxH.shape[2], v_BxTxKxV.shape[3]
+  dt = q_BxTxNxH.dtype
+  k, v = k_BxTxKxH.astype(dt), v_BxTxKxV.astype(dt)
+  if kv != n:
+    k, v = jnp.repeat(k, n // kv, axis=2), jnp.repeat(v, n // kv, axis=2)
+  pad = q_BxTxNxH.shape[3] - v_width
+  if pad:
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad)))
+  # Deferred: the Pallas GPU kernels load only where the triton core is chosen.
+  import jax.experimental.pallas.ops.gpu.attention as gpu_attention
+  kernel = functools.partial(gpu_attention.mha, sm_scale=scale, causal=True, interpret=interpret)
+  return _saved_kernel(kernel, q_BxTxNxH, k, v, seg_BxT)[..., :v_width]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _saved_kernel(kernel, q, k, v, seg):
+  """kernel(q, k, v, seg) (a Pallas attention call with its own custom VJP) with every
+  residual of its forward named KERNEL_SAVED_NAME: under remat='block' the policy keeps
+  them and the backward runs only the kernel's backward. (Applied to the library call
+  directly, a name-based policy reran the forward kernel in the backward pass: three
+  kernel calls per layer became four.)"""
+  return kernel(q, k, v, seg)
+
+
+def _saved_kernel_fwd(kernel, q, k, v, seg):
+  out, vjp_fn = jax.vjp(lambda q, k, v: kernel(q, k, v, seg), q, k, v)
+  name = lambda x: checkpoint_name(x, KERNEL_SAVED_NAME)
+  return name(out), jax.tree.map(name, vjp_fn)  # vjp_fn's leaves: the kernel's residuals
+
+
+def _saved_kernel_bwd(kernel, vjp_fn, do):
+  del kernel
+  return (*vjp_fn(do), None)
+
+
+_saved_kernel.defvjp(_saved_kernel_fwd, _saved_kernel_bwd)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtp_jax.model import attention as attn_lib
 from mtp_jax.model.attention import _MASKED, attention_impl, blocked_causal_attention
 from mtp_jax.model.decode_ops import (DecodeWeight, _empty_kv, _few_query_dot,
                                       _write_heads_major, decode_dot, decode_kernel,
@@ -159,6 +160,8 @@ class Attention(nnx.Module):
     self.cache_heads = (k, h)  # (KV heads, head_dim) of empty_cache
     self.impl = attention_impl(cfg)  # resolved at build time: the backend is known by then
     self.block = getattr(cfg, 'attention_block', 64)
+    self.kernel_blocks = (getattr(cfg, 'attention_block_q', 512),
+                          getattr(cfg, 'attention_block_kv', 512))  # the splash kernel's
     # the custom-VJP core where its residuals are saved (remat block: see blocked_causal_attention)
     self.saved_core = getattr(cfg, 'remat', 'none') == 'block'
 
@@ -171,6 +174,8 @@ class Attention(nnx.Module):
 
     cache: (k_BxSxKxH, v_BxSxKxH); the T new keys/values of row b land at
     cache_index_B[b] .. +T, and mask_Bx1xTxS says which cache slots each query sees.
+    Without a cache the mask is attn_lib.training_mask's: the [B, T] segment ids for the
+    kernel cores (splash, triton), else the dense [B, 1, T, T] mask.
     Returns (out_BxTxD, new_cache or None).
     """
     b, t, _ = x_BxTxD.shape
@@ -188,11 +193,15 @@ class Attention(nnx.Module):
       k = write_cache(cache[0], k, cache_index_B)
       v = write_cache(cache[1], v, cache_index_B)
       cache = (k, v)
-    if cache is None and self.impl == 'blocked':  # training / no cache: self-attention, causal
-      out = blocked_causal_attention(q, k, v, mask_Bx1xTxS, self.block, self.saved_core)
+    if cache is None and self.impl in attn_lib.SEGMENT_CORES:  # the Pallas kernels
+      out = attn_lib.kernel_attention(self.impl, q, k, v, mask_Bx1xTxS,
+                                      1.0 / math.sqrt(q.shape[-1]), *self.kernel_blocks)
+    elif cache is None and self.impl == 'blocked':  # training / no cache: self-attention, causal
+      out = blocked_causal_attention(q, k, v, attn_lib.dense_mask(mask_Bx1xTxS), self.block,
+                                     self.saved_core)
     else:
       out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
-                                         mask=mask_Bx1xTxS)
+                                         mask=attn_lib.dense_mask(mask_Bx1xTxS))
     out = constrain(out, ('batch', 'length', 'act_heads', None))
     o_NxD = project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
     return o_NxD.reshape(b, t, -1), cache

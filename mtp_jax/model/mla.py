@@ -56,17 +56,25 @@ def _pad_last(x: Array, width: int) -> Array:
   return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
-def attention_core(q_BxTxNxH, k_BxSxNxH, v_BxSxNxV, mask_Bx1xTxS, scale: float) -> Array:
-  """softmax(q k^T * scale) v by the same jax.nn.dot_product_attention as layers.Attention.
+def attention_core(q_BxTxNxH, k_BxSxNxH, v_BxSxNxV, mask_Bx1xTxS, scale: float,
+                   impl: str = 'xla', kernel_blocks: tuple = (512, 512)) -> Array:
+  """softmax(q k^T * scale) v by core `impl` (attn_lib.attention_impl), as layers.Attention.
 
-  That function needs one head width for q, k and v; MLA's value width dv may differ
-  from its query/key width dn + dr, so all three are zero-padded to the larger one
-  (zeros change no dot product, and the padded output columns are 0 and sliced off).
+  MLA's value width dv may differ from its query/key width dn + dr (DeepSeek-V3: 128
+  against 192). The splash kernel takes v at its own width; the Triton kernel pads v to
+  the query width (attn_lib.kernel_attention). jax.nn.dot_product_attention and the
+  blocked core need one head width for q, k and v, so there all three are zero-padded
+  to the larger one (zeros change no dot product, and the padded output columns are 0
+  and sliced off). mask_Bx1xTxS: attn_lib.training_mask's (segment ids for the kernels).
   """
+  if impl in attn_lib.SEGMENT_CORES:
+    return attn_lib.kernel_attention(impl, q_BxTxNxH, k_BxSxNxH, v_BxSxNxV, mask_Bx1xTxS,
+                                     scale, *kernel_blocks)
   width = max(q_BxTxNxH.shape[-1], v_BxSxNxV.shape[-1])
   out = jax.nn.dot_product_attention(
       _pad_last(q_BxTxNxH, width), _pad_last(k_BxSxNxH, width).astype(q_BxTxNxH.dtype),
-      _pad_last(v_BxSxNxV, width).astype(q_BxTxNxH.dtype), mask=mask_Bx1xTxS, scale=scale)
+      _pad_last(v_BxSxNxV, width).astype(q_BxTxNxH.dtype), mask=attn_lib.dense_mask(mask_Bx1xTxS),
+      scale=scale)
   return out[..., :v_BxSxNxV.shape[-1]]
 
 
@@ -103,6 +111,11 @@ class MLAttention(nnx.Module):
     self.dims = (n, qr, kvr, dn, dr, dv)
     self.rope_theta = cfg.rope_theta
     self.dtype = dt
+    # the core without a cache: the Pallas kernels where attention_impl picks one, else
+    # jax.nn.dot_product_attention (MLA has no blocked form; 'blocked' runs the library call)
+    self.impl = attn_lib.attention_impl(cfg)
+    self.kernel_blocks = (getattr(cfg, 'attention_block_q', 512),
+                          getattr(cfg, 'attention_block_kv', 512))
 
   def _latent(self, kv_a_NxC: Array, positions_BxT: Array) -> Array:
     """[kv_a_layernorm(c_kv) ; RoPE(k_r)] per token, [B, T, kvr + dr]: what the cache holds."""
@@ -157,7 +170,8 @@ class MLAttention(nnx.Module):
         [kv_BxTxNxK[..., :dn], jnp.broadcast_to(k_rope_BxTx1xR, (b, t, n, dr))], axis=-1)
     v_BxTxNxV = kv_BxTxNxK[..., dn:]
     q_BxTxNxQ = constrain(q_BxTxNxQ, ('batch', 'length', 'act_heads', None))
-    out = attention_core(q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV, mask_Bx1xTxS, scale)
+    out = attention_core(q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV, mask_Bx1xTxS, scale, self.impl,
+                         self.kernel_blocks)
     out = constrain(out, ('batch', 'length', 'act_heads', None))
     o_NxD = layers.project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
     return o_NxD.reshape(b, t, -1), None

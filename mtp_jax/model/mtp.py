@@ -72,7 +72,9 @@ class ModelArgs:
   moe_dispatch: str = 'auto'  # grouped matmul: auto | ragged | blocks | gmm (moe.DISPATCHES)
   first_k_dense: int = 1
   attention_core: str = 'auto'  # attention core without a cache (attn_lib.attention_impl)
-  attention_block: int = 64
+  attention_block: int = 64  # the blocked core's block
+  attention_block_q: int = 512  # the splash kernel's query / key blocks
+  attention_block_kv: int = 512
 
   @classmethod
   def from_config(cls, config, vocab_size: int | None = None) -> 'ModelArgs':
@@ -167,7 +169,8 @@ def remat_policy(name: str):
   """The jax.checkpoint policy of config.model.remat (None: no rematerialisation).
 
   block: keep each block's weight-matmul outputs (q/k/v/o, gate/up/down projections)
-         and the custom-VJP attention core's residuals (attn_lib.ATTENTION_SAVED_NAMES);
+         and the attention core's residuals (attn_lib.ATTENTION_SAVED_NAMES: the blocked
+         core's custom VJP, the splash / Triton kernels' output and log-sum-exp);
          recompute norms, the SwiGLU product and, where that core is not used, RoPE and
          the attention scores and softmax.
   full:  keep only each block's input; recompute the whole block in the backward pass.
@@ -175,8 +178,9 @@ def remat_policy(name: str):
   if name == 'none':
     return None
   if name == 'block':
-    # plus the saved attention core's named residuals (output, row log-sum-exp, heads-major
-    # q / k / v): its custom backward needs only those, never a rerun of its forward
+    # plus the attention core's named residuals (output, row log-sum-exp and, for the
+    # blocked core, heads-major q / k / v): its backward needs only those, never a rerun
+    # of its forward
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(*attn_lib.ATTENTION_SAVED_NAMES))
@@ -429,7 +433,7 @@ class MTPModel(nnx.Module):
       positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids_BxT is None:
       segment_ids_BxT = jnp.ones((b, t), jnp.int32)
-    mask = attn_lib.attention_mask(segment_ids_BxT)
+    mask = attn_lib.training_mask(segment_ids_BxT, attn_lib.attention_impl(self.args))
     h0 = self.trunk(tokens_BxT, positions_BxT, mask)
     hiddens = [h0]
     detach = self.args.detach_trunk or self.args.stop_gradient
