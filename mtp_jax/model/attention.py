@@ -279,29 +279,29 @@ def _splash_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT, *, scale, block_q, b
   # Deferred: the Pallas TPU kernels load only where the splash core is chosen.
   import jax.experimental.pallas.ops.tpu.splash_attention as splash
   _, t, n, _ = q_BxTxNxH.shape
-  kernel = _splash_kernel(t, n, min(block_q, t), min(block_kv, t), interpret)
+  bq, bkv = min(block_q, t), min(block_kv, t)
+  sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
+                            block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq,
+                            block_kv_dq=bkv)
+  # its block tables (which blocks the causal mask keeps) are arrays: the kernel object is
+  # a pytree, passed as an argument (_saved_kernel), never closed over
+  kernel = splash.make_splash_mha(splash.MultiHeadMask([splash.CausalMask((t, t))] * n),
+                                  block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                  interpret=interpret)
   heads_major = lambda x: jnp.transpose(x, (0, 2, 1, 3))
   q_BxNxTxH = heads_major((q_BxTxNxH * scale).astype(q_BxTxNxH.dtype))
   k_BxKxTxH = heads_major(k_BxTxKxH.astype(q_BxTxNxH.dtype))
   v_BxKxTxV = heads_major(v_BxTxKxV.astype(q_BxTxNxH.dtype))
-  rows = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, splash.SegmentIds(q=seg, kv=seg)))
-  return heads_major(_saved_kernel(rows, q_BxNxTxH, k_BxKxTxH, v_BxKxTxV, seg_BxT))
+  return heads_major(_saved_kernel(_splash_rows, kernel, q_BxNxTxH, k_BxKxTxH, v_BxKxTxV,
+                                   seg_BxT))
 
 
-@functools.lru_cache(maxsize=64)
-def _splash_kernel(t: int, n: int, bq: int, bkv: int, interpret: bool):
-  """The splash kernel of n heads over T positions, causal, blocks bq x bkv. Its block
-  tables (which blocks the causal mask keeps) are computed once per shape, as concrete
-  constants even when first asked for inside a trace (a scanned, rematerialised layer)."""
+def _splash_rows(kernel, q_BxNxTxH, k_BxKxTxH, v_BxKxTxV, seg_BxT):
+  """The splash kernel (one sequence at a time) vmapped over rows."""
   # Deferred: as in _splash_local.
   import jax.experimental.pallas.ops.tpu.splash_attention as splash
-  sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
-                            block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq,
-                            block_kv_dq=bkv)
-  with jax.ensure_compile_time_eval():
-    return splash.make_splash_mha(splash.MultiHeadMask([splash.CausalMask((t, t))] * n),
-                                  block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                  interpret=interpret)
+  return jax.vmap(lambda q, k, v, seg: kernel(q, k, v, splash.SegmentIds(q=seg, kv=seg)))(
+      q_BxNxTxH, k_BxKxTxH, v_BxKxTxV, seg_BxT)
 
 
 def _triton_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT, *, scale, interpret):
@@ -317,31 +317,37 @@ def _triton_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT, *, scale, interpret)
   pad = q_BxTxNxH.shape[3] - v_width
   if pad:
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad)))
+  call = functools.partial(_triton_call, scale=scale, interpret=interpret)
+  return _saved_kernel(call, None, q_BxTxNxH, k, v, seg_BxT)[..., :v_width]
+
+
+def _triton_call(kernel, q, k, v, seg, *, scale, interpret):
+  del kernel  # the Triton kernel has no per-shape tables
   # Deferred: the Pallas GPU kernels load only where the triton core is chosen.
   import jax.experimental.pallas.ops.gpu.attention as gpu_attention
-  kernel = functools.partial(gpu_attention.mha, sm_scale=scale, causal=True, interpret=interpret)
-  return _saved_kernel(kernel, q_BxTxNxH, k, v, seg_BxT)[..., :v_width]
+  return gpu_attention.mha(q, k, v, seg, sm_scale=scale, causal=True, interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _saved_kernel(kernel, q, k, v, seg):
-  """kernel(q, k, v, seg) (a Pallas attention call with its own custom VJP) with every
-  residual of its forward named KERNEL_SAVED_NAME: under remat='block' the policy keeps
-  them and the backward runs only the kernel's backward. (Applied to the library call
-  directly, a name-based policy reran the forward kernel in the backward pass: three
-  kernel calls per layer became four.)"""
-  return kernel(q, k, v, seg)
+def _saved_kernel(call, kernel, q, k, v, seg):
+  """call(kernel, q, k, v, seg): a Pallas attention call with its own custom VJP (kernel:
+  its pytree of tables, or None), with every residual of its forward named
+  KERNEL_SAVED_NAME: under remat='block' the policy keeps them and the backward runs
+  only the kernel's backward. (Applied to the library call directly, a name-based
+  policy reran the forward kernel in the backward pass: four kernel calls per layer
+  instead of three.)"""
+  return call(kernel, q, k, v, seg)
 
 
-def _saved_kernel_fwd(kernel, q, k, v, seg):
-  out, vjp_fn = jax.vjp(lambda q, k, v: kernel(q, k, v, seg), q, k, v)
+def _saved_kernel_fwd(call, kernel, q, k, v, seg):
+  out, vjp_fn = jax.vjp(lambda q, k, v: call(kernel, q, k, v, seg), q, k, v)
   name = lambda x: checkpoint_name(x, KERNEL_SAVED_NAME)
   return name(out), jax.tree.map(name, vjp_fn)  # vjp_fn's leaves: the kernel's residuals
 
 
-def _saved_kernel_bwd(kernel, vjp_fn, do):
-  del kernel
-  return (*vjp_fn(do), None)
+def _saved_kernel_bwd(call, vjp_fn, do):
+  del call
+  return (None, *vjp_fn(do), None)
 
 
 _saved_kernel.defvjp(_saved_kernel_fwd, _saved_kernel_bwd)
