@@ -31,6 +31,7 @@ def small_config():
   m.vocab_size, m.d_model, m.n_layers, m.mlp_dim = 512, 256, 2, 512
   m.n_heads, m.n_kv_heads, m.head_dim = 2, 2, 128
   m.dtype, m.remat, m.scan_layers, m.loss_chunk = 'bfloat16', 'block', True, 64
+  m.attention_core = 'xla'  # dense attention: every FLOP is in the HLO count checked below
   m.mtp.depth = 1
   c.data.seq_len, c.data.batch_size = 128, 8
   c.mesh.shape = (2, 2, 2)
