@@ -24,6 +24,7 @@ figures mean nothing).
 """
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -103,7 +104,7 @@ def _stage(name, cmd, root, done, log_runs):
   Records persist in root/stages.json, so a rerun that skips a finished stage keeps them.
   """
   path = os.path.join(root, 'stages.json')
-  saved = json.load(open(path)) if os.path.exists(path) else {}
+  saved = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else {}
   entry = {'command': ' '.join(cmd[1:]).replace(REPO + '/', '')}
   if done():
     entry = saved.get(name, dict(entry, skipped='finished before stages were recorded'))

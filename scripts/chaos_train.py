@@ -17,6 +17,7 @@ exits 0 only when identical.
 import argparse
 import json
 import os
+import pathlib
 import random
 import shutil
 import signal
@@ -67,7 +68,7 @@ def read_log(workdir):
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     return rows
-  for line in open(path):
+  for line in pathlib.Path(path).read_text().splitlines(keepends=True):
     if not line.endswith('\n'):
       break  # cut short by the kill; the next run repairs it
     row = {k: v for k, v in json.loads(line).items() if not k.startswith('perf/')}
@@ -182,7 +183,7 @@ def chaos(args, workdir, env):
 
 
 def resumed_step(log_path):
-  for line in open(log_path):
+  for line in pathlib.Path(log_path).read_text().splitlines():
     if line.startswith('Resumed from') and ' at step ' in line:
       return int(line.split(' at step ')[1].split('.')[0])
   return None

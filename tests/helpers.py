@@ -6,6 +6,7 @@ so tests/multihost_worker.py can import it too.
 import importlib.util
 import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -262,7 +263,7 @@ def hf_tokenizer_texts():
   """A few standard-library sources plus Unicode: what the tiny BPE is trained on."""
   import json as json_mod
   import textwrap
-  texts = [open(m.__file__, encoding='utf-8').read() for m in (json_mod, textwrap)]
+  texts = [pathlib.Path(m.__file__).read_text(encoding='utf-8') for m in (json_mod, textwrap)]
   return texts + ['unicode: é → 日本語 🐍 naïve café\n'] * 4
 
 

@@ -3,6 +3,7 @@
 trained parallel heads decoding losslessly."""
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -197,7 +198,8 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
 
   summary = A.tabulate(out, {0, 1})
   assert [n for n in os.listdir(out) if n.startswith('lm')] == ['lm.json']  # no .tmp left
-  assert [(r['variant'], r['seed']) for r in json.load(open(os.path.join(out, 'lm.json')))] == [
+  runs = json.loads(pathlib.Path(out, 'lm.json').read_text())
+  assert [(r['variant'], r['seed']) for r in runs] == [
       ('d0', 0), ('d0', 1), ('d1', 0), ('d1', 1)]
   results = {(r['variant'], r['seed']): r for r in research.load_results(out, 'lm')}
   for budget in A.BUDGETS:
@@ -236,7 +238,7 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
   figs = proc.stdout.split()
   assert [os.path.basename(p) for p in figs] == ['loss_vs_flops.png', 'acceptance_per_depth.png']
   for p in figs:
-    data = open(p, 'rb').read()
+    data = pathlib.Path(p).read_bytes()
     assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 10_000
 
 

@@ -5,6 +5,7 @@ functions too: a cycle hidden by a function-level import is still a cycle.
 """
 import ast
 import os
+import pathlib
 
 
 from helpers import REPO
@@ -71,7 +72,7 @@ def _imported(node, modules) -> list[str]:
 
 def _imports(path):
   """[(imported module, line, inside a function)] of one file."""
-  tree = ast.parse(open(path, encoding='utf-8').read())
+  tree = ast.parse(pathlib.Path(path).read_text(encoding='utf-8'))
   inner = set()
   for fn in ast.walk(tree):
     if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -143,7 +144,7 @@ def test_function_level_imports_are_the_deferred_ones():
   for mod, path in MODULES.items():
     if mod.startswith('mtp_jax.commands'):
       continue  # a command imports JAX and the library only after its flags parse
-    lines = open(path, encoding='utf-8').read().splitlines()
+    lines = pathlib.Path(path).read_text(encoding='utf-8').splitlines()
     for imported, line, inside in _imports(path):
       if not inside:
         continue

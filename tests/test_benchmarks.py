@@ -9,6 +9,7 @@ import glob
 import importlib
 import json
 import os
+import pathlib
 import subprocess
 
 import pytest
@@ -166,7 +167,7 @@ def test_compare_mtp_targets(tmp_path, stdlib_data_dir):
 
 
 def test_every_script_has_a_smoke_test():
-  tested = {n for n in SCRIPTS if f"smoke('{n}'" in open(__file__).read()}
+  tested = {n for n in SCRIPTS if f"smoke('{n}'" in pathlib.Path(__file__).read_text()}
   assert tested == set(SCRIPTS)
 
 
@@ -186,7 +187,7 @@ def test_committed_results_record_what_they_measured():
   paths = glob.glob(os.path.join(BENCH, 'results', '*.json'))
   assert paths
   for path in paths:
-    text = open(path).read()
+    text = pathlib.Path(path).read_text()
     doc = json.loads(text)
     assert doc['benchmark'] == os.path.basename(path)[:-5] and doc['smoke'] is False
     assert doc['machine']['cpu'] and doc['machine']['cores'] >= 1 and doc['note']

@@ -2,6 +2,7 @@
 their defaults, and no script or test reaches the package by a path hack."""
 import importlib
 import os
+import pathlib
 import subprocess
 import sys
 import tomllib
@@ -31,7 +32,7 @@ def test_scripts_are_thin_wrappers_of_the_commands(name):
   module = ENTRY_POINTS[name].split(':')[0]
   script = os.path.join(REPO, 'scripts', module.rsplit('.', 1)[1].replace('evaluate', 'eval')
                         + '.py')
-  text = open(script, encoding='utf-8').read()
+  text = pathlib.Path(script).read_text(encoding='utf-8')
   assert f'from {module} import main' in text
   assert len(text.splitlines()) <= 15, f'{script} is more than a wrapper'
 

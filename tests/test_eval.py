@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -41,7 +42,8 @@ def _main(argv):
 
 
 def _eval_rows(workdir):
-  rows = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
+  text = pathlib.Path(workdir, 'metrics.jsonl').read_text()
+  rows = [json.loads(line) for line in text.splitlines()]
   return {r['step']: r for r in rows if 'eval/loss_main' in r}
 
 

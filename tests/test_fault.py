@@ -6,6 +6,7 @@ so the persistent compilation cache compiles the train step once for the whole t
 import glob
 import json
 import os
+import pathlib
 import pickle
 import shutil
 import signal
@@ -47,7 +48,7 @@ def run(config, workdir, devices, **kw):
 def log_rows(workdir) -> dict:
   """{step: {metric: value}} without timings; a step logged twice must log the same numbers."""
   out = {}
-  for line in open(os.path.join(workdir, 'metrics.jsonl')):
+  for line in pathlib.Path(workdir, 'metrics.jsonl').read_text().splitlines():
     row = {k: v for k, v in json.loads(line).items() if not k.startswith('perf/')}
     step = row.pop('step')
     kind = 'eval' if any(k.startswith('eval/') for k in row) else 'train'
@@ -181,14 +182,14 @@ def test_metrics_log_cut_by_a_kill_is_repaired(tmp_path):
 def _flip_a_byte_of_the_largest_array_file(step_dir):
   files = [f for f in glob.glob(os.path.join(step_dir, 'state', '**', 'd', '*'), recursive=True)]
   path = max(files, key=os.path.getsize)
-  data = bytearray(open(path, 'rb').read())
+  data = bytearray(pathlib.Path(path).read_bytes())
   data[len(data) // 2] ^= 0x40
-  open(path, 'wb').write(bytes(data))
+  pathlib.Path(path).write_bytes(bytes(data))
 
 
 def _truncate(path):
-  data = open(path, 'rb').read()
-  open(path, 'wb').write(data[:len(data) // 2])
+  data = pathlib.Path(path).read_bytes()
+  pathlib.Path(path).write_bytes(data[:len(data) // 2])
 
 
 def test_corrupted_latest_falls_back_to_the_previous_good_one(devices, stdlib_data_dir, reference,
@@ -225,9 +226,9 @@ def test_corrupted_latest_falls_back_to_the_previous_good_one(devices, stdlib_da
 
   # Valid JSON, wrong data position: caught by the data-state hash, not by any parser.
   data_json = glob.glob(str(ckpts / '6' / 'data' / '*.json'))[0]
-  state = json.load(open(data_json))
+  state = json.loads(pathlib.Path(data_json).read_text())
   state['parent_state']['next_index'] += 1
-  json.dump(state, open(data_json, 'w'))
+  pathlib.Path(data_json).write_text(json.dumps(state))
   run(tiny(stdlib_data_dir), workdir, devices)
   err = capfd.readouterr().err
   assert 'checkpoint 6 is broken' in err and 'data-iterator state differs' in err

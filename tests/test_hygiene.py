@@ -6,6 +6,7 @@ Trainer runs use tiny.py on a small jsonl corpus written here, on one device.
 import importlib.util
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -51,7 +52,8 @@ def jsonl_config(path, **train_fields):
 
 
 def rows_of(workdir):
-  return [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
+  text = pathlib.Path(workdir, 'metrics.jsonl').read_text()
+  return [json.loads(line) for line in text.splitlines()]
 
 
 @pytest.fixture
@@ -70,7 +72,7 @@ def poison(cache_file, flops, load=0.1, date='2026-01-01T00:00:00'):
 
 
 def cached(cache_file):
-  return json.load(open(cache_file))[peak_lib.machine_key(jnp.float32)]
+  return json.loads(pathlib.Path(cache_file).read_text())[peak_lib.machine_key(jnp.float32)]
 
 
 # ------------------------------------------------------------------------------------ peak

@@ -7,6 +7,7 @@ iterator concatenates the two processes' shards.
 """
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -64,7 +65,8 @@ def _launch(commands, timeout=600):
 
 
 def _rows(workdir):
-  return [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
+  text = pathlib.Path(workdir, 'metrics.jsonl').read_text()
+  return [json.loads(line) for line in text.splitlines()]
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Speed paths must not change the math: the blocked attention core, the cached CPU peak."""
 import json
-import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -170,7 +170,7 @@ def test_cpu_peak_is_cached_and_only_raised(tmp_path, monkeypatch):
   assert first['flops'] == 300e9 and first['date'] and len(first['load_average']) == 2
   assert peak_lib.cpu_peak()['flops'] == 300e9  # read from disk, not probed again
   assert next(readings) == 100e9  # exactly one probe round (rounds x sizes) was taken
-  stored = json.load(open(os.path.join(tmp_path, 'cpu_peak_flops.json')))
+  stored = json.loads(pathlib.Path(tmp_path, 'cpu_peak_flops.json').read_text())
   assert list(stored.values())[0]['flops'] == 300e9
   assert peak_lib.update_cpu_peak()['flops'] == 300e9  # a lower (loaded) probe never lowers it
   peak, source = peak_lib.peak_flops(jnp.float32, jax.devices())

@@ -9,6 +9,7 @@ import hashlib
 import importlib
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -58,7 +59,7 @@ def _hashes(root) -> dict:
       out[os.path.relpath(os.path.join(d, n), root)] = None
     for n in files:
       path = os.path.join(d, n)
-      out[os.path.relpath(path, root)] = hashlib.sha256(open(path, 'rb').read()).hexdigest()
+      out[os.path.relpath(path, root)] = hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
   return out
 
 
@@ -68,14 +69,14 @@ def _largest_array_file(step_dir):
 
 
 def _truncate(path):
-  data = open(path, 'rb').read()
-  open(path, 'wb').write(data[:len(data) // 2])
+  data = pathlib.Path(path).read_bytes()
+  pathlib.Path(path).write_bytes(data[:len(data) // 2])
 
 
 def _flip_a_byte(path):
-  data = bytearray(open(path, 'rb').read())
+  data = bytearray(pathlib.Path(path).read_bytes())
   data[len(data) // 2] ^= 0x40
-  open(path, 'wb').write(bytes(data))
+  pathlib.Path(path).write_bytes(bytes(data))
 
 
 @pytest.fixture

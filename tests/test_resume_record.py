@@ -158,5 +158,5 @@ def test_new_data_continues_the_model_on_other_data(trained, devices, tmp_path):
   reader = ckpt_lib.CheckpointReader(str(copy / 'checkpoints'))
   assert reader.steps()[-1] == 3
   assert reader.read_meta(3)['config']['data']['path'] == str(b)
-  rows = [json.loads(line) for line in open(copy / 'metrics.jsonl')]
+  rows = [json.loads(line) for line in (copy / 'metrics.jsonl').read_text().splitlines()]
   assert [r['step'] for r in rows if 'train/loss' in r] == [1, 2, 3]

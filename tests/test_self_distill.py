@@ -4,6 +4,7 @@ continuations, written as token ids, equal the decoder's output for the seed, an
 Uses the test run's trained tiny workdir (conftest.tiny_run, configs/tiny.py, D = 2).
 """
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -39,8 +40,8 @@ def test_self_distill_writes_the_decoders_own_samples(distilled, capsys):
   code, stdout, err = _main(['--workdir', str(workdir), '--out', str(out)] + ARGS, capsys)
   assert code == 0, err
   meta = json.loads(stdout.strip().splitlines()[-1])
-  assert meta == json.load(open(out / 'meta.json'))
-  records = [json.loads(line) for line in open(out / 'data.jsonl')]
+  assert meta == json.loads(pathlib.Path(out / 'meta.json').read_text())
+  records = [json.loads(line) for line in pathlib.Path(out / 'data.jsonl').read_text().splitlines()]
   assert len(records) == 7 == meta['records']
 
   config, step = ckpt_lib.load_workdir(str(workdir))
@@ -91,7 +92,7 @@ def test_frozen_mtp_trains_on_self_distilled_data(distilled, devices, tmp_path, 
   workdir, out = distilled
   if not (out / 'data.jsonl').exists():
     assert _main(['--workdir', str(workdir), '--out', str(out)] + ARGS, capsys)[0] == 0
-  meta = json.load(open(out / 'meta.json'))
+  meta = json.loads(pathlib.Path(out / 'meta.json').read_text())
   config, _ = ckpt_lib.load_workdir(str(workdir))
   for k, v in meta['train_overrides'].items():
     config.data[k.split('.')[1]] = v

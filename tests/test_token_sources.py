@@ -122,4 +122,5 @@ def test_pieces_html_and_chart(tmp_path):
   stats = {'num_drafts': 2, 'verify_steps': 4, 'new_tokens': 9, 'mean_accepted_length': 2.0,
            'acceptance_per_depth': [0.75, 0.25], 'conditional_acceptance': [0.75, 1 / 3]}
   path = plotting.plot_decode_acceptance(stats, [1, 2, 1], str(tmp_path / 'a.png'))
-  assert open(path, 'rb').read(8) == b'\x89PNG\r\n\x1a\n'
+  with open(path, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'

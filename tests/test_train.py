@@ -2,6 +2,7 @@
 import functools
 import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +70,8 @@ def test_one_device_equals_eight_devices(devices, stdlib_data_dir):
 
 
 def _train_losses(workdir):
-  rows = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
+  text = pathlib.Path(workdir, 'metrics.jsonl').read_text()
+  rows = [json.loads(line) for line in text.splitlines()]
   return {r['step']: r['train/loss'] for r in rows if 'train/loss' in r}
 
 
@@ -109,7 +111,7 @@ def test_train_script_smoke(tiny_run):
   """scripts/train.py on configs/tiny.py: the loss falls and every output is written."""
   workdir, proc = tiny_run
   assert 'step' in proc.stderr and 'tok/s' in proc.stderr  # the live progress line
-  rows = [json.loads(line) for line in open(workdir / 'metrics.jsonl')]
+  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
   train_rows = [r for r in rows if 'train/loss' in r]
   eval_rows = [r for r in rows if 'eval/loss_main' in r]
   assert train_rows[-1]['train/loss'] < train_rows[0]['train/loss'] - 0.5
@@ -120,6 +122,6 @@ def test_train_script_smoke(tiny_run):
   assert [r['step'] for r in eval_rows] == [20, 40]
   for key in ('eval/bpb_main', 'eval/bpb_mtp_1', 'eval/bpb_mtp_2', 'eval/agree_mtp_2'):
     assert 0 < eval_rows[-1][key] < 10, key
-  assert json.load(open(workdir / 'config.json'))['model']['mtp']['depth'] == 2
+  assert json.loads(pathlib.Path(workdir / 'config.json').read_text())['model']['mtp']['depth'] == 2
   assert any(f.startswith('events') for f in os.listdir(workdir / 'tensorboard'))
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['20', '40']
