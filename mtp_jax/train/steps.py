@@ -81,7 +81,7 @@ def train_step(config, graphdef, state, batch):
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params,
                                                         jax.tree.map(lambda x: x[0], micro)))
     ((loss, sums), grads), _ = jax.lax.scan(body, zeros, micro)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   optimizer.update(model, grads)
   new_state = nnx.state((model, optimizer))
   if config_lib.optional(config, 'model.mtp.curriculum', 'none') != 'none':
