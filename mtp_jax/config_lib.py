@@ -285,18 +285,28 @@ def _same_kind(value, want) -> bool:
 
 
 ATTENTION_CORES = ('auto', 'blocked', 'splash', 'triton', 'xla')
-# The Triton kernel's blocks (jax.experimental.pallas.ops.gpu.attention.BlockSizes' default):
-# 128 queries x 128 keys forward, 32 x 32 backward, each at most T.
-_TRITON_BLOCKS = (128, 32)
+# The Triton kernel's blocks by padded head width (the next power of two): forward queries x
+# keys, so that the tiles fit an H100's shared memory (128 x 128 at width 256 asks for 320
+# KiB of its 227); 32 x 32 in the backward kernels (its defaults). Widths past the last
+# row were never compiled.
+TRITON_BLOCKS = ((128, (128, 128)), (256, (128, 64)), (512, (64, 32)))
 
 
-def attention_kernel_problem(core: str, seq_len: int, block_q: int, block_kv: int) -> str:
+def triton_blocks(head_width: int) -> tuple | None:
+  """(block_q, block_k) of the Triton forward kernel for q / k heads this wide, or None."""
+  padded = 1 << max(head_width - 1, 0).bit_length()
+  return next((blocks for width, blocks in TRITON_BLOCKS if padded <= width), None)
+
+
+def attention_kernel_problem(core: str, seq_len: int, block_q: int, block_kv: int,
+                             head_width: int = 0) -> str:
   """One line saying why attention core `core` cannot take sequences of seq_len with
-  these splash blocks, or '' when it can ('auto' and the non-kernel cores: always '').
+  these splash blocks and q / k heads head_width wide, or '' when it can ('auto' and the
+  non-kernel cores: always '').
 
   splash: each block (at most T) must divide T and be a multiple of 128, the kernel's
   lane width (its key blocks must be; the query blocks tile the segment-id rows alike).
-  triton: T must be a multiple of each of its blocks (at most T)."""
+  triton: T must be a multiple of each of its blocks (at most T); heads up to 512 wide."""
   if core == 'splash':
     for name, block in (('attention_block_q', block_q), ('attention_block_kv', block_kv)):
       b = min(block, seq_len)
@@ -305,12 +315,24 @@ def attention_kernel_problem(core: str, seq_len: int, block_q: int, block_kv: in
                 f'of model.{name} ({block}) or of 128 if shorter, and that block a multiple '
                 'of 128; change data.seq_len or the block, or use attention_core=blocked / xla')
   if core == 'triton':
-    for block in _TRITON_BLOCKS:
+    blocks = triton_blocks(head_width)
+    if blocks is None:
+      return (f'model.attention_core=triton takes query/key heads up to {TRITON_BLOCKS[-1][0]} '
+              f'wide (the widest compiled for an H100), got {head_width}; use '
+              'attention_core=xla')
+    for block in blocks + (32,):
       if seq_len % min(block, seq_len):
         return (f'model.attention_core=triton needs data.seq_len ({seq_len}) to be a multiple '
                 f'of {block} (the Pallas GPU kernel\'s block) when longer; change '
                 'data.seq_len or use attention_core=xla')
   return ''
+
+
+def _attention_head_width(m) -> int:
+  """The widest query/key head of the trunk's and the MTP blocks' attention kinds."""
+  kinds = {m.attention, m.mtp.block_attention or m.attention}
+  return max(m.head_dim if kind == 'gqa' else m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
+             for kind in kinds)
 
 
 def validate(config, num_devices: int | None = None) -> None:
@@ -340,7 +362,7 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(isinstance(m[name], int) and not isinstance(m[name], bool) and m[name] > 0,
              f'model.{name} must be a positive integer, got {m[name]!r}')
   problem = attention_kernel_problem(m.attention_core, d.seq_len, m.attention_block_q,
-                                     m.attention_block_kv)
+                                     m.attention_block_kv, _attention_head_width(m))
   _require(not problem, problem)
   _require(isinstance(m.scan_layers, bool),
            f'model.scan_layers must be True or False, got {m.scan_layers!r}')

@@ -201,10 +201,13 @@ def test_three_training_steps_with_splash_match_blocked(devices):
     ('splash', 1024, 384, r'model.attention_block_q \(384\)'),
     ('splash', 1536, 1024, r'data.seq_len \(1536\) to be a multiple of model.attention_block_q'),
     ('triton', 200, 512, r'data.seq_len \(200\) to be a multiple of 128'),
+    ('triton', 1024, 512, r'heads up to 512 wide .*got 640'),
 ])
 def test_configs_a_kernel_cannot_take_fail_validation_in_one_line(core, seq_len, block, match):
   c = tiny_model_config(1, attention_core=core, attention_block_q=block)
   c.data.seq_len = seq_len
+  if 'wide' in match:  # a head the Triton kernel's tiles were never compiled for
+    c.model.head_dim = 640
   with pytest.raises(ConfigError, match=match) as e:
     config_lib.validate(c)
   assert '\n' not in str(e.value)
@@ -220,6 +223,13 @@ def test_kernel_call_refuses_a_length_it_cannot_take_before_compiling():
   fn = functools.partial(attn_lib.kernel_attention, 'splash', scale=0.25)
   with pytest.raises(ConfigError, match=r'attention_core=splash needs data.seq_len \(200\)'):
     jax.eval_shape(lambda q, k, v, s: fn(q, k, v, s), x, x, x, seg)
+
+
+def test_triton_blocks_shrink_with_the_head_width():
+  """Forward blocks that compiled for an H100 (128 x 128 at width 256 did not fit its
+  shared memory): 64 -> 128 x 128, MLA's 192 (padded to 256) -> 128 x 64, 512 -> 64 x 32."""
+  assert [config_lib.triton_blocks(w) for w in (64, 128, 192, 256, 512, 513)] == [
+      (128, 128), (128, 128), (128, 64), (128, 64), (64, 32), None]
 
 
 def test_auto_picks_the_backend_kernel():

@@ -232,7 +232,8 @@ def kernel_attention(impl: str, q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxV: A
   cannot take raise ConfigError (config_lib.attention_kernel_problem) while tracing,
   before anything compiles.
   """
-  problem = config_lib.attention_kernel_problem(impl, q_BxTxNxH.shape[1], block_q, block_kv)
+  problem = config_lib.attention_kernel_problem(impl, q_BxTxNxH.shape[1], block_q, block_kv,
+                                                q_BxTxNxH.shape[3])
   if problem:
     raise ConfigError(problem)
   interpret = jax.default_backend() == 'cpu'
@@ -308,7 +309,8 @@ def _triton_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT, *, scale, interpret)
   """One shard through the Pallas GPU flash kernel (`mha`: causal, segment ids, its own
   Triton backward; residuals named for remat by _saved_kernel). It takes one head count
   and one head width for q, k and v: GQA's kv heads are repeated (a [B, T, N, H] copy, no
-  scores) and v is zero-padded to H."""
+  scores) and v is zero-padded to H. Its forward blocks shrink with the head width
+  (config_lib.TRITON_BLOCKS), so that MLA's 192-wide heads fit a GPU's shared memory."""
   n, kv, v_width = q_BxTxNxH.shape[2], k_BxTxKxH.shape[2], v_BxTxKxV.shape[3]
   dt = q_BxTxNxH.dtype
   k, v = k_BxTxKxH.astype(dt), v_BxTxKxV.astype(dt)
@@ -317,15 +319,21 @@ def _triton_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT, *, scale, interpret)
   pad = q_BxTxNxH.shape[3] - v_width
   if pad:
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad)))
-  call = functools.partial(_triton_call, scale=scale, interpret=interpret)
+  block_q, block_k = config_lib.triton_blocks(q_BxTxNxH.shape[3])
+  call = functools.partial(_triton_call, scale=scale, interpret=interpret, block_q=block_q,
+                           block_k=block_k)
   return _saved_kernel(call, None, q_BxTxNxH, k, v, seg_BxT)[..., :v_width]
 
 
-def _triton_call(kernel, q, k, v, seg, *, scale, interpret):
+def _triton_call(kernel, q, k, v, seg, *, scale, interpret, block_q, block_k):
+  """The Triton `mha`, its forward blocks by head width (config_lib.TRITON_BLOCKS)."""
   del kernel  # the Triton kernel has no per-shape tables
   # Deferred: the Pallas GPU kernels load only where the triton core is chosen.
   import jax.experimental.pallas.ops.gpu.attention as gpu_attention
-  return gpu_attention.mha(q, k, v, seg, sm_scale=scale, causal=True, interpret=interpret)
+  sizes = gpu_attention.BlockSizes(block_q=block_q, block_k=block_k, block_q_dkv=32,
+                                   block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
+  return gpu_attention.mha(q, k, v, seg, sm_scale=scale, causal=True, block_sizes=sizes,
+                           interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
