@@ -198,8 +198,8 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
 
   summary = A.tabulate(out, {0, 1})
   assert [n for n in os.listdir(out) if n.startswith('lm')] == ['lm.json']  # no .tmp left
-  runs = json.loads(pathlib.Path(out, 'lm.json').read_text())
-  assert [(r['variant'], r['seed']) for r in runs] == [
+  written = json.loads(pathlib.Path(out, 'lm.json').read_text())
+  assert [(r['variant'], r['seed']) for r in written] == [
       ('d0', 0), ('d0', 1), ('d1', 0), ('d1', 1)]
   results = {(r['variant'], r['seed']): r for r in research.load_results(out, 'lm')}
   for budget in A.BUDGETS:
