@@ -184,3 +184,22 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
   text = A.markdown(summary)
   assert 'Minimum detectable paired effect on stdlib_bpb' in text
   assert 'minimum detectable effect' in text and 'stories with random names' in text
+
+
+def test_design_command_measures_prints_and_saves(tmp_path, capsys):
+  """--design at smoke size: the step times are measured, the design printed with the
+  command to run, and OUT/design.json is what the sized group then reads its steps from."""
+  out = str(tmp_path / 'design')
+  assert A.main(['--design', '--smoke', '--out', out, '--measure_steps', '1',
+                 '--temperatures', '0', '--budget_hours', '0.5']) == 0
+  text = capsys.readouterr().out
+  d = json.load(open(os.path.join(out, 'design.json')))
+  assert d['seeds'] >= 5 and d['steps'] >= 960 and d['runs_per_seed'] == 11
+  assert all(d['step_seconds'][v] > 0 for v in A.ABLATION.SIZED_VARIANTS)
+  assert d['step_seconds']['d3f'] == d['step_seconds']['d3']  # measured once per shape
+  assert f"--sized_steps {d['steps']}" in text and 'Minimum detectable paired effect' in text
+  assert d['names']['wall_seconds'] > 0 and 'mtp-ablation --groups names' in text
+  args = A.parse(['--groups', 'sized', '--out', out])
+  assert A.sized_steps(args) == d['steps']
+  assert A.main(['--groups', 'sized', '--out', str(tmp_path / 'none'), '--seeds', '0']) == 2
+  assert 'run mtp-ablation --design' in capsys.readouterr().err

@@ -232,6 +232,29 @@ def make_sweep(args, runs):
   return sweep
 
 
+def names_estimate(args, research) -> dict:
+  """Wall time of the names group at design_lib.MIN_SEEDS seeds, from measured step and
+  evaluation times (every variant trains the same steps and evaluates every EVAL_EVERY)."""
+  from mtp_jax.data import induction
+  from mtp_jax.research import design as design_lib
+  opt = ',smoke' if args.smoke else ''
+  steps = NAMES.SMOKE_STEPS if args.smoke else NAMES.STEPS
+  every = NAMES.SMOKE_EVAL_EVERY if args.smoke else NAMES.EVAL_EVERY
+  rows = NAMES.SMOKE_EVAL_ROWS if args.smoke else NAMES.EVAL_ROWS
+  step_s, eval_s = {}, {}
+  for v in NAMES.VARIANTS:
+    c = NAMES.get_config(v + opt)
+    print(f'measuring names {v} ...', file=sys.stderr, flush=True)
+    step_s[v] = research.measure_step_seconds(c, args.measure_steps)
+    task = induction.make_task(c.data.seq_len, **(NAMES.SMOKE_TASK if args.smoke else NAMES.TASK))
+    eval_s[v] = research.measure_induction_eval_seconds(c, research.InductionEvaluator(task, rows))
+  per_seed = sum(steps * step_s[v] + (steps // every + 1) * eval_s[v] for v in NAMES.VARIANTS)
+  seeds = design_lib.MIN_SEEDS
+  return {'seeds': seeds, 'steps': steps, 'per_seed_seconds': per_seed,
+          'wall_seconds': seeds * per_seed, 'step_seconds': step_s, 'eval_seconds': eval_s,
+          'command': f'mtp-ablation --groups names --seeds {",".join(map(str, range(seeds)))}'}
+
+
 def make_design(args) -> dict:
   """--design: the committed spread, step times measured briefly, the chosen design."""
   from mtp_jax.research import design as design_lib
@@ -255,6 +278,7 @@ def make_design(args) -> dict:
     step_s[v], eval_s[v] = measured[key]
   design = design_lib.choose(spread, lambda n: sized_runs(n, args.smoke), step_s, eval_s,
                              budget_hours=args.budget_hours)
+  design['names'] = names_estimate(args, research)
   design['load_average'] = {'before': list(load), 'after': list(os.getloadavg())}
   design['command'] = (f'mtp-ablation --groups sized --seeds '
                        f'{",".join(str(s) for s in range(design["seeds"]))} '
@@ -700,8 +724,13 @@ def _main(argv=None) -> int:
       json.dump(design, f, indent=1, default=_json_default)
     print(design_lib.describe(design))
     la = design['load_average']
+    nm = design['names']
     print(f"Measured at load average {la['before'][0]:.1f} (1 min) on {os.cpu_count()} cores; "
-          f"the estimate scales with the load.\nRun: {design['command']}")
+          f"the estimate scales with the load.\nRun: {design['command']}\n"
+          f"Names induction: {nm['seeds']} seeds x {len(nm['step_seconds'])} variants x "
+          f"{nm['steps']} steps, estimated {nm['wall_seconds'] / 3600:.2f} h (seconds per step "
+          + ', '.join(f'{v} {t:.3f}' for v, t in nm['step_seconds'].items())
+          + f").\nRun: {nm['command']}")
     return 0
   if not args.no_run:
     runs = make_runs(args)

@@ -311,9 +311,11 @@ load_results = results_lib.load_results
 
 
 # -- measuring the cost of a design (mtp_jax/research/design.py) ----------------------------------
-def measure_step_seconds(config, steps: int = 4, devices=None) -> float:
-  """Seconds per train step of `config` on one device: `steps` steps of random tokens
-  after one untimed (compiling) step. The cost of a step does not depend on the data."""
+def measure_step_seconds(config, steps: int = 4, devices=None, repeats: int = 3) -> float:
+  """Seconds per train step of `config` on one device: the fastest of `repeats` timings of
+  `steps` steps of random tokens, after one untimed (compiling) step (on a shared machine
+  the fastest timing is the one least slowed by other work). The cost of a step does not
+  depend on the data."""
   config = tokenizers.resolve_vocab_size(config.copy_and_resolve_references())
   ts, state = steps_lib.setup(config, (jax.devices() if devices is None else devices)[:1])
   rng = np.random.default_rng(0)
@@ -323,11 +325,25 @@ def measure_step_seconds(config, steps: int = 4, devices=None) -> float:
            'positions': np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()}
   state, _ = steps_lib.run_step(ts, state, batch)
   jax.block_until_ready(state)
+  best = math.inf
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      state, _ = steps_lib.run_step(ts, state, batch)
+    jax.block_until_ready(state)
+    best = min(best, (time.perf_counter() - t0) / steps)
+  return best
+
+
+def measure_induction_eval_seconds(config, evaluator: InductionEvaluator, devices=None) -> float:
+  """Seconds of one evaluation of an induction evaluator on `config`'s model (after one
+  untimed, compiling call)."""
+  config = tokenizers.resolve_vocab_size(config.copy_and_resolve_references())
+  ts, state = steps_lib.setup(config, (jax.devices() if devices is None else devices)[:1])
+  evaluator(ts, state)
   t0 = time.perf_counter()
-  for _ in range(steps):
-    state, _ = steps_lib.run_step(ts, state, batch)
-  jax.block_until_ready(state)
-  return (time.perf_counter() - t0) / steps
+  evaluator(ts, state)
+  return time.perf_counter() - t0
 
 
 def measure_eval_seconds(config, *, eval_batches: int, sets: int, num_prompts: int,
