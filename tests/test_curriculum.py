@@ -195,3 +195,33 @@ def test_leap_offsets_do_not_export_as_mtp_layers():
   with pytest.raises(InteropError, match='leap targets model.mtp.target_offsets'):
     layouts.check_layout(args, 'mimo')
   layouts.check_layout(args, 'llama')  # the trunk alone exports
+
+
+@pytest.mark.parametrize('curriculum', ['none', 'forward'])
+def test_train_step_keeps_the_routing_bias_update(devices, curriculum):
+  """The aux-loss-free routing bias is updated by the train step (outside the gradient);
+  under a forward curriculum an inactive MoE MTP depth's bias is held with its parameters."""
+  from helpers import dsv3_model_config
+  c = dsv3_model_config(1, attention='gqa')
+  c.model.vocab_size = 0
+  c.model.moe.bias_update_rate = 0.1
+  c.train.steps, c.train.warmup_steps = 4, 0
+  c.model.mtp.curriculum = curriculum
+  c.mesh.shape = (1, 1, 1)
+  ts, state = steps_lib.setup(c, devices[:1])
+  bias = lambda st: jax.tree.map(  # noqa: E731
+      np.asarray, nnx.to_pure_dict(nnx.state(nnx.merge(ts.graphdef, st)[0], nnx.Variable)))
+  before = _bias_leaves(bias(state))
+  state, m = steps_lib.run_step(ts, state, synthetic_batches(1, 8, 16, seed=2)[0])
+  after = _bias_leaves(bias(state))
+  assert not np.array_equal(before['trunk'], after['trunk'])  # layer 1's routing bias moved
+  assert np.array_equal(before['mtp'], after['mtp']) == (curriculum == 'forward')
+
+
+def _bias_leaves(tree):
+  out = {'trunk': [], 'mtp': []}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    keys = [getattr(p, 'key', getattr(p, 'idx', None)) for p in path]
+    if 'e_score_correction_bias' in keys:
+      out['mtp' if 'mtp' in keys else 'trunk'].append(leaf)
+  return {k: np.concatenate(v) for k, v in out.items()}

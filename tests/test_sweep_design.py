@@ -153,19 +153,26 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
                                              for r in runs if r.group == 'names')
   sweep = A.make_sweep(args, runs)
   last = [r for r in runs if r.group == 'sized' and r.steps > r.save_every][-1]  # d3f@tokens, s1
+  story = [r for r in runs if r.group == 'names'][-1]  # p2, seed 1
   for r in runs:
-    if r is not last:
+    if r is not last and r is not story:
       sweep.run(r)
-  sweep.stop_at = last.save_every
-  with pytest.raises(research.Interrupted):
-    sweep.run(last)
-  sweep.stop_at = None
-  resumed = sweep.run(last)
   fresh = research.Sweep(work + '2', out + '2')
-  fresh._setups, fresh.lm_eval = sweep._setups, sweep.lm_eval  # pylint: disable=protected-access
-  straight = fresh.run(last)
-  for a, b in zip(resumed['curve'], straight['curve']):
-    np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-5)
+  # pylint: disable=protected-access
+  fresh._setups, fresh.lm_eval, fresh.induction_evals = (sweep._setups, sweep.lm_eval,
+                                                          sweep.induction_evals)
+  results = {}
+  for run in (last, story):
+    sweep.stop_at = run.save_every
+    with pytest.raises(research.Interrupted):
+      sweep.run(run)
+    sweep.stop_at = None
+    results[run.group] = sweep.run(run), fresh.run(run)
+    for a, b in zip(*(r['curve'] for r in results[run.group])):
+      assert a['step'] == b['step'] and a.get('copy_acc') == b.get('copy_acc')
+      np.testing.assert_allclose(a.get('train_loss', 0), b.get('train_loss', 0), rtol=1e-5)
+  resumed, straight = results['sized']
+  assert [p['step'] for p in results['names'][0]['curve'] if 'copy_acc' in p] == [0, 4, 8]
   budget = next(iter(last.eval_at))
   np.testing.assert_allclose(resumed['evals'][budget]['heldout']['bpb'],
                              straight['evals'][budget]['heldout']['bpb'], rtol=1e-5)

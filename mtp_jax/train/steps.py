@@ -83,12 +83,12 @@ def train_step(config, graphdef, state, batch):
     ((loss, sums), grads), _ = jax.lax.scan(body, zeros, micro)
   grad_norm = optax.tree.norm(grads)
   optimizer.update(model, grads)
-  new_state = nnx.state((model, optimizer))
-  if config_lib.optional(config, 'model.mtp.curriculum', 'none') != 'none':
-    new_state = hold_inactive_depths(old_state, new_state, active)
   if 'moe_load' in sums:  # aux-loss-free balancing: the routing bias, outside the gradient
     sums.update(moe.update_bias(model, sums['moe_load'],
                                 config_lib.optional(config, 'model.moe.bias_update_rate', 0.0)))
+  new_state = nnx.state((model, optimizer))  # after every update of this step
+  if config_lib.optional(config, 'model.mtp.curriculum', 'none') != 'none':
+    new_state = hold_inactive_depths(old_state, new_state, active)
   metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': state_lib.lr_schedule(config)(step),
              'lambda': weights[1:].sum() if num_depths > 1 else jnp.zeros(()),
              'active_depths': active, **sums}
