@@ -67,19 +67,38 @@ def test_train_throughput_mfu(tmp_path):
   assert mfu['mfu_best_step_over_peak'] > 0 and mfu['model_flops_per_step'] > 0
 
 
+def _section(tmp_path, name):
+  """One train_throughput section's smoke, recorded under its result's name (the sections
+  are split over tests so that none runs for minutes)."""
+  names = importlib.import_module('train_throughput').RESULT_NAMES
+  return smoke('train_throughput', tmp_path, '--only', name,
+               benchmark=names.get(name, 'train_throughput'))['sections'][name]
+
+
 @pytest.mark.slow
-def test_train_throughput_other_sections(tmp_path):
-  s = smoke('train_throughput', tmp_path, '--only',
-            'overhead,moe,maxtext,memory,compile,ab')['sections']
-  assert s['overhead']['depths']['1']['flop_ratio'] > 1
-  moe = s['moe']['variants']
+def test_train_throughput_overhead_and_maxtext(tmp_path):
+  assert _section(tmp_path, 'overhead')['depths']['1']['flop_ratio'] > 1
+  assert _section(tmp_path, 'maxtext')['depths']['0']['tokens_per_sec_median'] > 0
+
+
+@pytest.mark.slow
+def test_train_throughput_moe(tmp_path):
+  moe = _section(tmp_path, 'moe')['variants']
   assert moe['dense_same_active']['time_ratio_vs_dense_median'] == 1.0
   assert moe['dsv3_mini']['flop_ratio_vs_dense'] > 0
-  assert s['maxtext']['depths']['0']['tokens_per_sec_median'] > 0
-  row = s['memory']['default_cpu_scheduler']['runs'][0]
+
+
+@pytest.mark.slow
+def test_train_throughput_memory_and_compile(tmp_path):
+  row = _section(tmp_path, 'memory')['default_cpu_scheduler']['runs'][0]
   assert row['D1_temp_MiB'] > 0 and row['temp_ratio_D4_over_D1'] > 0
-  assert all(v > 0 for k, v in s['compile'].items() if k != 'bench_seconds')
-  for variants in s['ab']['models'].values():
+  compile_s = _section(tmp_path, 'compile')
+  assert all(v > 0 for k, v in compile_s.items() if k != 'bench_seconds')
+
+
+@pytest.mark.slow
+def test_train_throughput_ab(tmp_path):
+  for variants in _section(tmp_path, 'ab')['models'].values():
     for v in variants.values():  # the same init and batch: the same first loss
       assert v['first_step_rel_diff']['loss'] < 1e-5
 

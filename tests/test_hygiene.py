@@ -232,6 +232,7 @@ def test_a_lock_held_by_an_orphan_says_so_and_frees_when_it_goes(tmp_path):
                           text=True)
   child = int(proc.stdout.readline())
   proc.wait()
+  proc.stdout.close()
   try:
     with pytest.raises(resilience.WorkdirError, match='which has exited; a process it started'):
       resilience.WorkdirLock(str(tmp_path)).acquire()

@@ -59,6 +59,7 @@ def _launch(commands, timeout=600):
     for p in procs:
       if p.poll() is None:
         p.kill()
+        p.communicate()  # reaps it and closes its pipes
   for i, (rc, out, err) in enumerate(outs):
     assert rc == 0, f'process {i} failed:\n{out[-2000:]}\n{err[-4000:]}'
   return outs

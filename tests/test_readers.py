@@ -228,6 +228,7 @@ def test_a_second_trainer_is_refused(stdlib_data_dir, tmp_path, devices):
   finally:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    proc.stdout.close()
   resilience.WorkdirLock(str(workdir)).acquire().release()  # stale after kill -9
 
 
@@ -309,6 +310,7 @@ def test_reading_while_training_harms_nothing(stdlib_data_dir, tmp_path):
   finally:
     if trainer.poll() is None:
       trainer.kill()
+      trainer.communicate()  # reaps it and closes its pipe
   assert trainer.returncode == 0, err[-3000:]
   assert second.returncode == 2, second.stderr[-3000:]
   lines = second.stderr.strip().splitlines()

@@ -151,7 +151,10 @@ def make_eval_batches(config, *, num_batches: int, process_index: int = 0,
           .filter(non_empty).map(tokenize)
           .to_iter_dataset(_READ_OPTIONS))
   it = iter(pack_and_batch(docs, seq_len=d.seq_len, batch_size=batch))
-  return [next(it) for _ in range(num_batches)]
+  try:
+    return [next(it) for _ in range(num_batches)]
+  finally:
+    it.close()  # its reader threads stop now, not whenever the iterator is collected
 
 
 def validate_data_config(config, process_count: int = 1) -> None:
