@@ -14,7 +14,7 @@ import pytest
 import helpers
 from mtp_jax import config_lib
 from mtp_jax.config_lib import ConfigError
-from mtp_jax.data import corpus, pipeline, stdlib_dataset, tokenizers
+from mtp_jax.data import corpus, pipeline, stdlib_dataset, tokenizers, user_data
 
 EOS = tokenizers.EOS_ID
 
@@ -477,19 +477,38 @@ def test_user_sources_pickle_for_grain_workers(user_sources, kind):
       np.testing.assert_array_equal(a[k], b[k])
 
 
-def test_a_bad_record_later_in_a_file_names_file_and_line(user_sources, tmp_path):
+def test_a_bad_record_later_in_a_file_is_found_before_the_run_starts(user_sources, tmp_path):
+  """Every line is checked up front (not only the first), naming the file and the line as
+  an editor counts it (blank lines included), and a chunk boundary inside a line is fine."""
   config, _ = user_sources['jsonl']
   config = config.copy_and_resolve_references()
   lines = [json.dumps({'text': f'document number {i}'}) for i in range(40)]
+  lines[5] = ''  # blank lines are skipped but still counted
   lines[31] = json.dumps({'body': 'wrong field'})
-  (tmp_path / 'x.jsonl').write_text('\n'.join(lines))
-  config.data.path = str(tmp_path / 'x.jsonl')
+  path = tmp_path / 'x.jsonl'
+  path.write_text('\n'.join(lines))
+  config.data.path = str(path)
   config.data.validation_percent = 1
-  pipeline.validate_data_config(config)  # the first record is fine
-  source = stdlib_dataset.data_source(config.data, 'train')
   with pytest.raises(ConfigError) as e:
-    [source[i] for i in range(len(source))]  # pylint: disable=expression-not-assigned
-  assert "data.text_key 'text' is not a field of data.path: x.jsonl line 32" in str(e.value)
+    pipeline.validate_data_config(config)
+  assert str(e.value) == (f"data.text_key 'text' is not a field of data.path: {path} line 32 "
+                          "(fields: ['body'])")
+  lines[31] = '{"text": "unterminated'
+  path.write_text('\n'.join(lines) + '\n')
+  with pytest.raises(ConfigError, match=f'{path} line 32 is not valid JSON'):
+    pipeline.validate_data_config(config)
+  lines[31] = json.dumps({'text': 'fixed'})
+  path.write_text('\n'.join(lines))  # no final newline
+  user_data._SPANS_CACHE.clear()  # pylint: disable=protected-access
+  chunk = user_data._INDEX_CHUNK  # pylint: disable=protected-access
+  try:
+    user_data._INDEX_CHUNK = 7  # pylint: disable=protected-access  (lines span chunks)
+    source = stdlib_dataset.data_source(config.data, 'train')
+  finally:
+    user_data._INDEX_CHUNK = chunk  # pylint: disable=protected-access
+  got = sorted(source[i]['text'] for i in range(len(source)))
+  want = sorted(json.loads(t)['text'] for t in lines if t)
+  assert set(got) <= set(want) and len(got) >= len(want) - 2  # 1 % held out
 
 
 def _user_error_cases(root):
@@ -502,6 +521,10 @@ def _user_error_cases(root):
   (root / 'good.jsonl').write_text('{"text": "fine"}\n')
   (root / 'ids.jsonl').write_text('{"tokens": [5, 300000]}\n')
   (root / 'fake.parquet').write_text('not parquet')
+  (root / 'empty').mkdir()
+  (root / 'empty' / 'a.txt').write_text('')
+  (root / 'binary').mkdir()
+  (root / 'binary' / 'b.txt').write_bytes(b'\x00\x01text')
   datasets.Dataset.from_dict({'content': ['a b c d e f']}).save_to_disk(str(root / 'hf'))
   datasets.DatasetDict({'train': datasets.Dataset.from_dict({'text': ['x' * 20]})}).save_to_disk(
       str(root / 'hfd'))
@@ -517,6 +540,10 @@ def _user_error_cases(root):
        ['data.path', f'{r}/nope', 'not a readable directory']),
       ('no matching files', dict(source='files', path=f'{r}/notes', extensions=('.md', '.rst')),
        ['data.path', 'contains no .md or .rst files']),
+      ('only an empty file', dict(source='files', path=f'{r}/empty', extensions=('.txt',)),
+       ['data.path', 'no readable document', '1 empty']),
+      ('only a binary file', dict(source='files', path=f'{r}/binary', extensions=('.txt',)),
+       ['data.path', 'no readable document', '1 binary']),
       ('tokens_key with files', dict(source='files', path=r, tokens_key='ids'),
        ['data.tokens_key', 'plain text files']),
       ('missing jsonl', dict(source='jsonl', path=f'{r}/none.jsonl'),

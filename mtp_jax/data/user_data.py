@@ -14,7 +14,8 @@ data.validation_percent of them held out, the same on every machine and run.
 
 Each reader is a random-access source (len, [i]) of dicts, so the grain pipeline above it
 (shuffle, per-process shard, packing, checkpointed iterator state) is the one the stdlib
-corpus uses. Nothing is copied or prepared: .jsonl lines are found once (byte offsets) and
+corpus uses. Nothing is copied or prepared: .jsonl lines are found and checked once (byte
+offsets; every line parsed before the run starts, so a malformed one is named up front) and
 read with pread; a parquet file's one needed column is read on first use and kept in memory;
 a saved `datasets` set is memory-mapped by `datasets` itself.
 """
@@ -179,33 +180,86 @@ def _files_source(d, split: str) -> FilesSource:
                            field='data.path', hint='point data.path at a folder holding them, or '
                            'list the endings to read, e.g. --config.data.extensions="(\'.md\', '
                            '\'.txt\')"')
+  _check_some_file_readable(root, rels)
   return FilesSource(root, corpus.split_files(rels, d.validation_percent)[split], d.text_key)
 
 
+def _check_some_file_readable(root: str, rels: Sequence[str]) -> None:
+  """ConfigError when no listed file holds a document (all empty, binary or unreadable):
+  reads files until the first readable one, so a usual folder costs one read."""
+  stats = corpus.ReadStats()
+  for rel in rels:
+    if corpus.read_text(os.path.join(root, rel), stats) is not None:
+      return
+  found = ', '.join(f'{n} {what}' for n, what in ((stats.empty, 'empty'),
+                                                  (stats.binary, 'binary (holding NUL bytes)'),
+                                                  (stats.unreadable, 'unreadable')) if n)
+  raise ConfigError(f'data.path {root!r} (data.source files) has no readable document among '
+                    f'its {len(rels)} matching file(s) ({found}); add text files')
+
+
 # -- jsonl -------------------------------------------------------------------------------------
-def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
-  """(byte offset, length) of every non-blank line of a file, newline excluded."""
-  ends, size = [], os.path.getsize(path)
+_SPANS_CACHE: dict = {}  # (path, size, mtime, key) -> spans: one pass per file per process
+
+
+def _line_spans(path: str, where: str, fields: _Fields) -> tuple[np.ndarray, np.ndarray,
+                                                                 np.ndarray]:
+  """(byte offset, length, 1-based line number) of every non-blank line of a .jsonl file.
+
+  Every line is parsed (a streaming pass, one chunk of the file in memory at a time) and
+  its field checked, so a malformed line anywhere stops the run before anything compiles:
+  ConfigError naming `where` (the file) and the line. The result is kept per process
+  while the file is unchanged (train, eval and the preflight checks share one pass).
+  """
+  st = os.stat(path)
+  key = (path, st.st_size, st.st_mtime_ns, fields.text_key, fields.tokens_key)
+  if key in _SPANS_CACHE:
+    return _SPANS_CACHE[key]
+  starts, lengths, numbers = [], [], []
+  pos, number, carry = 0, 0, b''
   with open(path, 'rb') as f:
-    pos = 0
     while True:
       chunk = f.read(_INDEX_CHUNK)
+      if chunk:
+        lines = (carry + chunk).split(b'\n')
+        carry = lines.pop()  # the start of a line the next chunk ends
+      else:
+        lines = [carry] if carry else []  # a last line without '\n'
+      for line in lines:
+        number += 1
+        if line.strip():
+          _check_line(line, f'{where} line {number}', fields)
+          starts.append(pos)
+          lengths.append(len(line))
+          numbers.append(number)
+        pos += len(line) + 1
       if not chunk:
         break
-      ends.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64) + pos)
-      pos += len(chunk)
-  ends = np.concatenate(ends + [np.array([size], np.int64)])  # a last line without '\n'
-  starts = np.concatenate([[0], ends[:-1] + 1])
-  lengths = ends - starts
-  keep = lengths > 0
-  short = np.flatnonzero(keep & (lengths <= 8))  # maybe only spaces / '\r': look at those
-  if short.size:
-    with open(path, 'rb') as f:
-      for j in short:
-        f.seek(starts[j])
-        if not f.read(lengths[j]).strip():
-          keep[j] = False
-  return starts[keep], lengths[keep]
+  out = (np.asarray(starts, np.int64), np.asarray(lengths, np.int64),
+         np.asarray(numbers, np.int64))
+  _SPANS_CACHE[key] = out
+  return out
+
+
+def _check_line(raw: bytes, where: str, fields: _Fields) -> None:
+  """The cheap part of _Fields.pick (syntax, object, field, its type) for one line."""
+  try:
+    record = json.loads(raw)
+  except ValueError as e:
+    raise ConfigError(f'data.path: {where} is not valid JSON ({str(e)[:100]})') from None
+  if not isinstance(record, dict):
+    raise ConfigError(f'data.path: {where} is not a JSON object (got {type(record).__name__})')
+  value = record.get(fields.key)
+  if fields.key not in record:
+    raise ConfigError(f'{fields.field_name()} is not a field of data.path: {where} '
+                      f'(fields: {sorted(record)[:20]})')
+  if fields.tokens_key:
+    if not isinstance(value, list) or (value and not isinstance(value[0], int)):
+      raise ConfigError(f'{fields.field_name()} of data.path: {where} must be a list of '
+                        f'token ids, got {str(value)[:60]}')
+  elif not isinstance(value, str):
+    raise ConfigError(f'{fields.field_name()} of data.path: {where} must hold text (a '
+                      f'string), got {type(value).__name__}')
 
 
 class JsonlSource:
@@ -218,19 +272,11 @@ class JsonlSource:
     self.fields = fields
     rows = []  # per file: [file index, offset, length, line number]
     for fi, (path, rel) in enumerate(files):
-      starts, lengths = _line_spans(path)
-      if starts.size:
-        self._check_first(path, rel, starts[0], lengths[0])
-      lines = np.arange(starts.size, dtype=np.int64)
+      starts, lengths, numbers = _line_spans(path, path, fields)
       sel = _in_split(_record_buckets(rel, starts.size), split, validation_percent)
-      rows.append(np.stack([np.full(starts.size, fi), starts, lengths, lines], 1)[sel])
+      rows.append(np.stack([np.full(starts.size, fi), starts, lengths, numbers], 1)[sel])
     self.index = np.concatenate(rows) if rows else np.zeros((0, 4), np.int64)
     self._fds, self._lock = {}, threading.Lock()
-
-  def _check_first(self, path, rel, start, length):
-    with open(path, 'rb') as f:
-      f.seek(start)
-      self._parse(f.read(length), f'{rel} line 1')
 
   def _parse(self, raw: bytes, where: str) -> dict:
     try:
@@ -260,7 +306,7 @@ class JsonlSource:
   def __getitem__(self, i: int) -> dict:
     fi, start, length, line = (int(v) for v in self.index[i])
     raw = os.pread(self._fd(fi), length, start)
-    return self._parse(raw, f'{self.rels[fi]} line {line + 1}')
+    return self._parse(raw, f'{self.rels[fi]} line {line}')
 
 
 # -- parquet -----------------------------------------------------------------------------------
