@@ -178,6 +178,8 @@ def base_config() -> ml_collections.ConfigDict:
   d.batch_size = 16  # global batch (sequences per optimizer step)
   d.shuffle_seed = 0  # seed of the document shuffle
   d.worker_count = 0  # grain worker processes (0: in the main process)
+  d.read_threads = 0  # threads reading + tokenizing documents (0: from the host's CPU count)
+  d.prefetch_buffer = 0  # documents read ahead (0: 32 per read thread)
 
   t = c.train = ml_collections.ConfigDict()
   t.steps = 1000  # optimizer steps
@@ -200,6 +202,16 @@ def base_config() -> ml_collections.ConfigDict:
   t.nonfinite = 'halt'  # NaN/Inf loss or grad norm: halt (stop, name step + depth) | skip (drop it)
   t.max_consecutive_skips = 10  # nonfinite=skip: halt after this many non-finite steps in a row
   t.progress = True  # live progress line on the console
+  t.profile_steps = ''  # 'A:B': a JAX profiler trace of steps A..B-1 under WORKDIR/profile/
+  t.profile_all_processes = False  # profile_steps on every process (default: process 0 only)
+  # Persistent XLA compilation cache: a restart of the same config loads its compiled steps
+  # instead of compiling again. A local path (~ expanded) or a URL such as gs://bucket/cache
+  # (shared by every host of a pod and kept across preemptions); '' turns it off. With this
+  # default, $JAX_COMPILATION_CACHE_DIR is used when set (mtp_jax/runtime/compile_cache.py).
+  t.compilation_cache_dir = '~/.cache/mtp_jax/jax_cache'
+  # Where checkpoints go: '' is WORKDIR/checkpoints; a URL (gs://bucket/run) passes to orbax
+  # as it is. The workdir (lock, metrics, TensorBoard, config.json) stays local.
+  t.checkpoint_dir = ''
 
   mesh = c.mesh = ml_collections.ConfigDict()
   mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); one -1 takes the remaining devices
@@ -441,6 +453,14 @@ def validate(config, num_devices: int | None = None) -> None:
   _require(0 < d.validation_percent < 100,
            f'data.validation_percent must be in (0, 100), got {d.validation_percent}')
   _require(d.worker_count >= 0, f'data.worker_count must be >= 0, got {d.worker_count}')
+  for name in ('read_threads', 'prefetch_buffer'):
+    _require(isinstance(d[name], int) and not isinstance(d[name], bool) and d[name] >= 0,
+             f'data.{name} must be a non-negative integer (0: from the CPU count), '
+             f'got {d[name]!r}')
+  profile_window(config)  # ConfigError on a malformed or unusable train.profile_steps
+  for name in ('compilation_cache_dir', 'checkpoint_dir'):
+    _require(isinstance(t[name], str), f'train.{name} must be a path or URL string, '
+             f'got {t[name]!r}')
   _require(isinstance(d.corpus_dir, str), f'data.corpus_dir must be a path string, got {d.corpus_dir!r}')
   validate_data_source(d)
 
@@ -552,6 +572,39 @@ def rope_scaling_tuple(config) -> tuple:
     return ('linear', float(rs.factor))
   return ('llama3', float(rs.factor), float(rs.low_freq_factor), float(rs.high_freq_factor),
           int(rs.original_max_positions))
+
+
+def profile_window(config) -> tuple[int, int] | None:
+  """train.profile_steps 'A:B' as (A, B): the trace covers steps A..B-1 (1-based, as logged).
+
+  None when off. ConfigError when malformed, or when an evaluation or a checkpoint falls
+  inside the window (their time would be traced as if it were training).
+  """
+  t = config.train
+  text = t.profile_steps
+  if text in ('', None):
+    return None
+  parts = str(text).split(':')
+  try:
+    a, b = (int(p) for p in parts) if len(parts) == 2 else (None, None)
+  except ValueError:
+    a = b = None
+  if a is None or not 1 <= a < b:
+    raise ConfigError(f"train.profile_steps must be 'A:B' with 1 <= A < B (trace steps A to "
+                      f'B-1), got {text!r}')
+  if a > t.steps:
+    raise ConfigError(f'train.profile_steps {text!r} starts after the last step '
+                      f'(train.steps={t.steps})')
+  for name in ('eval_every', 'checkpoint_every'):
+    every = t[name]
+    if every and isinstance(every, int) and every > 0:
+      inside = [s for s in range(a, min(b, t.steps + 1) - 1) if s % every == 0]
+      if inside:
+        what = 'an evaluation' if name == 'eval_every' else 'a checkpoint save'
+        raise ConfigError(f'train.profile_steps {text!r}: step {inside[0]} inside the window '
+                          f'is followed by {what} (train.{name}={every}); pick a window '
+                          'between them so only training is traced')
+  return a, b
 
 
 DATA_SOURCES = ('tfds', 'files', 'jsonl', 'parquet', 'hf_disk')  # mtp_jax/data/user_data.py

@@ -12,6 +12,7 @@ short ones kept (loss masks handle targets past a segment's end).
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from absl import flags
@@ -25,10 +26,25 @@ from mtp_jax.data import stdlib_dataset, tokenizers, user_data
 _KEY = 'tokens'
 _RENAME = {'tokens': _KEY, 'segment_ids': f'{_KEY}_segment_ids',
            'positions': f'{_KEY}_positions'}
-# Documents are read and tokenized in background threads. Two beat grain's 16 on a
-# 2-core host (SentencePiece encode holds the GIL; more threads only contend), and
-# 64 prefetched documents (≈ 1 MB of text) bound the memory.
-_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)
+
+
+def read_options(data_config) -> grain.ReadOptions:
+  """grain's read threads and prefetch buffer: data.read_threads / data.prefetch_buffer, or
+  (0) from this host's CPU count.
+
+  Tokenizing holds the GIL (SentencePiece, the byte tokenizer's numpy work in part), so
+  threads beyond a few only contend: one per 8 CPUs, at least 2 (a laptop) and at most 16
+  (a TPU VM's 100+ vCPUs); worker processes (data.worker_count) scale past that. The
+  buffer holds 32 documents per thread (64 on 2 threads, about 1 MB of text).
+  """
+  threads = data_config.get('read_threads', 0) or default_read_threads(os.cpu_count() or 2)
+  return grain.ReadOptions(num_threads=threads,
+                           prefetch_buffer_size=(data_config.get('prefetch_buffer', 0)
+                                                 or 32 * threads))
+
+
+def default_read_threads(cpu_count: int) -> int:
+  return max(2, min(16, cpu_count // 8))
 
 
 def document_ids(tokenizer: tokenizers.Tokenizer, data_config,
@@ -127,7 +143,7 @@ def make_train_iter(config, *, process_index: int = 0,
   docs = (_documents(config, d.train_split, process_index, process_count)
           .seed(d.shuffle_seed).shuffle().repeat()
           .filter(non_empty).map(tokenize)
-          .to_iter_dataset(_READ_OPTIONS))
+          .to_iter_dataset(read_options(d)))
   ds = pack_and_batch(docs, seq_len=d.seq_len, batch_size=batch)
   if d.worker_count > 0:
     # grain's workers read absl flags; outside absl.app.run nobody parsed them.
@@ -149,7 +165,7 @@ def make_eval_batches(config, *, num_batches: int, process_index: int = 0,
   non_empty, tokenize = _tokenize_steps(config, tokenizers.get_tokenizer(d))
   docs = (_documents(config, d.eval_split, process_index, process_count).repeat()
           .filter(non_empty).map(tokenize)
-          .to_iter_dataset(_READ_OPTIONS))
+          .to_iter_dataset(read_options(d)))
   it = iter(pack_and_batch(docs, seq_len=d.seq_len, batch_size=batch))
   try:
     return [next(it) for _ in range(num_batches)]

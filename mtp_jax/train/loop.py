@@ -28,7 +28,7 @@ from mtp_jax.model import mtp as model_lib
 from mtp_jax.model import moe
 from mtp_jax.train import resilience
 from mtp_jax.data import checks as data_checks
-from mtp_jax.runtime import sharding
+from mtp_jax.runtime import compile_cache, profiling, sharding
 from mtp_jax.model import state as state_lib
 from mtp_jax.train import steps
 from mtp_jax.data import pipeline, tokenizers
@@ -94,6 +94,8 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   is_main = jax.process_index() == 0
   progress = metrics_lib.Progress(config.train.steps, enabled=config.train.progress and is_main)
   notify = _Notifier(progress, is_main)
+  # Before anything compiles: a rerun of this config loads its programs from the cache.
+  compile_cache.enable(config.train.compilation_cache_dir, notify)
   before = resilience.workdir_entries(workdir)
   created = resilience.check_workdir(workdir)
   lock = _lock_workdir(workdir, is_main, notify)
@@ -368,6 +370,10 @@ class _Run:
     pending = None  # (step, device metrics) fetched after the next step is dispatched
     error = None
     guard = resilience.PreemptionGuard(notify)  # SIGTERM / SIGINT: save at the end of the step
+    profiler = profiling.StepProfiler(
+        config_lib.profile_window(config),
+        os.path.join(os.path.dirname(self.checkpointer.directory), 'profile'),
+        all_processes=config.train.profile_all_processes, notify=notify)
     try:
       guard.install()
       window.start = time.time()  # perf/: the first window starts at the first step, not at setup
@@ -382,12 +388,14 @@ class _Run:
             compiled = ts.train_step.lower(self.state, gbatch).compile()
             window.excluded += time.time() - t0  # tokens/s and MFU measure training only
             self.progress.message(f'Compiled the train step in {time.time() - t0:.1f} s.')
+          profiler.before_step(step + 1)  # after compiling: the trace holds steps only
           self.state, m = compiled(self.state, gbatch)
         step += 1
         if pending is not None:
           self.log(*pending)
         pending = (step, m)
         stop = guard.should_stop(step)
+        profiler.after_step(step, (self.state, m), stopping=stop or step == end_step)
         want_eval = config.train.eval_every and step % config.train.eval_every == 0
         want_ckpt = config.train.checkpoint_every and step % config.train.checkpoint_every == 0
         want_log = step % config.train.log_every == 0  # perf/: a window ends at a completed step
@@ -417,6 +425,6 @@ class _Run:
       raise
     finally:  # every closer runs; a failure surfaces unless another error is already on its way
       guard.uninstall()
-      resilience.close_all(error, notify, self.checkpointer.close, self.writer.close,
+      resilience.close_all(error, notify, profiler.stop, self.checkpointer.close, self.writer.close,
                            self.progress.close, getattr(self.data_iter, 'close', None))
     return self.last

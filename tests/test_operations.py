@@ -1,0 +1,92 @@
+"""Operating a run: a profiler trace of chosen steps, the persistent compilation cache, a
+quiet start on a CPU machine with libtpu installed, the data checks made before compiling."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from mtp_jax import config_lib
+from mtp_jax.config_lib import ConfigError
+from mtp_jax.data import pipeline
+
+
+def _train(workdir, *flags, env=None):
+  return subprocess.run(
+      [sys.executable, os.path.join(REPO, 'scripts', 'train.py'), '--config',
+       os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', str(workdir), *flags],
+      capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+
+
+def test_profile_window_and_compilation_cache(stdlib_data_dir, tmp_path):
+  """profile_steps=2:4 leaves an xplane trace under WORKDIR/profile; a second start of the same
+  config finds every program it compiles in the cache (nothing new is written to it)."""
+  cache = tmp_path / 'cache'
+  env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu',
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+  flags = [f'--config.data.data_dir={stdlib_data_dir}', '--config.train.steps=4',
+           '--config.train.eval_every=0', '--config.train.checkpoint_every=0',
+           '--config.train.eval_batches=1', '--config.train.progress=False',
+           f'--config.train.compilation_cache_dir={cache}']
+  first = _train(tmp_path / 'a', '--config.train.profile_steps=2:4', *flags, env=env)
+  assert first.returncode == 0, first.stderr[-3000:]
+  traces = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / 'a' / 'profile')
+            for f in files if f.endswith('.xplane.pb')]
+  assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+  assert 'Wrote a profiler trace of steps 2..3' in first.stderr
+  entries = sorted(os.listdir(cache))
+  assert entries  # the train step, init and eval programs
+  second = _train(tmp_path / 'b', *flags, env=env)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert sorted(os.listdir(cache)) == entries  # every compile was a cache hit
+  assert not (tmp_path / 'b' / 'profile').exists()
+
+
+@pytest.mark.parametrize('text,words', [
+    ('2', "must be 'A:B'"), ('4:2', "must be 'A:B'"), ('a:b', "must be 'A:B'"),
+    ('20:30', 'starts after the last step'),
+    ('3:6', 'step 4 inside the window is followed by a checkpoint save'),
+])
+def test_profile_steps_refused(text, words):
+  config = config_lib.base_config()
+  config.train.steps, config.train.checkpoint_every, config.train.eval_every = 10, 4, 0
+  config.train.profile_steps = text
+  with pytest.raises(ConfigError, match=words):
+    config_lib.profile_window(config)
+
+
+def test_profile_window_ends_before_a_save():
+  config = config_lib.base_config()
+  config.train.steps, config.train.checkpoint_every, config.train.eval_every = 10, 4, 4
+  config.train.profile_steps = '2:5'  # steps 2, 3, 4; the save after step 4 is outside
+  assert config_lib.profile_window(config) == (2, 5)
+
+
+def test_read_options_follow_the_host():
+  config = config_lib.base_config()
+  assert pipeline.default_read_threads(2) == 2
+  assert pipeline.default_read_threads(240) == 16
+  config.data.read_threads, config.data.prefetch_buffer = 5, 0
+  opts = pipeline.read_options(config.data)
+  assert (opts.num_threads, opts.prefetch_buffer_size) == (5, 160)
+  config.data.prefetch_buffer = 7
+  assert pipeline.read_options(config.data).prefetch_buffer_size == 7
+
+
+def test_bad_jsonl_line_exits_quietly_before_compiling(tmp_path):
+  """Line 101 of 201 malformed: exit 2, one stderr line naming it, nothing compiled. Run
+  without JAX_PLATFORMS, as a user would: with libtpu installed (the test extra) on a machine
+  without a TPU, libtpu's start-up error block must not appear either."""
+  path = tmp_path / 'corpus.jsonl'
+  good = [json.dumps({'text': f'document {i} with a few words'}) for i in range(100)]
+  path.write_text('\n'.join(good + ['{"text": "unterminated'] + good) + '\n')
+  env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
+  proc = _train(tmp_path / 'w', '--config.train.steps=200', '--config.data.source=jsonl',
+                f'--config.data.path={path}', '--config.data.seq_len=32', env=env)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines() == [
+      f'error: data.path: {path} line 101 is not valid JSON (Unterminated string starting at: '
+      'line 1 column 10 (char 9))']
+  assert not (tmp_path / 'w').exists()
