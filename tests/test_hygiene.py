@@ -19,6 +19,7 @@ import pytest
 from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
+from mtp_jax.errors import ConfigError
 from mtp_jax.commands import train as train_cmd
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train import loop as train
@@ -174,27 +175,39 @@ def expect_exit_2(fn, *words):
   return line
 
 
-def test_a_bad_jsonl_line_past_the_first_leaves_no_workdir(devices, tmp_path):
-  """Line 3 is read some steps into training: the new workdir goes (lock included); a
-  workdir that existed keeps exactly what it held; once a checkpoint exists, all stays."""
-  docs = write_jsonl(tmp_path / 'docs.jsonl', bad_line=3)
-  config = jsonl_config(docs, steps=40, log_every=5)
+def test_a_failure_during_training_leaves_no_workdir_until_a_checkpoint(devices, tmp_path):
+  """A bad line past the first is found before the run starts (nothing written); a failure
+  some steps in takes a new workdir away (lock included); a workdir that existed keeps
+  exactly what it held; once a checkpoint exists, all stays."""
+  bad = write_jsonl(tmp_path / 'bad.jsonl', bad_line=3)
   workdir = tmp_path / 'new' / 'run'
-  expect_exit_2(lambda: train.train_and_evaluate(config, str(workdir), devices=devices[:1]),
-                'line 3 is not valid JSON')
+  expect_exit_2(lambda: train.train_and_evaluate(jsonl_config(bad, steps=40), str(workdir),
+                                                 devices=devices[:1]),
+                'bad.jsonl line 3 is not valid JSON')
+  assert not (tmp_path / 'new').exists()
+
+  docs = write_jsonl(tmp_path / 'docs.jsonl')
+
+  def fail_at_step_3(step, batch):
+    if step == 3:
+      raise ConfigError('data: a record went bad at step 3')
+    return batch
+
+  config = jsonl_config(docs, steps=40, log_every=5)
+  run = lambda wd: train.train_and_evaluate(config, str(wd), devices=devices[:1],  # noqa: E731
+                                            batch_hook=fail_at_step_3)
+  expect_exit_2(lambda: run(workdir), 'went bad at step 3')
   assert not (tmp_path / 'new').exists()
 
   mine = tmp_path / 'mine'
   mine.mkdir()
   (mine / 'notes.txt').write_text('keep me')
-  expect_exit_2(lambda: train.train_and_evaluate(config, str(mine), devices=devices[:1]),
-                'line 3 is not valid JSON')
+  expect_exit_2(lambda: run(mine), 'went bad at step 3')
   assert os.listdir(mine) == ['notes.txt']
 
   kept = tmp_path / 'kept'
   config = jsonl_config(docs, steps=40, log_every=5, checkpoint_every=2)
-  expect_exit_2(lambda: train.train_and_evaluate(config, str(kept), devices=devices[:1]),
-                'line 3 is not valid JSON')
+  expect_exit_2(lambda: run(kept), 'went bad at step 3')
   assert os.listdir(kept / 'checkpoints') and (kept / 'metrics.jsonl').exists()
 
 
