@@ -36,6 +36,7 @@ CASES = [
     ('decode', ['--workdir', 'ckpt', '--prompts_file', 'missing.txt'], '--prompts_file'),
     ('evaluate', ['--workdir', 'missing'], 'does not exist'),
     ('export', ['--workdir', 'empty', '--out', 'o', '--layout', 'llama'], 'has no checkpoints/'),
+    ('self_distill', ['--workdir', 'missing', '--out', 'o'], 'does not exist'),
 ]
 
 _SCRIPT = """

@@ -18,6 +18,7 @@ import json
 import sys
 
 from mtp_jax import cli  # argparse only: JAX starts after the flags
+from mtp_jax.commands import preflight
 
 
 def parse(argv):
@@ -42,6 +43,10 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
+  try:  # a mistyped path is answered before JAX starts
+    preflight.read_workdir(args.workdir)
+  except cli.RequestError as e:
+    return cli.report_expected(e)
   from absl import logging
   from mtp_jax.research import distill  # after flag parsing: JAX starts here
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
