@@ -70,8 +70,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.attention = 'gqa'  # block attention: gqa (grouped-query, n_kv_heads) | mla (model.mla.*)
   # Attention core without a cache (mtp_jax/model/attention.py): auto (blocked on CPU, splash
   # on TPU, triton on GPU) | blocked (plain JAX, skips masked key blocks) | splash (the Pallas
-  # TPU splash-attention kernel; Pallas interpret mode on CPU) | triton (the Pallas GPU flash
-  # kernel `mha`) | xla (jax.nn.dot_product_attention's XLA path: dense T x T scores)
+  # TPU splash-attention kernel) | triton (the Pallas GPU flash kernel `mha`), each in Pallas
+  # interpret mode off its own backend (on CPU: tests) | xla (jax.nn.dot_product_attention's
+  # XLA path: dense T x T scores)
   m.attention_core = 'auto'
   m.attention_block = 64  # query/key block of the blocked core
   m.attention_block_q = 512  # splash: query block (at most data.seq_len, which it must divide)

@@ -4,11 +4,12 @@
   blocked  `blocked_causal_attention`, plain JAX: never computes a fully masked key block;
            with `saved_core` its custom VJP saves the per-block outputs and log-sum-exps,
            so the backward pass does not recompute the forward's softmax. The CPU default.
-  splash   `splash_attention`: the Pallas TPU splash-attention kernel (forward, and its own
+  splash   `kernel_attention`: the Pallas TPU splash-attention kernel (forward, and its own
            dq / dkv backward kernels), causal with segment ids, per shard in jax.shard_map.
-           The TPU default; on CPU the same kernel runs in Pallas interpret mode.
-  triton   `triton_attention`: the Pallas GPU (Triton) flash-attention kernel `mha`,
-           causal with segment ids, per shard in jax.shard_map. The GPU default.
+           The TPU default; elsewhere (on CPU: tests) it runs in Pallas interpret mode.
+  triton   `kernel_attention`: the Pallas GPU (Triton) flash-attention kernel `mha` (its
+           own backward kernels), causal with segment ids, per shard in jax.shard_map. The
+           GPU default; elsewhere it runs in Pallas interpret mode.
   xla      `jax.nn.dot_product_attention` with a dense mask and no `implementation`: the
            XLA path on every backend (dense [B, K, G, T, T] float32 scores), no fused kernel.
 The kernel cores take the [B, T] segment ids where the others take the dense [B, 1, T, T]
@@ -48,8 +49,10 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The core `auto` picks per backend: on CPU the blocked core (~2x faster there than
 # jax.nn.dot_product_attention, docs/benchmarks.md), on TPU / GPU the backend's kernel.
 AUTO_CORES = {'cpu': 'blocked', 'tpu': 'splash', 'gpu': 'triton', 'cuda': 'triton'}
-# The cores that read segment ids instead of a dense mask (the Pallas kernels).
+# The cores that read segment ids instead of a dense mask (the Pallas kernels), and the
+# backends each kernel is compiled for.
 SEGMENT_CORES = ('splash', 'triton')
+KERNEL_BACKENDS = {'splash': ('tpu',), 'triton': ('gpu', 'cuda')}
 
 
 def attention_impl(cfg) -> str:
@@ -228,7 +231,7 @@ def kernel_attention(impl: str, q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxV: A
   GQA: query head n uses kv head n // (N / K). The value width V may differ from the
   query / key width H (MLA): splash takes it as it is; the Triton kernel wants one
   width, so v is zero-padded to H there and the output's extra columns sliced off.
-  Interpret mode (exact, slow) where the default backend is CPU. Shapes the kernel
+  Pallas interpret mode (exact, slow) off the kernel's backend. Shapes the kernel
   cannot take raise ConfigError (config_lib.attention_kernel_problem) while tracing,
   before anything compiles.
   """
@@ -236,7 +239,8 @@ def kernel_attention(impl: str, q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxV: A
                                                 q_BxTxNxH.shape[3])
   if problem:
     raise ConfigError(problem)
-  interpret = jax.default_backend() == 'cpu'
+  # compiled on the kernel's own backend, Pallas interpret mode anywhere else (CPU: tests)
+  interpret = jax.default_backend() not in KERNEL_BACKENDS[impl]
   if impl == 'splash':
     local = functools.partial(_splash_local, scale=scale, block_q=block_q, block_kv=block_kv,
                               interpret=interpret)
