@@ -215,3 +215,11 @@ def test_committed_results_record_what_they_measured():
       assert run['load_average']['start'] and run['load_average']['end'], path
     for root in ('work', 'tmp', 'root', 'home'):  # no absolute path of the measuring host
       assert f'/{root}/' not in text, (path, root)
+
+
+def test_restart_time(tmp_path):
+  r = smoke('restart_time', tmp_path)
+  pair = r['rounds'][0]
+  assert pair['first']['cache_entries'] > 0
+  assert r['summary']['rerun_wrote_no_entry'] is True  # the rerun compiled nothing anew
+  assert pair['rerun']['to_first_step_s'] > 0

@@ -2,6 +2,7 @@
 quiet start on a CPU machine with libtpu installed, the data checks made before compiling."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -90,3 +91,40 @@ def test_bad_jsonl_line_exits_quietly_before_compiling(tmp_path):
       f'error: data.path: {path} line 101 is not valid JSON (Unterminated string starting at: '
       'line 1 column 10 (char 9))']
   assert not (tmp_path / 'w').exists()
+
+
+def _pins():
+  text = open(os.path.join(REPO, 'pyproject.toml')).read()
+  jax_pin = re.search(r'"jax>=([0-9.]+),', text).group(1)
+  libtpu_pin = re.search(r'tpu = \["libtpu==([0-9.]+)"\]', text).group(1)
+  return jax_pin, libtpu_pin
+
+
+def test_launch_tpu_pod_dry_run_prints_detached_pinned_commands():
+  script = os.path.join(REPO, 'scripts', 'launch_tpu_pod.sh')
+  proc = subprocess.run(
+      ['bash', script, 'my-v5p-64', 'us-east5-a', '--dry_run', '--setup', '--queued', 'v5p-64',
+       '--num_slices', '2', '--watch', '60', '--', '--config', 'configs/tpu_pod_1b.py',
+       '--workdir', 'runs/pod', '--config.train.checkpoint_dir=gs://bucket/pod'],
+      capture_output=True, text=True, timeout=60, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  commands = [line for line in lines if line.startswith('+ ')]
+  jax_pin, libtpu_pin = _pins()
+  creates = [c for c in commands if 'queued-resources create my-v5p-64' in c]
+  assert creates and all('--node-count 2' in c for c in creates)
+  installs = [c for c in commands if 'pip\\ install' in c]
+  assert len(installs) >= 2  # every slice
+  for c in installs:
+    assert f'jax=={jax_pin}' in c and f'libtpu=={libtpu_pin}' in c, c
+  starts = [c for c in commands if 'scripts/train.py' in c]
+  assert {s.split()[6] for s in starts} == {'my-v5p-64-0', 'my-v5p-64-1'}
+  for c in starts:
+    assert '--worker=all' in c and 'nohup\\ setsid' in c and '~/mtp_jax_train.log' in c, c
+    assert 'gs://bucket/pod' in c
+  # The watch: a stopped job is started again (the dry run shows one such restart).
+  restart = lines.index('the job stopped before its last step (preempted?): starting it again')
+  assert any('scripts/train.py' in c for c in lines[restart:])
+  bad = subprocess.run(['bash', script, 'tpu', 'zone', '--bogus', '--', '--config', 'x'],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+  assert bad.returncode == 2 and 'error: unknown option --bogus' in bad.stderr
