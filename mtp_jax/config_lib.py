@@ -98,6 +98,11 @@ def base_config() -> ml_collections.ConfigDict:
   moe.n_group = 1  # node-limited routing: E experts in this many equal groups (1: off) ...
   moe.topk_group = 1  # ... a token's top-k comes from its best this-many groups (DeepSeek-V3: 8, 4)
   moe.dispatch = 'auto'  # grouped matmul: ragged | blocks | gmm (TPU kernel) | auto
+  # expert-parallel exchange under a mesh: all_to_all (ragged all-to-all, each row sent once
+  # to its expert's device; an all-gather emulation on CPU) | all_gather (every device
+  # gathers its expert group's tokens, outputs reduce-scattered back)
+  moe.exchange = 'all_to_all'
+  moe.capacity_factor = 0.0  # all_to_all receive buffer in mean rows (N K); 0: dropless
   moe.first_k_dense = 1  # the first this many trunk layers keep a dense MLP (mlp_dim)
   moe.bias_update_rate = 1e-3  # gamma of aux-loss-free balancing (0: bias update off)
   moe.balance_loss_weight = 1e-4  # alpha of the sequence-wise balance loss (0: off)
@@ -667,6 +672,12 @@ def _validate_block_kinds(config) -> None:
     _require(mo.get('dispatch', 'auto') in ('auto', 'ragged', 'blocks', 'gmm'),
              "model.moe.dispatch must be 'auto', 'ragged', 'blocks' or 'gmm', "
              f"got {mo.get('dispatch')!r}")
+    _require(mo.get('exchange', 'all_to_all') in ('all_to_all', 'all_gather'),
+             "model.moe.exchange must be 'all_to_all' or 'all_gather', "
+             f"got {mo.get('exchange')!r}")
+    cf = mo.get('capacity_factor', 0.0)
+    _require(isinstance(cf, (int, float)) and not isinstance(cf, bool) and cf >= 0,
+             f'model.moe.capacity_factor must be a number >= 0 (0: dropless), got {cf!r}')
     require_positive_int('model.moe.n_group', g)
     require_positive_int('model.moe.topk_group', tg)
     _require(mo.n_routed_experts % g == 0,

@@ -15,6 +15,8 @@ from mtp_jax.data import tokenizers
 from mtp_jax.interop import fp8
 from mtp_jax.train import flops
 from mtp_jax.model import moe
+from mtp_jax.model import moe_exchange
+from jax.sharding import PartitionSpec as P
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps as steps_lib
 from mtp_jax.model.mtp import MTPModel, ModelArgs
@@ -305,13 +307,16 @@ def test_grouped_product_forms_agree_with_rows_past_the_groups(form):
   assert not np.asarray(g[1])[31:].any()  # rows of no group get no gradient
 
 
-@pytest.mark.parametrize('shape', [(2, 2, 2), (8, 1, 1)])
-def test_expert_parallel_dispatch_equals_the_global_one(devices, shape):
+@pytest.mark.parametrize('shape,exchange', [((2, 2, 2), 'all_to_all'), ((8, 1, 1), 'all_to_all'),
+                                            ((2, 2, 2), 'all_gather'), ((8, 1, 1), 'all_gather')])
+def test_expert_parallel_dispatch_equals_the_global_one(devices, shape, exchange):
   """Under a mesh each device multiplies only its own experts' rows (the experts over
-  'data': 4 of 8 per device at (2, 2, 2), one at (8, 1, 1)) and reduce-scatters the
-  outputs back: the layer's output and its gradients for weights and inputs are those of
-  the global sort-based dispatch without a mesh."""
+  'data': 4 of 8 per device at (2, 2, 2), one at (8, 1, 1)), its rows sent there by the
+  ragged all-to-all exchange (CPU: its emulation) or all-gathered: the layer's output and
+  its gradients for weights and inputs are those of the global sort-based dispatch
+  without a mesh."""
   config = dsv3_model_config(1, n_routed_experts=8, num_experts_per_tok=2)
+  config.model.moe.exchange = exchange
   layer = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)),
                    rngs=nnx.Rngs(0)).layers[1].mlp
   x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 6, 32)).astype(np.float32))
@@ -356,6 +361,8 @@ def test_one_and_eight_devices_agree_with_experts_sharded(devices):
     ('mtp.block_mlp', 'big', "model.mtp.block_mlp must be"),
     ('moe.n_group', 3, r'n_routed_experts \(4\) must be divisible by model.moe.n_group \(3\)'),
     ('moe.topk_group', 2, r'topk_group \(2\) must be <= model.moe.n_group \(1\)'),
+    ('moe.exchange', 'a2a', "model.moe.exchange must be 'all_to_all' or 'all_gather'"),
+    ('moe.capacity_factor', -1.0, 'model.moe.capacity_factor must be a number >= 0'),
 ])
 def test_bad_moe_fields(field, value, match):
   c = dsv3_model_config(1)
@@ -421,3 +428,169 @@ def test_fp8_block_dequantisation():
   np.testing.assert_allclose(got, w, rtol=2 ** -3, atol=float(scale.max()) * 2 ** -6)
   with pytest.raises(ValueError, match='expected \\(2, 3\\)'):
     fp8.dequantize(q, scale[:, :2])
+
+
+# -- the expert-parallel exchange (mtp_jax/model/moe_exchange.py) -------------------------------
+def _who_sends_what(idx_QxNxK, n_dev, e_local, rows):
+  """numpy: per device, the rows it sends to each device (its rows sorted by expert), where
+  each slice starts in its own buffer and lands in the receiver's R-row buffer, cut at R."""
+  q_n = idx_QxNxK.shape[0]
+  sent = np.zeros((q_n, n_dev), int)
+  for q in range(q_n):
+    for e in idx_QxNxK[q].reshape(-1):
+      sent[q, e // e_local] += 1
+  in_off, send, out_off, dropped = (np.zeros((q_n, n_dev), int) for _ in range(4))
+  for q in range(q_n):
+    in_off[q] = np.concatenate([[0], np.cumsum(sent[q])[:-1]])
+  for p in range(n_dev):
+    filled = 0
+    for q in range(q_n):
+      out_off[q, p] = min(filled, rows)
+      send[q, p] = max(0, min(sent[q, p], rows - filled))
+      dropped[q, p] = sent[q, p] - send[q, p]
+      filled += sent[q, p]
+  return in_off, send, out_off, dropped
+
+
+def _split(mesh, a):
+  return jax.device_put(jnp.asarray(a), jax.sharding.NamedSharding(mesh, P('x')))
+
+
+@pytest.mark.parametrize('rows', [None, 10])
+def test_exchange_offsets_and_sizes_match_numpy(devices, rows):
+  """Each of 8 devices computes, from its own expert counts and the all-gathered ones, the
+  offsets and sizes of ragged_all_to_all: they equal the numpy account of who sends what
+  to whom (dropless buffer, and a 10-row buffer that cuts slices)."""
+  n_dev, e_local, n, k = 8, 2, 6, 2
+  rng = np.random.default_rng(5)
+  idx = np.stack([np.stack([rng.choice(n_dev * e_local, k, replace=False) for _ in range(n)])
+                  for _ in range(n_dev)])  # [Q, N, K]
+  r = rows or moe_exchange.buffer_rows(n, k, n_dev, e_local, 0.0)
+  assert rows or r == n_dev * n * k  # min(K, E / P) = 2 rows per token at most
+  mesh = jax.make_mesh((n_dev,), ('x',), devices=devices)
+
+  def local(idx_NxK):
+    counts = jnp.bincount(idx_NxK.reshape(-1), length=n_dev * e_local).reshape(n_dev, e_local)
+    all_counts = jax.lax.all_gather(counts, 'x')
+    p = moe_exchange.plan(counts, all_counts, jax.lax.axis_index('x'), r)
+    return tuple(p[name][None] for name in ('input_offsets', 'send_sizes', 'output_offsets',
+                                            'recv_sizes', 'dropped'))
+
+  run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P('x'), out_specs=P('x')))
+  in_off, send, out_off, recv, dropped = (np.asarray(a) for a in run(
+      _split(mesh, idx.reshape(n_dev * n, k))))
+  ref_in, ref_send, ref_out, ref_dropped = _who_sends_what(idx, n_dev, e_local, r)
+  np.testing.assert_array_equal(in_off, ref_in)
+  np.testing.assert_array_equal(send, ref_send)
+  np.testing.assert_array_equal(out_off, ref_out)
+  np.testing.assert_array_equal(recv, ref_send.T)  # what q sends p is what p receives from q
+  np.testing.assert_array_equal(dropped.reshape(-1), ref_dropped.sum(1))
+  assert (ref_dropped.sum() > 0) == (rows is not None)
+
+
+def test_exchange_emulation_moves_the_rows_numpy_says(devices):
+  """The CPU form of ragged_all_to_all writes sender q's rows [in_off, in_off + size) at
+  out_off of receiver p and leaves the rest of p's output as it was (here: -1); slices
+  with a gap of one row between them, so that offsets are not sizes' sums."""
+  n_dev, m, r = 8, 24, 24
+  rng = np.random.default_rng(7)
+  send = rng.integers(0, 3, size=(n_dev, n_dev))  # [q, p]
+  in_off = np.cumsum(send + 1, axis=1) - send - 1
+  out_off = np.cumsum(send + 1, axis=0) - send - 1
+  data = rng.normal(size=(n_dev, m, 3)).astype(np.float32)
+  mesh = jax.make_mesh((n_dev,), ('x',), devices=devices)
+
+  def local(x, io, ss, oo, rs):
+    return moe_exchange.ragged_exchange(x[0], -jnp.ones((r, 3)), io[0], ss[0], oo[0], rs[0],
+                                        ('x',), 'emulate')[None]
+
+  got = np.asarray(jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P('x'), out_specs=P('x')))(
+      *(_split(mesh, a) for a in (data, in_off, send, out_off, send.T.copy()))))
+  want = -np.ones((n_dev, r, 3), np.float32)
+  for q in range(n_dev):
+    for p in range(n_dev):
+      want[p, out_off[q, p]:out_off[q, p] + send[q, p]] = data[q, in_off[q, p]:
+                                                                in_off[q, p] + send[q, p]]
+  np.testing.assert_array_equal(got, want)
+
+
+def _moe_layer(**kw):
+  config = dsv3_model_config(1, n_routed_experts=8, num_experts_per_tok=2)
+  for key, value in kw.items():
+    config.model.moe[key] = value
+  model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)),
+                   rngs=nnx.Rngs(0))
+  return config, model, model.layers[1].mlp
+
+
+@pytest.mark.parametrize('exchange', ['all_to_all', 'all_gather'])
+def test_routing_statistics_and_exchanges_agree_with_one_device(devices, exchange):
+  """Under either exchange on (2, 2, 2) the layer's output, expert load, balance term and
+  the bias range update_bias makes from them read as on one device."""
+  config, model, layer = _moe_layer(exchange=exchange)
+  params_with_routing_bias(model, scale=0.3)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 6, 32)).astype(np.float32))
+
+  def stats(m, x):
+    y = m(x)
+    s = moe.collect(m)
+    return y, s, moe.update_bias(m, s['moe_load'], 1e-3)
+
+  y0, s0, b0 = nnx.jit(stats)(layer, x)
+  config.mesh.shape = (2, 2, 2)
+  _, model1, layer1 = _moe_layer(exchange=exchange)
+  params_with_routing_bias(model1, scale=0.3)
+  with sharding.use_mesh(sharding.make_mesh(config, devices), sharding.rules_of(config)):
+    y1, s1, b1 = nnx.jit(stats)(layer1, x)
+  np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-5, atol=1e-6)
+  for a, b in [(s0['moe_load'], s1['moe_load']), (s0['moe_balance'], s1['moe_balance']),
+               (b0['moe_bias_min'], b1['moe_bias_min']), (b0['moe_bias_max'], b1['moe_bias_max'])]:
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6)
+  assert 'moe_dropped' not in s1  # dropless: nothing to count
+
+
+def test_capacity_factor_counts_the_dropped_rows(devices):
+  """A receive buffer of c N K rows: the rows past it (per receiver: all rows sent to it
+  minus R) are dropped, counted per layer, and logged; the kept rows' outputs stay exact:
+  with c large enough to drop nothing the output is the dropless one."""
+  config, model, layer = _moe_layer(capacity_factor=0.5)
+  params_with_routing_bias(model, scale=2.0)  # uneven routing: some devices overflow
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 6, 32)).astype(np.float32))
+  config.mesh.shape = (8, 1, 1)
+
+  def run(m, x):
+    y = m(x)
+    return y, moe.collect(m)
+
+  with sharding.use_mesh(sharding.make_mesh(config, devices), sharding.rules_of(config)):
+    _, s = nnx.jit(run)(layer, x)
+  n, k = 6, 2  # tokens per device (one sequence of 6), experts per token
+  rows = moe_exchange.buffer_rows(n, k, 8, 1, 0.5)
+  assert rows == 8
+  # device p holds expert p: everything routed to it past R rows is dropped
+  want = np.maximum(np.asarray(s['moe_load'][0]) - rows, 0).sum()
+  assert want > 0
+  assert float(s['moe_dropped'][0]) == want
+  assert moe.log_metrics({**s, 'moe_bias_min': np.zeros(1), 'moe_bias_max': np.zeros(1)})[
+      'train/moe_dropped_rows_l0'] == want
+
+
+def test_remat_block_saves_the_expert_products():
+  """Under remat='block' the grouped products' outputs (named moe.EXPERT_SAVED_NAME) are
+  saved: the gradient's program holds as many grouped products as with nothing
+  rematerialised, and fewer than the same policy without that name, which reruns them."""
+  from mtp_jax.model.mtp import remat_policy
+  experts = build(n_routed_experts=8).layers[1].mlp.experts
+  xs = jnp.ones((16, 32))
+  sizes = jnp.array([3, 0, 5, 1, 7, 0, 0, 0], jnp.int32)
+  without_name = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+  def products(policy):
+    f = jax.checkpoint(lambda ws, xs: jnp.sum(moe.grouped_products(xs, sizes, ws, 'ragged')),
+                       policy=policy)
+    return str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(_ws(experts), xs)).count(
+        'ragged_dot_general[')
+
+  block = products(remat_policy('block'))
+  assert block == products(jax.checkpoint_policies.everything_saveable)
+  assert block < products(without_name)

@@ -39,15 +39,23 @@ one of three forms (`model.moe.dispatch`):
             `tgmm`): only the grouped rows are computed, forward and backward.
   'auto'    'blocks' on CPU, 'gmm' on TPU (training), 'ragged' on GPU (the default).
 
-Under a mesh the dispatch runs per device (expert_parallel_swiglu, in jax.shard_map):
-each device all-gathers the tokens of its expert group (the devices that differ only in
-the expert axes), multiplies the rows routed to the E / P experts it holds, and
-reduce-scatters the gated outputs back to the devices the tokens came from. No device
-sorts or multiplies the whole batch, and no expert's weights leave the devices that hold
-them except along their FSDP axes. Every form is exact (no capacity, no dropped tokens),
-forward and gradients, with or without a mesh (tests/test_moe.py). Sorting and the
-gather / scatter are O(N K log(N K)) and O(N K D). Padding positions are routed (and
-counted in the load) like any token.
+Under a mesh the dispatch runs per device (expert_parallel_swiglu, in jax.shard_map), the
+experts split over the expert mesh axes (P devices of an expert group, E / P experts each).
+`model.moe.exchange` picks how rows reach their experts:
+  'all_to_all' (the default) each device sorts its own N K rows by expert and sends each
+            row once to the device holding its expert by `jax.lax.ragged_all_to_all`
+            (model/moe_exchange.py; on CPU, which cannot run that collective, an exact
+            emulation moving the same rows); that device multiplies what it receives in
+            one grouped matmul and the outputs return by the reverse exchange, gated where
+            the tokens live. Dropless by default; `model.moe.capacity_factor` > 0 bounds
+            the receive buffers and counts the rows it drops (moe_exchange.buffer_rows).
+  'all_gather' each device all-gathers the tokens of its expert group, multiplies the rows
+            routed to its own experts, and reduce-scatters the gated outputs back.
+No expert's weights leave the devices that hold them except along their FSDP axes. Both
+exchanges are exact (dropless), forward and gradients, with or without a mesh
+(tests/test_moe.py). Sorting and the gather / scatter are O(N K log(N K)) and O(N K D).
+Padding positions are routed (and counted in the load) like any token. Under
+remat='block' the grouped products' outputs are saved (EXPERT_SAVED_NAME).
 
 Every MoE call leaves its statistics on the module as nnx.Intermediate variables
 (`expert_load` [E], `balance` []); model.run_blocks carries them out of its pure block
@@ -67,11 +75,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.core import spmd as flax_spmd
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax.model import layers
 
 from mtp_jax.model import decode_ops
+from mtp_jax.model import moe_exchange
 from mtp_jax.runtime.sharding import constrain, logical_spec
 
 Array = jax.Array
@@ -133,6 +143,9 @@ def balance_loss(scores_BxTxE: Array, idx_BxTxK: Array) -> Array:
 
 
 DISPATCHES = ('auto', 'ragged', 'blocks', 'gmm')
+# The name of the grouped products' outputs (gate, up and down projections of the routed
+# experts): remat='block' (model.remat_policy) saves them rather than rerunning the kernel.
+EXPERT_SAVED_NAME = 'moe_expert_products'
 
 
 def resolve_dispatch(dispatch: str, per_device: bool = True, backward: bool = True) -> str:
@@ -209,8 +222,9 @@ def grouped_products(xs_MxD: Array, sizes_E: Array, ws, form: str,
       mm = lambda a, w: jax.lax.ragged_dot(a, w, sizes_E)  # noqa: E731
     else:
       mm = lambda a, w: _gmm(a, w, sizes_E, interpret)  # noqa: E731
-    h_MxF = jax.nn.silu(mm(xs_MxD, ws[0])) * mm(xs_MxD, ws[1])
-    return mm(h_MxF, ws[2])
+    name = lambda a: checkpoint_name(a, EXPERT_SAVED_NAME)  # noqa: E731
+    h_MxF = jax.nn.silu(name(mm(xs_MxD, ws[0]))) * name(mm(xs_MxD, ws[1]))
+    return name(mm(h_MxF, ws[2]))
   m, d = xs_MxD.shape
   e = sizes_E.shape[0]
   rest = m - jnp.sum(sizes_E)  # rows of no group: a last block group, zeroed below
@@ -220,7 +234,8 @@ def grouped_products(xs_MxD: Array, sizes_E: Array, ws, form: str,
   expert_J = jnp.minimum(expert_J, e - 1)
   x_JxBxD = jnp.zeros((n_blocks * block, d), xs_MxD.dtype).at[slot_M].set(xs_MxD).reshape(
       n_blocks, block, d)
-  mm = lambda a, w: jnp.einsum('jbi,jio->jbo', a, w[expert_J])  # noqa: E731
+  mm = lambda a, w: checkpoint_name(  # noqa: E731
+      jnp.einsum('jbi,jio->jbo', a, w[expert_J]), EXPERT_SAVED_NAME)
   h_JxBxF = jax.nn.silu(mm(x_JxBxD, ws[0])) * mm(x_JxBxD, ws[1])
   y_MxD = mm(h_JxBxF, ws[2]).reshape(n_blocks * block, d)[slot_M]
   return jnp.where((jnp.arange(m) < m - rest)[:, None], y_MxD, 0)
@@ -263,58 +278,110 @@ def expert_layout() -> dict | None:
 
 
 def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
-                           experts: Experts, dtype, dispatch: str, ax: dict) -> Array:
-  """[B, T, D]: sum_j gates[.., j] FFN_idx[.., j](x), each device computing its own experts.
+                           experts: Experts, dtype, dispatch: str, ax: dict,
+                           exchange: str = 'all_to_all',
+                           capacity_factor: float = 0.0) -> tuple[Array, Array]:
+  """([B, T, D]: sum_j gates[.., j] FFN_idx[.., j](x), rows dropped []), each device
+  computing its own experts in jax.shard_map.
 
-  Under the mesh, per device (jax.shard_map): the tokens of the devices that share its
-  expert-axis coordinates are all-gathered over the expert axes, the device's experts'
-  weights over their model-dim (FSDP) axes; it sorts the rows routed to its own experts and
-  multiplies them in one grouped matmul (the rows of other devices' experts are skipped by
-  the TPU kernel); the gated outputs are then reduce-scattered back over the expert axes
-  (and summed over the expert-MLP axes). Communication per layer is the tokens' all-gather
-  and the outputs' reduce-scatter, whatever K; every device holds E / P experts.
+  exchange 'all_to_all' (model/moe_exchange.py): each device sorts its own rows by expert
+  and sends each row once to the device holding its expert (ragged all-to-all over the
+  expert axes), which multiplies the rows it receives in one grouped matmul and sends the
+  outputs back the same way; the gates are applied where the tokens live. Per device and
+  layer the exchange moves the rows routed away from it, twice (and back in the backward).
+  Rows are dropped only with a capacity factor (moe_exchange.buffer_rows).
+
+  exchange 'all_gather': the tokens of the devices that share its expert-axis coordinates
+  are all-gathered over the expert axes; each device sorts all P N K rows, multiplies
+  those routed to its own experts (the kernel skips the rest) and the gated outputs are
+  reduce-scattered back. Exact; its bytes and sort grow with P.
+
+  Either way the device's experts' weights are all-gathered over their model-dim (FSDP)
+  axes and the outputs summed over the expert-MLP axes.
   """
   k = idx_BxTxK.shape[-1]
   expert_axes, mlp_axes = ax['expert'], ax['mlp']
-  act = P(ax['batch'] or None, ax['length'] or None, None)
+  batch_spec = ax['batch'] or None
+  act = P(batch_spec, ax['length'] or None, None)
   w_in = P(expert_axes or None, ax['embed'] or None, mlp_axes or None)
   w_out = P(expert_axes or None, mlp_axes or None, ax['embed'] or None)
   form = resolve_dispatch(dispatch, per_device=True)
+  mesh = jax.sharding.get_abstract_mesh()
+  n_dev = 1
+  for a in expert_axes:
+    n_dev *= mesh.shape[a]
+  impl = moe_exchange.exchange_impl()
 
-  def local(x, idx, gates, wg, wu, wd):
-    b, t, d = x.shape
-    x, idx, gates = x.reshape(b * t, d), idx.reshape(b * t, k), gates.reshape(b * t, k)
+  def gathered(x, idx, gates, ws):
     if expert_axes:  # the tokens of the whole expert group
       x, idx, gates = (jax.lax.all_gather(a, expert_axes, axis=0, tiled=True)
                        for a in (x, idx, gates))
-    if ax['embed']:  # this device's experts, whole in the model dim
-      wg, wu = (jax.lax.all_gather(w, ax['embed'], axis=1, tiled=True) for w in (wg, wu))
-      wd = jax.lax.all_gather(wd, ax['embed'], axis=2, tiled=True)
-    e_local = wg.shape[0]
+    e_local = ws[0].shape[0]
     first = jax.lax.axis_index(expert_axes) * e_local if expert_axes else 0
     local_M = idx.reshape(-1) - first
     mine_M = (local_M >= 0) & (local_M < e_local)
     key_M = jnp.where(mine_M, local_M, e_local)  # other devices' rows sort last
     order_M = jnp.argsort(key_M, stable=True)
     sizes_E = jnp.bincount(key_M, length=e_local + 1)[:e_local].astype(jnp.int32)
-    ws = [w.astype(dtype) for w in (wg, wu, wd)]
     token_M = order_M // k  # the token of each sorted row
     y_MxD = grouped_products(x[token_M].astype(dtype), sizes_E, ws, form)
     g_M = jnp.where(mine_M, gates.reshape(-1), 0)[order_M]
     # Each token's gated sum over its rows here, added straight from the sorted rows (no
     # [N, K, D] unsort, no K-wide product); float32 sums, as a matmul accumulates.
-    y_NxD = jnp.zeros((x.shape[0], d), jnp.float32).at[token_M].add(
+    y_NxD = jnp.zeros((x.shape[0], x.shape[1]), jnp.float32).at[token_M].add(
         y_MxD.astype(jnp.float32) * g_M[:, None]).astype(dtype)
     if expert_axes:  # each token's own rows back, summed over the devices of its experts
       y_NxD = jax.lax.psum_scatter(y_NxD, expert_axes, scatter_dimension=0, tiled=True)
+    return y_NxD, jnp.zeros((), jnp.int32)
+
+  def exchanged(x, idx, gates, ws):
+    n, d = x.shape
+    e_local = ws[0].shape[0]
+    flat_M = idx.reshape(-1)
+    order_M = jnp.argsort(flat_M, stable=True)  # by expert, so by destination device
+    token_M = order_M // k
+    xs_MxD = x[token_M].astype(dtype)
+    counts_PxL = jnp.bincount(flat_M, length=n_dev * e_local).astype(jnp.int32).reshape(
+        n_dev, e_local)
+    all_counts_QxPxL = jax.lax.all_gather(counts_PxL, expert_axes)
+    me = jax.lax.axis_index(expert_axes)
+    rows = moe_exchange.buffer_rows(n, k, n_dev, e_local, capacity_factor)
+    p = moe_exchange.plan(counts_PxL, all_counts_QxPxL, me, rows)
+    recv_RxD = moe_exchange.ragged_exchange(
+        xs_MxD, jnp.zeros((rows, d), dtype), p['input_offsets'], p['send_sizes'],
+        p['output_offsets'], p['recv_sizes'], expert_axes, impl)
+    key_R = moe_exchange.received_experts(p, all_counts_QxPxL[:, me], rows)
+    order_R = jnp.argsort(key_R, stable=True)
+    sizes_L = jnp.bincount(key_R, length=e_local + 1)[:e_local].astype(jnp.int32)
+    y_sorted_RxD = grouped_products(recv_RxD[order_R], sizes_L, ws, form)
+    y_RxD = jnp.zeros_like(y_sorted_RxD).at[order_R].set(y_sorted_RxD)
+    # The reverse exchange: each received slice back to its sender, where it came from.
+    back_MxD = moe_exchange.ragged_exchange(
+        y_RxD, jnp.zeros((n * k, d), dtype), p['recv_offsets'], p['recv_sizes'],
+        p['sender_offsets'], p['send_sizes'], expert_axes, impl)
+    g_M = gates.reshape(-1)[order_M]
+    y_NxD = jnp.zeros((n, d), jnp.float32).at[token_M].add(
+        back_MxD.astype(jnp.float32) * g_M[:, None]).astype(dtype)
+    return y_NxD, p['dropped']
+
+  def local(x, idx, gates, wg, wu, wd):
+    b, t, d = x.shape
+    x, idx, gates = x.reshape(b * t, d), idx.reshape(b * t, k), gates.reshape(b * t, k)
+    if ax['embed']:  # this device's experts, whole in the model dim
+      wg, wu = (jax.lax.all_gather(w, ax['embed'], axis=1, tiled=True) for w in (wg, wu))
+      wd = jax.lax.all_gather(wd, ax['embed'], axis=2, tiled=True)
+    ws = [w.astype(dtype) for w in (wg, wu, wd)]
+    run = exchanged if exchange == 'all_to_all' and expert_axes else gathered
+    y_NxD, dropped = run(x, idx, gates, ws)
     if mlp_axes:  # the down projection's partial sums over the expert-MLP shards
       y_NxD = jax.lax.psum(y_NxD, mlp_axes)
-    return y_NxD.reshape(b, t, d)
+    return y_NxD.reshape(b, t, d), dropped.reshape(1)
 
-  run = jax.shard_map(local, in_specs=(act, act, act, w_in, w_in, w_out), out_specs=act,
-                      check_vma=False)
-  return run(x_BxTxD, idx_BxTxK, gates_BxTxK, experts.gate_proj[...], experts.up_proj[...],
-             experts.down_proj[...])
+  run = jax.shard_map(local, in_specs=(act, act, act, w_in, w_in, w_out),
+                      out_specs=(act, P(batch_spec)), check_vma=False)
+  y, dropped_D = run(x_BxTxD, idx_BxTxK, gates_BxTxK, experts.gate_proj[...],
+                     experts.up_proj[...], experts.down_proj[...])
+  return y, jnp.sum(dropped_D)
 
 
 def gathered_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, dtype) -> Array:
@@ -349,6 +416,8 @@ class MoE(nnx.Module):
     self.scaling = cfg.routed_scaling_factor
     self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
     self.dispatch = cfg.moe_dispatch
+    self.exchange = cfg.moe_exchange
+    self.capacity_factor = cfg.moe_capacity_factor
     self.dtype = cfg.dtype
 
   def __call__(self, x_BxTxD: Array) -> Array:
@@ -365,9 +434,12 @@ class MoE(nnx.Module):
                                self.dispatch)
       y_NxD = jnp.einsum('nk,nkd->nd', gates_NxK.astype(self.dtype), y_NxKxD)
     else:
-      y_NxD = expert_parallel_swiglu(
+      y_BxTxD, dropped = expert_parallel_swiglu(
           x_BxTxD, idx_NxK.reshape(b, t, -1), gates_NxK.reshape(b, t, -1), self.experts,
-          self.dtype, self.dispatch, ax).reshape(b * t, d)
+          self.dtype, self.dispatch, ax, self.exchange, self.capacity_factor)
+      y_NxD = y_BxTxD.reshape(b * t, d)
+      if self.capacity_factor > 0:  # rows past the receive buffers, this layer, all devices
+        self.dropped = nnx.Intermediate(dropped.astype(jnp.float32))
     if self.shared_experts is not None:
       y_NxD = y_NxD + self.shared_experts(x_BxTxD).reshape(b * t, d)
     self.expert_load = nnx.Intermediate(
@@ -416,14 +488,18 @@ def moe_modules(model: nnx.Module) -> list[MoE]:
 
 def collect(model: nnx.Module) -> dict:
   """{'moe_load': [L, E], 'moe_balance': [L]} of the last forward pass, popped off the
-  modules ({} for a model without MoE layers)."""
+  modules ({} for a model without MoE layers); with a capacity factor under the
+  all-to-all exchange also 'moe_dropped' [L], the (token, expert) rows each layer dropped."""
   mods = moe_modules(model)
   if not mods:
     return {}
   loads = [m.expert_load[...] for m in mods]
   bal = [m.balance[...] for m in mods]
+  out = {'moe_load': jnp.stack(loads), 'moe_balance': jnp.stack(bal)}
+  if all(hasattr(m, 'dropped') for m in mods):  # a capacity factor under the exchange
+    out['moe_dropped'] = jnp.stack([m.dropped[...] for m in mods])
   nnx.pop(model, nnx.Intermediate)
-  return {'moe_load': jnp.stack(loads), 'moe_balance': jnp.stack(bal)}
+  return out
 
 
 def update_bias(model: nnx.Module, load_LxE: Array, rate: float) -> dict:
@@ -444,7 +520,8 @@ def update_bias(model: nnx.Module, load_LxE: Array, rate: float) -> dict:
 def log_metrics(m: dict) -> dict:
   """Per-layer scalars of one step's metrics for metrics.jsonl / TensorBoard ({} if no MoE):
   train/moe_load_max_over_mean_l{j} (1 is perfectly even), train/moe_bias_{min,max}_l{j},
-  train/moe_balance_l{j} (L_bal without alpha). j counts MoE layers, the MTP blocks last."""
+  train/moe_balance_l{j} (L_bal without alpha), train/moe_dropped_rows_l{j} (with a capacity
+  factor). j counts MoE layers, the MTP blocks last."""
   if 'moe_load' not in m:
     return {}
   out = {}
@@ -455,4 +532,6 @@ def log_metrics(m: dict) -> dict:
     out[f'train/moe_balance_l{j}'] = float(m['moe_balance'][j])
     out[f'train/moe_bias_min_l{j}'] = float(m['moe_bias_min'][j])
     out[f'train/moe_bias_max_l{j}'] = float(m['moe_bias_max'][j])
+    if 'moe_dropped' in m:
+      out[f'train/moe_dropped_rows_l{j}'] = float(m['moe_dropped'][j])
   return out

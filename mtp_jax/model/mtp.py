@@ -70,6 +70,8 @@ class ModelArgs:
   n_group: int = 1  # node-limited routing: expert groups (1: off) ...
   topk_group: int = 1  # ... and how many of them a token may use
   moe_dispatch: str = 'auto'  # grouped matmul: auto | ragged | blocks | gmm (moe.DISPATCHES)
+  moe_exchange: str = 'all_to_all'  # expert-parallel exchange (moe_exchange.EXCHANGES)
+  moe_capacity_factor: float = 0.0  # receive buffer / mean rows; 0: dropless
   first_k_dense: int = 1
   attention_core: str = 'auto'  # attention core without a cache (attn_lib.attention_impl)
   attention_block: int = 64  # the blocked core's block
@@ -121,6 +123,7 @@ _CONFIG_PATHS = {
     'stop_gradient': 'mtp.stop_gradient', 'mtp_target_offsets': 'mtp.target_offsets',
     'mtp_block_attention': 'mtp.block_attention',
     'mtp_block_mlp': 'mtp.block_mlp', 'moe_dispatch': 'moe.dispatch',
+    'moe_exchange': 'moe.exchange', 'moe_capacity_factor': 'moe.capacity_factor',
     **{name: f'mla.{name}' for name in _MLA_FIELDS},
     **{name: f'moe.{name}' for name in _MOE_FIELDS},
 }
@@ -168,7 +171,8 @@ def vocab_logits(norm, h_BxTxD: Array, w_DxV: Array) -> Array:
 def remat_policy(name: str):
   """The jax.checkpoint policy of config.model.remat (None: no rematerialisation).
 
-  block: keep each block's weight-matmul outputs (q/k/v/o, gate/up/down projections)
+  block: keep each block's weight-matmul outputs (q/k/v/o, gate/up/down projections,
+         the routed experts' grouped products: moe.EXPERT_SAVED_NAME)
          and the attention core's residuals (attn_lib.ATTENTION_SAVED_NAMES: the blocked
          core's custom VJP, the splash / Triton kernels' output and log-sum-exp);
          recompute norms, the SwiGLU product and, where that core is not used, RoPE and
@@ -183,7 +187,8 @@ def remat_policy(name: str):
     # of its forward
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*attn_lib.ATTENTION_SAVED_NAMES))
+        jax.checkpoint_policies.save_only_these_names(*attn_lib.ATTENTION_SAVED_NAMES,
+                                                      moe.EXPERT_SAVED_NAME))
   if name == 'full':
     return jax.checkpoint_policies.nothing_saveable
   raise ValueError(f'unknown remat policy {name!r}')
