@@ -25,6 +25,9 @@ import common  # benchmarks/common.py
 
 NAME = 'restart_time'
 MARK = 'Compiled the train step in'
+NOTE = ('Each round pairs a first start (empty cache) with a rerun reading it, back to back; '
+        'compare within a round. to_first_step_s runs from launch to the trainer\'s '
+        '"Compiled the train step" line; run_s adds the step, the final eval and save.')
 
 
 def parse(argv):
@@ -70,6 +73,7 @@ def start(config: str, workdir: str, cache: str, smoke: bool) -> dict:
 def main(argv=None) -> int:
   args = parse(argv)
   run = common.start(args, NAME, argv)
+  run.note = NOTE
   rounds = []
   with tempfile.TemporaryDirectory(prefix='restart_time_') as tmp:
     for i in range(args.rounds):

@@ -7,9 +7,13 @@ import subprocess
 import sys
 
 import pytest
+from etils import epath
 
-from helpers import REPO
+from helpers import REPO, load_config
+from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
+from mtp_jax.checkpoint import store as ckpt_store
+from mtp_jax.train import loop as train
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import pipeline
 
@@ -128,3 +132,61 @@ def test_launch_tpu_pod_dry_run_prints_detached_pinned_commands():
   bad = subprocess.run(['bash', script, 'tpu', 'zone', '--bogus', '--', '--config', 'x'],
                        capture_output=True, text=True, timeout=60, cwd=REPO)
   assert bad.returncode == 2 and 'error: unknown option --bogus' in bad.stderr
+
+
+class _LocalSchemePath(type(epath.Path('/'))):
+  """'mtptest://bucket/run' as `root`/bucket/run: a URL scheme that epath resolves (as it
+  resolves gs:// through its GCS backend) to a local directory, so the trainer, orbax and
+  the readers all take the URL path while nothing leaves this machine."""
+  root = '/nonexistent'
+
+  def __new__(cls, *args):
+    args = [a.replace('mtptest://', cls.root + '/', 1) if isinstance(a, str) else a
+            for a in args]
+    return super().__new__(cls, *args)
+
+
+epath.register_path_cls('mtptest://')(_LocalSchemePath)
+
+
+def test_checkpoints_at_a_url_pass_to_orbax_untouched(devices, stdlib_data_dir, tmp_path,
+                                                      monkeypatch):
+  """train.checkpoint_dir=<URL>: the trainer saves and resumes there, the workdir keeps the
+  local files only, and the readers (export, decode, eval) find the checkpoints through
+  the workdir's config.json."""
+  monkeypatch.setattr(_LocalSchemePath, 'root', str(tmp_path / 'store'))
+  seen = []
+  manager = ckpt_store.ocp.CheckpointManager
+
+  def spy(directory, *args, **kwargs):
+    seen.append(directory)
+    return manager(directory, *args, **kwargs)
+
+  monkeypatch.setattr(ckpt_store.ocp, 'CheckpointManager', spy)
+  config = load_config('tiny')
+  config.data.data_dir = stdlib_data_dir
+  config.data.seq_len, config.data.batch_size = 32, 2
+  config.train.steps, config.train.checkpoint_every, config.train.eval_every = 4, 2, 0
+  config.train.eval_batches, config.train.progress = 1, False
+  config.train.checkpoint_dir = 'mtptest://bucket/run'
+  workdir = tmp_path / 'work'
+  train.train_and_evaluate(config, str(workdir), devices=devices[:1], stop_after=2)
+  assert seen == ['mtptest://bucket/run']
+  assert sorted(os.listdir(tmp_path / 'store' / 'bucket' / 'run')) == ['2']
+  assert not (workdir / 'checkpoints').exists()
+  assert {'config.json', 'metrics.jsonl', 'train.lock'} <= set(os.listdir(workdir))
+  train.train_and_evaluate(config, str(workdir), devices=devices[:1])  # resumes at step 2
+  rows = [json.loads(line) for line in open(workdir / 'metrics.jsonl')]
+  assert [r['step'] for r in rows if 'train/loss' in r][-1] == 4
+  loaded, step = ckpt_lib.load_workdir(str(workdir))
+  assert step == 4 and loaded.train.checkpoint_dir == 'mtptest://bucket/run'
+  reader = ckpt_lib.CheckpointReader('mtptest://bucket/run')
+  assert reader.directory == 'mtptest://bucket/run' and reader.steps() == [2, 4]
+
+
+def test_a_broken_checkpoint_reason_is_one_readable_line():
+  error = ValueError('DATA_LOSS: reading <bound method TensorStore.spec of TensorStore({\n'
+                     '  "driver": "zarr", ...})>')
+  assert ckpt_lib.short(error) == 'ValueError: DATA_LOSS: reading'
+  error = ValueError('cannot open <TensorStore object at 0x7f> for step 3')
+  assert ckpt_lib.short(error) == 'ValueError: cannot open TensorStore for step 3'

@@ -14,11 +14,12 @@ from mtp_jax.checkpoint.partial import check_init_from, init_from, resolve_check
 from mtp_jax.checkpoint.reader import (CheckpointReader, load_workdir, read_state_arrays,
                                        restore_state, warn)
 from mtp_jax.checkpoint.store import (QUARANTINE_DIR, TMP_MARKER, CheckpointError, Checkpointer,
-                                      Restored, abstract_like, short)
+                                      Restored, abstract_like, is_url, location, short)
 
 __all__ = [
     'CheckpointError', 'CheckpointReader', 'Checkpointer', 'DATA_FIELDS', 'QUARANTINE_DIR', 'Restored',
     'TMP_MARKER', 'abstract_like', 'check_compatible', 'check_init_from', 'config_diffs',
     'data_state_hash', 'fingerprint', 'init_from', 'integrity_meta', 'load_workdir',
     'read_state_arrays', 'resolve_checkpoint', 'restore_state', 'short', 'verify', 'warn',
+    'is_url', 'location',
 ]

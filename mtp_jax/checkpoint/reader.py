@@ -21,7 +21,8 @@ from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.errors import RequestError
 from mtp_jax.checkpoint.integrity import fingerprint, verify
-from mtp_jax.checkpoint.store import CheckpointError, Restored, _listdir, short
+from mtp_jax.checkpoint.store import (CheckpointError, Restored, _listdir, is_url, isdir,
+                                      location, short)
 
 
 def _order_key(path: tuple) -> tuple:
@@ -31,6 +32,9 @@ def _order_key(path: tuple) -> tuple:
 
 def warn(text: str) -> None:
   print(f'warning: {text}', file=sys.stderr, flush=True)
+
+
+_COMMIT_FILE = 'commit_success.txt'  # orbax's marker of a finished step where it cannot rename
 
 
 class CheckpointReader:
@@ -49,20 +53,26 @@ class CheckpointReader:
   _RETRIES = 20  # re-listings after steps vanished under a reader (max_to_keep)
 
   def __init__(self, directory: str, notify=warn):
-    self.directory = os.path.abspath(directory)
+    self.directory = location(directory)  # a URL (train.checkpoint_dir) as it is
     self.notify = notify
 
   def steps(self) -> list[int]:
     """Finished steps, ascending."""
+    # On gs:// orbax renames nothing: a step is finished once it holds its commit file.
+    def finished(n: str) -> bool:
+      return (not self.directory.startswith('gs://')
+              or epath.Path(f'{self.directory}/{n}/{_COMMIT_FILE}').exists())
+
     return sorted(int(n) for n in _listdir(self.directory)
-                  if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
+                  if n.isdigit() and isdir(f'{self.directory}/{n}') and finished(n))
 
   def _dir(self, step: int, item: str = '') -> str:
-    return os.path.join(self.directory, str(step), item)
+    return f'{self.directory.rstrip("/")}/{step}' + (f'/{item}' if item else '')
 
   def read_meta(self, step: int) -> dict:
     """Step's JSON meta (the config, fingerprints); ValueError / OSError when unreadable."""
-    with open(self._dir(step, os.path.join('meta', 'metadata')), encoding='utf-8') as f:
+    path = self._dir(step, 'meta/metadata')
+    with (epath.Path(path).open('r') if is_url(path) else open(path, encoding='utf-8')) as f:
       meta = json.load(f)
     if not isinstance(meta, dict):
       raise ValueError(f'meta of step {step} is not a JSON object')
@@ -87,7 +97,7 @@ class CheckpointReader:
       try:
         return step, action(step), []
       except Exception as e:  # pylint: disable=broad-except
-        removed = not os.path.isdir(self._dir(step)) or (
+        removed = not isdir(self._dir(step)) or (
             _looks_removed(e) and any(s > step for s in self.steps()))
         why = ('was removed while it was read (the trainer keeps max_to_keep; the newest '
                'steps are kept)' if removed else f'is broken ({short(e)})')
@@ -106,9 +116,9 @@ class CheckpointReader:
           out = action(s)
         except Exception as e:  # pylint: disable=broad-except
           broken[s] = short(e)
-          removing |= _looks_removed(e) or not os.path.isdir(self._dir(s))
+          removing |= _looks_removed(e) or not isdir(self._dir(s))
           continue
-        broken = {b: r for b, r in broken.items() if os.path.isdir(self._dir(b))}
+        broken = {b: r for b, r in broken.items() if isdir(self._dir(b))}
         if broken:
           self.notify('; '.join(f'checkpoint {b} in {self.directory} is broken ({r})'
                                 for b, r in broken.items())
@@ -121,7 +131,7 @@ class CheckpointReader:
       if not removing and self.steps() == steps:
         break
       time.sleep(0.05)
-    broken = {b: r for b, r in broken.items() if os.path.isdir(self._dir(b))}
+    broken = {b: r for b, r in broken.items() if isdir(self._dir(b))}
     if not broken:
       raise CheckpointError(f'no checkpoint in {self.directory} could be read: each was '
                             'removed by the trainer while it was read; try again')
@@ -220,10 +230,23 @@ def _reader_of(workdir: str, notify=warn) -> CheckpointReader:
     raise RequestError(f'--workdir {workdir!r} does not exist')
   if not os.path.isdir(workdir):
     raise RequestError(f'--workdir {workdir!r} is not a directory')
-  directory = os.path.join(workdir, 'checkpoints')
-  if not os.path.isdir(directory):
-    raise RequestError(f'--workdir {workdir!r} has no checkpoints/ directory (train it first)')
+  directory = checkpoint_dir_of(workdir)
+  if not isdir(directory):
+    where = ('no checkpoints/ directory' if directory == os.path.join(
+        os.path.abspath(workdir), 'checkpoints') else f'no checkpoints in {directory}')
+    raise RequestError(f'--workdir {workdir!r} has {where} (train it first)')
   return CheckpointReader(directory, notify)
+
+
+def checkpoint_dir_of(workdir: str) -> str:
+  """Where a workdir's checkpoints are: the train.checkpoint_dir its config.json names (a
+  URL such as gs://bucket/run, or a local path), else `<workdir>/checkpoints`."""
+  try:
+    with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+      named = json.load(f).get('train', {}).get('checkpoint_dir', '')
+  except (OSError, ValueError, AttributeError):
+    named = ''
+  return location(named) if named else os.path.join(os.path.abspath(workdir), 'checkpoints')
 
 
 def load_workdir(workdir: str, step: int | None = None, notify=warn):

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import time
 
 import grain
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
 from mtp_jax.errors import ConfigError
@@ -30,9 +32,36 @@ class CheckpointError(RuntimeError):
   exit_code = 2
 
 
+def is_url(path: str) -> bool:
+  """gs://bucket/run and the like: handed to orbax (and epath) as it is, never made absolute."""
+  return '://' in str(path)
+
+
+def location(path: str) -> str:
+  """A checkpoint location as orbax gets it: a URL untouched, a local path absolute."""
+  return str(path) if is_url(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def isdir(path: str) -> bool:
+  if not is_url(path):
+    return os.path.isdir(path)
+  try:
+    return epath.Path(path).is_dir()
+  except Exception:  # pylint: disable=broad-except  (no access, no filesystem package)
+    return False
+
+
+# An object's repr inside an error (TensorStore specs print whole JSON documents): its
+# name is kept, the rest dropped; a repr cut off by the end of the first line goes whole.
+_REPR = re.compile(r'<(?:bound method )?([\w.]+)[^<>]*>')
+_CUT_REPR = re.compile(r'\s*<[^<>]*$')
+
+
 def short(e: BaseException, limit: int = 300) -> str:
   """The first line of an exception (TensorStore errors run to pages), for one-line reports."""
-  text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  text = str(e).strip().splitlines()[0] if str(e).strip() else ''
+  text = _CUT_REPR.sub('', _REPR.sub(r'\1', text)).rstrip(' :,({[')
+  text = text or type(e).__name__
   text = text if len(text) <= limit else text[:limit] + '...'
   return f'{type(e).__name__}: {text}'
 
@@ -57,7 +86,7 @@ class Checkpointer:
   """A CheckpointManager over `<workdir>/checkpoints` saving {state, data, meta} items."""
 
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
+    self.directory = location(directory)  # a URL (gs://...) reaches orbax untouched
     # Reported once by the trainer; orbax deletes them (cleanup_tmp_directories).
     self.incomplete = sorted(n for n in _listdir(self.directory) if TMP_MARKER in n)
     self._options = ocp.CheckpointManagerOptions(
@@ -147,14 +176,21 @@ class Checkpointer:
 
   def _quarantine(self, steps: list[int]) -> str:
     """Moves broken step directories out of the manager's sight (never deletes them)."""
-    dest = os.path.join(os.path.dirname(self.directory), QUARANTINE_DIR)
+    dest = f'{self.directory.rstrip("/").rsplit("/", 1)[0]}/{QUARANTINE_DIR}'
     if jax.process_index() == 0:
-      os.makedirs(dest, exist_ok=True)
       stamp = time.strftime('%Y%m%d-%H%M%S')
-      for step in steps:
-        src = os.path.join(self.directory, str(step))
-        if os.path.exists(src):
-          shutil.move(src, os.path.join(dest, f'{step}-{stamp}'))
+      if is_url(dest):  # an object store: epath copies and deletes
+        epath.Path(dest).mkdir(parents=True, exist_ok=True)
+        for step in steps:
+          src = epath.Path(self.directory) / str(step)
+          if src.exists():
+            src.rename(epath.Path(dest) / f'{step}-{stamp}')
+      else:
+        os.makedirs(dest, exist_ok=True)
+        for step in steps:
+          src = os.path.join(self.directory, str(step))
+          if os.path.exists(src):
+            shutil.move(src, os.path.join(dest, f'{step}-{stamp}'))
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices('mtp_jax_checkpoint_quarantine')
     self.manager.reload()
@@ -183,6 +219,11 @@ class Checkpointer:
 
 
 def _listdir(path: str) -> list[str]:
+  if is_url(path):
+    try:
+      return [p.name for p in epath.Path(path).iterdir()]
+    except FileNotFoundError:
+      return []
   try:
     return os.listdir(path)
   except FileNotFoundError:

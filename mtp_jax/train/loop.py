@@ -102,11 +102,13 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
 
   def undo_failed_start():  # before the first checkpoint: the run leaves nothing behind
     if is_main:
-      resilience.remove_failed_start(workdir, created, before)
+      resilience.remove_failed_start(workdir, created, before, checkpoints_dir)
     lock.release()
 
   config_dict = json.loads(config.to_json_best_effort())
-  checkpoints_dir = os.path.join(workdir, 'checkpoints')
+  # train.checkpoint_dir: a URL (gs://...) goes to orbax untouched; the workdir stays local.
+  checkpoints_dir = (ckpt_lib.location(config.train.checkpoint_dir)
+                     if config.train.checkpoint_dir else os.path.join(workdir, 'checkpoints'))
   try:  # fail before compiling anything, and before writing anything
     data_changes = _check_resumable(config, config_dict,
                                     ckpt_lib.CheckpointReader(checkpoints_dir), init_from,
@@ -128,7 +130,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
     if is_main:  # the only writer of metrics.jsonl
       metrics_lib.repair_jsonl(os.path.join(workdir, 'metrics.jsonl'))
     run = _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from,
-                 data_changes)
+                 data_changes, workdir)
   except BaseException:
     if checkpointer is not None:
       checkpointer.close()
@@ -167,14 +169,14 @@ class _Notifier:
 
 
 def _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from,
-           data_changes) -> '_Run':
+           data_changes, workdir) -> '_Run':
   """The run's state on the mesh: resumed, or loaded from --init_from, or fresh."""
-  workdir = os.path.dirname(checkpointer.directory)
   ts, state = steps.setup(config, devices)
   data_iter = pipeline.make_train_iter(config, process_index=jax.process_index(),
                                        process_count=jax.process_count())
   run = _Run(config, config_dict, ts, state, data_iter, checkpointer, notify)
   run.new_data = bool(data_changes)
+  run.workdir = workdir
   run.resume(init_from)
   if data_changes:
     notify(f'--new_data: step {run.start_step}\'s model and optimizer continue on '
@@ -236,8 +238,10 @@ def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader,
     raise config_lib.ConfigError(
         'model.mtp.freeze_trunk would train MTP modules on a randomly initialised, frozen '
         'trunk: give --init_from=<a trained workdir or checkpoint>')
-  resilience.check_disk_space(workdir, resilience.checkpoint_bytes_estimate(
-      state_lib.abstract_train_state(config)))
+  if not ckpt_lib.is_url(reader.directory):  # an object store has no free-space figure
+    resilience.check_disk_space(resilience.existing_parent(reader.directory),
+                                resilience.checkpoint_bytes_estimate(
+                                    state_lib.abstract_train_state(config)))
   return data_changes
 
 
@@ -260,6 +264,7 @@ class _Run:
     # Set by train_and_evaluate before the loop starts.
     self.writer = self.progress = self.mfu = self.token_bytes = None
     self.decode_prompts = []
+    self.workdir = os.path.dirname(checkpointer.directory)  # _start sets the real one
     self.new_data = False  # resume on another data stream: the iterator is not restored
 
   def _check_meta(self, meta):
@@ -322,7 +327,7 @@ class _Run:
     self.checkpointer.save(step, self.state, self.data_iter, meta, force=True)
     self.last_saved = step
     if jax.process_index() == 0:  # the record of the newest checkpoint's config, whole or old
-      path = os.path.join(os.path.dirname(self.checkpointer.directory), 'config.json')
+      path = os.path.join(self.workdir, 'config.json')
       with open(path + '.tmp', 'w') as f:
         f.write(self.config.to_json_best_effort(indent=2))
       os.replace(path + '.tmp', path)
@@ -372,7 +377,7 @@ class _Run:
     guard = resilience.PreemptionGuard(notify)  # SIGTERM / SIGINT: save at the end of the step
     profiler = profiling.StepProfiler(
         config_lib.profile_window(config),
-        os.path.join(os.path.dirname(self.checkpointer.directory), 'profile'),
+        os.path.join(self.workdir, 'profile'),
         all_processes=config.train.profile_all_processes, notify=notify)
     try:
       guard.install()

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from mtp_jax.checkpoint import store as ckpt_store
 from mtp_jax.errors import one_line
 from mtp_jax.errors import ConfigError
 from mtp_jax.train.metrics import depth_names
@@ -108,17 +109,26 @@ def workdir_entries(workdir: str) -> set[str] | None:
     return None
 
 
-def _has_checkpoint(workdir: str) -> bool:
+def _has_checkpoint(workdir: str, directory: str | None = None) -> bool:
   """A finished (renamed) checkpoint step exists: the run can resume from it."""
-  directory = os.path.join(workdir, 'checkpoints')
+  directory = directory or os.path.join(workdir, 'checkpoints')
   try:
-    return any(n.isdigit() and os.path.isdir(os.path.join(directory, n))
-               for n in os.listdir(directory))
-  except OSError:
+    return any(n.isdigit() and ckpt_store.isdir(f'{directory.rstrip("/")}/{n}')
+               for n in ckpt_store._listdir(directory))  # pylint: disable=protected-access
+  except Exception:  # pylint: disable=broad-except  (unreachable storage: nothing to keep)
     return False
 
 
-def remove_failed_start(workdir: str, created: str | None, before: set[str] | None) -> None:
+def existing_parent(path: str) -> str:
+  """path, or its nearest existing parent (a checkpoint directory not made yet)."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  return path
+
+
+def remove_failed_start(workdir: str, created: str | None, before: set[str] | None,
+                        checkpoints_dir: str | None = None) -> None:
   """Undoes what a run that failed before its first checkpoint wrote.
 
   created (check_workdir's result): the workdir and the parents this run made are removed
@@ -127,7 +137,7 @@ def remove_failed_start(workdir: str, created: str | None, before: set[str] | No
   train.lock). Nothing is removed once a checkpoint exists.
   """
   path = os.path.abspath(workdir)
-  if _has_checkpoint(path):
+  if _has_checkpoint(path, checkpoints_dir):
     return
   if created is None:
     if before is None or not os.path.isdir(path):
