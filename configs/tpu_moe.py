@@ -7,8 +7,9 @@ DeepSeek-V2-Lite's widths (d 2048, 16 heads, kv latent 512, expert SwiGLU 1408) 
 DeepSeek-V3's query compression and MTP layer (MLA + MoE). 7.3B parameters, 1.4B active
 per token. Mesh (data 8, fsdp 4, tensor 1) with the expert rule on 'data': each chip
 stores 8 of the 64 routed experts of every layer (a quarter of each one's rows) and
-multiplies only the tokens routed to those 8 (model/moe.py, expert parallelism); its
-compiled train step and memory per chip are in docs/scaling.md.
+multiplies only the tokens routed to those 8, each (token, expert) row sent to it once by a
+ragged all-to-all (model/moe.py, expert parallelism); its compiled train step and memory
+per chip, beside the all-gather exchange's, are in docs/scaling.md.
 """
 from mtp_jax import config_lib
 
@@ -41,6 +42,11 @@ def get_config():
   m.moe.num_experts_per_tok = 6
   m.moe.moe_intermediate_size = 1408
   m.moe.routed_scaling_factor = 1.0
+  m.moe.exchange = 'all_to_all'  # each row sent once to its expert's chip (ragged all-to-all)
+  # receive buffers of 2x the mean rows per chip: dropless would size them (and the grouped
+  # products remat='block' keeps) for all 8 chips' rows; rows past them are dropped and
+  # logged (train/moe_dropped_rows_l{j})
+  m.moe.capacity_factor = 2.0
   m.mtp.depth = 1  # its block: MLA + MoE, as DeepSeek-V3's layer 61
   m.mtp.lambda_values = (0.3, 0.1)
   m.mtp.lambda_boundaries = (40000,)

@@ -55,7 +55,10 @@ No expert's weights leave the devices that hold them except along their FSDP axe
 exchanges are exact (dropless), forward and gradients, with or without a mesh
 (tests/test_moe.py). Sorting and the gather / scatter are O(N K log(N K)) and O(N K D).
 Padding positions are routed (and counted in the load) like any token. Under
-remat='block' the grouped products' outputs are saved (EXPERT_SAVED_NAME).
+remat='block' the grouped products' outputs are saved (EXPERT_SAVED_NAME) where their
+rows are the rows computed: without a mesh, and under the all-to-all exchange with a
+capacity factor; the worst-case buffers (all_gather, dropless all_to_all: P N K rows)
+are recomputed instead, as saving them would hold P times the rows.
 
 Every MoE call leaves its statistics on the module as nnx.Intermediate variables
 (`expert_load` [E], `balance` []); model.run_blocks carries them out of its pure block
@@ -211,10 +214,12 @@ def _gmm(a_MxI: Array, w_GxIxO: Array, sizes_G: Array, interpret: bool = False) 
 
 
 def grouped_products(xs_MxD: Array, sizes_E: Array, ws, form: str,
-                     interpret: bool = False) -> Array:
+                     interpret: bool = False, save: bool = True) -> Array:
   """[M, D]: the SwiGLU of rows sorted by expert, expert e taking the sizes_E[e] rows after
   the groups before it; rows past sum(sizes_E) come out zero. `ws`: the gate, up and down
-  kernels [E, D, F], [E, D, F], [E, F, D]; `form`: 'ragged', 'blocks' or 'gmm'."""
+  kernels [E, D, F], [E, D, F], [E, F, D]; `form`: 'ragged', 'blocks' or 'gmm'. `save`:
+  name the products EXPERT_SAVED_NAME (kept under remat='block'); off where M is a
+  worst-case buffer several times the rows computed, which keeping would hold."""
   if form == 'gmm' and not all(_common_tile(*w.shape[1:]) for w in ws):
     form = 'ragged'  # the kernel tiles dims of multiples of 128 (here: sharded too finely)
   if form in ('ragged', 'gmm'):
@@ -222,7 +227,7 @@ def grouped_products(xs_MxD: Array, sizes_E: Array, ws, form: str,
       mm = lambda a, w: jax.lax.ragged_dot(a, w, sizes_E)  # noqa: E731
     else:
       mm = lambda a, w: _gmm(a, w, sizes_E, interpret)  # noqa: E731
-    name = lambda a: checkpoint_name(a, EXPERT_SAVED_NAME)  # noqa: E731
+    name = lambda a: checkpoint_name(a, EXPERT_SAVED_NAME) if save else a  # noqa: E731
     h_MxF = jax.nn.silu(name(mm(xs_MxD, ws[0]))) * name(mm(xs_MxD, ws[1]))
     return name(mm(h_MxF, ws[2]))
   m, d = xs_MxD.shape
@@ -234,7 +239,7 @@ def grouped_products(xs_MxD: Array, sizes_E: Array, ws, form: str,
   expert_J = jnp.minimum(expert_J, e - 1)
   x_JxBxD = jnp.zeros((n_blocks * block, d), xs_MxD.dtype).at[slot_M].set(xs_MxD).reshape(
       n_blocks, block, d)
-  mm = lambda a, w: checkpoint_name(  # noqa: E731
+  mm = lambda a, w: (checkpoint_name if save else lambda y, _: y)(  # noqa: E731
       jnp.einsum('jbi,jio->jbo', a, w[expert_J]), EXPERT_SAVED_NAME)
   h_JxBxF = jax.nn.silu(mm(x_JxBxD, ws[0])) * mm(x_JxBxD, ws[1])
   y_MxD = mm(h_JxBxF, ws[2]).reshape(n_blocks * block, d)[slot_M]
@@ -324,7 +329,8 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
     order_M = jnp.argsort(key_M, stable=True)
     sizes_E = jnp.bincount(key_M, length=e_local + 1)[:e_local].astype(jnp.int32)
     token_M = order_M // k  # the token of each sorted row
-    y_MxD = grouped_products(x[token_M].astype(dtype), sizes_E, ws, form)
+    # P N K rows, the other devices' (past the groups) not computed: not kept under remat
+    y_MxD = grouped_products(x[token_M].astype(dtype), sizes_E, ws, form, save=False)
     g_M = jnp.where(mine_M, gates.reshape(-1), 0)[order_M]
     # Each token's gated sum over its rows here, added straight from the sorted rows (no
     # [N, K, D] unsort, no K-wide product); float32 sums, as a matmul accumulates.
@@ -353,7 +359,9 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
     key_R = moe_exchange.received_experts(p, all_counts_QxPxL[:, me], rows)
     order_R = jnp.argsort(key_R, stable=True)
     sizes_L = jnp.bincount(key_R, length=e_local + 1)[:e_local].astype(jnp.int32)
-    y_sorted_RxD = grouped_products(recv_RxD[order_R], sizes_L, ws, form)
+    # kept under remat only where a capacity factor bounds the buffer (dropless: P N K rows)
+    y_sorted_RxD = grouped_products(recv_RxD[order_R], sizes_L, ws, form,
+                                    save=capacity_factor > 0)
     y_RxD = jnp.zeros_like(y_sorted_RxD).at[order_R].set(y_sorted_RxD)
     # The reverse exchange: each received slice back to its sender, where it came from.
     back_MxD = moe_exchange.ragged_exchange(
