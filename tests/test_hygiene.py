@@ -357,7 +357,7 @@ def test_each_command_the_final_block_suggests_is_installed(tmp_path):
   exists beside this interpreter and answers --help: the project's console scripts, and
   tensorboard from the `tensorboard` extra."""
   import tomllib
-  project = tomllib.load(open(os.path.join(REPO, 'pyproject.toml'), 'rb'))['project']
+  project = tomllib.loads(pathlib.Path(REPO, 'pyproject.toml').read_text())['project']
   assert any(r.startswith('tensorboard>') for r in project['optional-dependencies']['tensorboard'])
   block = metrics_lib.final_block(str(tmp_path), 1, 1, 'def ').splitlines()
   commands = [line.split()[0] for line in block[block.index('next:') + 1:]]
