@@ -3,6 +3,7 @@ quiet start on a CPU machine with libtpu installed, the data checks made before 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -11,9 +12,10 @@ from etils import epath
 
 from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import config_lib
+from mtp_jax import config_lib, errors
 from mtp_jax.checkpoint import store as ckpt_store
 from mtp_jax.train import loop as train
+from mtp_jax.train import resilience
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import pipeline
 
@@ -190,3 +192,29 @@ def test_a_broken_checkpoint_reason_is_one_readable_line():
   assert ckpt_lib.short(error) == 'ValueError: DATA_LOSS: reading'
   error = ValueError('cannot open <TensorStore object at 0x7f> for step 3')
   assert ckpt_lib.short(error) == 'ValueError: cannot open TensorStore for step 3'
+
+
+def test_sigterm_while_starting_is_one_line_and_leaves_nothing(devices, stdlib_data_dir,
+                                                               tmp_path, monkeypatch):
+  """SIGTERM during set-up (here: as the model is built and compiled), before the loop's
+  preemption guard exists: StartupInterrupted (exit 143, one line), the new workdir removed,
+  and SIGTERM's handler given back."""
+  setup = train.steps.setup
+
+  def setup_then_sigterm(*args, **kwargs):
+    out = setup(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return out
+
+  monkeypatch.setattr(train.steps, 'setup', setup_then_sigterm)
+  config = load_config('tiny')
+  config.data.data_dir = stdlib_data_dir
+  config.data.seq_len, config.data.batch_size = 32, 2
+  config.train.steps, config.train.progress = 2, False
+  before = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(resilience.StartupInterrupted) as e:
+    train.train_and_evaluate(config, str(tmp_path / 'new'), devices=devices[:1])
+  assert errors.exit_code_of(e.value) == 143
+  assert errors.one_line(e.value).startswith('SIGTERM received while the run was starting')
+  assert not (tmp_path / 'new').exists()
+  assert signal.getsignal(signal.SIGTERM) is before

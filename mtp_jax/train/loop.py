@@ -80,6 +80,16 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   metrics. config.json is written with each checkpoint: it always describes the newest one.
   """
   workdir = os.path.abspath(workdir)
+  startup = resilience.StartupSignals().install()  # until the loop's PreemptionGuard
+  try:
+    return _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data,
+                  startup)
+  finally:
+    startup.uninstall()
+
+
+def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data, startup):
+  """train_and_evaluate's body; `startup` is uninstalled once the loop's guard is up."""
   devices = jax.devices() if devices is None else devices
   init_from = InitFrom.parse(init_from)  # parsed once; the typed value goes everywhere below
   hf_dir = init_from.path if init_from is not None and init_from.kind == 'hf' else None
@@ -141,6 +151,7 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   if run.start_step >= config.train.steps:
     notify(f'Nothing to do: the checkpoint in {workdir} is at the final step {run.start_step}.')
   end_step = config.train.steps if stop_after is None else min(stop_after, config.train.steps)
+  startup.uninstall()  # the loop installs its PreemptionGuard first thing
   try:
     out = run.loop(end_step, batch_hook)  # shuts down (checkpoint writes included) first
   except BaseException:

@@ -258,6 +258,36 @@ def checkpoint_bytes_estimate(abstract_state) -> int:
 
 
 # -- preemption --------------------------------------------------------------------------
+class StartupInterrupted(RuntimeError):
+  """SIGTERM while a run was starting, before its first step: nothing to save."""
+  exit_code = 143  # 128 + SIGTERM, what a shell reports for a terminated process
+
+
+class StartupSignals:
+  """SIGTERM from the start of a run until PreemptionGuard takes over: StartupInterrupted in
+  the main thread (at its next Python instruction, so after a compile under way), which the
+  trainer's start-up handlers turn into an undone start and one `error:` line."""
+
+  def __init__(self):
+    self._previous = None
+
+  def install(self) -> 'StartupSignals':
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def uninstall(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.uninstall()  # a second SIGTERM terminates at once
+    raise StartupInterrupted('SIGTERM received while the run was starting, before its first '
+                             'step: nothing was saved; the same command starts it again')
+
+
 class PreemptionGuard:
   """Turns SIGTERM / SIGINT into 'save at the end of this step and exit 0'.
 
