@@ -1,6 +1,8 @@
 """Operating a run: a profiler trace of chosen steps, the persistent compilation cache, a
 quiet start on a CPU machine with libtpu installed, the data checks made before compiling."""
+import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -218,3 +220,23 @@ def test_sigterm_while_starting_is_one_line_and_leaves_nothing(devices, stdlib_d
   assert errors.one_line(e.value).startswith('SIGTERM received while the run was starting')
   assert not (tmp_path / 'new').exists()
   assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_callback_after_a_closed_loop_is_not_reported(capfd):
+  """What an abandoned checkpoint read can leave behind is dropped; other asyncio errors
+  still reach the log."""
+  handler = logging.StreamHandler()
+  logger = logging.getLogger('asyncio')
+  logger.addHandler(handler)
+  try:
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+      loop.call_soon(lambda: None)
+    except RuntimeError as e:
+      logger.error('Exception in callback', exc_info=(type(e), e, e.__traceback__))
+    logger.error('Exception in callback', exc_info=(ValueError, ValueError('real'), None))
+  finally:
+    logger.removeHandler(handler)
+  err = capfd.readouterr().err
+  assert 'Event loop is closed' not in err and 'ValueError: real' in err

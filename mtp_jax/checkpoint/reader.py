@@ -8,6 +8,7 @@ from JSON.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -23,6 +24,24 @@ from mtp_jax.errors import RequestError
 from mtp_jax.checkpoint.integrity import fingerprint, verify
 from mtp_jax.checkpoint.store import (CheckpointError, Restored, _listdir, is_url, isdir,
                                       location, short)
+
+
+class _ClosedLoopFilter(logging.Filter):
+  """Drops asyncio's report of a callback that ran after its event loop closed.
+
+  A read abandoned by the fallback above (a step the trainer removed mid-read) can leave
+  TensorStore callbacks that fire once orbax has closed the loop it ran them on; asyncio
+  then logs 'RuntimeError: Event loop is closed' with a traceback, although nothing is
+  left to deliver the result to. Any other asyncio error is still logged.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(exc, RuntimeError) and 'Event loop is closed' in str(exc))
+
+
+_CLOSED_LOOP_FILTER = _ClosedLoopFilter()
+logging.getLogger('asyncio').addFilter(_CLOSED_LOOP_FILTER)
 
 
 def _order_key(path: tuple) -> tuple:
