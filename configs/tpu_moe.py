@@ -43,10 +43,10 @@ def get_config():
   m.moe.moe_intermediate_size = 1408
   m.moe.routed_scaling_factor = 1.0
   m.moe.exchange = 'all_to_all'  # each row sent once to its expert's chip (ragged all-to-all)
-  # receive buffers of 2x the mean rows per chip: dropless would size them (and the grouped
-  # products remat='block' keeps) for all 8 chips' rows; rows past them are dropped and
-  # logged (train/moe_dropped_rows_l{j})
-  m.moe.capacity_factor = 2.0
+  # receive buffers of 1.25x the mean rows per chip: dropless would size them (and the
+  # grouped products remat='block' keeps) for all 8 chips' rows; rows past them are dropped
+  # and logged (train/moe_dropped_rows_l{j})
+  m.moe.capacity_factor = 1.25
   m.mtp.depth = 1  # its block: MLA + MoE, as DeepSeek-V3's layer 61
   m.mtp.lambda_values = (0.3, 0.1)
   m.mtp.lambda_boundaries = (40000,)
