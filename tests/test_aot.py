@@ -318,3 +318,53 @@ def test_splash_kernel_calls_are_counted_from_their_shapes(report):
   assert compiled.cost_analysis()['flops'] < 0.01 * got['flops']
   operands = 3 * h * t * d * 2
   assert got['hbm_bytes'] > 3 * operands  # q, k, v read by each pass, and the gradients
+
+
+def test_the_splash_model_holds_the_expected_flops(report):
+  """The small model with the splash core (the TPU default): three kernel calls per
+  attention (forward, dq, dkv; remat 'block' keeps the forward's output and residuals),
+  their FLOPs counted from the kept blocks, and the step's count equal to the expected
+  one for that core."""
+  _, topo = report
+  c = small_config()
+  c.model.attention_core = 'splash'
+  c.data.seq_len = 256
+  c.model.attention_block_q = c.model.attention_block_kv = 128  # 3 of 4 blocks kept
+  c.model.loss_chunk = 128
+  rep = aot.compile_report(c, topo, ('train',), devices=aot.topology_devices(topo))
+  train = rep['train']
+  attention = c.model.n_layers + c.model.mtp.depth
+  assert train['kernels']['splash_attention']['calls'] == 3 * attention, train['kernels']
+  assert train['kernels']['splash_attention']['causal_assumed'] == 0
+  assert rep['flops_py']['expected_attention_core'] == 'splash'
+  assert 0.98 < train['flops_ratio_vs_expected'] < 1.04, train['flops_ratio_vs_expected']
+  # per attention and chip: 2 sequences (batch 8 over data x fsdp) x 1 head (2 over
+  # tensor) x 256 x 256 x 3/4; forward 2 matmuls, dq 3, dkv 4, of width 128 each
+  rows, heads = 8 // (2 * 2), 2 // 2
+  per_attention = 2 * (rows * heads * 256 * 256 * 3 / 4) * 128 * (2 + 3 + 4)
+  assert train['kernel_flops'] == attention * per_attention
+
+
+def test_gpu_attention_kernel_calls_are_counted_from_their_shapes():
+  """The Pallas Triton flash kernel as the GPU compiler prints it (an MLIR attribute
+  dictionary for a backend config, the kernel's name in the op name) and a cuDNN call."""
+  q = ('f32', (8, 512, 4, 16))  # [B, T, H, D]
+  operands = [(n, [q]) for n in ('q', 'k', 'v')] + [('seg', [('s32', (8, 512))])]
+  forward = aot.kernel_call(
+      '__gpu$xla.gpu.triton', 'metadata={op_name="jit(train_step)/jvp(jit(mha))/mha_forward/'
+      'pallas_call"}, backend_config={debug = false, grid_x = 4 : i32, grid_y = 8 : i32, '
+      'grid_z = 4 : i32, ir = "ML\\EFR\\0D{"}', [q, ('f32', (8, 4, 512))], operands, {})
+  pairs = 8 * 4 * 512 * 512 * 10 / 16  # 128-query blocks (512 / grid_x): 10 of 16 kept
+  assert (forward.kind, forward.name) == ('triton_attention', 'mha_forward')
+  assert forward.flops == 2 * pairs * (16 + 16)
+  backward = aot.kernel_call(
+      '__gpu$xla.gpu.triton', 'metadata={op_name="jit(train_step)/transpose(jvp(mha_backward))'
+      '/pallas_call"}, backend_config={grid_x = 8 : i32, grid_y = 4 : i32, grid_z = 16 : i32}',
+      [q, q, q], operands, {})
+  pairs = 8 * 4 * 512 * 512 * 136 / 256  # 32-key blocks (512 / grid_z)
+  assert backward.flops == 2 * pairs * (4 * 16 + 3 * 16)  # dK, dV loop and dQ loop
+  q = ('bf16', (2, 256, 4, 64))
+  cudnn = aot.kernel_call('__cudnn$fmhaSoftmax', 'backend_config={"cudnn_fmha_backend_config":'
+                          '{"mask_type":"CAUSAL"}}', [q], [(n, [q]) for n in 'qkv'], {})
+  assert cudnn.kind == 'cudnn_attention'
+  assert cudnn.flops == 2 * (2 * 4 * 256 * 256 * 3 / 4) * (64 + 64)

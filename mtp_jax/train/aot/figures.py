@@ -105,8 +105,8 @@ def expected_compiled_flops(config, attention_core: str = 'xla') -> dict:
             (model.attention_block_q / attention_block_kv), forward, dq (QKᵀ again, dP,
             dQ) and dkv (QKᵀ and dP again, dK, dV); under 'block' nothing again (the
             kernel's output and residuals are saved);
-    triton  likewise with its 128-blocks; its one backward kernel recomputes QKᵀ and dP
-            in both loops;
+    triton  likewise with the library's blocks (128 forward, 32 backward); its one backward
+            kernel recomputes QKᵀ and dP in both loops;
     cudnn   its forward and a backward that recomputes QKᵀ once;
   under 'full' the whole block forward again (a kernel's forward pass for its attention);
   with model.loss_chunk > 0 the vocab projection again (its chunks are rematerialised
@@ -121,20 +121,23 @@ def expected_compiled_flops(config, attention_core: str = 'xla') -> dict:
   if attention_core == 'xla':
     attention_train, attention_again = 3.0 * dense, dense
   else:
-    block_q = int(config.model.get('attention_block_q', 512))
-    block_kv = int(config.model.get('attention_block_kv', 512))
-    block_q, block_kv = ((min(block_q, t), min(block_kv, t)) if attention_core == 'splash'
-                         else (128, 128))
-    frac = kernels_lib.causal_kept_fraction(t, t, block_q, block_kv)
-    backward = {'splash': ('dq', 'dkv'), 'triton': ('triton_bwd',),
-                'cudnn': ('cudnn_bwd',)}[attention_core]
+    if attention_core == 'splash':
+      block_q = min(int(config.model.get('attention_block_q', 512)), t)
+      block_kv = min(int(config.model.get('attention_block_kv', 512)), t)
+      passes = (('fwd', block_q, block_kv), ('dq', block_q, block_kv),
+                ('dkv', block_q, block_kv))
+    elif attention_core == 'triton':  # the library's blocks: 128 forward, 32 backward
+      passes = (('fwd', 128, 128), ('triton_bwd', 32, 32))
+    else:
+      passes = (('fwd', 128, 128), ('cudnn_bwd', 128, 128))
     attention_train = attention_again = 0.0
     for a, d_qk, d_v in parts:
       pairs = a / kernels_lib.attention_pass_flops('fwd', 1.0, d_qk, d_v)  # per token
-      forward = kernels_lib.attention_pass_flops('fwd', pairs * frac, d_qk, d_v)
-      attention_train += forward + sum(kernels_lib.attention_pass_flops(p, pairs * frac, d_qk,
-                                                                        d_v) for p in backward)
-      attention_again += forward
+      for name, bq, bkv in passes:
+        frac = kernels_lib.causal_kept_fraction(t, t, min(bq, t), min(bkv, t))
+        flops = kernels_lib.attention_pass_flops(name, pairs * frac, d_qk, d_v)
+        attention_train += flops
+        attention_again += flops if name == 'fwd' else 0.0
     if remat == 'block':
       attention_again = 0.0
   train = full.train - 3.0 * dense + attention_train

@@ -10,8 +10,9 @@ shapes, per call:
                      the lower triangle of blocks, diagonal blocks whole) costs the
                      block's matmuls: forward QKᵀ and PV; dq recomputes QKᵀ and forms dP and
                      dQ; dkv recomputes QKᵀ and dP and forms dK and dV.
-  Triton attention   the Pallas GPU flash kernel (`__gpu$xla.gpu.triton` named mha_forward /
-                     mha_backward; the backward forms dK, dV in one loop and dQ in another).
+  Triton attention   the Pallas GPU flash kernel (`__gpu$xla.gpu.triton` calls of
+                     mha_forward / mha_backward; the backward forms dK, dV in one loop and
+                     dQ in another), its blocks read from the call's grid.
   cuDNN attention    `__cudnn$fmha*` (forward, and Backward), causal when its mask type says.
   grouped matmul     the Pallas TPU megablox kernels (gmm: [m, k] rows by their group's
                      [k, n]; tgmm: the per-group [k, n] weight gradient): 2 m k n each.
@@ -20,8 +21,7 @@ HBM bytes: the call's operands and results once, plus the blocks a flash kernel 
 again: a forward or dq pass reads the key/value blocks once per kept pair, a dkv pass
 the query-side blocks once per kept pair. The Triton and cuDNN calls do not print their
 causal flag or key block; the causal mask is taken from the cuDNN mask type, and the
-Triton kernel (which the model calls causal only) is counted causal with key blocks the
-size of its query blocks.
+Triton kernel (which the model calls causal only) is counted causal with square blocks.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ _XPROF = re.compile(r'"xprof_metadata":"(\{.*?\})"', re.S)
 _BODY = re.compile(r'"body":"[^"]*"')
 _FLOAT = ('bf16', 'f16', 'f32', 'f64') + tuple(f'f8{s}' for s in ('e4m3fn', 'e5m2', 'e4m3',
                                                                    'e4m3fnuz', 'e5m2fnuz'))
-_TRITON_BLOCK = 128  # the Pallas GPU attention kernel's default block
+_TRITON = re.compile(r'\b(mha_forward|mha_backward|mha_preprocess_backward)\b')
+_GRID = re.compile(r'\bgrid_([xyz])"?\s*[=:]\s*"?(\d+)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,9 @@ def kernel_call(target: str, text: str, outputs: list, operands: list,
   if target.startswith('__cudnn$fmha') and len(floats) >= 3:
     return _cudnn(target, text, floats, io)
   if 'triton' in target:
-    m = re.search(r'"name":"(mha_\w+)"', text)
+    m = _TRITON.search(text)
+    if m and m.group(1) == 'mha_preprocess_backward':  # the dO . O sums: no matmul
+      return KernelCall('triton_attention', m.group(1), 0.0, io)
     if m and len(floats) >= 3:
       return _triton(m.group(1), text, floats, io)
   return KernelCall('other', _name(text) or target, 0.0, io)
@@ -199,10 +202,10 @@ def _triton(name, text, floats, io) -> KernelCall:
   (_, q), (_, k), (_, v) = floats[:3]  # [B, T, H, D]
   t_q, t_kv, d_qk, d_v = q[1], k[1], q[-1], v[-1]
   heads = math.prod(q) // (t_q * d_qk)
-  grid = re.search(r'"grid_x":"?(\d+)', text)
-  block = _TRITON_BLOCK
-  if name == 'mha_forward' and grid and int(grid.group(1)) > 0:
-    block = max(1, t_q // int(grid.group(1)))
+  grid = {axis: int(n) for axis, n in _GRID.findall(text)}
+  # the forward's grid runs over query blocks first, the backward's over key blocks last
+  blocks = grid.get('x' if name == 'mha_forward' else 'z', 0)
+  block = max(1, t_q // blocks) if blocks else 128
   frac = causal_kept_fraction(t_q, t_kv, block, block)
   pairs = heads * t_q * t_kv * frac
   size = _size(floats[0][0])
@@ -215,4 +218,4 @@ def _triton(name, text, floats, io) -> KernelCall:
     return KernelCall('triton_attention', name,
                       attention_pass_flops('triton_bwd', pairs, d_qk, d_v),
                       io + 2 * max(0.0, reread), True)
-  return KernelCall('triton_attention', name, 0.0, io, False)  # the dO . O preprocessing
+  return KernelCall('triton_attention', name, 0.0, io, False)
