@@ -139,7 +139,7 @@ def get_config():
   c.model.d_model, c.model.n_layers, c.model.mlp_dim = 256, 1, 512
   c.model.tie_embeddings = False
   c.model.mtp.depth = 0
-  c.data.seq_len, c.data.batch_size = 64, 2
+  c.data.seq_len, c.data.batch_size = 128, 2
   c.mesh.shape = (1, 1, 1)
   return c
 """
