@@ -17,11 +17,14 @@ shapes, per call:
   grouped matmul     the Pallas TPU megablox kernels (gmm: [m, k] rows by their group's
                      [k, n]; tgmm: the per-group [k, n] weight gradient): 2 m k n each.
 
-HBM bytes: the call's operands and results once, plus the blocks a flash kernel reads
-again: a forward or dq pass reads the key/value blocks once per kept pair, a dkv pass
-the query-side blocks once per kept pair. The Triton and cuDNN calls do not print their
-causal flag or key block; the causal mask is taken from the cuDNN mask type, and the
-Triton kernel (which the model calls causal only) is counted causal with square blocks.
+HBM bytes: the call's operands and results once; a TPU flash kernel also reads blocks
+again from HBM (its VMEM holds only the blocks in flight): a forward or dq pass the
+key/value blocks once per kept pair, a dkv pass the query-side blocks once per kept pair.
+On a GPU one head's blocks (a few MiB) stay in the L2 cache between the passes over them,
+so a GPU kernel's HBM bytes are its operands and results. The Triton and cuDNN calls do
+not print their causal flag or key block; the causal mask is taken from the cuDNN mask
+type, and the Triton kernel (which the model calls causal only) is counted causal with
+square blocks.
 """
 from __future__ import annotations
 
@@ -189,13 +192,8 @@ def _cudnn(target, text, floats, io) -> KernelCall:
   backward = 'Backward' in target
   pairs = heads * t_q * t_kv * frac
   flops = attention_pass_flops('cudnn_bwd' if backward else 'fwd', pairs, d_qk, d_v)
-  size = _size(floats[0][0])
-  nq = max(1, t_q // 128)
-  extra = heads * frac * nq * t_kv * (d_qk + d_v) * size - _bytes(floats[1]) - _bytes(floats[2])
-  if backward:
-    extra *= 2
-  return KernelCall('cudnn_attention', 'fmha_backward' if backward else 'fmha', flops,
-                    io + max(0.0, extra), False)
+  return KernelCall('cudnn_attention', 'fmha_backward' if backward else 'fmha', flops, io,
+                    False)
 
 
 def _triton(name, text, floats, io) -> KernelCall:
@@ -208,14 +206,10 @@ def _triton(name, text, floats, io) -> KernelCall:
   block = max(1, t_q // blocks) if blocks else 128
   frac = causal_kept_fraction(t_q, t_kv, block, block)
   pairs = heads * t_q * t_kv * frac
-  size = _size(floats[0][0])
-  n = max(1, t_q // block)
-  reread = heads * frac * n * t_kv * (d_qk + d_v) * size - _bytes(floats[1]) - _bytes(floats[2])
   if name == 'mha_forward':
     return KernelCall('triton_attention', name, attention_pass_flops('fwd', pairs, d_qk, d_v),
-                      io + max(0.0, reread), True)
+                      io, True)
   if name == 'mha_backward':
     return KernelCall('triton_attention', name,
-                      attention_pass_flops('triton_bwd', pairs, d_qk, d_v),
-                      io + 2 * max(0.0, reread), True)
+                      attention_pass_flops('triton_bwd', pairs, d_qk, d_v), io, True)
   return KernelCall('triton_attention', name, 0.0, io, False)
