@@ -6,10 +6,13 @@ shapes, per call:
 
   splash attention   the Pallas TPU kernel (Mosaic `tpu_custom_call` named
                      splash_{mha,mqa}_*{fwd,dq,dkv}): every (query block, key block) pair its
-                     block mask keeps (the mask is an operand of the call; a causal mask keeps
-                     the lower triangle of blocks, diagonal blocks whole) costs the
-                     block's matmuls: forward QKᵀ and PV; dq recomputes QKᵀ and forms dP and
-                     dQ; dkv recomputes QKᵀ and dP and forms dK and dV.
+                     block mask keeps costs the block's matmuls: forward QKᵀ and PV; dq
+                     recomputes QKᵀ and forms dP and dQ; dkv recomputes QKᵀ and dP and forms
+                     dK and dV. The block mask is an operand of the call, read where it is a
+                     constant; where it reaches the call through a loop (a scanned layer's
+                     call) its shape gives the block grid and the kept pairs are a causal
+                     mask's (the lower triangle of blocks, diagonal blocks whole), counted
+                     in `causal_assumed`.
   Triton attention   the Pallas GPU flash kernel (`__gpu$xla.gpu.triton` calls of
                      mha_forward / mha_backward; the backward forms dK, dV in one loop and
                      dQ in another), its blocks read from the call's grid.
