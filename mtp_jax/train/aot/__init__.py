@@ -17,7 +17,7 @@ config's mesh and sharding rules and reads, per chip:
   HBM       bytes read and written by the compiled ops, loop bodies times their trip
             counts (XLA's cost_analysis counts a while body once and sees no kernel's
             insides; its figure is kept beside).
-  traffic   all-gather / reduce-scatter / all-reduce / all-to-all / collective-permute ops
+  traffic   all-gather / reduce-scatter / all-reduce / (ragged) all-to-all / collective-permute
             of the compiled HLO with their executions per step and bytes.
   estimate  a roofline step time (the largest of compute, HBM and ICI time) and the MFU it
             implies for flops.py's count.

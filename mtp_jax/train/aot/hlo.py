@@ -29,7 +29,7 @@ import sys
 
 from mtp_jax.train.aot import kernels as kernels_lib
 
-COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
+COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'ragged-all-to-all',
                'collective-permute')
 BYTES = kernels_lib.BYTES
 _COMP = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$')
@@ -238,7 +238,7 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
       frac = (n - 1) / n
       ici = {'all-gather': size * frac, 'reduce-scatter': size * (n - 1),
              'all-reduce': 2 * size * frac, 'all-to-all': size * frac,
-             'collective-permute': size}[base]
+             'ragged-all-to-all': size * frac, 'collective-permute': size}[base]
       entry_stats = stats.collectives.setdefault(base, {'count': 0.0, 'bytes': 0.0,
                                                         'ici_bytes': 0.0, 'by_group': {}})
       entry_stats['count'] += k
