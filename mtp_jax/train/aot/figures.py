@@ -13,7 +13,7 @@ from __future__ import annotations
 from mtp_jax.model import mla
 from mtp_jax.model.mtp import ModelArgs, block_classes
 from mtp_jax.train import flops as flops_lib
-from mtp_jax.train.aot import kernels as kernels_lib
+import mtp_jax.train.aot.kernels as kernels_lib
 from mtp_jax.train.aot.devices import Topology
 
 GIB = 2 ** 30

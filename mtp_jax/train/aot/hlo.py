@@ -27,7 +27,7 @@ import math
 import re
 import sys
 
-from mtp_jax.train.aot import kernels as kernels_lib
+import mtp_jax.train.aot.kernels as kernels_lib
 
 COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'ragged-all-to-all',
                'collective-permute')

@@ -32,7 +32,7 @@ from mtp_jax.model import state as state_lib
 from mtp_jax.model.mtp import MTPModel, ModelArgs
 from mtp_jax.runtime import sharding
 from mtp_jax.train import steps
-from mtp_jax.train.aot import figures
+import mtp_jax.train.aot.figures as figures
 from mtp_jax.train.aot.devices import Topology, no_jax_cache, topology_devices, traced_for
 from mtp_jax.train.aot.figures import GIB, PROGRAMS, DoesNotFit
 from mtp_jax.train.aot.hlo import analyze_hlo
