@@ -22,8 +22,8 @@ from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.errors import RequestError
 from mtp_jax.checkpoint.integrity import fingerprint, verify
-from mtp_jax.checkpoint.store import (CheckpointError, Restored, _listdir, is_url, isdir,
-                                      location, short)
+from mtp_jax.checkpoint.store import (CheckpointError, Restored, _listdir, draining_loops,
+                                      is_url, isdir, location, short)
 
 
 class _ClosedLoopFilter(logging.Filter):
@@ -229,7 +229,8 @@ def _restore_as_numpy(path: str):
     tree = getattr(meta, 'tree', meta)
     args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree,
                         is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
-    return handler.restore(epath.Path(path), args=ocp.args.PyTreeRestore(restore_args=args))
+    with draining_loops():
+      return handler.restore(epath.Path(path), args=ocp.args.PyTreeRestore(restore_args=args))
   finally:
     handler.close()
 
@@ -238,7 +239,8 @@ def _restore_item(path: str, handler, args):
   """One item directory restored through its handler alone: a Checkpointer would also look
   for (and log the lack of) step-level metadata inside the item directory."""
   try:
-    return handler.restore(epath.Path(path), args=args)
+    with draining_loops():
+      return handler.restore(epath.Path(path), args=args)
   finally:
     handler.close()
 

@@ -7,6 +7,8 @@ Checkpointer removes; a broken step is moved aside to `corrupt_checkpoints/`.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import os
 import re
@@ -25,6 +27,42 @@ from mtp_jax.checkpoint.integrity import verify
 
 TMP_MARKER = '.orbax-checkpoint-tmp'
 QUARANTINE_DIR = 'corrupt_checkpoints'  # next to `checkpoints/`: broken steps moved aside
+
+
+class _DrainingLoop(asyncio.SelectorEventLoop):
+  """An event loop that cancels and awaits its pending tasks before it closes.
+
+  Orbax runs each restore on a fresh loop (run_until_complete, then close). When one array
+  read fails, the reads gathered beside it are still pending at the close; left to the
+  garbage collector, each is closed mid-await and orbax's `except BaseException` around the
+  read turns that GeneratorExit into an "Exception ignored" report. Cancelled and awaited
+  here, they end before the loop does.
+  """
+
+  def close(self):
+    if not self.is_running() and not self.is_closed():
+      pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+      for t in pending:
+        t.cancel()
+      if pending:
+        self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    super().close()
+
+
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+  def new_event_loop(self):
+    return _DrainingLoop()
+
+
+@contextlib.contextmanager
+def draining_loops():
+  """Orbax restores inside this block run on loops that end their own pending reads."""
+  previous = asyncio.get_event_loop_policy()
+  asyncio.set_event_loop_policy(_DrainingPolicy())
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(previous)
 
 
 class CheckpointError(RuntimeError):
@@ -140,7 +178,8 @@ class Checkpointer:
     items = {'state': ocp.args.StandardRestore(abstract_state), 'meta': ocp.args.JsonRestore()}
     if data_iter is not None:
       items['data'] = grain.checkpoint.CheckpointRestore(data_iter)
-    out = self.manager.restore(step, args=ocp.args.Composite(**items))
+    with draining_loops():
+      out = self.manager.restore(step, args=ocp.args.Composite(**items))
     return out['state'], dict(out['meta'])
 
   def restore_latest_good(self, abstract_state, data_iter=None, check_meta=None) -> Restored | None:
