@@ -311,11 +311,10 @@ load_results = results_lib.load_results
 
 
 # -- measuring the cost of a design (mtp_jax/research/design.py) ----------------------------------
-def measure_step_seconds(config, steps: int = 4, devices=None, repeats: int = 3) -> float:
-  """Seconds per train step of `config` on one device: the fastest of `repeats` timings of
-  `steps` steps of random tokens, after one untimed (compiling) step (on a shared machine
-  the fastest timing is the one least slowed by other work). The cost of a step does not
-  depend on the data."""
+def _timing_setup(config, devices):
+  """(resolved config, TrainSetup, state, one batch of random tokens, the generator that drew
+  it) on one device, for the cost measurements below: a step's cost does not depend on the
+  data."""
   config = tokenizers.resolve_vocab_size(config.copy_and_resolve_references())
   ts, state = steps_lib.setup(config, (jax.devices() if devices is None else devices)[:1])
   rng = np.random.default_rng(0)
@@ -323,6 +322,15 @@ def measure_step_seconds(config, steps: int = 4, devices=None, repeats: int = 3)
   batch = {'tokens': rng.integers(2, config.model.vocab_size, (b, t)).astype(np.int32),
            'segment_ids': np.ones((b, t), np.int32),
            'positions': np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()}
+  return config, ts, state, batch, rng
+
+
+def measure_step_seconds(config, steps: int = 4, devices=None, repeats: int = 3) -> float:
+  """Seconds per train step of `config` on one device: the fastest of `repeats` timings of
+  `steps` steps of random tokens, after one untimed (compiling) step (on a shared machine
+  the fastest timing is the one least slowed by other work). The cost of a step does not
+  depend on the data."""
+  config, ts, state, batch, _ = _timing_setup(config, devices)
   state, _ = steps_lib.run_step(ts, state, batch)
   jax.block_until_ready(state)
   best = math.inf
@@ -352,13 +360,7 @@ def measure_eval_seconds(config, *, eval_batches: int, sets: int, num_prompts: i
   """Seconds of one LMEvaluator pass of `config`'s model at initialisation: `sets` x
   eval_batches teacher-forced batches (timed on a few, scaled), and greedy decoding of the
   prompts once per temperature (an untrained model accepts almost nothing: the slow end)."""
-  config = tokenizers.resolve_vocab_size(config.copy_and_resolve_references())
-  ts, state = steps_lib.setup(config, (jax.devices() if devices is None else devices)[:1])
-  rng = np.random.default_rng(0)
-  b, t = config.data.batch_size, config.data.seq_len
-  batch = {'tokens': rng.integers(2, config.model.vocab_size, (b, t)).astype(np.int32),
-           'segment_ids': np.ones((b, t), np.int32),
-           'positions': np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()}
+  config, ts, state, batch, rng = _timing_setup(config, devices)
   with sharding.use_mesh(ts.mesh, ts.rules):
     tb = jax.device_put(jnp.ones((config.model.vocab_size,), jnp.int32),
                         sharding.replicated(ts.mesh))
