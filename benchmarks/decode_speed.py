@@ -80,7 +80,7 @@ def main(argv=None) -> int:
   from mtp_jax import checkpoint  # pylint: disable=import-outside-toplevel
   from mtp_jax.decode import decoder as decode  # pylint: disable=import-outside-toplevel
   from mtp_jax.train import evaluation  # pylint: disable=import-outside-toplevel
-  from mtp_jax.model import state  # pylint: disable=import-outside-toplevel
+  from mtp_jax import train_state  # pylint: disable=import-outside-toplevel
   from mtp_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
 
   run = common.start(args, NAME, argv)
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
   wdts = args.weight_dtypes.split(',')
   if args.batch_sizes:  # '': cost probes of random models only, no checkpoint read
     model = (random_model(config, config.model.d_model, config.model.n_layers) if args.smoke
-             else state.restore_model(config, args.workdir, step))
+             else train_state.restore_model(config, args.workdir, step))
     decs = {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
   tokenizer = None if args.smoke else tokenizers.get_tokenizer(config.data)
   drafts = [int(d) for d in args.drafts.split(',')] if args.drafts else [depth]

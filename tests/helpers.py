@@ -312,8 +312,8 @@ def write_workdir(path, config, seed=1, steps=(3,)):
   """A training workdir holding checkpoints `steps` of a random model of `config` (routing
   biases random too), as the trainer writes them; returns the model."""
   from mtp_jax.data import tokenizers
-  from mtp_jax.model import state as state_lib
-  model, optimizer = state_lib.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
+  from mtp_jax import train_state
+  model, optimizer = train_state.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
   if config.model.mlp == 'moe':
     params_with_routing_bias(model, seed)
   else:

@@ -16,8 +16,8 @@ PACKAGE = os.path.join(REPO, 'mtp_jax')
 GROUPS = (
     ('mtp_jax', 'mtp_jax.errors', 'mtp_jax.config_lib'),
     (('mtp_jax.runtime',), ('mtp_jax.data',)),
-    ('mtp_jax.checkpoint',),
-    ('mtp_jax.model',),
+    (('mtp_jax.model',), ('mtp_jax.checkpoint',)),
+    ('mtp_jax.train_state',),
     (('mtp_jax.interop',), ('mtp_jax.decode',)),
     ('mtp_jax.train',),
     ('mtp_jax.research',),

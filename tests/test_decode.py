@@ -26,7 +26,7 @@ from mtp_jax.decode import decoder as decode
 from mtp_jax.decode import generate
 from mtp_jax.model import decode_ops
 from mtp_jax.decode import sampling as sampling_lib
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.model.mtp import MTPModel, ModelArgs, shift_left
 
 
@@ -551,7 +551,7 @@ def _script():
 def depth0_workdir(tmp_path_factory):
   """A workdir with a genuine checkpoint of a D = 0 model."""
   config = byte_config(0)
-  model, optimizer = state_lib.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
+  model, optimizer = train_state.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
   workdir = str(tmp_path_factory.mktemp('depth0'))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
   ckpt.save(1, nnx.state((model, optimizer)),

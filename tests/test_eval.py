@@ -23,7 +23,7 @@ from mtp_jax.data import tokenizers
 from mtp_jax import config_lib
 from mtp_jax.decode import decoder as decode
 from mtp_jax.train import evaluation
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.train import steps as steps_lib
 
 SCRIPT = os.path.join(REPO, 'scripts', 'eval.py')
@@ -115,7 +115,7 @@ def depth0_run(stdlib_data_dir, tmp_path_factory):
   before the train.eval_decode_* fields existed."""
   config = tiny_model_config(0, vocab=0)
   config.data.data_dir = stdlib_data_dir
-  model, optimizer = state_lib.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
+  model, optimizer = train_state.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
   workdir = str(tmp_path_factory.mktemp('eval_depth0'))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False)
   state = nnx.state((model, optimizer))

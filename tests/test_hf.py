@@ -24,7 +24,7 @@ from mtp_jax.interop import layouts
 from mtp_jax.model import layers
 from mtp_jax.runtime import sharding
 from mtp_jax.train import loop as train
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import tokenizers
 from mtp_jax.decode.decoder import Decoder
@@ -283,7 +283,7 @@ def test_frozen_mtp_training_keeps_the_hf_trunk_and_spec_decoding_is_lossless(
   for p in mtp:
     assert not np.array_equal(end[p], start[p]), f'{p} did not train'
 
-  model, step = state_lib.restore_model_at(c, str(workdir), 3)
+  model, step = train_state.restore_model_at(c, str(workdir), 3)
   assert step == 3
   tok = tokenizers.get_tokenizer(c.data)
   decoder = Decoder(model)
@@ -389,7 +389,7 @@ def test_bad_hf_directories_are_one_line_errors_before_compiling(kind, hf_models
   c.data.data_dir = stdlib_data_dir
   c.model.mtp.freeze_trunk = True
   compiled = []
-  monkeypatch.setattr(state_lib, 'init_state', lambda *a, **k: compiled.append(1))
+  monkeypatch.setattr(train_state, 'init_state', lambda *a, **k: compiled.append(1))
   with pytest.raises(ConfigError, match=words) as e:
     train.train_and_evaluate(c, str(tmp_path / 'run'), devices=devices[:1], init_from=init)
   assert '\n' not in str(e.value) and not compiled

@@ -16,12 +16,12 @@ import pytest
 from flax import nnx
 
 from helpers import REPO, dsv3_model_config, load_config, tiny_model_config, write_workdir
-from mtp_jax.checkpoint.partial import InitFrom
+from mtp_jax.train_state import InitFrom
 from mtp_jax.data import tokenizers
 from mtp_jax.decode.decoder import Decoder
 from mtp_jax.interop import export, hf
 from mtp_jax.interop.safetensors_io import Reader
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.model.mtp import MTPModel, ModelArgs
 from mtp_jax.train import loop as train
 
@@ -95,7 +95,7 @@ def test_export_init_from_hf_export_again_is_the_same(case, exports, devices, st
   assert [n for n in a if a[n] != b[n]] == []  # FP8: the same blocks and scales, too
   assert _json(first, 'config.json') == _json(again, 'config.json')
   assert _json(first, 'generation_config.json') == {'eos_token_id': 1, 'pad_token_id': 0}
-  loaded, _ = state_lib.restore_model_at(c, run, 0)
+  loaded, _ = train_state.restore_model_at(c, run, 0)
   got = export.model_params(loaded)
   # What the files hold (FP8 dequantised; test_convert bounds its error), else the model.
   want = export.model_params(hf.load_dir(str(first))[1] if case.endswith('fp8') else model)

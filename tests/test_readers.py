@@ -25,7 +25,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
 from mtp_jax.train import resilience
 from mtp_jax.train import loop as train
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.model.mtp import shift_left
 
 
@@ -149,11 +149,11 @@ def test_flipped_byte_is_caught_by_the_fingerprint(run_copy, capsys):
   config, step = ckpt_lib.load_workdir(str(run_copy))
   assert step == 40  # its meta is fine: only the arrays tell
   seen = []
-  _, restored = state_lib.restore_model_at(config, str(run_copy), step, fallback=True,
+  _, restored = train_state.restore_model_at(config, str(run_copy), step, fallback=True,
                                            notify=seen.append)
   assert restored == 20 and len(seen) == 1 and 'restored arrays differ' in seen[0], seen
   with pytest.raises(ckpt_lib.CheckpointError, match='checkpoint 40 .* is broken'):
-    state_lib.restore_model(config, str(run_copy), 40)
+    train_state.restore_model(config, str(run_copy), 40)
 
   code, out, err = _main('eval', ['--workdir', str(run_copy), '--step', '40'] + EVAL, capsys)
   assert code == 2 and out == '' and len(err) == 1, err

@@ -13,7 +13,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax.commands import self_distill as self_distill_command
 from mtp_jax.decode import decoder as decode
 from mtp_jax.train import loop as train
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
 
 ARGS = ['--num_prompts', '7', '--prompt_len', '8', '--max_new_tokens', '12', '--batch_size', '4',
@@ -56,7 +56,7 @@ def test_self_distill_writes_the_decoders_own_samples(distilled, capsys):
   # The same prompts through decode.Decoder (autoregressive: --num_drafts 0): batch j of 4
   # sampled with seed 3 + j, the last one filled up with its first prompt; a row that
   # stopped at eos is stored without it.
-  model, _ = state_lib.restore_model_at(config, str(workdir), step)
+  model, _ = train_state.restore_model_at(config, str(workdir), step)
   decoder = decode.Decoder(model)
   prompts = [r['tokens'][:8] for r in records]
   for j, batch in enumerate([prompts[:4], prompts[4:] + prompts[4:5]]):

@@ -1,12 +1,12 @@
 """Partial restore: start a run from another run's trunk, embedding and head (`--init_from`).
 
 The MTP modules of the new run keep their fresh initialisation when the source has fewer
-depths (or none); a source with more depths gives its first ones. `InitFrom` is the flag
-parsed once: this module reads its 'checkpoint' kind, mtp_jax.interop.hf its 'hf' kind.
+depths (or none); a source with more depths gives its first ones. The flag is parsed once
+by mtp_jax.train_state.InitFrom: this module reads its 'checkpoint' kind (a path),
+mtp_jax.interop.hf its 'hf' kind.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -18,39 +18,7 @@ from mtp_jax.checkpoint.reader import CheckpointReader, _key_str, _nested, _path
 from mtp_jax.checkpoint.store import CheckpointError
 
 
-HF_PREFIX = 'hf:'
-
-
-@dataclasses.dataclass(frozen=True)
-class InitFrom:
-  """A parsed --init_from: kind 'hf' (a local Hugging Face directory, `hf:DIR`) or
-  'checkpoint' (a workdir, its checkpoints/ directory or one step directory of this
-  project, `step` set for a step directory). Paths are absolute; nothing is checked here."""
-  kind: str
-  path: str  # '' for a bare 'hf:' (the reader of the directory says why that cannot load)
-  step: int | None = None
-
-  @classmethod
-  def parse(cls, value: str | InitFrom | None) -> InitFrom | None:
-    """None for no --init_from; an InitFrom is returned as it is."""
-    if value is None or isinstance(value, InitFrom):
-      return value
-    value = str(value).strip()
-    if not value:
-      return None
-    if value.startswith(HF_PREFIX):
-      rest = value[len(HF_PREFIX):].strip()
-      return cls('hf', os.path.abspath(os.path.expanduser(rest)) if rest else '')
-    path = os.path.abspath(os.path.expanduser(value))
-    base = os.path.basename(path)
-    step = int(base) if base.isdigit() and os.path.isdir(os.path.join(path, 'state')) else None
-    return cls('checkpoint', path, step)
-
-  def __str__(self) -> str:
-    return f'{HF_PREFIX}{self.path}' if self.kind == 'hf' else self.path
-
-
-def resolve_checkpoint(path: str | InitFrom) -> tuple[str, int | None]:
+def resolve_checkpoint(path: str) -> tuple[str, int | None]:
   """(checkpoints directory, step or None for its latest) from a workdir, a checkpoints
   directory or one step directory."""
   path = os.path.abspath(os.path.expanduser(str(path)))
@@ -67,7 +35,7 @@ def resolve_checkpoint(path: str | InitFrom) -> tuple[str, int | None]:
   raise ConfigError(f'--init_from {path!r} holds no checkpoint')
 
 
-def check_init_from(source: str | InitFrom, config, config_dict: dict,
+def check_init_from(source: str, config, config_dict: dict,
                     notify=warn) -> tuple[str, int, int]:
   """(checkpoints directory, step, MTP depths to load) once the source's trunk is known to
   fit this config; ConfigError / CheckpointError otherwise. Compiles nothing; read-only
@@ -96,7 +64,7 @@ def check_init_from(source: str | InitFrom, config, config_dict: dict,
   return directory, step, keep
 
 
-def init_from(source: str | InitFrom, config, config_dict: dict, state, abstract_state,
+def init_from(source: str, config, config_dict: dict, state, abstract_state,
               notify=print):
   """`state` with trunk, embedding/head and matching MTP depths loaded from `source`.
 

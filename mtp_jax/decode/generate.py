@@ -13,7 +13,7 @@ import numpy as np
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax.decode import decoder as decode
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.errors import RequestError
 from mtp_jax.data import tokenizers
 
@@ -82,7 +82,7 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   decode.check_request(ids, max_new_tokens, temperature, top_k, top_p,
                 vocab_size=config.model.vocab_size, max_len=max_len)
 
-  model, step = state_lib.restore_model_at(config, workdir, step, fallback=True)
+  model, step = train_state.restore_model_at(config, workdir, step, fallback=True)
   decoder = decode.Decoder(model)
   modes = ['ar', 'spec'] if mode == 'compare' else [mode]
   drafts = {'ar': 0, 'spec': num_drafts or depth}

@@ -28,7 +28,7 @@ from mtp_jax.interop import hf_config
 from mtp_jax.interop import layouts
 from mtp_jax.interop.safetensors_io import SHARD_BYTES, InteropError, write_dir
 from mtp_jax.model import moe
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.model.mtp import MTPModel, ModelArgs
 
 LAYOUTS = layouts.LAYOUTS
@@ -184,7 +184,7 @@ def export_workdir(workdir: str, directory: str, layout: str, *, step: int | Non
   layouts.check_layout(args, layout)
   if fp8 and layout != 'deepseek_v3':
     raise InteropError(f'--fp8 is the deepseek_v3 layout\'s weight format; {layout} has none')
-  model, step = state_lib.restore_model_at(config, workdir, newest, fallback=step is None, **kw)
+  model, step = train_state.restore_model_at(config, workdir, newest, fallback=step is None, **kw)
   tensors = export_model(model, directory, layout, fp8=fp8, shard_bytes=shard_bytes,
                          data_config=config.data, max_positions=config.model.max_positions
                          or max(4096, config.data.seq_len))

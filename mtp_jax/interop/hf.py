@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax import config_lib
-from mtp_jax.checkpoint.partial import HF_PREFIX, InitFrom
+from mtp_jax.train_state import HF_PREFIX, InitFrom
 from mtp_jax.data import tokenizers
 from mtp_jax.interop import fp8 as fp8_lib
 from mtp_jax.interop import hf_config

@@ -26,7 +26,7 @@ import numpy as np
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax.decode import decoder as decode
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.errors import RequestError
 from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
 
@@ -154,7 +154,7 @@ def self_distill(workdir: str, out_dir: str, settings: Settings,
   tokenizer = tokenizers.get_tokenizer(config.data)
   drawn = draw_prompts(config, tokenizer, settings.num_prompts, settings.prompt_len, split,
                        settings.seed)
-  model, step = state_lib.restore_model_at(config, workdir, step, fallback=True)
+  model, step = train_state.restore_model_at(config, workdir, step, fallback=True)
   decoder = decode.Decoder(model)
   notify(f'self_distill: {len(drawn)} prompts of {settings.prompt_len} tokens from split '
          f'{split!r}, {settings.max_new_tokens} new tokens each, temperature '

@@ -35,7 +35,7 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax.train import evaluation
 from mtp_jax.train import flops as flops_lib
 from mtp_jax.runtime import sharding
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.train import steps as steps_lib
 from mtp_jax.data import induction, pipeline, tokenizers
 from mtp_jax.research import results as results_lib
@@ -226,7 +226,7 @@ class Sweep:
       return saved
     config = tokenizers.resolve_vocab_size(run.config)
     ts = self._setup(run)
-    _, state, _, _ = state_lib.init_state(config, ts.mesh, ts.rules)
+    _, state, _, _ = train_state.init_state(config, ts.mesh, ts.rules)
     data_iter, next_batch = None, None
     if run.kind == 'lm':
       data_iter = pipeline.make_train_iter(config)

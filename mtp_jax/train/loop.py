@@ -1,7 +1,7 @@
 """The training loop: resume or start, train steps, periodic eval and checkpoints, shutdown.
 
-What the loop runs lives elsewhere: the model and optimizer state in state.py, the
-compiled steps in steps.py, evaluation in evaluation.py, checkpoints in checkpoint.py,
+What the loop runs lives elsewhere: the model and optimizer state in mtp_jax.train_state,
+the compiled steps in steps.py, evaluation in evaluation.py, checkpoints in mtp_jax.checkpoint,
 preflight checks and the preemption / non-finite policies in resilience.py.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mtp_jax import config_lib
 from mtp_jax.train import evaluation
 from mtp_jax.train import flops as flops_lib
 from mtp_jax.interop import hf
-from mtp_jax.checkpoint.partial import InitFrom
+from mtp_jax.train_state import InitFrom
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import metrics as metrics_lib
 from mtp_jax.model import mtp as model_lib
@@ -29,7 +29,7 @@ from mtp_jax.model import moe
 from mtp_jax.train import resilience
 from mtp_jax.data import checks as data_checks
 from mtp_jax.runtime import compile_cache, profiling, sharding
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.train import steps
 from mtp_jax.data import pipeline, tokenizers
 from mtp_jax.train.metrics import metric_key
@@ -244,7 +244,7 @@ def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader,
       hf.check_weights(init_from.path, model_lib.ModelArgs.from_config(config))
     else:
       # Quiet: init_from reports a broken step it skips once, when it loads.
-      ckpt_lib.check_init_from(init_from, config, config_dict, notify=lambda text: None)
+      ckpt_lib.check_init_from(init_from.path, config, config_dict, notify=lambda text: None)
   if config.model.mtp.freeze_trunk and not (init_from is not None or steps_saved):
     raise config_lib.ConfigError(
         'model.mtp.freeze_trunk would train MTP modules on a randomly initialised, frozen '
@@ -252,7 +252,7 @@ def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader,
   if not ckpt_lib.is_url(reader.directory):  # an object store has no free-space figure
     resilience.check_disk_space(resilience.existing_parent(reader.directory),
                                 resilience.checkpoint_bytes_estimate(
-                                    state_lib.abstract_train_state(config)))
+                                    train_state.abstract_train_state(config)))
   return data_changes
 
 
@@ -304,7 +304,7 @@ class _Run:
                                                  self.state, notify)
     elif init_from is not None:
       self.state, self.init_desc = ckpt_lib.init_from(
-          init_from, self.config, self.config_dict, self.state, self.ts.abstract_state, notify)
+          init_from.path, self.config, self.config_dict, self.state, self.ts.abstract_state, notify)
 
   def evaluate(self, step: int) -> dict:
     """Teacher-forced eval (and decoding, when configured), written to the log."""

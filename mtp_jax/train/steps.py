@@ -21,7 +21,7 @@ from mtp_jax.train import loss as loss_lib
 from mtp_jax.model import moe
 from mtp_jax.train import resilience
 from mtp_jax.runtime import sharding
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 
 
 @dataclasses.dataclass
@@ -58,7 +58,7 @@ def train_step(config, graphdef, state, batch):
   # Normalisers from the whole batch: microbatch gradients then sum to the big-batch one.
   counts = loss_lib.valid_counts(batch['segment_ids'], num_depths, offsets)
   # The frozen parameters (model.mtp.freeze_trunk) go to `rest`: no gradient for them.
-  model_graph, params, rest = nnx.split(model, state_lib.trainable(config), ...)
+  model_graph, params, rest = nnx.split(model, train_state.trainable(config), ...)
   mtp_targets = config_lib.optional(config, 'loss.mtp_targets', 'data')
   balance_weight = config_lib.optional(config, 'model.moe.balance_loss_weight', 0.0)
 
@@ -89,7 +89,7 @@ def train_step(config, graphdef, state, batch):
   new_state = nnx.state((model, optimizer))  # after every update of this step
   if config_lib.optional(config, 'model.mtp.curriculum', 'none') != 'none':
     new_state = hold_inactive_depths(old_state, new_state, active)
-  metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': state_lib.lr_schedule(config)(step),
+  metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': train_state.lr_schedule(config)(step),
              'lambda': weights[1:].sum() if num_depths > 1 else jnp.zeros(()),
              'active_depths': active, **sums}
   return resilience.keep_finite_update(old_state, new_state, metrics)
@@ -142,7 +142,7 @@ def setup(config, devices=None) -> tuple[TrainSetup, Any]:
   config_lib.validate(config, len(devices))
   mesh = sharding.make_mesh(config, devices)
   rules = sharding.rules_of(config)
-  graphdef, state, shardings, abstract = state_lib.init_state(config, mesh, rules)
+  graphdef, state, shardings, abstract = train_state.init_state(config, mesh, rules)
   with sharding.use_mesh(mesh, rules):
     batch_sh = sharding.batch_sharding(mesh)
   rep = sharding.replicated(mesh)

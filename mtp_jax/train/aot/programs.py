@@ -28,7 +28,7 @@ from mtp_jax.data import tokenizers
 from mtp_jax.decode import decoder as decoder_lib
 from mtp_jax.decode.sampling import Sampling
 from mtp_jax.errors import RequestError
-from mtp_jax.model import state as state_lib
+from mtp_jax import train_state
 from mtp_jax.model.mtp import MTPModel, ModelArgs
 from mtp_jax.runtime import sharding
 from mtp_jax.train import steps
@@ -254,7 +254,7 @@ def _train_and_eval(config, devices, topo, programs, log) -> dict:
   rules = sharding.rules_of(config)
   out = {'mesh': dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape)))}
   with sharding.use_mesh(mesh, rules):
-    abstract = nnx.eval_shape(lambda: state_lib.create_model_and_optimizer(config))
+    abstract = nnx.eval_shape(lambda: train_state.create_model_and_optimizer(config))
     graphdef, abstract_state = nnx.split(abstract)
     shardings = sharding.state_shardings(abstract_state, mesh)
   abstract_state = ckpt_lib.abstract_like(abstract_state, shardings)
