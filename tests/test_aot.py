@@ -6,10 +6,12 @@ twin against it, and a small splash-attention call for the kernel count; the HLO
 also reads a synthetic module. Skipped, with the reason, only where libtpu cannot load.
 """
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -369,3 +371,33 @@ def test_gpu_attention_kernel_calls_are_counted_from_their_shapes():
                           '{"mask_type":"CAUSAL"}}', [q], [(n, [q]) for n in 'qkv'], {})
   assert cudnn.kind == 'cudnn_attention'
   assert cudnn.flops == 2 * (2 * 4 * 256 * 256 * 3 / 4) * (64 + 64)
+
+
+def test_no_jax_cache_turns_off_a_cache_already_in_use(tmp_path):
+  """JAX settles once per process whether its cache is used; the AOT tool must still bypass
+  a cache an earlier training run switched on, and leave it working afterwards."""
+  from mtp_jax.runtime import compile_cache
+  from mtp_jax.train.aot.devices import no_jax_cache
+
+  was = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir,
+         jax.config.jax_persistent_cache_min_compile_time_secs,
+         jax.config.jax_persistent_cache_min_entry_size_bytes)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+  try:
+    compile_cache.enable(str(tmp_path))
+    entries = lambda: set(os.listdir(tmp_path))  # noqa: E731
+    jax.jit(lambda x: x * 3 + 1).lower(jnp.ones(7)).compile()
+    first = entries()
+    assert first, 'the cache is in use before the block'
+    with no_jax_cache():
+      jax.jit(lambda x: x * 5 - 2).lower(jnp.ones(9)).compile()
+    assert entries() == first
+    jax.jit(lambda x: x * 7 + 4).lower(jnp.ones(11)).compile()
+    assert len(entries()) > len(first), 'the cache works again after the block'
+  finally:
+    jax.config.update('jax_enable_compilation_cache', was[0])
+    jax.config.update('jax_compilation_cache_dir', was[1])
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', was[2])
+    jax.config.update('jax_persistent_cache_min_entry_size_bytes', was[3])
+    compilation_cache.reset_cache()

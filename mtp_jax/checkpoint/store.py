@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import shutil
+import threading
 import time
 
 import grain
@@ -32,12 +34,19 @@ QUARANTINE_DIR = 'corrupt_checkpoints'  # next to `checkpoints/`: broken steps m
 class _DrainingLoop(asyncio.SelectorEventLoop):
   """An event loop that cancels and awaits its pending tasks before it closes.
 
-  Orbax runs each restore on a fresh loop (run_until_complete, then close). When one array
-  read fails, the reads gathered beside it are still pending at the close; left to the
-  garbage collector, each is closed mid-await and orbax's `except BaseException` around the
-  read turns that GeneratorExit into an "Exception ignored" report. Cancelled and awaited
-  here, they end before the loop does.
+  Orbax runs each restore and each save on a fresh loop (run_until_complete, then close).
+  When one array read or write fails, the ones gathered beside it are still pending at the
+  close; left to the garbage collector, each is closed mid-await and orbax's
+  `except BaseException` around it turns that GeneratorExit into an "Exception ignored"
+  report, and a TensorStore write finishing after the close calls into a closed loop.
+  Cancelled and awaited here, they end before the loop does. Their own failures repeat the
+  one orbax raised (and the caller reports), so "Task exception was never retrieved" goes to
+  the debug log instead of stderr.
   """
+
+  def __init__(self):
+    super().__init__()
+    self.set_exception_handler(_quiet_sibling_failures)
 
   def close(self):
     if not self.is_running() and not self.is_closed():
@@ -49,20 +58,51 @@ class _DrainingLoop(asyncio.SelectorEventLoop):
     super().close()
 
 
+def _quiet_sibling_failures(loop, context):
+  if context.get('message') == 'Task exception was never retrieved':
+    logging.debug('checkpoint I/O task failed beside the reported one: %s',
+                  context.get('exception'))
+    return
+  loop.default_exception_handler(context)
+
+
 class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
   def new_event_loop(self):
     return _DrainingLoop()
 
 
+_policy_lock = threading.Lock()
+_policy_holds = [0, None]  # [holders, the policy before the first]
+
+
+def _hold_draining_policy():
+  with _policy_lock:
+    if _policy_holds[0] == 0:
+      _policy_holds[1] = asyncio.get_event_loop_policy()
+      asyncio.set_event_loop_policy(_DrainingPolicy())
+    _policy_holds[0] += 1
+
+
+def _release_draining_policy():
+  with _policy_lock:
+    _policy_holds[0] -= 1
+    if _policy_holds[0] == 0:
+      asyncio.set_event_loop_policy(_policy_holds[1])
+      _policy_holds[1] = None
+
+
 @contextlib.contextmanager
 def draining_loops():
-  """Orbax restores inside this block run on loops that end their own pending reads."""
-  previous = asyncio.get_event_loop_policy()
-  asyncio.set_event_loop_policy(_DrainingPolicy())
+  """Orbax loops created inside this block end their own pending reads and writes.
+
+  The event loop policy is process-wide, so a save finishing in orbax's background thread
+  gets a draining loop as long as some holder (this block, or an open Checkpointer) is live.
+  """
+  _hold_draining_policy()
   try:
     yield
   finally:
-    asyncio.set_event_loop_policy(previous)
+    _release_draining_policy()
 
 
 class CheckpointError(RuntimeError):
@@ -131,6 +171,9 @@ class Checkpointer:
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
         cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=self._options)
+    # Async saves run on loops orbax makes in its own thread; they drain until close().
+    _hold_draining_policy()
+    self._holds_policy = True
     self._in_flight: int | None = None  # step of an async save not yet known to be complete
     self._failed = False  # orbax re-raises a failed save on every later wait
 
@@ -255,6 +298,10 @@ class Checkpointer:
       except Exception:  # pylint: disable=broad-except
         if not self._failed:
           raise
+      finally:
+        if self._holds_policy:
+          self._holds_policy = False
+          _release_draining_policy()
 
 
 def _listdir(path: str) -> list[str]:

@@ -11,6 +11,7 @@ import re
 
 import jax
 from jax.experimental import topologies
+from jax.experimental.compilation_cache import compilation_cache
 
 from mtp_jax.errors import RequestError
 from mtp_jax.runtime import chips as chips_lib
@@ -117,11 +118,18 @@ def traced_for(platform: str):
 
 @contextlib.contextmanager
 def no_jax_cache():
-  """JAX's persistent cache off: it writes compile-only executables it cannot read back."""
+  """JAX's persistent cache off: it writes compile-only executables it cannot read back.
+
+  JAX decides once per process whether the cache is in use, so a cache an earlier training
+  run in the same process switched on is reset, and reset again on the way out so the
+  flag is read afresh.
+  """
   was = jax.config.jax_enable_compilation_cache
   jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()
   try:
     yield
   finally:
     jax.config.update('jax_enable_compilation_cache', was)
+    compilation_cache.reset_cache()
 
