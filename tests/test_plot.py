@@ -1,4 +1,5 @@
 """scripts/plot.py writes non-empty PNGs from a run's metrics."""
+import json
 import os
 import subprocess
 import sys
@@ -25,3 +26,38 @@ def test_plot_script_missing_metrics_is_an_error(tmp_path):
   proc = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'plot.py'),
                          f'--workdir={tmp_path}'], capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2 and 'no metrics.jsonl' in proc.stderr
+
+
+def _sized_run(variant: str, seed: int, depth: int, curriculum: str = 'none') -> dict:
+  """A sized-sweep result with the fields the figures read, its numbers made up."""
+  budget = 'equal_tokens' if variant.endswith('@tokens') else 'equal_flops'
+  steps = 40 if budget == 'equal_tokens' else 20
+  curve = [{'step': s, 'flops': s * 1e9 * (1 + depth), 'train_loss': [3.0 - s / 100] * (depth + 1)}
+           for s in range(2, steps + 1, 2)]
+  decode = {t: {'acceptance_per_depth': [0.6 / k for k in range(1, depth + 1)]}
+            for t in ('T0', 'T1')}
+  return {'variant': variant, 'seed': seed, 'depth': depth, 'mtp_kind': 'sequential',
+          'steps': steps, 'flops_per_step': 1e9 * (1 + depth), 'curve': curve,
+          'config': {'model': {'mtp': {'curriculum': curriculum}}},
+          'evals': {budget: {'decode': decode, 'heldout': {'agree': [0.5] * depth}}}}
+
+
+def test_sweep_figures_of_the_sized_sweep_plot_its_equal_token_runs(tmp_path, monkeypatch):
+  """Each sized variant is two runs (equal tokens, equal FLOPs); the figures show the first
+  under the variant's own name."""
+  from mtp_jax.research import plotting
+
+  runs = [_sized_run(f'{v}@{b}', s, d, c) for v, d, c in
+          (('d0', 0, 'none'), ('d3', 3, 'none'), ('d3f', 3, 'forward'))
+          for b in ('tokens', 'flops') for s in (0, 1) if not (v == 'd0' and b == 'flops')]
+  (tmp_path / 'sized.json').write_text(json.dumps(runs))
+  drawn = []
+  monkeypatch.setattr(plotting, 'plot_sweep_loss', lambda rs, path: drawn.append(rs) or path)
+  monkeypatch.setattr(plotting, 'plot_sweep_acceptance',
+                      lambda rs, path: drawn.append(rs) or path)
+  paths = plotting.plot_sweep(str(tmp_path))
+  assert [os.path.basename(p) for p in paths] == ['sized_loss_vs_flops.png',
+                                                  'sized_acceptance_per_depth.png']
+  for rs in drawn:
+    assert sorted({r['variant'] for r in rs}) == ['d0', 'd3', 'd3f']
+    assert all(r['steps'] == 40 for r in rs)  # the equal-token runs only

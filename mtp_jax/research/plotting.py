@@ -187,7 +187,8 @@ def plot_decode_acceptance(stats: dict, accepted_hist, path: str) -> str:
 
 
 # -- multi-seed sweeps (scripts/ablation.py's JSON) --------------------------------------------
-VARIANT_COLORS = {'d0': '#424242', 'd1': '#1e88e5', 'd3': '#e53935', 'd3p': '#fb8c00'}
+VARIANT_COLORS = {'d0': '#424242', 'd1': '#1e88e5', 'd3': '#e53935', 'd3f': '#8e24aa',
+                  'd3r': '#43a047', 'd3p': '#fb8c00'}
 
 
 def _group_by_variant(results: list[dict]) -> dict[str, list[dict]]:
@@ -202,6 +203,8 @@ def _group_by_variant(results: list[dict]) -> dict[str, list[dict]]:
 def _variant_label(rs: list[dict]) -> str:
   r = rs[0]
   kind = f' {r["mtp_kind"]}' if r['depth'] else ''
+  curriculum = r.get('config', {}).get('model', {}).get('mtp', {}).get('curriculum', 'none')
+  kind += f', {curriculum} curriculum' if curriculum != 'none' else ''
   return f'{r["variant"]}: D = {r["depth"]}{kind} (n = {len(rs)})'
 
 
@@ -310,18 +313,32 @@ def plot_sweep_acceptance(results: list[dict], path: str, budget: str = 'equal_t
   return _save(fig, path, layout=False)
 
 
+def _equal_token_runs(results: list[dict]) -> list[dict]:
+  """The sized sweep's equal-token runs (`d1@tokens`, ...), named by their variant alone."""
+  return [dict(r, variant=r['variant'].split('@')[0]) for r in results
+          if r['variant'].endswith('@tokens')]
+
+
 def plot_sweep(out_dir: str, fig_dir: str | None = None) -> list[str]:
-  """The sweep's figures from OUT/lm.json, OUT/induction.json and OUT/names.json; their paths."""
+  """The sweep's figures from OUT/{lm,sized,induction,names}.json; their paths.
+
+  The sized sweep's curves are its equal-token runs: each equal-FLOP run is a separate,
+  shorter run with its own decay, so it has no curve of its own worth overlaying.
+  """
   fig_dir = fig_dir or out_dir
-  groups = {g: load_results(out_dir, g) for g in ('lm', 'induction', 'names')}
+  groups = {g: load_results(out_dir, g) for g in ('lm', 'sized', 'induction', 'names')}
   if not any(groups.values()):
-    raise FileNotFoundError(f'no lm.json, induction.json or names.json under {out_dir}')
+    raise FileNotFoundError(f'no lm.json, sized.json, induction.json or names.json under '
+                            f'{out_dir}')
   paths = []
-  if groups.get('lm'):
-    paths.append(plot_sweep_loss(groups['lm'], os.path.join(fig_dir, 'loss_vs_flops.png')))
-    if any(r['depth'] for r in groups['lm']):
-      paths.append(plot_sweep_acceptance(groups['lm'],
-                                         os.path.join(fig_dir, 'acceptance_per_depth.png')))
+  for group, prefix in (('lm', ''), ('sized', 'sized_')):
+    runs = groups.get(group) or []
+    runs = _equal_token_runs(runs) if group == 'sized' else runs
+    if runs:
+      paths.append(plot_sweep_loss(runs, os.path.join(fig_dir, f'{prefix}loss_vs_flops.png')))
+      if any(r['depth'] for r in runs):
+        paths.append(plot_sweep_acceptance(
+            runs, os.path.join(fig_dir, f'{prefix}acceptance_per_depth.png')))
   if groups.get('induction'):
     alphabet = groups['induction'][0].get('task', {}).get('alphabet')
     paths.append(plot_induction(groups['induction'], os.path.join(fig_dir, 'induction.png'),
