@@ -18,12 +18,12 @@ from flax import nnx
 from helpers import REPO, dsv3_model_config, load_config, tiny_model_config, write_workdir
 from mtp_jax.train_state import InitFrom
 from mtp_jax.data import tokenizers
-from mtp_jax.decode.decoder import Decoder
+from mtp_jax.decode import Decoder
 from mtp_jax.interop import export, hf
 from mtp_jax.interop.safetensors_io import Reader
 from mtp_jax import train_state
-from mtp_jax.model.mtp import MTPModel, ModelArgs
-from mtp_jax.train import loop as train
+from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.train import train_and_evaluate
 
 CASES = ('llama', 'mimo', 'deepseek_v3', 'deepseek_v3_fp8')
 TEXTS = ['def f(x):\n\treturn {"é": x}  # 日本語 🐍\n', '', ' \n', 'a<b>c</s>\x00\xff']
@@ -86,7 +86,7 @@ def test_export_init_from_hf_export_again_is_the_same(case, exports, devices, st
   layout = case.replace('_fp8', '')
   c = _train_config(stdlib_data_dir)
   run = str(tmp_path / 'run')
-  train.train_and_evaluate(c, run, devices=devices[:1], init_from=f'hf:{first}', stop_after=0)
+  train_and_evaluate(c, run, devices=devices[:1], init_from=f'hf:{first}', stop_after=0)
   assert c.data.tokenizer == 'hf' and c.model.d_model == 32  # the export's model, its tokenizer
   again = tmp_path / 'again'
   export.export_workdir(run, str(again), layout, fp8=case.endswith('fp8'))
@@ -108,6 +108,48 @@ def test_export_init_from_hf_export_again_is_the_same(case, exports, devices, st
     compared += path[0] == 'mtp'
   assert compared == (0 if layout == 'llama' else 2 * len(
       [p for p in want if p[:2] == ('mtp', '0')]))
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_params_from_tensors_in_memory_equal_the_directory_read(case, exports):
+  """params_from_hf on the export's tensors held in a dict gives the exported model's
+  parameters (FP8: what the directory's tensor-by-tensor reader dequantises), with every
+  MTP layer the export declares."""
+  model, directory = exports[case]
+  with Reader(str(directory)) as r:
+    tensors = {n: r.get(n) for n in r.keys()}
+  got = hf.params_from_hf(tensors, _json(directory, 'config.json'))
+  if case.endswith('fp8'):  # the sharded reader of --init_from hf:, not params_from_hf
+    c = load_config('tiny')
+    c.model.mtp.depth = 2
+    hf.apply_to_config(c, str(directory))
+    want = export.model_params(hf.load_model(str(directory), c))
+  else:
+    want = export.model_params(model)
+  if case == 'llama':  # the llama layout has no MTP names: a plain causal LM
+    want = {p: x for p, x in want.items() if p[0] != 'mtp'}
+  assert sorted(got) == sorted(want) and any(p[0] == 'mtp' for p in got) == (case != 'llama')
+  for path, x in want.items():
+    assert got[path].dtype == np.float32
+    np.testing.assert_array_equal(got[path], x, err_msg=str(path))
+
+
+def test_params_from_tensors_in_memory_check_like_a_directory(exports):
+  _, directory = exports['mimo']
+  with Reader(str(directory)) as r:
+    tensors = {n: r.get(n) for n in r.keys()}
+  cfg = _json(directory, 'config.json')
+  name = 'model.layers.0.self_attn.q_proj.weight'
+  missing = {n: x for n, x in tensors.items() if n != name}
+  with pytest.raises(hf.InteropError, match=f'^tensors: tensor {name} is missing') as e:
+    hf.params_from_hf(missing, cfg)
+  assert '\n' not in str(e.value)
+  wrong = dict(tensors, **{name: tensors[name][:-1]})
+  with pytest.raises(hf.InteropError, match=f'tensor {name} has shape'):
+    hf.params_from_hf(wrong, cfg, where='my weights')
+  ints = dict(tensors, **{name: tensors[name].astype(np.int32)})
+  with pytest.raises(hf.InteropError, match='has dtype int32; only F32'):
+    hf.params_from_hf(ints, cfg)
 
 
 def _greedy(ref, prompt, n):

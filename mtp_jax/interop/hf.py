@@ -1,4 +1,5 @@
-"""Hugging Face directories into this project: `--init_from hf:DIR` and `load_dir`.
+"""Hugging Face directories into this project: `--init_from hf:DIR`, `load_dir`, and
+`params_from_hf` for tensors already in memory.
 
 DIR is a local directory in the standard layout (config.json, model.safetensors or shards
 with model.safetensors.index.json, tokenizer.json or else a SentencePiece tokenizer.model);
@@ -34,8 +35,8 @@ from mtp_jax.data import tokenizers
 from mtp_jax.interop import fp8 as fp8_lib
 from mtp_jax.interop import hf_config
 from mtp_jax.interop import layouts
-from mtp_jax.interop.safetensors_io import InteropError, Reader
-from mtp_jax.model.mtp import MTPModel, ModelArgs
+from mtp_jax.interop.safetensors_io import InteropError, MemoryReader, Reader
+from mtp_jax.model import MTPModel, ModelArgs
 
 PREFIX = HF_PREFIX
 SUPPORTED = hf_config.ARCHITECTURES
@@ -113,7 +114,7 @@ class Source:
   table: list  # the layouts.Tensor entries to load (trunk + the loaded MTP depths)
   depths: int  # MTP depths loaded from the checkpoint
   checkpoint_depths: int  # MTP layers the checkpoint declares
-  reader: Reader
+  reader: Reader | MemoryReader
 
   def close(self):
     self.reader.close()
@@ -137,7 +138,7 @@ def _shape_error(where: str, t: Tensor, shape: tuple, args: ModelArgs) -> Intero
                       f'implies {list(t.shape)} ({sizes})')
 
 
-def _check_tensor(reader: Reader, where: str, name: str, t: Tensor, args: ModelArgs) -> set:
+def _check_tensor(reader: Reader | MemoryReader, where: str, name: str, t: Tensor, args: ModelArgs) -> set:
   """The names `name` needs (itself, its FP8 scale), once its shape and dtype are right."""
   if name not in reader:
     raise InteropError(f'{where}: tensor {name} is missing from the safetensors files')
@@ -170,45 +171,51 @@ def open_source(directory: str, args: ModelArgs, where: str | None = None,
   """
   where = where or _where(directory)
   cfg = read_config(directory, where)
+  reader = Reader(directory, where)
+  try:
+    return _checked_source(reader, cfg, args, where, all_depths, directory)
+  except BaseException:
+    reader.close()
+    raise
+
+
+def _checked_source(reader, cfg: dict, args: ModelArgs, where: str, all_depths: bool,
+                    directory: str = '') -> Source:
+  """open_source's checks over any reader (a directory's or tensors in memory)."""
   family, fields = hf_config.model_fields(cfg, where)
   layout = hf_config.LAYOUT_OF[family]
   ckpt_depth = fields['mtp.depth'] if layout != 'llama' else 0
   full = layouts.tensor_table(_full_args(args, ckpt_depth), layout, depths=ckpt_depth)
-  reader = Reader(directory, where)
-  try:
-    wanted = args.mtp_depth if args.mtp_kind == 'sequential' else 0
-    depths = min(wanted, ckpt_depth) if not all_depths else ckpt_depth
-    for k in range(1, depths + 1):
-      pre = layouts.mtp_prefix(layout, args, k) + '.'
-      if not any(n.startswith(pre) for n in reader.keys()):
-        if all_depths:
-          raise InteropError(f'{where}: num_nextn_predict_layers={ckpt_depth} but no tensor '
-                             f'of MTP depth {k} ({pre}*); transformers\' save_pretrained '
-                             'drops MTP layers')
-        depths = k - 1
-        break
+  wanted = args.mtp_depth if args.mtp_kind == 'sequential' else 0
+  depths = min(wanted, ckpt_depth) if not all_depths else ckpt_depth
+  for k in range(1, depths + 1):
+    pre = layouts.mtp_prefix(layout, args, k) + '.'
+    if not any(n.startswith(pre) for n in reader.keys()):
+      if all_depths:
+        raise InteropError(f'{where}: num_nextn_predict_layers={ckpt_depth} but no tensor '
+                           f'of MTP depth {k} ({pre}*); transformers\' save_pretrained '
+                           'drops MTP layers')
+      depths = k - 1
+      break
 
-    def loaded(t):
-      return t.path is None or t.path[0] != 'mtp' or int(t.path[1]) < depths
+  def loaded(t):
+    return t.path is None or t.path[0] != 'mtp' or int(t.path[1]) < depths
 
-    table, used = [t for t in full if loaded(t)], set()
-    for t in table:
-      if t.kind == 'alias' and t.name not in reader:
-        continue
-      for name in t.names():
-        used |= _check_tensor(reader, where, name, t, args)
-    known = used | {n for t in full for n in t.names()}
-    known |= {n + fp8_lib.SCALE_SUFFIX for n in known}
-    extra = sorted(n for n in reader.keys()
-                   if n not in known and not n.endswith(layouts.IGNORED_SUFFIXES))
-    if extra:
-      more = f' and {len(extra) - 3} more' if len(extra) > 3 else ''
-      raise InteropError(f'{where}: unexpected tensor {", ".join(extra[:3])}{more}: not part '
-                         f'of a {args.n_layers}-layer {family} model as config.json '
-                         'describes it')
-  except BaseException:
-    reader.close()
-    raise
+  table, used = [t for t in full if loaded(t)], set()
+  for t in table:
+    if t.kind == 'alias' and t.name not in reader:
+      continue
+    for name in t.names():
+      used |= _check_tensor(reader, where, name, t, args)
+  known = used | {n for t in full for n in t.names()}
+  known |= {n + fp8_lib.SCALE_SUFFIX for n in known}
+  extra = sorted(n for n in reader.keys()
+                 if n not in known and not n.endswith(layouts.IGNORED_SUFFIXES))
+  if extra:
+    more = f' and {len(extra) - 3} more' if len(extra) > 3 else ''
+    raise InteropError(f'{where}: unexpected tensor {", ".join(extra[:3])}{more}: not part '
+                       f'of a {args.n_layers}-layer {family} model as config.json '
+                       'describes it')
   return Source(directory, where, family, layout, table, depths, ckpt_depth, reader)
 
 
@@ -224,7 +231,7 @@ def check_weights(directory: str, args: ModelArgs) -> dict:
     src.close()
 
 
-def _read(reader: Reader, where: str, name: str) -> np.ndarray:
+def _read(reader: Reader | MemoryReader, where: str, name: str) -> np.ndarray:
   """A whole tensor as float32, FP8 dequantised by its weight_scale_inv."""
   x = reader.get(name)
   if reader.dtype(name) == 'F8_E4M3':
@@ -329,7 +336,10 @@ def init_state(directory: str, config, state, notify=print):
   return jax.tree_util.tree_unflatten(treedef, leaves), desc
 
 
-def _load_model(directory: str, config, source: Source | None = None) -> MTPModel:
+def load_model(directory: str, config) -> MTPModel:
+  """An MTPModel on this process's first device: DIR's weights, fresh MTP depths beyond
+  the checkpoint's. config: one on which apply_to_config(config, DIR) has run. For
+  decoding and tests; training goes through init_state."""
   args = ModelArgs.from_config(config)
   model = MTPModel(args, rngs=nnx.Rngs(config.seed))
   graphdef, state = nnx.split(model)
@@ -338,33 +348,60 @@ def _load_model(directory: str, config, source: Source | None = None) -> MTPMode
   paths = [tuple(_key(k) for k in p)[:-1] for p, _ in flat]  # without the '.value' leaf
   targets = {p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
              for p, (_, x) in zip(paths, flat)}
-  loaded = load_into(directory, args, targets, source)
+  loaded = load_into(directory, args, targets)
   leaves = [loaded.get(p, x) for p, (_, x) in zip(paths, flat)]
   return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
 
 
-def load_model(directory: str, config) -> MTPModel:
-  """An MTPModel on this process's first device: DIR's weights, fresh MTP depths beyond
-  the checkpoint's. config: one on which apply_to_config(config, DIR) has run. For
-  decoding and tests; training goes through init_state."""
-  return _load_model(directory, config)
+def _param_shapes(args: ModelArgs) -> dict:
+  """{path (as in Tensor.path): shape} of a model of `args`; no array is created."""
+  state = nnx.state(nnx.eval_shape(lambda: MTPModel(args, rngs=nnx.Rngs(0))))
+  return {tuple(_key(k) for k in p)[:-1]: x.shape
+          for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def params_from_hf(tensors, config_json: dict, where: str = 'tensors') -> dict:
+  """{path: float32 numpy array} of the model config.json describes, from its tensors by
+  Hugging Face name: the inverse of export.to_hf_tensors, keyed as export.model_params.
+
+  tensors: {name: array} in memory (numpy, or what np.asarray takes; FP8 weights with their
+  weight_scale_inv), or a safetensors_io.Reader, whose tensors are read one at a time. Every
+  MTP layer config.json declares is loaded. The same checks as a directory (names, shapes,
+  dtypes, nothing unknown, tied and zero tensors) raise one InteropError line naming `where`
+  and the tensor.
+  """
+  config = hf_config.to_config(config_json, where)
+  config_lib.validate(config)  # a config.json value out of range: one ConfigError line
+  args = ModelArgs.from_config(config)
+  reader = tensors if isinstance(tensors, (Reader, MemoryReader)) else MemoryReader(tensors,
+                                                                                  where)
+  src = _checked_source(reader, config_json, args, where, all_depths=True)
+  check_derived(src)
+  shapes = _param_shapes(args)
+  return {t.path: read_param(src, t, shapes[t.path]) for t in src.table if t.path is not None}
 
 
 def load_dir(directory: str, base=None) -> tuple:
   """(config, model) of a Hugging Face-layout directory, exactly as it is: its MTP layers
   are the model's MTP depths (all of them must be there), its tokenizer the config's when
-  it has one. InteropError on bad input, before anything compiles."""
+  it has one. InteropError on bad input, before anything compiles. The weights go through
+  params_from_hf (float32 on the host), then onto this process's first device."""
   directory = os.path.abspath(os.path.expanduser(directory))
   where = directory
-  config = hf_config.to_config(read_config(directory, where), where, base)
+  cfg = read_config(directory, where)
+  config = hf_config.to_config(cfg, where, base)
   if any(os.path.isfile(os.path.join(directory, n)) for n in ('tokenizer.json',
                                                               'tokenizer.model')):
     _set_tokenizer(config, directory, where, [])
   config_lib.validate(config)  # a config.json value out of range: one ConfigError line
-  args = ModelArgs.from_config(config)
-  src = open_source(directory, args, where, all_depths=True)
-  try:
-    model = _load_model(directory, config, src)
-  finally:
-    src.close()
-  return config, model
+  with Reader(directory, where) as reader:
+    params = params_from_hf(reader, cfg, where)
+  model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(config.seed))
+  graphdef, state = nnx.split(model)
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  leaves = []
+  for p, x in flat:
+    w = params.pop(tuple(_key(k) for k in p)[:-1], None)  # each host copy freed once placed
+    leaves.append(x if w is None else jax.device_put(w.astype(x.dtype), device))
+  return config, nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))

@@ -160,6 +160,51 @@ class Reader:
                      shape=self._shape[name])[...].copy()
 
 
+class MemoryReader:
+  """Reader's interface over tensors already in memory: {name: array} (numpy, or anything
+  np.asarray takes, in a dtype of DTYPES; FP8 weights beside their weight_scale_inv)."""
+
+  def __init__(self, tensors, where: str = 'tensors'):
+    self.where = where
+    self._tensors = {str(k): np.asarray(v) for k, v in tensors.items()}
+    codes = {np.dtype(v): k for k, v in DTYPES.items()}
+    self._dtype = {k: codes.get(x.dtype, str(x.dtype)) for k, x in self._tensors.items()}
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def close(self):
+    pass
+
+  def __contains__(self, name) -> bool:
+    return name in self._tensors
+
+  def keys(self):
+    return self._tensors.keys()
+
+  def shape(self, name: str) -> tuple:
+    return tuple(self._tensors[name].shape)
+
+  def dtype(self, name: str) -> str:
+    return self._dtype[name]
+
+  def check_dtype(self, name: str) -> None:
+    if self._dtype[name] not in DTYPES:
+      raise InteropError(f'{self.where}: tensor {name} has dtype {self._dtype[name]}; '
+                         f'only {", ".join(DTYPES)} are read')
+
+  def block(self, name: str, index: tuple) -> np.ndarray:
+    self.check_dtype(name)
+    return self._tensors[name][index]
+
+  def get(self, name: str) -> np.ndarray:
+    self.check_dtype(name)
+    return self._tensors[name]
+
+
 def _file_mode() -> int:
   """The mode open() gives a new file here: 0666 less the process umask (0644 usually)."""
   mask = os.umask(0)
