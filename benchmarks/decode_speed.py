@@ -78,7 +78,7 @@ def smoke_config():
 def main(argv=None) -> int:
   args = parse(argv)
   from mtp_jax import checkpoint  # pylint: disable=import-outside-toplevel
-  from mtp_jax.decode import decoder as decode  # pylint: disable=import-outside-toplevel
+  from mtp_jax.decode import Decoder  # pylint: disable=import-outside-toplevel
   from mtp_jax.train import evaluation  # pylint: disable=import-outside-toplevel
   from mtp_jax import train_state  # pylint: disable=import-outside-toplevel
   from mtp_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
   if args.batch_sizes:  # '': cost probes of random models only, no checkpoint read
     model = (random_model(config, config.model.d_model, config.model.n_layers) if args.smoke
              else train_state.restore_model(config, args.workdir, step))
-    decs = {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
+    decs = {w: Decoder(model, weight_dtype=w) for w in wdts}
   tokenizer = None if args.smoke else tokenizers.get_tokenizer(config.data)
   drafts = [int(d) for d in args.drafts.split(',')] if args.drafts else [depth]
   report = {
@@ -198,7 +198,7 @@ def random_model(config, d, layers, vocab=None, heads=None):
   (n_heads, head_dim) and MLP 3d (the peer shape)."""
   import copy
   from flax import nnx
-  from mtp_jax.model.mtp import MTPModel, ModelArgs
+  from mtp_jax.model import MTPModel, ModelArgs
   from mtp_jax.data import tokenizers
   c = copy.deepcopy(config)
   c.model.d_model, c.model.n_layers, c.model.mlp_dim = d, layers, 3 * d
@@ -212,9 +212,9 @@ def random_model(config, d, layers, vocab=None, heads=None):
 
 def _random_decoders(config, d, layers, wdts, vocab=None, heads=None):
   """Decoders (one per weight dtype) of random_model(config, d, layers, vocab, heads)."""
-  from mtp_jax.decode import decoder as decode
+  from mtp_jax.decode import Decoder
   model = random_model(config, d, layers, vocab, heads)
-  return {w: decode.Decoder(model, weight_dtype=w) for w in wdts}
+  return {w: Decoder(model, weight_dtype=w) for w in wdts}
 
 
 def cost_probe(config, args, taus: dict, wdts) -> list:

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from mtp_jax.model import mla  # noqa: E402
-from mtp_jax.model.mtp import ModelArgs  # noqa: E402
+from mtp_jax.model import ModelArgs  # noqa: E402
 
 NAME = 'mla_decode_forms'
 

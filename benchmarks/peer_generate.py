@@ -30,7 +30,7 @@ import numpy as np
 import common  # benchmarks/common.py
 
 from decode_speed import random_model  # noqa: E402
-from mtp_jax.decode import decoder as decode  # noqa: E402
+from mtp_jax.decode import Decoder, clear_compiled  # noqa: E402
 from mtp_jax.decode import sampling  # noqa: E402
 from mtp_jax.model import decode_ops  # noqa: E402
 
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
   run_info = common.start(args, NAME, argv)
   model = peer_shape_model(args.smoke)
   cfg = model.args
-  dec = decode.Decoder(model)
+  dec = Decoder(model)
   params = peer_params(model)
   rng = np.random.default_rng(0)
   prompt = rng.integers(2, cfg.vocab_size, (1, args.prompt_len)).astype(np.int32)
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
       d = dec
       if off:
         if off_dec[0] is None:
-          off_dec[0] = decode.Decoder(model)
+          off_dec[0] = Decoder(model)
         d = off_dec[0]
       return d.generate(prompt.tolist(), n, num_drafts=num_drafts, temperature=temperature,
                         eos_id=None, seed=i, **kw).seconds
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
       run(0)
   if args.ab:
     module, flag = args.ab.split('.')
-    decode.clear_compiled()
+    clear_compiled()
     setattr(AB_MODULES[module], flag, False)
     try:
       for k, run in variants.items():
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
           run(0)
     finally:
       setattr(AB_MODULES[module], flag, True)
-      decode.clear_compiled()
+      clear_compiled()
   times = {k: [] for k in variants}
   for i in range(args.rounds):
     for k, run in variants.items():

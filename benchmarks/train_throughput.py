@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 
 from mtp_jax.data import tokenizers  # noqa: E402
 from mtp_jax.model import attention as attn_lib  # noqa: E402
-from mtp_jax.model.mtp import ModelArgs  # noqa: E402
+from mtp_jax.model import ModelArgs  # noqa: E402
 from mtp_jax.runtime import distributed  # noqa: E402
 from mtp_jax.runtime import peak as peak_lib  # noqa: E402
 from mtp_jax.runtime import sharding  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import REPO, byte_config, byte_ids
 from mtp_jax import config_lib
-from mtp_jax.decode import decoder as decode
+from mtp_jax.decode import Decoder
 from mtp_jax.research import sweep as research
 from mtp_jax.research import heldout
 from mtp_jax.research import stats
@@ -273,7 +273,7 @@ def test_parallel_heads_train_and_decode_losslessly_after_training(devices):
   first, last = losses[0], np.mean(losses[-5:], axis=0)
   assert np.all(last < 0.3 * first), (first, last)  # every depth, the heads included
   model, _ = nnx.merge(ts.graphdef, state)
-  dec = decode.Decoder(model)
+  dec = Decoder(model)
   prompts = [alphabet_ids(i * 3, 1 + i) for i in range(8)]
   ar = dec.generate(prompts, 24, num_drafts=0, eos_id=None)
   sp = dec.generate(prompts, 24, num_drafts=2, eos_id=None)

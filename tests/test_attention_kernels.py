@@ -16,7 +16,7 @@ from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.errors import ConfigError
 from mtp_jax.model import attention as attn_lib
-from mtp_jax.model.mtp import MTPModel, ModelArgs
+from mtp_jax.model import MTPModel, ModelArgs
 from mtp_jax.runtime import sharding
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps as steps_lib

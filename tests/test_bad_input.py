@@ -1,6 +1,6 @@
 """The bad-input catalogue: every case fails before anything compiles, with one line, exit 2.
 
-In-process cases call train.train_and_evaluate with steps.setup (the first compile)
+In-process cases call train_and_evaluate with steps.setup (the first compile)
 replaced by a tripwire; the CLI cases run scripts/train.py and check the exit code and
 the single `error: ...` line. Inputs that are not errors (undecodable bytes, binary
 files, one enormous line) are handled, and tested as such at the end.
@@ -16,7 +16,7 @@ import pytest
 from helpers import REPO, load_config
 from mtp_jax import cli
 from mtp_jax.data import checks as data_checks
-from mtp_jax.train import loop as train
+from mtp_jax.train import train_and_evaluate
 from mtp_jax.train import steps as steps_lib
 from mtp_jax.data import corpus, pipeline, stdlib_dataset
 
@@ -38,7 +38,7 @@ def no_compile(monkeypatch):
 def expect_error(config, workdir, devices, *words, **kw):
   """The run fails with an exit-2 error whose single line contains `words`."""
   with pytest.raises(Exception) as e:
-    train.train_and_evaluate(config, str(workdir), devices=devices[:1], **kw)
+    train_and_evaluate(config, str(workdir), devices=devices[:1], **kw)
   assert cli.exit_code_of(e.value) == 2, repr(e.value)
   line = cli.one_line(e.value)
   assert '\n' not in line and len(line) < 800

@@ -28,7 +28,7 @@ from mtp_jax.commands import export as export_cmd
 from mtp_jax.interop import export, fp8, hf, hf_config, layouts
 from mtp_jax.interop.safetensors_io import INDEX, InteropError, Reader, read_json, write_dir
 from mtp_jax.model import layers
-from mtp_jax.model.mtp import MTPModel, ModelArgs
+from mtp_jax.model import MTPModel, ModelArgs
 
 TOKENS = np.arange(12, dtype=np.int32)[None] * 5 % 64
 

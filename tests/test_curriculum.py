@@ -14,8 +14,8 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import tokenizers
-from mtp_jax.model.mtp import MTPModel, ModelArgs
-from mtp_jax.train import loop as train
+from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.train import train_and_evaluate
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps as steps_lib
 
@@ -164,9 +164,9 @@ def test_resumed_curriculum_equals_uninterrupted(devices, stdlib_data_dir, tmp_p
       c.train[k] = v
     return c
   full, split = str(tmp_path / 'full'), str(tmp_path / 'split')
-  train.train_and_evaluate(config(), full, devices=devices[:1])
-  train.train_and_evaluate(config(), split, devices=devices[:1], stop_after=3)
-  train.train_and_evaluate(config(), split, devices=devices[:1])
+  train_and_evaluate(config(), full, devices=devices[:1])
+  train_and_evaluate(config(), split, devices=devices[:1], stop_after=3)
+  train_and_evaluate(config(), split, devices=devices[:1])
   (la, aa), (lb, ab) = _losses(full), _losses(split)
   assert la == lb and sorted(la) == [1, 2, 3, 4, 5, 6]
   # the logged step is the one just taken: steps 1..6 ran at s = 0..5

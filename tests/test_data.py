@@ -635,7 +635,7 @@ def test_batch_must_split_over_processes(cfg):
 def test_user_data_errors_stop_a_run_before_compiling(devices, tmp_path, monkeypatch):
   """As test_bad_input's catalogue: exit code 2, one line, steps.setup never reached."""
   from mtp_jax import cli  # pylint: disable=g-import-not-at-top  (JAX-heavy)
-  from mtp_jax.train import loop as train
+  from mtp_jax.train import train_and_evaluate
   from mtp_jax.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
 
   def tripwire(*a, **k):
@@ -652,7 +652,7 @@ def test_user_data_errors_stop_a_run_before_compiling(devices, tmp_path, monkeyp
     for k, v in fields.items():
       cfg.data[k] = v
     with pytest.raises(Exception) as e:
-      train.train_and_evaluate(cfg, str(tmp_path / 'run'), devices=devices[:1])
+      train_and_evaluate(cfg, str(tmp_path / 'run'), devices=devices[:1])
     assert cli.exit_code_of(e.value) == 2, repr(e.value)
     line = cli.one_line(e.value)
     assert '\n' not in line and all(w in line for w in words), line

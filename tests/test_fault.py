@@ -24,7 +24,7 @@ from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
 from mtp_jax.train import resilience
-from mtp_jax.train import loop as train
+from mtp_jax.train import train_and_evaluate
 from mtp_jax.train import metrics as metrics_lib
 from mtp_jax.train import steps as steps_lib
 from mtp_jax.config_lib import ConfigError
@@ -42,7 +42,7 @@ def tiny(data_dir, **train_fields):
 
 
 def run(config, workdir, devices, **kw):
-  return train.train_and_evaluate(config, str(workdir), devices=devices[:1], **kw)
+  return train_and_evaluate(config, str(workdir), devices=devices[:1], **kw)
 
 
 def log_rows(workdir) -> dict:

@@ -12,10 +12,10 @@ from helpers import load_config, tiny_model_config
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.train import flops
-from mtp_jax.train import loop as train
+from mtp_jax.train import train_and_evaluate
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.config_lib import ConfigError
-from mtp_jax.model.mtp import MTPModel, ModelArgs
+from mtp_jax.model import MTPModel, ModelArgs
 
 TRAIN = dict(log_every=2, eval_every=0, eval_batches=1, progress=False)
 
@@ -35,7 +35,7 @@ def tiny(data_dir, depth, steps, **mtp):
 
 
 def run(config, workdir, devices, **kw):
-  return train.train_and_evaluate(config, str(workdir), devices=devices[:1], **kw)
+  return train_and_evaluate(config, str(workdir), devices=devices[:1], **kw)
 
 
 def model_tree(workdir, step) -> dict:

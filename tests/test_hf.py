@@ -23,12 +23,12 @@ from mtp_jax.interop import export, hf
 from mtp_jax.interop import layouts
 from mtp_jax.model import layers
 from mtp_jax.runtime import sharding
-from mtp_jax.train import loop as train
+from mtp_jax.train import train_and_evaluate
 from mtp_jax import train_state
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import tokenizers
-from mtp_jax.decode.decoder import Decoder
-from mtp_jax.model.mtp import MTPModel
+from mtp_jax.decode import Decoder
+from mtp_jax.model import MTPModel
 
 FAMILIES = ('llama', 'qwen2')
 CODE = 'def f(x):\n\tif x:\n        return {"é": x}  # 日本語 🐍\n\n'
@@ -263,8 +263,8 @@ def test_frozen_mtp_training_keeps_the_hf_trunk_and_spec_decoding_is_lossless(
     c.train[k] = v
   workdir = tmp_path / 'run'
   init = f'hf:{directory}'
-  train.train_and_evaluate(c, str(workdir), devices=devices[:1], init_from=init, stop_after=0)
-  out = train.train_and_evaluate(c, str(workdir), devices=devices[:1], init_from=init)
+  train_and_evaluate(c, str(workdir), devices=devices[:1], init_from=init, stop_after=0)
+  out = train_and_evaluate(c, str(workdir), devices=devices[:1], init_from=init)
   assert np.isfinite(out['train/loss']) and out['train/loss_mtp_2'] > 0
   assert c.model.d_model == 64 and c.data.tokenizer == 'hf'  # the checkpoint's model
 
@@ -391,7 +391,7 @@ def test_bad_hf_directories_are_one_line_errors_before_compiling(kind, hf_models
   compiled = []
   monkeypatch.setattr(train_state, 'init_state', lambda *a, **k: compiled.append(1))
   with pytest.raises(ConfigError, match=words) as e:
-    train.train_and_evaluate(c, str(tmp_path / 'run'), devices=devices[:1], init_from=init)
+    train_and_evaluate(c, str(tmp_path / 'run'), devices=devices[:1], init_from=init)
   assert '\n' not in str(e.value) and not compiled
   assert not os.path.exists(tmp_path / 'run' / 'checkpoints')
 

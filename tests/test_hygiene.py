@@ -22,7 +22,7 @@ from mtp_jax import cli
 from mtp_jax.errors import ConfigError
 from mtp_jax.commands import train as train_cmd
 from mtp_jax.runtime import peak as peak_lib
-from mtp_jax.train import loop as train
+from mtp_jax.train import train_and_evaluate
 from mtp_jax.train import metrics as metrics_lib
 from mtp_jax.train import resilience
 
@@ -89,7 +89,7 @@ def test_poisoned_peak_cache_keeps_the_trainers_mfu_at_most_one(devices, peak_ca
   workdir.mkdir()
   (workdir / resilience.LOCK_FILE).write_text(
       json.dumps({'pid': 2 ** 22 + 12345, 'host': 'gone', 'since': '2026-01-01'}) + '\n')
-  train.train_and_evaluate(jsonl_config(write_jsonl(tmp_path / 'docs.jsonl'), steps=6),
+  train_and_evaluate(jsonl_config(write_jsonl(tmp_path / 'docs.jsonl'), steps=6),
                            str(workdir), devices=devices[:1])
   perf = [r for r in rows_of(workdir) if 'perf/mfu' in r]
   assert len(perf) == 3 and all(0 < r['perf/mfu'] <= 1 for r in perf)
@@ -181,7 +181,7 @@ def test_a_failure_during_training_leaves_no_workdir_until_a_checkpoint(devices,
   exactly what it held; once a checkpoint exists, all stays."""
   bad = write_jsonl(tmp_path / 'bad.jsonl', bad_line=3)
   workdir = tmp_path / 'new' / 'run'
-  expect_exit_2(lambda: train.train_and_evaluate(jsonl_config(bad, steps=40), str(workdir),
+  expect_exit_2(lambda: train_and_evaluate(jsonl_config(bad, steps=40), str(workdir),
                                                  devices=devices[:1]),
                 'bad.jsonl line 3 is not valid JSON')
   assert not (tmp_path / 'new').exists()
@@ -194,7 +194,7 @@ def test_a_failure_during_training_leaves_no_workdir_until_a_checkpoint(devices,
     return batch
 
   config = jsonl_config(docs, steps=40, log_every=5)
-  run = lambda wd: train.train_and_evaluate(config, str(wd), devices=devices[:1],  # noqa: E731
+  run = lambda wd: train_and_evaluate(config, str(wd), devices=devices[:1],  # noqa: E731
                                             batch_hook=fail_at_step_3)
   expect_exit_2(lambda: run(workdir), 'went bad at step 3')
   assert not (tmp_path / 'new').exists()
@@ -216,7 +216,7 @@ def test_an_empty_data_directory_and_a_bad_config_key_leave_no_workdir(devices, 
   (tmp_path / 'empty').mkdir()
   workdir = tmp_path / 'run'
   config = jsonl_config(tmp_path / 'empty')
-  line = expect_exit_2(lambda: train.train_and_evaluate(config, str(workdir),
+  line = expect_exit_2(lambda: train_and_evaluate(config, str(workdir),
                                                         devices=devices[:1]),
                        'contains no .jsonl files', 'point data.path at')
   assert not workdir.exists(), line

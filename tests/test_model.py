@@ -7,7 +7,7 @@ from flax import nnx
 
 import numpy_reference as ref
 from helpers import randomize, tiny_model_config
-from mtp_jax.model.mtp import MTPModel, ModelArgs, count_params
+from mtp_jax.model import MTPModel, ModelArgs, count_params
 from mtp_jax.data import tokenizers
 
 

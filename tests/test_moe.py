@@ -19,7 +19,7 @@ from mtp_jax.model import moe_exchange
 from jax.sharding import PartitionSpec as P
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps as steps_lib
-from mtp_jax.model.mtp import MTPModel, ModelArgs
+from mtp_jax.model import MTPModel, ModelArgs
 
 TOKENS = np.array([[5, 9, 1, 33, 2, 7, 60, 4, 11, 12, 3, 8, 21, 22, 0, 0],
                    [3, 3, 40, 41, 42, 6, 7, 8, 50, 1, 2, 9, 9, 9, 10, 63]])

@@ -97,7 +97,7 @@ def test_two_processes_equal_one_process_of_eight_devices(devices, stdlib_data_d
   assert 'Resumed from' in second[0][2] and 'tok/s' in second[0][2]
   assert 'tok/s' not in second[1][2]  # only process 0 reports
 
-  from mtp_jax.train import loop as train
+  from mtp_jax.train import train_and_evaluate
   from mtp_jax.data import pipeline
   make_train_iter, make_eval_batches = pipeline.make_train_iter, pipeline.make_eval_batches
 
@@ -116,7 +116,7 @@ def test_two_processes_equal_one_process_of_eight_devices(devices, stdlib_data_d
   single = str(tmp_path / 'single')
   config = job_config(stdlib_data_dir)
   config.train.progress = False
-  train.train_and_evaluate(config, single, devices=devices)
+  train_and_evaluate(config, single, devices=devices)
 
   got, want = _rows(multi), _rows(single)
   loss = lambda rows: {r['step']: r['train/loss'] for r in rows if 'train/loss' in r}

@@ -16,8 +16,8 @@ from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib, errors
 from mtp_jax.checkpoint import store as ckpt_store
-from mtp_jax.train import loop as train
-from mtp_jax.train import resilience
+from mtp_jax.train import train_and_evaluate
+from mtp_jax.train import resilience, steps
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import pipeline
 
@@ -174,12 +174,12 @@ def test_checkpoints_at_a_url_pass_to_orbax_untouched(devices, stdlib_data_dir, 
   config.train.eval_batches, config.train.progress = 1, False
   config.train.checkpoint_dir = 'mtptest://bucket/run'
   workdir = tmp_path / 'work'
-  train.train_and_evaluate(config, str(workdir), devices=devices[:1], stop_after=2)
+  train_and_evaluate(config, str(workdir), devices=devices[:1], stop_after=2)
   assert seen == ['mtptest://bucket/run']
   assert sorted(os.listdir(tmp_path / 'store' / 'bucket' / 'run')) == ['2']
   assert not (workdir / 'checkpoints').exists()
   assert {'config.json', 'metrics.jsonl', 'train.lock'} <= set(os.listdir(workdir))
-  train.train_and_evaluate(config, str(workdir), devices=devices[:1])  # resumes at step 2
+  train_and_evaluate(config, str(workdir), devices=devices[:1])  # resumes at step 2
   rows = [json.loads(line) for line in open(workdir / 'metrics.jsonl')]
   assert [r['step'] for r in rows if 'train/loss' in r][-1] == 4
   loaded, step = ckpt_lib.load_workdir(str(workdir))
@@ -201,21 +201,21 @@ def test_sigterm_while_starting_is_one_line_and_leaves_nothing(devices, stdlib_d
   """SIGTERM during set-up (here: as the model is built and compiled), before the loop's
   preemption guard exists: StartupInterrupted (exit 143, one line), the new workdir removed,
   and SIGTERM's handler given back."""
-  setup = train.steps.setup
+  setup = steps.setup
 
   def setup_then_sigterm(*args, **kwargs):
     out = setup(*args, **kwargs)
     os.kill(os.getpid(), signal.SIGTERM)
     return out
 
-  monkeypatch.setattr(train.steps, 'setup', setup_then_sigterm)
+  monkeypatch.setattr(steps, 'setup', setup_then_sigterm)
   config = load_config('tiny')
   config.data.data_dir = stdlib_data_dir
   config.data.seq_len, config.data.batch_size = 32, 2
   config.train.steps, config.train.progress = 2, False
   before = signal.getsignal(signal.SIGTERM)
   with pytest.raises(resilience.StartupInterrupted) as e:
-    train.train_and_evaluate(config, str(tmp_path / 'new'), devices=devices[:1])
+    train_and_evaluate(config, str(tmp_path / 'new'), devices=devices[:1])
   assert errors.exit_code_of(e.value) == 143
   assert errors.one_line(e.value).startswith('SIGTERM received while the run was starting')
   assert not (tmp_path / 'new').exists()

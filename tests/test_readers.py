@@ -24,7 +24,7 @@ from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
 from mtp_jax.train import resilience
-from mtp_jax.train import loop as train
+from mtp_jax.train import train_and_evaluate
 from mtp_jax import train_state
 from mtp_jax.model.mtp import shift_left
 
@@ -188,7 +188,7 @@ def test_init_from_reads_without_harm(run_copy, stdlib_data_dir, tmp_path, devic
   config.train.progress = False
   config.model.mtp.depth = 1
   workdir = tmp_path / 'fresh'
-  train.train_and_evaluate(config, str(workdir), devices=devices[:1], stop_after=0,
+  train_and_evaluate(config, str(workdir), devices=devices[:1], stop_after=0,
                            init_from=str(run_copy))
   warnings = [l for l in capfd.readouterr().err.splitlines() if 'checkpoint 40' in l]
   assert len(warnings) == 1 and 'using step 20 instead' in warnings[0], warnings
@@ -208,7 +208,7 @@ def test_a_second_trainer_is_refused(stdlib_data_dir, tmp_path, devices):
   holder = resilience.WorkdirLock(str(workdir)).acquire()
   try:
     with pytest.raises(resilience.WorkdirError) as e:
-      train.train_and_evaluate(config, str(workdir), devices=devices[:1])
+      train_and_evaluate(config, str(workdir), devices=devices[:1])
   finally:
     holder.release()
   line = cli.one_line(e.value)
@@ -257,13 +257,13 @@ def test_failed_validation_leaves_no_new_workdir(stdlib_data_dir, tmp_path, devi
   config.model.mtp.freeze_trunk = True
   workdir = tmp_path / 'runs' / 'new'
   with pytest.raises(Exception) as e:
-    train.train_and_evaluate(config, str(workdir), devices=devices[:1])
+    train_and_evaluate(config, str(workdir), devices=devices[:1])
   assert 'freeze_trunk' in str(e.value)
   assert os.listdir(tmp_path) == []  # neither runs/ nor runs/new/ (nor checkpoints/)
   existing = tmp_path / 'mine'
   existing.mkdir()
   with pytest.raises(Exception):
-    train.train_and_evaluate(config, str(existing), devices=devices[:1])
+    train_and_evaluate(config, str(existing), devices=devices[:1])
   assert existing.is_dir()  # a workdir that existed stays
 
 

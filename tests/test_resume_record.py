@@ -13,7 +13,7 @@ from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
 from mtp_jax.errors import ConfigError
-from mtp_jax.train import loop as train
+from mtp_jax.train import train_and_evaluate
 
 
 def files_config(path, steps=2):
@@ -39,7 +39,7 @@ def trained(devices, tmp_path_factory):
   root = tmp_path_factory.mktemp('record')
   a, b = _write_corpus(root / 'a', 0), _write_corpus(root / 'b', 1)
   workdir = root / 'run'
-  train.train_and_evaluate(files_config(a), str(workdir), devices=devices[:1])
+  train_and_evaluate(files_config(a), str(workdir), devices=devices[:1])
   return workdir, a, b
 
 
@@ -110,7 +110,7 @@ def test_another_data_path_is_refused_and_the_record_kept(trained, devices):
     c = files_config(a)
     c.data[field] = value
     with pytest.raises(ConfigError, match=f'data.{field}: checkpoint'):
-      train.train_and_evaluate(c, str(workdir), devices=devices[:1])
+      train_and_evaluate(c, str(workdir), devices=devices[:1])
     assert _record(workdir) == before
 
 
@@ -137,7 +137,7 @@ def test_allowed_change_at_the_final_step_keeps_the_record(trained, devices, cap
   before = _record(workdir)
   c = files_config(a)
   c.train.log_every, c.train.eval_every = 5, 5
-  train.train_and_evaluate(c, str(workdir), devices=devices[:1])
+  train_and_evaluate(c, str(workdir), devices=devices[:1])
   err = capfd.readouterr().err
   assert 'Nothing to do' in err
   assert _record(workdir) == before  # nothing trained, nothing rewritten
@@ -152,7 +152,7 @@ def test_new_data_continues_the_model_on_other_data(trained, devices, tmp_path):
   copy = tmp_path / 'run'
   subprocess.run(['cp', '-a', str(workdir), str(copy)], check=True)
   c = files_config(b, steps=3)
-  train.train_and_evaluate(c, str(copy), devices=devices[:1], new_data=True)
+  train_and_evaluate(c, str(copy), devices=devices[:1], new_data=True)
   saved = json.loads((copy / 'config.json').read_text())
   assert saved['data']['path'] == str(b) and saved['train']['steps'] == 3
   reader = ckpt_lib.CheckpointReader(str(copy / 'checkpoints'))

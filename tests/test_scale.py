@@ -18,7 +18,7 @@ from mtp_jax.train import flops
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.runtime import sharding
 from mtp_jax.train import loss as loss_lib
-from mtp_jax.model.mtp import MTPModel, ModelArgs, count_params
+from mtp_jax.model import MTPModel, ModelArgs, count_params
 
 CONFIGS = sorted(os.path.splitext(os.path.basename(p))[0]
                  for p in glob.glob(os.path.join(REPO, 'configs', '*.py')))

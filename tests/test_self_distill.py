@@ -11,8 +11,8 @@ import pytest
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax.commands import self_distill as self_distill_command
-from mtp_jax.decode import decoder as decode
-from mtp_jax.train import loop as train
+from mtp_jax.decode import Decoder
+from mtp_jax.train import train_and_evaluate
 from mtp_jax import train_state
 from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
 
@@ -53,11 +53,11 @@ def test_self_distill_writes_the_decoders_own_samples(distilled, capsys):
     np.testing.assert_array_equal(r['tokens'][:8], doc[r['start']:r['start'] + 8])
     assert 0 < len(r['tokens']) - 8 <= 12 and tokenizers.EOS_ID not in r['tokens'][8:]
 
-  # The same prompts through decode.Decoder (autoregressive: --num_drafts 0): batch j of 4
+  # The same prompts through Decoder (autoregressive: --num_drafts 0): batch j of 4
   # sampled with seed 3 + j, the last one filled up with its first prompt; a row that
   # stopped at eos is stored without it.
   model, _ = train_state.restore_model_at(config, str(workdir), step)
-  decoder = decode.Decoder(model)
+  decoder = Decoder(model)
   prompts = [r['tokens'][:8] for r in records]
   for j, batch in enumerate([prompts[:4], prompts[4:] + prompts[4:5]]):
     got = decoder.generate(batch, 12, num_drafts=0, temperature=1.0, seed=3 + j,
@@ -103,7 +103,7 @@ def test_frozen_mtp_trains_on_self_distilled_data(distilled, devices, tmp_path, 
   config.train.eval_batches = 1
   config.train.eval_decode_prompts = 0
   config.train.progress = False
-  metrics = train.train_and_evaluate(config, str(tmp_path / 'run'), devices=devices[:1],
+  metrics = train_and_evaluate(config, str(tmp_path / 'run'), devices=devices[:1],
                                      init_from=str(workdir))
   assert np.isfinite(metrics['train/loss']) and metrics['train/loss_mtp_1'] > 0
 

@@ -7,7 +7,7 @@ run in one pytest process.
 import numpy as np
 import pytest
 
-from mtp_jax.decode import decoder as decode
+from mtp_jax.decode import DecodeResult, Decoder
 from mtp_jax.decode import generate
 from helpers import MAX_NEW, byte_ids, word_prompts
 
@@ -27,7 +27,7 @@ def blocks(src):
   return out
 
 
-def check_sources(r: decode.DecodeResult, sources, eos=None):
+def check_sources(r: DecodeResult, sources, eos=None):
   """Sources agree with the tokens, the recorded drafts and every loop counter."""
   d = r.num_drafts
   assert len(sources) == len(r.tokens)
@@ -67,7 +67,7 @@ def check_sources(r: decode.DecodeResult, sources, eos=None):
 def test_sources_greedy_eos_and_max_new_inside_blocks(trained):
   """Greedy on the word model: long accepted blocks, rows cut by EOS and by max_new."""
   model, _ = trained
-  dec = decode.Decoder(model)
+  dec = Decoder(model)
   prompts = word_prompts(8, seed=5)
   max_new = [1, 7, 9, 11, 13, 17, 19, MAX_NEW]  # row 0: the prefill's token only
   eos = byte_ids('j')[0]  # the last letter of 'hij': reached by accepted drafts
@@ -93,7 +93,7 @@ def test_sources_greedy_eos_and_max_new_inside_blocks(trained):
 
 def test_sources_sampling(trained):
   """Sampled drafts with the speculative rule: the same accounting holds."""
-  dec = decode.Decoder(trained[0])
+  dec = Decoder(trained[0])
   r = dec.generate(word_prompts(8, seed=6), MAX_NEW, temperature=1.0, eos_id=None, seed=3,
                    record=True)
   check_sources(r, generate.token_sources(r))
@@ -101,7 +101,7 @@ def test_sources_sampling(trained):
 
 
 def test_sources_need_record():
-  r = decode.DecodeResult(tokens=[np.array([5, 6])], num_drafts=1, steps=1,
+  r = DecodeResult(tokens=[np.array([5, 6])], num_drafts=1, steps=1,
                           verify_steps=np.array([1]), committed=np.array([1]),
                           accepted=np.array([[1, 0]]), dropped=np.array([0]))
   with pytest.raises(ValueError, match='record=True'):

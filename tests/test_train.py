@@ -12,7 +12,7 @@ import pytest
 from helpers import load_config, synthetic_batches
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax.train import steps as steps_lib
-from mtp_jax.train import loop as train
+from mtp_jax.train import train_and_evaluate
 from mtp_jax.config_lib import ConfigError
 
 
@@ -87,11 +87,11 @@ def test_checkpoint_resume_is_exact(devices, stdlib_data_dir, tmp_path):
   """6 steps straight == 3 steps, stop, resume, 3 steps: same losses, same parameters."""
   fields = dict(steps=6, log_every=1, eval_every=0, checkpoint_every=0, eval_batches=1)
   full, split = str(tmp_path / 'full'), str(tmp_path / 'split')
-  train.train_and_evaluate(tiny_config(stdlib_data_dir, **fields), full, devices=devices[:1])
-  train.train_and_evaluate(tiny_config(stdlib_data_dir, **fields), split, devices=devices[:1],
+  train_and_evaluate(tiny_config(stdlib_data_dir, **fields), full, devices=devices[:1])
+  train_and_evaluate(tiny_config(stdlib_data_dir, **fields), split, devices=devices[:1],
                            stop_after=3)
   assert ckpt_lib.CheckpointReader(os.path.join(split, 'checkpoints')).steps()[-1] == 3
-  train.train_and_evaluate(tiny_config(stdlib_data_dir, **fields), split, devices=devices[:1])
+  train_and_evaluate(tiny_config(stdlib_data_dir, **fields), split, devices=devices[:1])
   a, b = _train_losses(full), _train_losses(split)
   assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
   assert a == b  # same data order and same arithmetic, step by step
@@ -104,7 +104,7 @@ def test_checkpoint_resume_is_exact(devices, stdlib_data_dir, tmp_path):
   bad = tiny_config(stdlib_data_dir, **fields)
   bad.model.mtp.depth = 1
   with pytest.raises(ConfigError, match='incompatible config.*model.mtp.depth'):
-    train.train_and_evaluate(bad, full, devices=devices[:1])
+    train_and_evaluate(bad, full, devices=devices[:1])
 
 
 def test_train_script_smoke(tiny_run):

@@ -1,6 +1,6 @@
 """Decoding a trained workdir from text: prompt files, `decode_workdir`, token provenance.
 
-What scripts/decode.py and the notebooks need around `decode.Decoder`: prompts read
+What scripts/decode.py and the notebooks need around `Decoder`: prompts read
 from flags or a file, a checkpoint restored and decoded in one call, and which depth
 proposed each generated token.
 """
@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax.decode import decoder as decode
+from mtp_jax.decode.decoder import DecodeResult, Decoder, check_request
 from mtp_jax import train_state
 from mtp_jax.errors import RequestError
 from mtp_jax.data import tokenizers
@@ -67,7 +67,7 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
     raise RequestError(f'--batch_size must be > 0, got {batch_size}')
   if max_len < 0 or num_drafts < 0:
     raise RequestError('--max_len and --num_drafts must be >= 0')
-  decode.check_request([[0]], max_new_tokens, temperature, top_k, top_p)
+  check_request([[0]], max_new_tokens, temperature, top_k, top_p)
   config, step = ckpt_lib.load_workdir(workdir)
   depth = int(config.model.mtp.depth)
   if mode != 'ar' and depth == 0:
@@ -79,11 +79,11 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   tokenizer = tokenizers.get_tokenizer(config.data)
   ids = [list(tokenizer.encode(p)) for p in prompts]
   max_len = max_len or int(config.data.seq_len)
-  decode.check_request(ids, max_new_tokens, temperature, top_k, top_p,
+  check_request(ids, max_new_tokens, temperature, top_k, top_p,
                 vocab_size=config.model.vocab_size, max_len=max_len)
 
   model, step = train_state.restore_model_at(config, workdir, step, fallback=True)
-  decoder = decode.Decoder(model)
+  decoder = Decoder(model)
   modes = ['ar', 'spec'] if mode == 'compare' else [mode]
   drafts = {'ar': 0, 'spec': num_drafts or depth}
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id,
@@ -111,7 +111,7 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
 
 
 # -- provenance of generated tokens ----------------------------------------------------------
-def token_sources(result: decode.DecodeResult) -> list[np.ndarray]:
+def token_sources(result: DecodeResult) -> list[np.ndarray]:
   """Per row, per generated token: 0 = the main model's own token, k = accepted draft of depth k.
 
   The prefill's token and each verify step's bonus are 0; a verify step that accepted a

@@ -29,7 +29,7 @@ from mtp_jax.interop import layouts
 from mtp_jax.interop.safetensors_io import SHARD_BYTES, InteropError, write_dir
 from mtp_jax.model import moe
 from mtp_jax import train_state
-from mtp_jax.model.mtp import MTPModel, ModelArgs
+from mtp_jax.model import MTPModel, ModelArgs
 
 LAYOUTS = layouts.LAYOUTS
 # A Hugging Face trunk's tokenizer files, copied when present.

@@ -3,7 +3,7 @@
 MTP drafts are accepted when they match what the main model would emit, so FastMTP trains
 the MTP modules on text the model itself generated rather than on the corpus. Here:
 prompts are windows of documents of a corpus split (seeded), continuations are sampled
-from a trained workdir with this project's decoder (decode.Decoder, batched), and each
+from a trained workdir with this project's decoder (Decoder, batched), and each
 prompt + continuation is written as one record of `<out>/data.jsonl`:
 
   {"tokens": [ids of prompt + continuation], "prompt_len": P, "text": "...", "doc": i, "start": s}
@@ -25,7 +25,7 @@ import numpy as np
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
-from mtp_jax.decode import decoder as decode
+from mtp_jax.decode import Decoder, check_request
 from mtp_jax import train_state
 from mtp_jax.errors import RequestError
 from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
@@ -59,7 +59,7 @@ class Settings:
       raise RequestError(f'--prompt_len ({self.prompt_len}) + --max_new_tokens '
                          f'({self.max_new_tokens}) exceeds the trunk\'s training sequence '
                          f'length data.seq_len ({seq_len})')
-    decode.check_request([[0]], self.max_new_tokens, self.temperature, self.top_k, self.top_p)
+    check_request([[0]], self.max_new_tokens, self.temperature, self.top_k, self.top_p)
 
 
 def override_data(config, overrides: Sequence[str]) -> None:
@@ -110,7 +110,7 @@ def draw_prompts(config, tokenizer, n: int, length: int, split: str,
   return out
 
 
-def sample(decoder: decode.Decoder, prompts: Sequence[Sequence[int]], s: Settings,
+def sample(decoder: Decoder, prompts: Sequence[Sequence[int]], s: Settings,
            eos_id: int) -> list[np.ndarray]:
   """Continuations of the prompts, batch j of s.batch_size decoded with seed s.seed + j.
 
@@ -155,7 +155,7 @@ def self_distill(workdir: str, out_dir: str, settings: Settings,
   drawn = draw_prompts(config, tokenizer, settings.num_prompts, settings.prompt_len, split,
                        settings.seed)
   model, step = train_state.restore_model_at(config, workdir, step, fallback=True)
-  decoder = decode.Decoder(model)
+  decoder = Decoder(model)
   notify(f'self_distill: {len(drawn)} prompts of {settings.prompt_len} tokens from split '
          f'{split!r}, {settings.max_new_tokens} new tokens each, temperature '
          f'{settings.temperature}, step {step} of {workdir}')

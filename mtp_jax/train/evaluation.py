@@ -23,7 +23,7 @@ from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
-from mtp_jax.decode import decoder as decode
+from mtp_jax.decode import Decoder
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.data import checks as data_checks
 from mtp_jax.runtime import sharding
@@ -147,7 +147,7 @@ def _identity(tree):
   return tree
 
 
-def local_decoder(graphdef, state, mesh) -> decode.Decoder:
+def local_decoder(graphdef, state, mesh) -> Decoder:
   """A Decoder of a train state's model, each parameter whole on this process's first device.
 
   With several processes a parameter is sharded over devices this process cannot
@@ -158,10 +158,10 @@ def local_decoder(graphdef, state, mesh) -> decode.Decoder:
   if not all(x.is_fully_addressable for x in jax.tree.leaves(params)):
     params = jax.jit(_identity, out_shardings=sharding.replicated(mesh))(params)
     params = jax.tree.map(lambda x: x.addressable_data(0), params)
-  return decode.Decoder(nnx.merge(gdef, params))
+  return Decoder(nnx.merge(gdef, params))
 
 
-def decode_metrics(decoder: decode.Decoder, prompts: Sequence[Sequence[int]],
+def decode_metrics(decoder: Decoder, prompts: Sequence[Sequence[int]],
                    max_new_tokens: int, *, batch_size: int = 0, compare: bool = False) -> dict:
   """eval/decode_... figures of greedy speculative decoding with every MTP depth.
 

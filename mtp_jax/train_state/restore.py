@@ -5,7 +5,7 @@ import jax
 from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax.model.mtp import MTPModel
+from mtp_jax.model import MTPModel
 from mtp_jax.train_state.state import create_model_and_optimizer
 
 

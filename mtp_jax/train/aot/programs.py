@@ -29,7 +29,7 @@ from mtp_jax.decode import decoder as decoder_lib
 from mtp_jax.decode.sampling import Sampling
 from mtp_jax.errors import RequestError
 from mtp_jax import train_state
-from mtp_jax.model.mtp import MTPModel, ModelArgs
+from mtp_jax.model import MTPModel, ModelArgs
 from mtp_jax.runtime import sharding
 from mtp_jax.train import steps
 import mtp_jax.train.aot.figures as figures
