@@ -10,9 +10,9 @@
 Nothing here reads or writes checkpoints (mtp_jax.checkpoint) or builds an optimizer
 (mtp_jax.train_state).
 """
-import warnings
+import warnings as _warnings
 
-from mtp_jax.data import tokenizers
+from mtp_jax.data import tokenizers as _tokenizers
 from mtp_jax.model.mtp import (MTPModel, ModelArgs, ParallelHead, SequentialMTP, SharedHead,
                                count_params)
 
@@ -24,8 +24,8 @@ def __getattr__(name: str):
   # The flat layout's mtp_jax.model.resolve_vocab_size returned the int; the function of
   # that name in mtp_jax.data now fills config.model.vocab_size and returns the config.
   if name == 'resolve_vocab_size':
-    warnings.warn('mtp_jax.model.resolve_vocab_size moved to mtp_jax.data.model_vocab_size '
-                  '(the int); mtp_jax.data.resolve_vocab_size now sets config.model.vocab_size '
-                  'and returns the config', DeprecationWarning, stacklevel=2)
-    return tokenizers.model_vocab_size
+    _warnings.warn('mtp_jax.model.resolve_vocab_size moved to mtp_jax.data.model_vocab_size '
+                   '(the int); mtp_jax.data.resolve_vocab_size now sets config.model.vocab_size '
+                   'and returns the config', DeprecationWarning, stacklevel=2)
+    return _tokenizers.model_vocab_size
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
