@@ -249,6 +249,22 @@ def resolved_mesh_shape(shape, num_devices: int) -> tuple[int, ...]:
   return shape
 
 
+# The kind names a config may use; mtp_jax/model/mtp.py's tables of the same names hold
+# the classes (tests/test_config.py holds the two equal). The model imports this module,
+# never the reverse, so the names are written here too.
+ATTENTION_KINDS = ('gqa', 'mla')  # model.attention, model.mtp.block_attention
+MLP_KINDS = ('dense', 'moe')  # model.mlp, model.mtp.block_mlp
+MTP_KINDS = ('sequential', 'parallel')  # model.mtp.kind
+MOE_DISPATCHES = ('auto', 'ragged', 'blocks', 'gmm')  # model.moe.dispatch (moe.DISPATCHES)
+MOE_EXCHANGES = ('all_to_all', 'all_gather')  # model.moe.exchange (moe_exchange.EXCHANGES)
+
+
+def _either(names) -> str:
+  """The accepted values in a message: 'a', 'b' or 'c'."""
+  quoted = [repr(n) for n in names]
+  return quoted[0] if len(quoted) == 1 else ', '.join(quoted[:-1]) + ' or ' + quoted[-1]
+
+
 def _require(cond: bool, msg: str):
   if not cond:
     raise ConfigError(msg)
@@ -405,8 +421,8 @@ def validate(config, num_devices: int | None = None) -> None:
   _require(mtp.depth + 1 < d.seq_len,
            f'model.mtp.depth ({mtp.depth}) must be smaller than data.seq_len - 1 '
            f'({d.seq_len - 1}): depth k predicts t_(i+k+1) inside the sequence')
-  _require(mtp.kind in ('sequential', 'parallel'),
-           f"model.mtp.kind must be 'sequential' or 'parallel', got {mtp.kind!r}")
+  _require(mtp.kind in MTP_KINDS,
+           f'model.mtp.kind must be {_either(MTP_KINDS)}, got {mtp.kind!r}')
   _validate_mtp_schedules(config)
   for name in ('detach_trunk', 'stop_gradient', 'freeze_trunk'):
     _require(isinstance(mtp[name], bool),
@@ -640,12 +656,14 @@ def validate_data_source(d) -> None:
 def _validate_block_kinds(config) -> None:
   """model.attention / mlp / mla.* / moe.* and model.mtp.block_* (one-line errors)."""
   m, mtp = config.model, config.model.mtp
-  _require(m.attention in ('gqa', 'mla'), f"model.attention must be 'gqa' or 'mla', got {m.attention!r}")
-  _require(m.mlp in ('dense', 'moe'), f"model.mlp must be 'dense' or 'moe', got {m.mlp!r}")
-  _require(mtp.block_attention in ('', 'gqa', 'mla'),
-           f"model.mtp.block_attention must be '', 'gqa' or 'mla', got {mtp.block_attention!r}")
-  _require(mtp.block_mlp in ('', 'dense', 'moe'),
-           f"model.mtp.block_mlp must be '', 'dense' or 'moe', got {mtp.block_mlp!r}")
+  _require(m.attention in ATTENTION_KINDS,
+           f'model.attention must be {_either(ATTENTION_KINDS)}, got {m.attention!r}')
+  _require(m.mlp in MLP_KINDS, f'model.mlp must be {_either(MLP_KINDS)}, got {m.mlp!r}')
+  _require(mtp.block_attention in ('',) + ATTENTION_KINDS,
+           f"model.mtp.block_attention must be {_either(('',) + ATTENTION_KINDS)}, "
+           f'got {mtp.block_attention!r}')
+  _require(mtp.block_mlp in ('',) + MLP_KINDS,
+           f"model.mtp.block_mlp must be {_either(('',) + MLP_KINDS)}, got {mtp.block_mlp!r}")
   uses_mla = 'mla' in (m.attention, mtp.block_attention)
   uses_moe = 'moe' in (m.mlp, mtp.block_mlp)
   if uses_mla:
@@ -669,12 +687,10 @@ def _validate_block_kinds(config) -> None:
     _require(mo.first_k_dense <= m.n_layers,
              f'model.moe.first_k_dense ({mo.first_k_dense}) must be <= model.n_layers ({m.n_layers})')
     g, tg = mo.get('n_group', 1), mo.get('topk_group', 1)
-    _require(mo.get('dispatch', 'auto') in ('auto', 'ragged', 'blocks', 'gmm'),
-             "model.moe.dispatch must be 'auto', 'ragged', 'blocks' or 'gmm', "
-             f"got {mo.get('dispatch')!r}")
-    _require(mo.get('exchange', 'all_to_all') in ('all_to_all', 'all_gather'),
-             "model.moe.exchange must be 'all_to_all' or 'all_gather', "
-             f"got {mo.get('exchange')!r}")
+    _require(mo.get('dispatch', 'auto') in MOE_DISPATCHES,
+             f"model.moe.dispatch must be {_either(MOE_DISPATCHES)}, got {mo.get('dispatch')!r}")
+    _require(mo.get('exchange', 'all_to_all') in MOE_EXCHANGES,
+             f"model.moe.exchange must be {_either(MOE_EXCHANGES)}, got {mo.get('exchange')!r}")
     cf = mo.get('capacity_factor', 0.0)
     _require(isinstance(cf, (int, float)) and not isinstance(cf, bool) and cf >= 0,
              f'model.moe.capacity_factor must be a number >= 0 (0: dropless), got {cf!r}')

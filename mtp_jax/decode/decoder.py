@@ -52,12 +52,11 @@ from flax import nnx
 from mtp_jax.model import decode_ops
 from mtp_jax.decode import sampling as sampling_lib
 from mtp_jax.errors import RequestError
-from mtp_jax.model.mtp import MTPModel
+from mtp_jax.model.mtp import MAX_DRAFTS, MTPModel
 from mtp_jax.decode.sampling import PAD_ID, Sampling, row_keys, take_rows
 
 Array = jax.Array
 MIN_BUCKET = 16
-MAX_DRAFTS = 8  # drafts past the model's depth reuse its last MTP module (recursive)
 WEIGHT_DTYPES = ('float32', 'bfloat16')
 _COMPILED = {}  # (graphdef, Program) -> compiled executable, shared by every Decoder
 
@@ -165,13 +164,13 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
   token's own probability would change the proposal law and bias speculative
   sampling (test_lossless_sampling[adaptive-length] rejects that at p ~ 1e-169).
   """
-  sequential = model.args.mtp_kind == 'sequential'
+  chained = model.args.mtp_head().chained
   width = h0_BxWxD.shape[1]
   rows = jnp.arange(h0_BxWxD.shape[0])
   drafts, probs, confs, new_hidden, new_caches = [], [], [], [], []
   h_prev = h0_BxWxD
   for k in range(1, prog.num_drafts + 1):
-    if sequential:  # window: positions start-k+1 .. start+W-1, query at n'-2
+    if chained:  # window: positions start-k+1 .. start+W-1, query at n'-2
       # h^{k-1} at start-k+1 is the stored one; the rest is depth k-1's output of this pass.
       h_in = h0_BxWxD if k == 1 else jnp.concatenate([hidden[k - 2][:, None], h_prev], 1)
       w, s, query = width + k - 1, start_B - (k - 1), a_B + k - 1
@@ -190,7 +189,7 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
       dist = (jax.nn.softmax(logits, -1) if prog.greedy
               else sampling_lib.adjusted_probs(logits, sampling))
       confs.append(jnp.max(dist, -1))
-    if sequential and k < prog.num_drafts:
+    if chained and k < prog.num_drafts:
       u_BxU = u_BxU.at[rows, a_B + k].set(d)
       new_hidden.append(take_rows(h_k, a_B))
     h_prev = h_k
@@ -251,7 +250,7 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
   dn = prog.num_drafts
   mtp_cache = model.mtp_caches(dn, b, prog.cache_len, prog.layout)
   hidden = tuple(jnp.zeros((b, model.args.d_model), model.args.dtype) for _ in range(dn - 1)
-                 if model.args.mtp_kind == 'sequential')
+                 if model.args.mtp_head().chained)
   # u = t_1..t_P (prompt[1:] then x), then room for drafts.
   u = jnp.concatenate([prompts_BxP[:, 1:], jnp.zeros((b, max(dn, 1)), jnp.int32)], 1)
   u = u.at[jnp.arange(b), prompt_len_B - 1].set(x)
@@ -427,10 +426,9 @@ class Decoder:
             f'num_drafts must be in [0, {depth}]: model.mtp.target_offsets '
             f'{self.args.mtp_target_offsets} let only the first {depth} depth(s) draft '
             '(offsets 2, 3, ...); a leap depth does not predict the next position')
-    # Sequential modules chain, so the last one can run again (recursive drafts).
-    limit = MAX_DRAFTS if depth and self.args.mtp_kind == 'sequential' else depth
-    if not 0 <= num_drafts <= max(limit, depth):
-      raise RequestError(f'num_drafts must be in [0, {max(limit, depth)}] (the model\'s '
+    limit = self.args.mtp_head().max_drafts(depth)
+    if not 0 <= num_drafts <= limit:
+      raise RequestError(f'num_drafts must be in [0, {limit}] (the model\'s '
                          f'model.mtp.depth {depth}; sequential modules recurse up to '
                          f'{MAX_DRAFTS}), got {num_drafts}')
     greedy = temperature == 0

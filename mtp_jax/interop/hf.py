@@ -186,7 +186,7 @@ def _checked_source(reader, cfg: dict, args: ModelArgs, where: str, all_depths: 
   layout = hf_config.LAYOUT_OF[family]
   ckpt_depth = fields['mtp.depth'] if layout != 'llama' else 0
   full = layouts.tensor_table(_full_args(args, ckpt_depth), layout, depths=ckpt_depth)
-  wanted = args.mtp_depth if args.mtp_kind == 'sequential' else 0
+  wanted = args.mtp_depth if args.mtp_head().hf_layer else 0
   depths = min(wanted, ckpt_depth) if not all_depths else ckpt_depth
   for k in range(1, depths + 1):
     pre = layouts.mtp_prefix(layout, args, k) + '.'

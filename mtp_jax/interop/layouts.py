@@ -100,7 +100,7 @@ def check_layout(args: ModelArgs, layout: str) -> None:
   """InteropError unless `layout` can hold this model (one line naming the field)."""
   if layout not in LAYOUTS:
     raise InteropError(f'--layout must be one of {", ".join(LAYOUTS)}, got {layout!r}')
-  if layout != 'llama' and args.mtp_depth and args.mtp_kind != 'sequential':
+  if layout != 'llama' and args.mtp_depth and not args.mtp_head().hf_layer:
     raise InteropError(f'the {layout} layout holds sequential MTP modules only, not '
                        f'model.mtp.kind={args.mtp_kind!r} (--layout llama writes the trunk)')
   if layout != 'llama' and args.mtp_depth and args.drafting_depths() < args.mtp_depth:

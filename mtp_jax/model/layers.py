@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +166,19 @@ class Attention(nnx.Module):
     # the custom-VJP core where its residuals are saved (remat block: see blocked_causal_attention)
     self.saved_core = getattr(cfg, 'remat', 'none') == 'block'
 
+  @staticmethod
+  def head_widths(cfg) -> tuple[int, int]:
+    """(query/key width, value width) of one head."""
+    return cfg.head_dim, cfg.head_dim
+
+  @staticmethod
+  def flops_per_token(cfg, keys: float) -> tuple[float, float]:
+    """Forward FLOPs per token (2 per multiply-add): (the q, k, v and o projections, the
+    scores q k^T and weighted values over `keys` keys on average per query)."""
+    d, n, kv, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    proj = 2 * d * n * h + 2 * 2 * d * kv * h + 2 * n * h * d
+    return float(proj), float(2 * 2 * n * h * keys)
+
   def rope(self, x_BxTxNxH, positions_BxT):
     """apply_rope with this layer's theta and scaling."""
     return apply_rope(x_BxTxNxH, positions_BxT, self.rope_theta, self.rope_scaling)
@@ -256,6 +270,11 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
 
+  @staticmethod
+  def flops_per_token(cfg) -> float:
+    """Forward FLOPs per token: the gate, up and down projections."""
+    return float(3 * 2 * cfg.d_model * cfg.mlp_dim)
+
   def __init__(self, cfg, rngs: nnx.Rngs):
     d, f, dt = cfg.d_model, cfg.mlp_dim, cfg.dtype
     init = nnx.initializers.lecun_normal()
@@ -294,15 +313,53 @@ class MLP(nnx.Module):
     return decode_dot(h_NxF, self.down_t[...]).reshape(b, t, d)
 
 
+class AttentionKind(Protocol):
+  """What Block and its callers need of an attention class (Attention, mla.MLAttention);
+  mtp.ATTENTION_KINDS names each by its config value (model.attention)."""
+
+  def __init__(self, cfg, rngs: nnx.Rngs): ...
+
+  def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache=None,
+               cache_index_B=None) -> tuple: ...
+
+  def empty_cache(self, batch: int, slots: int, layout: str) -> tuple: ...
+
+  def prepare_decode(self) -> None: ...
+
+  def decode(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache, cache_index_B) -> tuple: ...
+
+  @staticmethod
+  def head_widths(cfg) -> tuple[int, int]: ...
+
+  @staticmethod
+  def flops_per_token(cfg, keys: float) -> tuple[float, float]: ...
+
+
+class MLPKind(Protocol):
+  """What Block and its callers need of an MLP class (MLP, moe.MoE; mtp.MLP_KINDS)."""
+
+  def __init__(self, cfg, rngs: nnx.Rngs): ...
+
+  def __call__(self, x_BxTxD): ...
+
+  def prepare_decode(self) -> None: ...
+
+  def decode(self, x_BxTxD): ...
+
+  @staticmethod
+  def flops_per_token(cfg) -> float: ...
+
+
 class Block(nnx.Module):
   """Pre-norm decoder block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)).
 
-  attention_cls / mlp_cls: other classes of the same call signatures (mla.MLAttention,
-  moe.MoE), chosen per layer by model.block_classes; they bring their own decode path
-  (prepare_decode / decode) and, the attention, its own cache (empty_cache).
+  attention_cls / mlp_cls: classes of the AttentionKind / MLPKind protocols (mla.MLAttention,
+  moe.MoE), chosen per layer by mtp.block_classes; they bring their own decode path
+  (prepare_decode / decode), FLOP count and, the attention, its own cache (empty_cache).
   """
 
-  def __init__(self, cfg, rngs: nnx.Rngs, attention_cls=None, mlp_cls=None):
+  def __init__(self, cfg, rngs: nnx.Rngs, attention_cls: type[AttentionKind] | None = None,
+               mlp_cls: type[MLPKind] | None = None):
     self.input_layernorm = rms_norm(cfg.d_model, cfg, rngs)
     self.self_attn = (attention_cls or Attention)(cfg, rngs)
     self.post_attention_layernorm = rms_norm(cfg.d_model, cfg, rngs)

@@ -117,6 +117,22 @@ class MLAttention(nnx.Module):
     self.kernel_blocks = (getattr(cfg, 'attention_block_q', 512),
                           getattr(cfg, 'attention_block_kv', 512))
 
+  @staticmethod
+  def head_widths(cfg) -> tuple[int, int]:
+    """(query/key width dn + dr, value width dv) of one head."""
+    return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+
+  @staticmethod
+  def flops_per_token(cfg, keys: float) -> tuple[float, float]:
+    """Forward FLOPs per token (2 per multiply-add): (the q (latent or direct), kv_a, kv_b
+    and o projections, the scores over dn + dr and values over dv for `keys` keys on average
+    per query); the training path's, not the absorbed decode form's."""
+    d, n, qr, kvr = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    q = 2 * d * qr + 2 * qr * n * (dn + dr) if qr else 2 * d * n * (dn + dr)
+    kv = 2 * d * (kvr + dr) + 2 * kvr * n * (dn + dv)
+    return float(q + kv + 2 * n * dv * d), float(2 * n * (dn + dr) * keys + 2 * n * dv * keys)
+
   def _latent(self, kv_a_NxC: Array, positions_BxT: Array) -> Array:
     """[kv_a_layernorm(c_kv) ; RoPE(k_r)] per token, [B, T, kvr + dr]: what the cache holds."""
     _, _, kvr, _, dr, _ = self.dims

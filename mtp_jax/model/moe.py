@@ -428,6 +428,14 @@ class MoE(nnx.Module):
     self.capacity_factor = cfg.moe_capacity_factor
     self.dtype = cfg.dtype
 
+  @staticmethod
+  def flops_per_token(cfg) -> float:
+    """Forward FLOPs per token of the active experts only (the router, K routed and the
+    shared SwiGLUs): what a token costs, not the parameters it could reach."""
+    d, f = cfg.d_model, cfg.moe_intermediate_size
+    return float(2 * d * cfg.n_routed_experts
+                 + 3 * 2 * d * f * (cfg.num_experts_per_tok + cfg.n_shared_experts))
+
   def __call__(self, x_BxTxD: Array) -> Array:
     b, t, d = x_BxTxD.shape
     x_NxD = x_BxTxD.reshape(b * t, d)

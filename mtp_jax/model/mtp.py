@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +103,10 @@ class ModelArgs:
     """(1, o_1, ..., o_D): how far ahead each head predicts, the main head first."""
     return (1,) + (tuple(self.mtp_target_offsets) or tuple(range(2, self.mtp_depth + 2)))
 
+  def mtp_head(self) -> type:
+    """The class of the MTP modules (MTP_KINDS[mtp_kind]): what they read and can draft."""
+    return MTP_KINDS[self.mtp_kind]
+
   def drafting_depths(self) -> int:
     """How many leading depths can draft: those with o_k = k + 1. A leap depth (o_k > k + 1)
     predicts a token past the position the next draft fills, so the chain stops before it."""
@@ -147,8 +152,7 @@ def block_classes(args: ModelArgs, layer: int) -> tuple:
   if layer >= args.n_layers:
     attention = args.mtp_block_attention or attention
     mlp = args.mtp_block_mlp or mlp
-  return ({'gqa': layers.Attention, 'mla': mla.MLAttention}[attention],
-          {'dense': layers.MLP, 'moe': moe.MoE}[mlp])
+  return ATTENTION_KINDS[attention], MLP_KINDS[mlp]
 
 
 def shift_left(x_BxT: Array, k: int, fill=0) -> Array:
@@ -257,8 +261,26 @@ class SharedHead(nnx.Module):
     self.norm = layers.rms_norm(args.d_model, args, rngs)
 
 
+# Drafts past the model's depth reuse its last MTP module (recursive drafts), up to this many.
+MAX_DRAFTS = 8
+
+
 class SequentialMTP(nnx.Module):
   """One DeepSeek-V3 MTP module: enorm, hnorm, eh_proj, a block, shared_head.norm."""
+
+  chained: ClassVar[bool] = True  # depth k reads h^{k-1} and the token t_(i+k)
+  hf_layer: ClassVar[bool] = True  # DeepSeek-V3's MTP layer: the HF layouts hold it
+
+  @staticmethod
+  def max_drafts(depths: int) -> int:
+    """The drafts a model of `depths` drafting depths can make: the last module reads its
+    own output and runs again (recursive drafts), up to MAX_DRAFTS."""
+    return max(MAX_DRAFTS, depths) if depths else 0
+
+  @staticmethod
+  def flops_per_token(cfg) -> float:
+    """Forward FLOPs per token outside the block and OutHead: eh_proj, 2d -> d."""
+    return float(2 * (2 * cfg.d_model) * cfg.d_model)
 
   def __init__(self, args: ModelArgs, rngs: nnx.Rngs):
     d = args.d_model
@@ -283,6 +305,10 @@ class SequentialMTP(nnx.Module):
          else layers.project(x, self.eh_proj.kernel, self.eh_proj.dtype))
     return constrain(h.reshape(b, t, d), ('batch', 'length', 'act_embed'))
 
+  def block_input(self, h_prev_BxTxD: Array, tokens_BxT, embed, decode: bool = False) -> Array:
+    """The block's input: combine(h^{k-1}, embed(t_(i+k)))."""
+    return self.combine(h_prev_BxTxD, embed(tokens_BxT), decode)
+
   def prepare_decode(self, layout: str) -> None:
     """The decode layout (decode_ops.DecodeWeight): eh_proj as eh_t [d, 2d], the block's."""
     self.eh_t = decode_ops.DecodeWeight(decode_ops.decode_kernel(self.eh_proj.kernel))
@@ -293,12 +319,40 @@ class SequentialMTP(nnx.Module):
 class ParallelHead(nnx.Module):
   """An independent block on the trunk's h^0 (Gloeckle et al. 2024), no token input."""
 
+  chained: ClassVar[bool] = False  # every depth reads h^0 only
+  hf_layer: ClassVar[bool] = False
+
+  @staticmethod
+  def max_drafts(depths: int) -> int:
+    """One draft per drafting depth: a head never reads another's output."""
+    return depths
+
+  @staticmethod
+  def flops_per_token(cfg) -> float:
+    """No layers outside the block and OutHead."""
+    del cfg
+    return 0.0
+
   def __init__(self, args: ModelArgs, rngs: nnx.Rngs):
     self.block = layers.Block(args, rngs, *block_classes(args, args.n_layers))
     self.shared_head = SharedHead(args, rngs)
 
+  def block_input(self, h_prev_BxTxD: Array, tokens_BxT, embed, decode: bool = False) -> Array:
+    """The block's input: the trunk's h^0 itself (the caller passes h^0)."""
+    del tokens_BxT, embed, decode
+    return h_prev_BxTxD
+
   def prepare_decode(self, layout: str) -> None:
     self.block.prepare_decode(layout)
+
+
+# The kinds by their config names: model.attention / model.mtp.block_attention,
+# model.mlp / model.mtp.block_mlp, model.mtp.kind. config_lib validates the same names
+# (tests/test_config.py holds the two equal).
+ATTENTION_KINDS: dict[str, type[layers.AttentionKind]] = {
+    'gqa': layers.Attention, 'mla': mla.MLAttention}
+MLP_KINDS: dict[str, type[layers.MLPKind]] = {'dense': layers.MLP, 'moe': moe.MoE}
+MTP_KINDS: dict[str, type] = {'sequential': SequentialMTP, 'parallel': ParallelHead}
 
 
 class MTPModel(nnx.Module):
@@ -321,8 +375,8 @@ class MTPModel(nnx.Module):
             args.d_model, args.vocab_size, use_bias=False, dtype=args.dtype,
             kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ('embed', 'vocab')),
             rngs=rngs)
-      module = SequentialMTP if args.mtp_kind == 'sequential' else ParallelHead
-      self.mtp = nnx.List([module(args, rngs) for _ in range(args.mtp_depth)])
+      head = args.mtp_head()
+      self.mtp = nnx.List([head(args, rngs) for _ in range(args.mtp_depth)])
 
   # -- pieces, also used by the decoder ----------------------------------------------
   def embed_tokens(self, tokens_BxT: Array) -> Array:
@@ -357,10 +411,7 @@ class MTPModel(nnx.Module):
                cache_index_B=None):
     """h^k from h^{k-1} (sequential) or h^0 (parallel); tokens_BxT are t_{i+k} at i."""
     module = self.mtp[depth - 1]
-    if isinstance(module, SequentialMTP):
-      x = module.combine(h_prev_BxTxD, self.embed_tokens(tokens_BxT))
-    else:
-      x = h_prev_BxTxD
+    x = module.block_input(h_prev_BxTxD, tokens_BxT, self.embed_tokens)
     return module.block(x, positions_BxT, mask, cache, cache_index_B)
 
   # -- the decode path: few-token steps through KV caches (layers.Block.decode) --------
@@ -421,8 +472,7 @@ class MTPModel(nnx.Module):
                       cache_index_B, layout):
     """mtp_step through a cache (depth may exceed D: see mtp_module); (h^k, new cache)."""
     module = self.mtp_module(depth)
-    x = (module.combine(h_prev_BxTxD, self.decode_embed(tokens_BxT), decode=True)
-         if isinstance(module, SequentialMTP) else h_prev_BxTxD)
+    x = module.block_input(h_prev_BxTxD, tokens_BxT, self.decode_embed, decode=True)
     return module.block.decode(x, positions_BxT, mask, cache, cache_index_B, layout)
 
   def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None,
@@ -446,14 +496,13 @@ class MTPModel(nnx.Module):
     if self.args.scan_layers and self.args.mtp_depth > 1:
       return hiddens + self._scan_depths(h, tokens_BxT, positions_BxT, mask)
     offsets = self.args.target_offsets()
+    chained = self.args.mtp_head().chained
     for k in range(1, self.args.mtp_depth + 1):
       module = self.mtp[k - 1]
-      if self.args.mtp_kind == 'sequential':
-        x = module.combine(h, self.mtp_embed(shift_left(tokens_BxT, offsets[k] - 1)))
-        h = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
-        hiddens.append(h)
-      else:
-        hiddens.append(run_blocks([module.block], h, positions_BxT, mask, self.args.remat))
+      x = module.block_input(h, shift_left(tokens_BxT, offsets[k] - 1), self.mtp_embed)
+      hk = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
+      hiddens.append(hk)
+      h = hk if chained else h
     return hiddens
 
   def _scan_depths(self, h0, tokens_BxT, positions_BxT, mask) -> list[Array]:
@@ -465,16 +514,16 @@ class MTPModel(nnx.Module):
     """
     graphdef, _ = nnx.split(self.mtp[0])
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in self.mtp])
-    sequential = self.args.mtp_kind == 'sequential'
+    chained = self.args.mtp_head().chained
     tokens_KxBxT = jnp.stack([shift_left(tokens_BxT, o - 1)
                               for o in self.args.target_offsets()[1:]])
 
     def body(h, xs):
       state, tokens = xs
       module = nnx.merge(graphdef, state)
-      x = module.combine(h, self.mtp_embed(tokens)) if sequential else h
+      x = module.block_input(h, tokens, self.mtp_embed)
       hk = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
-      return (hk if sequential else h), (hk, nnx.state(module, nnx.Intermediate))
+      return (hk if chained else h), (hk, nnx.state(module, nnx.Intermediate))
 
     _, (h_KxBxTxD, stats_K) = jax.lax.scan(body, h0, (stacked, tokens_KxBxT))
     for k, module in enumerate(self.mtp):  # the MoE statistics onto each depth (moe.collect)

@@ -20,8 +20,6 @@ import jax.numpy as jnp
 
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
-from mtp_jax.model import mla
-from mtp_jax.model import moe
 from mtp_jax.model.mtp import ModelArgs, block_classes
 from mtp_jax.runtime import peak as peak_lib
 
@@ -31,7 +29,7 @@ class FlopsPerToken:
   """Forward FLOPs per token by part; `train` = 3 x `forward`."""
   trunk_matmul: float  # L blocks: q, k, v, o projections and the SwiGLU MLP
   trunk_attention: float  # L blocks: scores (q k^T) and weighted values
-  mtp_eh_proj: float  # D sequential depths: M_k, 2d -> d
+  mtp_eh_proj: float  # D depths: the head's own layers (sequential: M_k, 2d -> d)
   mtp_block: float  # D depths: their block's projections, MLP and attention
   vocab: float  # (D + 1) OutHead projections: the main head and one per depth
 
@@ -56,49 +54,21 @@ class FlopsPerToken:
             'forward': self.forward, 'train': self.train}
 
 
-def block_flops(d: int, n_heads: int, n_kv_heads: int, head_dim: int, mlp_dim: int,
-                seq_len: int, causal: bool = True) -> tuple[float, float]:
-  """(projection + MLP, attention) forward FLOPs per token of one decoder block."""
-  q = 2 * d * n_heads * head_dim
-  kv = 2 * 2 * d * n_kv_heads * head_dim
-  o = 2 * n_heads * head_dim * d
-  mlp = 3 * 2 * d * mlp_dim  # gate, up, down
-  keys = (seq_len + 1) / 2 if causal else seq_len
-  attn = 2 * 2 * n_heads * head_dim * keys  # q k^T and p v, per query head
-  return float(q + kv + o + mlp), float(attn)
-
-
 def layer_flops(args, layer: int, seq_len: int, causal: bool = True) -> tuple[float, float]:
-  """block_flops of trunk layer `layer` (n_layers: the MTP block) by its kinds.
-
-  MLA: the q (latent or direct), kv_a, kv_b and o projections, scores over dn + dr and
-  values over dv. MoE: only the active experts (router, K routed + the shared SwiGLUs),
-  the FLOPs a token actually costs, not the parameters it could reach.
-  """
+  """(projections + MLP, attention) forward FLOPs per token of trunk layer `layer`
+  (n_layers: the MTP block), each kind's own count (its class's flops_per_token): MoE
+  counts only the active experts, the FLOPs a token actually costs."""
   attn_cls, mlp_cls = block_classes(args, layer)
-  d, n = args.d_model, args.n_heads
-  proj, attn = block_flops(d, n, args.n_kv_heads, args.head_dim, args.mlp_dim, seq_len, causal)
   keys = (seq_len + 1) / 2 if causal else seq_len
-  if attn_cls is mla.MLAttention:
-    qr, kvr = args.q_lora_rank, args.kv_lora_rank
-    dn, dr, dv = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
-    q = 2 * d * qr + 2 * qr * n * (dn + dr) if qr else 2 * d * n * (dn + dr)
-    kv = 2 * d * (kvr + dr) + 2 * kvr * n * (dn + dv)
-    proj = proj - 2 * d * n * args.head_dim * 2 - 2 * 2 * d * args.n_kv_heads * args.head_dim
-    proj += q + kv + 2 * n * dv * d
-    attn = 2 * n * (dn + dr) * keys + 2 * n * dv * keys
-  if mlp_cls is moe.MoE:
-    f = args.moe_intermediate_size
-    proj = proj - 3 * 2 * d * args.mlp_dim + 2 * d * args.n_routed_experts
-    proj += 3 * 2 * d * f * (args.num_experts_per_tok + args.n_shared_experts)
-  return float(proj), float(attn)
+  proj, attn = attn_cls.flops_per_token(args, keys)
+  return proj + mlp_cls.flops_per_token(args), attn
 
 
 def flops_per_token(args, seq_len: int, causal: bool = True) -> FlopsPerToken:
   """FLOPs per token of `args` (a model.ModelArgs) on sequences of seq_len tokens."""
   per_layer = [layer_flops(args, i, seq_len, causal) for i in range(args.n_layers + 1)]
   depth = args.mtp_depth
-  eh = 2 * (2 * args.d_model) * args.d_model if args.mtp_kind == 'sequential' else 0
+  eh = args.mtp_head().flops_per_token(args)
   return FlopsPerToken(
       trunk_matmul=sum(p for p, _ in per_layer[:-1]),
       trunk_attention=sum(a for _, a in per_layer[:-1]),

@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-from mtp_jax.model import mla
 from mtp_jax.model.mtp import ModelArgs, block_classes
 from mtp_jax.train import flops as flops_lib
 import mtp_jax.train.aot.kernels as kernels_lib
@@ -85,10 +84,7 @@ def _attention_parts(args, t: int) -> list:
   parts = []
   for layer in list(range(args.n_layers)) + [args.n_layers] * args.mtp_depth:
     attn_cls, _ = block_classes(args, layer)
-    if attn_cls is mla.MLAttention:
-      d_qk, d_v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
-    else:
-      d_qk = d_v = args.head_dim
+    d_qk, d_v = attn_cls.head_widths(args)
     parts.append((flops_lib.layer_flops(args, layer, t, causal=False)[1], d_qk, d_v))
   return parts
 
