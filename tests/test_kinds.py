@@ -9,7 +9,7 @@ from flax import nnx
 from helpers import dsv3_model_config, tiny_model_config
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
-from mtp_jax.decode import decoder as decoder_lib
+from mtp_jax.decode import Decoder
 from mtp_jax.errors import RequestError
 from mtp_jax.model import layers
 from mtp_jax.model import moe
@@ -89,7 +89,7 @@ def test_a_head_kind_carries_its_facts(kind):
   # drafts: a chained head reruns its last module (recursive drafts), a parallel one cannot
   assert head.max_drafts(0) == 0
   assert head.max_drafts(2) == (mtp.MAX_DRAFTS if head.chained else 2)
-  decoder = decoder_lib.Decoder(model)
+  decoder = Decoder(model)
   decoder.program(1, 4, 4, num_drafts=head.max_drafts(2))
   with pytest.raises(RequestError, match='num_drafts must be in'):
     decoder.program(1, 4, 4, num_drafts=head.max_drafts(2) + 1)

@@ -1,7 +1,8 @@
 """The model: a decoder-only transformer trunk with multi-token-prediction (MTP) modules.
 
-- mtp.py: `ModelArgs` (the model's hyper-parameters from a config), `MTPModel`, and its MTP
-  heads (`SequentialMTP`, chained as in DeepSeek-V3, and `ParallelHead`).
+- mtp.py: `ModelArgs` (the model's hyper-parameters from a config), `MTPModel`, its MTP
+  heads (`SequentialMTP`, chained as in DeepSeek-V3, and `ParallelHead`), and the kinds by
+  their config names (`ATTENTION_KINDS`, `MLP_KINDS`, `MTP_KINDS`).
 - layers.py, attention.py, mla.py: norms, RoPE, feed-forward blocks, grouped-query and
   multi-head latent attention.
 - moe.py, moe_exchange.py: the mixture-of-experts block and its token exchange.
@@ -13,11 +14,11 @@ Nothing here reads or writes checkpoints (mtp_jax.checkpoint) or builds an optim
 import warnings as _warnings
 
 from mtp_jax.data import tokenizers as _tokenizers
-from mtp_jax.model.mtp import (MTPModel, ModelArgs, ParallelHead, SequentialMTP, SharedHead,
-                               count_params)
+from mtp_jax.model.mtp import (ATTENTION_KINDS, MAX_DRAFTS, MLP_KINDS, MTP_KINDS, MTPModel,
+                               ModelArgs, ParallelHead, SequentialMTP, SharedHead, count_params)
 
-__all__ = ['MTPModel', 'ModelArgs', 'ParallelHead', 'SequentialMTP', 'SharedHead',
-           'count_params']
+__all__ = ['ATTENTION_KINDS', 'MAX_DRAFTS', 'MLP_KINDS', 'MTP_KINDS', 'MTPModel', 'ModelArgs',
+           'ParallelHead', 'SequentialMTP', 'SharedHead', 'count_params']
 
 
 def __getattr__(name: str):
