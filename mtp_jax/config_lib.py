@@ -108,9 +108,9 @@ def base_config() -> ml_collections.ConfigDict:
   moe.balance_loss_weight = 1e-4  # alpha of the sequence-wise balance loss (0: off)
 
   mtp = m.mtp = ml_collections.ConfigDict()
-  mtp.depth = 1  # D, number of MTP depths (0: plain next-token model)
+  mtp.depth = 1  # M, number of MTP depths (0: plain next-token model)
   mtp.kind = 'sequential'  # sequential (DeepSeek-V3) | parallel (independent heads)
-  # lambda(step), w_k = lambda / D. lambda_schedule 'step': piecewise constant, lambda_values
+  # lambda(step), w_k = lambda / M. lambda_schedule 'step': piecewise constant, lambda_values
   # has one more entry than lambda_boundaries (the steps where it moves to the next value);
   # 'linear' / 'cosine': lambda_values[j] is the value at step lambda_boundaries[j] (as many
   # of each), interpolated between them (cosine: half a cosine wave), constant outside;
@@ -118,16 +118,16 @@ def base_config() -> ml_collections.ConfigDict:
   mtp.lambda_schedule = 'step'
   mtp.lambda_values = (0.3,)
   mtp.lambda_boundaries = ()
-  mtp.weights = ()  # explicit per-depth weights w_1..w_D, override lambda / D
+  mtp.weights = ()  # explicit per-depth weights w_1..w_M, override lambda / M
   # Depth curriculum (Aynetdinov & Akbik 2025), through the loss weights (shapes and the
-  # compiled step never change): k_max = D + 1 heads counting the main one, phase P steps;
-  # forward: depths 1..min(D, floor(s / P)) are active at step s (next-token only first,
-  # then one more depth per phase); reverse: depths 1..max(0, D - floor(s / P)) (all
+  # compiled step never change): k_max = M + 1 heads counting the main one, phase P steps;
+  # forward: depths 1..min(M, floor(s / P)) are active at step s (next-token only first,
+  # then one more depth per phase); reverse: depths 1..max(0, M - floor(s / P)) (all
   # first, the deepest switched off first). An inactive depth has weight 0 and its
   # parameters and Adam moments are not updated. none: every depth, every step.
   mtp.curriculum = 'none'
-  mtp.curriculum_phase_steps = 0  # P (0: train.steps / (D + 1), equal phases)
-  # Per-depth target offsets o_1..o_D: depth k at position i predicts t_(i+o_k) (leap
+  mtp.curriculum_phase_steps = 0  # P (0: train.steps / (M + 1), equal phases)
+  # Per-depth target offsets o_1..o_M: depth k at position i predicts t_(i+o_k) (leap
   # targets, L-MTP); () = the adjacent targets o_k = k + 1. A sequential depth reads
   # t_(i+o_k-1), the token before its target. Only depths 1..c with o_k = k + 1 can draft
   # (a leap depth cannot propose the next token): the decoder drafts with those.
@@ -548,7 +548,7 @@ def _validate_mtp_schedules(config) -> None:
   phase = optional(config, 'model.mtp.curriculum_phase_steps', 0)
   _require(isinstance(phase, int) and not isinstance(phase, bool) and phase >= 0,
            f'model.mtp.curriculum_phase_steps must be a non-negative integer (0: '
-           f'train.steps / (D + 1)), got {phase!r}')
+           f'train.steps / (M + 1)), got {phase!r}')
   _require(cur == 'none' or mtp.depth > 0,
            f'model.mtp.curriculum={cur!r} switches MTP depths on and off, but '
            'model.mtp.depth is 0')

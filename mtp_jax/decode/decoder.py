@@ -9,11 +9,11 @@ generated); the last one, x = c_{n-1}, is decided but not yet in the main KV cac
 KV slot s of every cache holds position s - off (off = number of drafts), so MTP
 windows may start before position 0; slots at negative positions are masked out.
 
-One iteration (D drafts d_1..d_D, made at the end of the previous one):
-  verify  the main model over [x, d_1..d_D] at positions n-1..n-1+D (one pass);
+One iteration (A drafts d_1..d_A, made at the end of the previous one):
+  verify  the main model over [x, d_1..d_A] at positions n-1..n-1+A (one pass);
   accept  a leading drafts (greedy: d_j == argmax; sampling: speculative rule) plus the
           bonus token, then cut at EOS / max_new_tokens: n' = n + a + 1 at most;
-  MTP     depth k runs ONE block call over positions n-k .. n-1+D (D+k of them): the
+  MTP     depth k runs ONE block call over positions n-k .. n-1+A (A+k of them): the
           catch-up of the positions that became true, then the free-running draft.
 Depth k at position p reads h^{k-1}_p and t_{p+k}. After the pass, depth k's cache is
 true (computed from committed tokens and verified hidden states only) for p <= n'-1-k;
@@ -75,7 +75,7 @@ class Program:
   batch: int
   prompt_len: int  # prompt bucket Pb: prompts are right-padded to it
   max_new: int  # bucket of max_new_tokens Nb: sizes the buffers and bounds the loop
-  num_drafts: int  # D used for drafting; 0 = plain autoregressive decoding
+  num_drafts: int  # A used for drafting; 0 = plain autoregressive decoding
   greedy: bool  # argmax everywhere; else sampling with the speculative rule
   record: bool = False  # keep the drafts of every iteration (tests)
   top_k: bool = False  # top-k filtering compiled in (its k is a traced value)
@@ -86,7 +86,7 @@ class Program:
 
   @property
   def verify_widths(self) -> tuple:
-    """Static verify-window widths: powers of two below D + 1, then D + 1; adaptive
+    """Static verify-window widths: powers of two below A + 1, then A + 1; adaptive
     iterations verify the narrowest one that holds every active row's proposals."""
     if not self.adaptive:
       return (self.num_drafts + 1,)
@@ -117,18 +117,18 @@ class DecodeState:
   main_cache: tuple  # per trunk layer, its block's cache in prog.layout (Block.empty_cache:
                     # GQA (k, v); MLA (latent [c_kv ; RoPE(k_r)],))
   mtp_cache: tuple  # per drafting depth, the same
-  hidden: tuple  # sequential: h^k at position n-1-k, k = 1..D-1, each [B, d]
-  drafts: Array  # [B, D] proposals for positions n..n+D-1
-  proposed: Array  # [B] how many leading drafts are proposed (adaptive; else D)
-  draft_probs: Array  # [B, D, V] q each draft was sampled from ([B, D, 0] when greedy)
+  hidden: tuple  # sequential: h^k at position n-1-k, k = 1..A-1, each [B, d]
+  drafts: Array  # [B, A] proposals for positions n..n+A-1
+  proposed: Array  # [B] how many leading drafts are proposed (adaptive; else A)
+  draft_probs: Array  # [B, A, V] q each draft was sampled from ([B, A, 0] when greedy)
   keys: Array  # [B] per-row PRNG keys
   step: Array  # loop iterations so far
   verify_steps: Array  # [B] iterations in which the row was active
   committed: Array  # [B] tokens committed by verify steps (the prefill's first one excluded)
-  accepted: Array  # [B, D+1] how many verify steps accepted exactly j drafts
+  accepted: Array  # [B, A+1] how many verify steps accepted exactly j drafts
   dropped: Array  # [B] accepted tokens discarded because the row stopped inside the block
   verify_rows: Array  # [B] positions verified (window widths summed over active iterations)
-  history_drafts: Array  # [Nb or 0, B, D] drafts verified at each iteration (record)
+  history_drafts: Array  # [Nb or 0, B, A] drafts verified at each iteration (record)
   history_length: Array  # [Nb or 0, B] n at that iteration, -1 when the row was done
 
 
@@ -157,7 +157,7 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
 
   h0_BxWxD: verified h^0 at positions start..start+W-1, true for the first a+1 of them;
   u_BxU: t_{start+1}, t_{start+2}, ...: a+1 committed tokens, then room for drafts.
-  Returns (drafts [B, D], q [B, D, V or 0], confidence [B, D], hidden, caches); the
+  Returns (drafts [B, A], q [B, A, V or 0], confidence [B, A], hidden, caches); the
   confidence at depth k is the largest probability of the distribution d_k is drawn
   from (greedy: the head's softmax), what an adaptive draft length stops on. It is a
   function of that distribution, not of the draw: a stop that looked at the drawn
@@ -202,13 +202,13 @@ def _mtp_pass(prog, model, h0_BxWxD, start_B, u_BxU, a_B, hidden, caches, sampli
           tuple(new_caches))
 
 
-def _proposed(conf_BxD, threshold):
+def _proposed(conf_BxA, threshold):
   """The adaptive draft length: drafts up to the first one below the threshold."""
-  return jnp.sum(jnp.cumprod((conf_BxD >= threshold).astype(jnp.int32), 1), 1)
+  return jnp.sum(jnp.cumprod((conf_BxA >= threshold).astype(jnp.int32), 1), 1)
 
 
 def _verify(prog, model, st: DecodeState, start_B):
-  """The main pass over [x, d_1..] and its logits, each padded to D + 1 positions.
+  """The main pass over [x, d_1..] and its logits, each padded to A + 1 positions.
 
   Adaptive programs verify the narrowest static width holding every active row's
   proposals (lax.switch over prog.verify_widths): the positions past it would be
@@ -347,11 +347,11 @@ class DecodeResult:
   steps: int  # loop iterations (the longest row's verify steps)
   verify_steps: np.ndarray  # [B]
   committed: np.ndarray  # [B] tokens committed by verify steps
-  accepted: np.ndarray  # [B, D+1] histogram of accepted drafts per verify step
+  accepted: np.ndarray  # [B, A+1] histogram of accepted drafts per verify step
   dropped: np.ndarray  # [B]
   verify_rows: np.ndarray | None = None  # [B] positions verified, summed over iterations
   seconds: float = 0.0  # wall time of the compiled call (compilation excluded)
-  history_drafts: np.ndarray | None = None  # record: [iterations, B, D]
+  history_drafts: np.ndarray | None = None  # record: [iterations, B, A]
   history_length: np.ndarray | None = None  # record: [iterations, B], -1 once done
 
   @property
@@ -418,18 +418,18 @@ class Decoder:
   def program(self, batch: int, prompt_len: int, max_new: int, *, num_drafts: int | None = None,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
               record: bool = False, draft_threshold: float = 0.0) -> Program:
-    depth = self.args.drafting_depths()
-    num_drafts = depth if num_drafts is None else num_drafts
-    if depth < self.args.mtp_depth:  # leap targets: only the adjacent prefix drafts
-      if not 0 <= num_drafts <= depth:
+    drafting = self.args.drafting_depths()
+    num_drafts = drafting if num_drafts is None else num_drafts
+    if drafting < self.args.mtp_depth:  # leap targets: only the adjacent prefix drafts
+      if not 0 <= num_drafts <= drafting:
         raise RequestError(
-            f'num_drafts must be in [0, {depth}]: model.mtp.target_offsets '
-            f'{self.args.mtp_target_offsets} let only the first {depth} depth(s) draft '
+            f'num_drafts must be in [0, {drafting}]: model.mtp.target_offsets '
+            f'{self.args.mtp_target_offsets} let only the first {drafting} depth(s) draft '
             '(offsets 2, 3, ...); a leap depth does not predict the next position')
-    limit = self.args.mtp_head().max_drafts(depth)
+    limit = self.args.mtp_head().max_drafts(drafting)
     if not 0 <= num_drafts <= limit:
       raise RequestError(f'num_drafts must be in [0, {limit}] (the model\'s '
-                         f'model.mtp.depth {depth}; sequential modules recurse up to '
+                         f'model.mtp.depth {drafting}; sequential modules recurse up to '
                          f'{MAX_DRAFTS}), got {num_drafts}')
     greedy = temperature == 0
     return Program(batch, bucket(prompt_len), bucket(max_new), num_drafts, greedy=greedy,

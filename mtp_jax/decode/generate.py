@@ -69,13 +69,13 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
     raise RequestError('--max_len and --num_drafts must be >= 0')
   check_request([[0]], max_new_tokens, temperature, top_k, top_p)
   config, step = ckpt_lib.load_workdir(workdir)
-  depth = int(config.model.mtp.depth)
-  if mode != 'ar' and depth == 0:
+  mtp_depth = int(config.model.mtp.depth)
+  if mode != 'ar' and mtp_depth == 0:
     raise RequestError(f'--mode {mode} needs MTP modules, but the checkpoint in {workdir!r} has '
                        'model.mtp.depth = 0 (use --mode ar)')
-  if num_drafts > depth:
+  if num_drafts > mtp_depth:
     raise RequestError(f'--num_drafts {num_drafts} exceeds the checkpoint\'s model.mtp.depth '
-                       f'({depth})')
+                       f'({mtp_depth})')
   tokenizer = tokenizers.get_tokenizer(config.data)
   ids = [list(tokenizer.encode(p)) for p in prompts]
   max_len = max_len or int(config.data.seq_len)
@@ -85,7 +85,7 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   model, step = train_state.restore_model_at(config, workdir, step, fallback=True)
   decoder = Decoder(model)
   modes = ['ar', 'spec'] if mode == 'compare' else [mode]
-  drafts = {'ar': 0, 'spec': num_drafts or depth}
+  drafts = {'ar': 0, 'spec': num_drafts or mtp_depth}
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id,
             seed=seed, pad_to=(max(map(len, ids)), max_new_tokens))
   results = {m: decoder.generate_batched(ids, max_new_tokens, batch_size=batch_size,

@@ -162,7 +162,7 @@ def take_rows(x, idx_B):
 
 def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, keys_B,
            proposed_B=None):
-  """(a [B] accepted drafts, candidates [B, D+1]: d_1..d_a, the bonus, then PAD_ID).
+  """(a [B] accepted drafts, candidates [B, A+1]: d_1..d_a, the bonus, then PAD_ID).
 
   Greedy: a draft is accepted while it equals the main model's argmax. Sampling: the
   speculative rule, draft d_j accepted with probability min(1, p(d_j) / q(d_j)), which
@@ -179,7 +179,7 @@ def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, 
     ok = ((drafts_BxD == g[:, :dn]) & (j[:dn] < proposed[:, None])).astype(jnp.int32)
     a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
     return a, jnp.where(j <= a[:, None], g, PAD_ID)  # d_j == g_{j-1} for j <= a
-  p = adjusted_probs(logits_BxTxV, sampling)  # [B, D+1, V]
+  p = adjusted_probs(logits_BxTxV, sampling)  # [B, A+1, V]
   p_d = jnp.take_along_axis(p[:, :dn], drafts_BxD[..., None], -1)[..., 0]
   q_d = jnp.take_along_axis(q_BxDxV, drafts_BxD[..., None], -1)[..., 0]
   u = jax.vmap(lambda k: jax.random.uniform(k, (dn,)))(row_keys(keys_B, 2))

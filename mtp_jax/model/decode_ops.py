@@ -92,15 +92,15 @@ def _padded_rows(m: int) -> int:
   return m if m <= 4 else -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
-def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
+def decode_dot(x_NxI: Array, w_OxI: Array) -> Array:
   """x @ w_OxI.T for a decode step of M = batch x window rows, by the rule above.
 
   Accumulates in float32; returns x's dtype.
   """
-  m, out_dtype = x_MxI.shape[0], x_MxI.dtype
+  m, out_dtype = x_NxI.shape[0], x_NxI.dtype
   f32 = jnp.float32
   if w_OxI.dtype == jnp.bfloat16 or jax.default_backend() != 'cpu':
-    x = x_MxI.astype(w_OxI.dtype)
+    x = x_NxI.astype(w_OxI.dtype)
     pad = m == 1 and w_OxI.dtype == jnp.bfloat16 and jax.default_backend() == 'cpu'
     if pad:
       x = jnp.concatenate([x, jnp.zeros_like(x)], 0)
@@ -108,18 +108,18 @@ def decode_dot(x_MxI: Array, w_OxI: Array) -> Array:
     return (y[:1] if pad else y).astype(out_dtype)
   w_OxI = w_OxI.astype(out_dtype)
   if m == 1:  # a GEMV; its [O, 1] -> [1, O] transpose is a bitcast
-    return jax.lax.dot_general(x_MxI, w_OxI, _CONTRACT_1_1, preferred_element_type=f32
+    return jax.lax.dot_general(x_NxI, w_OxI, _CONTRACT_1_1, preferred_element_type=f32
                                ).astype(out_dtype)
   if m <= TALL_ROWS:  # verify / MTP windows, up to batch 8-16
     # The barrier keeps the [O, M] product in that layout: without it XLA:CPU's layout
     # assignment makes the transpose free by laying the dot's output out as [M, O],
     # which is the slow GEMM again (1.5-3x at 2-8 rows).
     mp = _padded_rows(m)
-    x = x_MxI if mp == m else jnp.pad(x_MxI, ((0, mp - m), (0, 0)))
-    y_OxM = jax.lax.optimization_barrier(
+    x = x_NxI if mp == m else jnp.pad(x_NxI, ((0, mp - m), (0, 0)))
+    y_OxN = jax.lax.optimization_barrier(
         jax.lax.dot_general(w_OxI, x, _CONTRACT_1_1, preferred_element_type=f32))
-    return y_OxM[:, :m].T.astype(out_dtype)
-  return jax.lax.dot_general(x_MxI, w_OxI, _CONTRACT_1_1,
+    return y_OxN[:, :m].T.astype(out_dtype)
+  return jax.lax.dot_general(x_NxI, w_OxI, _CONTRACT_1_1,
                              preferred_element_type=f32).astype(out_dtype)
 
 

@@ -125,10 +125,10 @@ def route(scores_NxE: Array, bias_E: Array, k: int, scaling: float, n_group: int
   sel_NxE = scores_NxE + bias_E
   if n_group > 1:
     n, e = sel_NxE.shape
-    grouped_NxGxS = sel_NxE.reshape(n, n_group, e // n_group)
-    group_NxG = jnp.sum(jax.lax.top_k(grouped_NxGxS, min(2, e // n_group))[0], axis=-1)
-    _, best_NxM = jax.lax.top_k(group_NxG, topk_group)
-    keep_NxG = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], best_NxM].set(True)
+    grouped_NxGxEg = sel_NxE.reshape(n, n_group, e // n_group)
+    group_NxG = jnp.sum(jax.lax.top_k(grouped_NxGxEg, min(2, e // n_group))[0], axis=-1)
+    _, best_groups = jax.lax.top_k(group_NxG, topk_group)
+    keep_NxG = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], best_groups].set(True)
     keep_NxE = jnp.repeat(keep_NxG, e // n_group, axis=1)
     sel_NxE = jnp.where(keep_NxE, sel_NxE, -jnp.inf)
   _, idx_NxK = jax.lax.top_k(sel_NxE, k)
@@ -180,12 +180,12 @@ def block_layout(sizes_E: Array, m: int, block: int) -> tuple[Array, Array, int]
   padded_E = (sizes_E + block - 1) // block * block
   end_pad_E = jnp.cumsum(padded_E)
   start_pad_E, start_E = end_pad_E - padded_E, jnp.cumsum(sizes_E) - sizes_E
-  rows_M = jnp.arange(m)
-  expert_M = jnp.searchsorted(jnp.cumsum(sizes_E), rows_M, side='right')
-  slot_M = start_pad_E[expert_M] + rows_M - start_E[expert_M]
+  rows_NK = jnp.arange(m)
+  expert_NK = jnp.searchsorted(jnp.cumsum(sizes_E), rows_NK, side='right')
+  slot_NK = start_pad_E[expert_NK] + rows_NK - start_E[expert_NK]
   n_blocks = -(-m // block) + min(e, m)
   block_expert_J = jnp.searchsorted(end_pad_E, jnp.arange(n_blocks) * block, side='right')
-  return slot_M, jnp.minimum(block_expert_J, e - 1), n_blocks
+  return slot_NK, jnp.minimum(block_expert_J, e - 1), n_blocks
 
 
 def _common_tile(a: int, b: int) -> int | None:
@@ -194,26 +194,26 @@ def _common_tile(a: int, b: int) -> int | None:
   return next((t for t in (512, 256, 128) if a % t == 0 and b % t == 0), None)
 
 
-def _gmm(a_MxI: Array, w_GxIxO: Array, sizes_G: Array, interpret: bool = False) -> Array:
+def _gmm(a_NKxI: Array, w_GxIxO: Array, sizes_G: Array, interpret: bool = False) -> Array:
   """The TPU grouped-matmul kernel (Pallas megablox): only the G groups' rows are
   computed, and its gradient for the weights is a grouped product too (`tgmm`). The
   kernel leaves rows past sum(sizes) unwritten, in its output and in its input's
   gradient: both are masked to zero here."""
   # Deferred: the Pallas TPU kernels load only where this form is chosen.
   from jax.experimental.pallas.ops.tpu.megablox import gmm
-  m, i = a_MxI.shape
+  m, i = a_NKxI.shape
   tm = 128 if m >= 128 else max(8, 1 << (m - 1).bit_length())
   pad = -m % tm
   valid = (jnp.arange(m + pad) < jnp.sum(sizes_G))[:, None]
-  a = jnp.where(valid, jnp.pad(a_MxI, ((0, pad), (0, 0))), 0)
+  a = jnp.where(valid, jnp.pad(a_NKxI, ((0, pad), (0, 0))), 0)
   t = _common_tile(i, w_GxIxO.shape[2])
   tiling = (tm, t, t)  # the backward pass multiplies by the transpose with the same tiles
-  out = gmm(a, w_GxIxO, sizes_G.astype(jnp.int32), a_MxI.dtype, tiling, None, None, False,
+  out = gmm(a, w_GxIxO, sizes_G.astype(jnp.int32), a_NKxI.dtype, tiling, None, None, False,
             interpret)
   return jnp.where(valid, out, 0)[:m]
 
 
-def grouped_products(xs_MxD: Array, sizes_E: Array, ws, form: str,
+def grouped_products(xs_NKxD: Array, sizes_E: Array, ws, form: str,
                      interpret: bool = False, save: bool = True) -> Array:
   """[M, D]: the SwiGLU of rows sorted by expert, expert e taking the sizes_E[e] rows after
   the groups before it; rows past sum(sizes_E) come out zero. `ws`: the gate, up and down
@@ -228,22 +228,22 @@ def grouped_products(xs_MxD: Array, sizes_E: Array, ws, form: str,
     else:
       mm = lambda a, w: _gmm(a, w, sizes_E, interpret)  # noqa: E731
     name = lambda a: checkpoint_name(a, EXPERT_SAVED_NAME) if save else a  # noqa: E731
-    h_MxF = jax.nn.silu(name(mm(xs_MxD, ws[0]))) * name(mm(xs_MxD, ws[1]))
-    return name(mm(h_MxF, ws[2]))
-  m, d = xs_MxD.shape
+    h_NKxF = jax.nn.silu(name(mm(xs_NKxD, ws[0]))) * name(mm(xs_NKxD, ws[1]))
+    return name(mm(h_NKxF, ws[2]))
+  m, d = xs_NKxD.shape
   e = sizes_E.shape[0]
   rest = m - jnp.sum(sizes_E)  # rows of no group: a last block group, zeroed below
   sizes = jnp.concatenate([sizes_E, rest[None]])
   block = block_rows(m, e)
-  slot_M, expert_J, n_blocks = block_layout(sizes, m, block)
+  slot_NK, expert_J, n_blocks = block_layout(sizes, m, block)
   expert_J = jnp.minimum(expert_J, e - 1)
-  x_JxBxD = jnp.zeros((n_blocks * block, d), xs_MxD.dtype).at[slot_M].set(xs_MxD).reshape(
+  x_JxBxD = jnp.zeros((n_blocks * block, d), xs_NKxD.dtype).at[slot_NK].set(xs_NKxD).reshape(
       n_blocks, block, d)
   mm = lambda a, w: (checkpoint_name if save else lambda y, _: y)(  # noqa: E731
       jnp.einsum('jbi,jio->jbo', a, w[expert_J]), EXPERT_SAVED_NAME)
   h_JxBxF = jax.nn.silu(mm(x_JxBxD, ws[0])) * mm(x_JxBxD, ws[1])
-  y_MxD = mm(h_JxBxF, ws[2]).reshape(n_blocks * block, d)[slot_M]
-  return jnp.where((jnp.arange(m) < m - rest)[:, None], y_MxD, 0)
+  y_NKxD = mm(h_JxBxF, ws[2]).reshape(n_blocks * block, d)[slot_NK]
+  return jnp.where((jnp.arange(m) < m - rest)[:, None], y_NKxD, 0)
 
 
 def grouped_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, num_experts: int,
@@ -251,14 +251,14 @@ def grouped_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, num_experts: 
   """[N, K, D]: expert idx[n, j]'s SwiGLU of token n, by sort + a grouped matmul
   (`backward`: it is differentiated, resolve_dispatch)."""
   n, k = idx_NxK.shape
-  flat_M = idx_NxK.reshape(-1)
-  order_M = jnp.argsort(flat_M, stable=True)
-  xs_MxD = x_NxD[order_M // k].astype(dtype)
-  sizes_E = jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
+  flat_NK = idx_NxK.reshape(-1)
+  order_NK = jnp.argsort(flat_NK, stable=True)
+  xs_NKxD = x_NxD[order_NK // k].astype(dtype)
+  sizes_E = jnp.bincount(flat_NK, length=num_experts).astype(jnp.int32)
   ws = [w[...].astype(dtype) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)]
   form = resolve_dispatch(dispatch, jax.sharding.get_abstract_mesh().empty, backward)
-  y_MxD = grouped_products(xs_MxD, sizes_E, ws, form)
-  return jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(n, k, -1)
+  y_NKxD = grouped_products(xs_NKxD, sizes_E, ws, form)
+  return jnp.zeros_like(y_NKxD).at[order_NK].set(y_NKxD).reshape(n, k, -1)
 
 
 # -- expert parallelism -------------------------------------------------------------------------
@@ -323,19 +323,19 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
                        for a in (x, idx, gates))
     e_local = ws[0].shape[0]
     first = jax.lax.axis_index(expert_axes) * e_local if expert_axes else 0
-    local_M = idx.reshape(-1) - first
-    mine_M = (local_M >= 0) & (local_M < e_local)
-    key_M = jnp.where(mine_M, local_M, e_local)  # other devices' rows sort last
-    order_M = jnp.argsort(key_M, stable=True)
-    sizes_E = jnp.bincount(key_M, length=e_local + 1)[:e_local].astype(jnp.int32)
-    token_M = order_M // k  # the token of each sorted row
+    local_NK = idx.reshape(-1) - first
+    mine_NK = (local_NK >= 0) & (local_NK < e_local)
+    key_NK = jnp.where(mine_NK, local_NK, e_local)  # other devices' rows sort last
+    order_NK = jnp.argsort(key_NK, stable=True)
+    sizes_E = jnp.bincount(key_NK, length=e_local + 1)[:e_local].astype(jnp.int32)
+    token_NK = order_NK // k  # the token of each sorted row
     # P N K rows, the other devices' (past the groups) not computed: not kept under remat
-    y_MxD = grouped_products(x[token_M].astype(dtype), sizes_E, ws, form, save=False)
-    g_M = jnp.where(mine_M, gates.reshape(-1), 0)[order_M]
+    y_NKxD = grouped_products(x[token_NK].astype(dtype), sizes_E, ws, form, save=False)
+    g_NK = jnp.where(mine_NK, gates.reshape(-1), 0)[order_NK]
     # Each token's gated sum over its rows here, added straight from the sorted rows (no
     # [N, K, D] unsort, no K-wide product); float32 sums, as a matmul accumulates.
-    y_NxD = jnp.zeros((x.shape[0], x.shape[1]), jnp.float32).at[token_M].add(
-        y_MxD.astype(jnp.float32) * g_M[:, None]).astype(dtype)
+    y_NxD = jnp.zeros((x.shape[0], x.shape[1]), jnp.float32).at[token_NK].add(
+        y_NKxD.astype(jnp.float32) * g_NK[:, None]).astype(dtype)
     if expert_axes:  # each token's own rows back, summed over the devices of its experts
       y_NxD = jax.lax.psum_scatter(y_NxD, expert_axes, scatter_dimension=0, tiled=True)
     return y_NxD, jnp.zeros((), jnp.int32)
@@ -343,18 +343,18 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
   def exchanged(x, idx, gates, ws):
     n, d = x.shape
     e_local = ws[0].shape[0]
-    flat_M = idx.reshape(-1)
-    order_M = jnp.argsort(flat_M, stable=True)  # by expert, so by destination device
-    token_M = order_M // k
-    xs_MxD = x[token_M].astype(dtype)
-    counts_PxL = jnp.bincount(flat_M, length=n_dev * e_local).astype(jnp.int32).reshape(
+    flat_NK = idx.reshape(-1)
+    order_NK = jnp.argsort(flat_NK, stable=True)  # by expert, so by destination device
+    token_NK = order_NK // k
+    xs_NKxD = x[token_NK].astype(dtype)
+    counts_PxL = jnp.bincount(flat_NK, length=n_dev * e_local).astype(jnp.int32).reshape(
         n_dev, e_local)
     all_counts_QxPxL = jax.lax.all_gather(counts_PxL, expert_axes)
     me = jax.lax.axis_index(expert_axes)
     rows = moe_exchange.buffer_rows(n, k, n_dev, e_local, capacity_factor)
     p = moe_exchange.plan(counts_PxL, all_counts_QxPxL, me, rows)
     recv_RxD = moe_exchange.ragged_exchange(
-        xs_MxD, jnp.zeros((rows, d), dtype), p['input_offsets'], p['send_sizes'],
+        xs_NKxD, jnp.zeros((rows, d), dtype), p['input_offsets'], p['send_sizes'],
         p['output_offsets'], p['recv_sizes'], expert_axes, impl)
     key_R = moe_exchange.received_experts(p, all_counts_QxPxL[:, me], rows)
     order_R = jnp.argsort(key_R, stable=True)
@@ -364,12 +364,12 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
                                     save=capacity_factor > 0)
     y_RxD = jnp.zeros_like(y_sorted_RxD).at[order_R].set(y_sorted_RxD)
     # The reverse exchange: each received slice back to its sender, where it came from.
-    back_MxD = moe_exchange.ragged_exchange(
+    back_NKxD = moe_exchange.ragged_exchange(
         y_RxD, jnp.zeros((n * k, d), dtype), p['recv_offsets'], p['recv_sizes'],
         p['sender_offsets'], p['send_sizes'], expert_axes, impl)
-    g_M = gates.reshape(-1)[order_M]
-    y_NxD = jnp.zeros((n, d), jnp.float32).at[token_M].add(
-        back_MxD.astype(jnp.float32) * g_M[:, None]).astype(dtype)
+    g_NK = gates.reshape(-1)[order_NK]
+    y_NxD = jnp.zeros((n, d), jnp.float32).at[token_NK].add(
+        back_NKxD.astype(jnp.float32) * g_NK[:, None]).astype(dtype)
     return y_NxD, p['dropped']
 
   def local(x, idx, gates, wg, wu, wd):

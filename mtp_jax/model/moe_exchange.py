@@ -69,24 +69,24 @@ def plan(counts_PxL: Array, all_counts_QxPxL: Array, me: Array, rows: int) -> di
   }
 
 
-def ragged_exchange(operand_MxD: Array, output_RxD: Array, input_offsets: Array,
+def ragged_exchange(operand_NKxD: Array, output_RxD: Array, input_offsets: Array,
                     send_sizes: Array, output_offsets: Array, recv_sizes: Array, axes,
                     impl: str) -> Array:
   """jax.lax.ragged_all_to_all over the mesh axes `axes` (inside shard_map), or its CPU
   emulation (impl 'emulate'): the same rows to the same places."""
   if impl == 'collective':
-    return jax.lax.ragged_all_to_all(operand_MxD, output_RxD, input_offsets, send_sizes,
+    return jax.lax.ragged_all_to_all(operand_NKxD, output_RxD, input_offsets, send_sizes,
                                      output_offsets, recv_sizes, axis_name=axes)
   me = jax.lax.axis_index(axes)
-  src_QxMxD = jax.lax.all_gather(operand_MxD, axes)
+  src_QxNKxD = jax.lax.all_gather(operand_NKxD, axes)
   in_off_QxP, sizes_QxP, out_off_QxP = (jax.lax.all_gather(a, axes) for a in
                                         (input_offsets, send_sizes, output_offsets))
   start_Q, size_Q, src_Q = out_off_QxP[:, me], sizes_QxP[:, me], in_off_QxP[:, me]
   r_R = jnp.arange(output_RxD.shape[0])
   inside_RxQ = (r_R[:, None] >= start_Q) & (r_R[:, None] < start_Q + size_Q)
   q_R = jnp.argmax(inside_RxQ, axis=1)
-  row_R = jnp.clip(src_Q[q_R] + r_R - start_Q[q_R], 0, operand_MxD.shape[0] - 1)
-  return jnp.where(jnp.any(inside_RxQ, axis=1)[:, None], src_QxMxD[q_R, row_R], output_RxD)
+  row_R = jnp.clip(src_Q[q_R] + r_R - start_Q[q_R], 0, operand_NKxD.shape[0] - 1)
+  return jnp.where(jnp.any(inside_RxQ, axis=1)[:, None], src_QxNKxD[q_R, row_R], output_RxD)
 
 
 def received_experts(p: dict, counts_QxL: Array, rows: int) -> Array:

@@ -1,4 +1,4 @@
-"""The main decoder and its D multi-token-prediction modules (docs/design.md sections 1-2).
+"""The main decoder and its M multi-token-prediction modules (docs/design.md sections 1-2).
 
 Sequential (DeepSeek-V3) depth k at position i:
   h'^k_i = eh_proj([enorm(Emb(t_{i+k})) ; hnorm(h^{k-1}_i)])
@@ -50,7 +50,7 @@ class ModelArgs:
   mtp_kind: str = 'sequential'
   detach_trunk: bool = False
   stop_gradient: bool = False  # MTP losses reach neither h^0 nor Emb nor OutHead (config_lib)
-  mtp_target_offsets: tuple = ()  # o_1..o_D: depth k predicts t_(i+o_k); () = k + 1
+  mtp_target_offsets: tuple = ()  # o_1..o_M: depth k predicts t_(i+o_k); () = k + 1
   remat: str = 'none'  # none | block | full (see remat_policy); never changes parameters
   scan_layers: bool = False  # lax.scan over trunk blocks and MTP depths; never changes parameters
   # Block kinds (config_lib documents each field): attention gqa | mla, mlp dense | moe.
@@ -356,7 +356,7 @@ MTP_KINDS: dict[str, type] = {'sequential': SequentialMTP, 'parallel': ParallelH
 
 
 class MTPModel(nnx.Module):
-  """Main decoder + D MTP modules sharing one embedding and one output head."""
+  """Main decoder + M MTP modules sharing one embedding and one output head."""
 
   def __init__(self, args: ModelArgs, *, rngs: nnx.Rngs):
     # Parameters are placed on devices by jit out_shardings (sharding.py), not eagerly,
@@ -382,9 +382,9 @@ class MTPModel(nnx.Module):
   def embed_tokens(self, tokens_BxT: Array) -> Array:
     return constrain(self.embed(tokens_BxT), ('batch', 'length', 'act_embed'))
 
-  def head_norm(self, depth: int) -> nnx.RMSNorm:
-    """The norm before OutHead: the final norm (depth 0) or depth k's shared_head.norm."""
-    return self.norm if depth == 0 else self.mtp[depth - 1].shared_head.norm
+  def head_norm(self, k: int) -> nnx.RMSNorm:
+    """The norm before OutHead: the final norm (k = 0) or depth k's shared_head.norm."""
+    return self.norm if k == 0 else self.mtp[k - 1].shared_head.norm
 
   def output_kernel(self) -> Array:
     """OutHead as a [d, V] matrix (the embedding transposed when tied)."""
@@ -392,9 +392,9 @@ class MTPModel(nnx.Module):
       return self.embed.embedding[...].T
     return self.lm_head.kernel[...]
 
-  def logits(self, h_BxTxD: Array, depth: int = 0) -> Array:
-    """OutHead(norm_depth(h)) in float32."""
-    return vocab_logits(self.head_norm(depth), h_BxTxD, self.output_kernel())
+  def logits(self, h_BxTxD: Array, k: int = 0) -> Array:
+    """OutHead(norm_k(h)) in float32: the main head (k = 0) or depth k's."""
+    return vocab_logits(self.head_norm(k), h_BxTxD, self.output_kernel())
 
   def trunk(self, tokens_BxT, positions_BxT, mask_Bx1xTxT) -> Array:
     """h^0: the last block's output, before the final norm."""
@@ -407,10 +407,10 @@ class MTPModel(nnx.Module):
     x = self.embed_tokens(tokens_BxT)
     return jax.lax.stop_gradient(x) if self.args.stop_gradient else x
 
-  def mtp_step(self, depth: int, h_prev_BxTxD, tokens_BxT, positions_BxT, mask, cache=None,
+  def mtp_step(self, k: int, h_prev_BxTxD, tokens_BxT, positions_BxT, mask, cache=None,
                cache_index_B=None):
     """h^k from h^{k-1} (sequential) or h^0 (parallel); tokens_BxT are t_{i+k} at i."""
-    module = self.mtp[depth - 1]
+    module = self.mtp[k - 1]
     x = module.block_input(h_prev_BxTxD, tokens_BxT, self.embed_tokens)
     return module.block(x, positions_BxT, mask, cache, cache_index_B)
 
@@ -443,19 +443,19 @@ class MTPModel(nnx.Module):
     return tuple(self.mtp_module(k).block.empty_cache(batch, slots, layout)
                  for k in range(1, num_drafts + 1))
 
-  def mtp_module(self, depth: int):
-    """Module of drafting depth k; depths past D reuse the last module (recursive drafts)."""
-    return self.mtp[min(depth, self.args.mtp_depth) - 1]
+  def mtp_module(self, k: int):
+    """Module of drafting depth k; depths past M reuse the last module (recursive drafts)."""
+    return self.mtp[min(k, self.args.mtp_depth) - 1]
 
   def decode_embed(self, tokens_BxT: Array) -> Array:
     """Emb rows in the activations' dtype (gathering first: the table may be bfloat16)."""
     return jnp.take(self.embed.embedding[...], tokens_BxT, axis=0).astype(self.args.dtype)
 
-  def decode_logits(self, h_NxD: Array, depth: int = 0) -> Array:
-    """logits(h, depth) for a few rows [N, d] (decode_ops.decode_dot's rule), float32.
+  def decode_logits(self, h_NxD: Array, k: int = 0) -> Array:
+    """logits(h, k) for a few rows [N, d] (decode_ops.decode_dot's rule), float32.
 
     The tied head is the embedding table itself, already [V, d] (O x I)."""
-    norm = self.norm if depth == 0 else self.mtp_module(depth).shared_head.norm
+    norm = self.norm if k == 0 else self.mtp_module(k).shared_head.norm
     w_VxD = self.embed.embedding[...] if self.args.tie_embeddings else self.head_t[...]
     return decode_ops.decode_dot(norm(h_NxD), w_VxD).astype(jnp.float32)
 
@@ -468,16 +468,16 @@ class MTPModel(nnx.Module):
       new.append(cache)
     return x, tuple(new)
 
-  def decode_mtp_step(self, depth: int, h_prev_BxTxD, tokens_BxT, positions_BxT, mask, cache,
+  def decode_mtp_step(self, k: int, h_prev_BxTxD, tokens_BxT, positions_BxT, mask, cache,
                       cache_index_B, layout):
-    """mtp_step through a cache (depth may exceed D: see mtp_module); (h^k, new cache)."""
-    module = self.mtp_module(depth)
+    """mtp_step through a cache (k may exceed M: see mtp_module); (h^k, new cache)."""
+    module = self.mtp_module(k)
     x = module.block_input(h_prev_BxTxD, tokens_BxT, self.decode_embed, decode=True)
     return module.block.decode(x, positions_BxT, mask, cache, cache_index_B, layout)
 
   def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None,
                segment_ids_BxT: Array | None = None) -> list[Array]:
-    """Hidden states [h^0, h^1, ..., h^D], each [B, T, d], for teacher-forced training.
+    """Hidden states [h^0, h^1, ..., h^M], each [B, T, d], for teacher-forced training.
 
     Sequential depth k reads the true tokens t_{i+o_k-1} (shifted left by o_k - 1, o_k = k + 1
     unless model.mtp.target_offsets says otherwise; the tail is padding and is masked out
@@ -506,16 +506,16 @@ class MTPModel(nnx.Module):
     return hiddens
 
   def _scan_depths(self, h0, tokens_BxT, positions_BxT, mask) -> list[Array]:
-    """[h^1 .. h^D] by one lax.scan over the depths' stacked parameters.
+    """[h^1 .. h^M] by one lax.scan over the depths' stacked parameters.
 
     XLA runs the depths strictly one after another and reuses one depth's buffers for
-    the next, so (with remat) step memory stays nearly flat in D; unrolled, XLA:CPU's
+    the next, so (with remat) step memory stays nearly flat in M; unrolled, XLA:CPU's
     scheduler keeps several depths' recomputed activations alive at once.
     """
     graphdef, _ = nnx.split(self.mtp[0])
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in self.mtp])
     chained = self.args.mtp_head().chained
-    tokens_KxBxT = jnp.stack([shift_left(tokens_BxT, o - 1)
+    tokens_MxBxT = jnp.stack([shift_left(tokens_BxT, o - 1)
                               for o in self.args.target_offsets()[1:]])
 
     def body(h, xs):
@@ -525,10 +525,10 @@ class MTPModel(nnx.Module):
       hk = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
       return (hk if chained else h), (hk, nnx.state(module, nnx.Intermediate))
 
-    _, (h_KxBxTxD, stats_K) = jax.lax.scan(body, h0, (stacked, tokens_KxBxT))
+    _, (h_MxBxTxD, stats_M) = jax.lax.scan(body, h0, (stacked, tokens_MxBxT))
     for k, module in enumerate(self.mtp):  # the MoE statistics onto each depth (moe.collect)
-      nnx.update(module, jax.tree.map(lambda a, k=k: a[k], stats_K))
-    return list(h_KxBxTxD)
+      nnx.update(module, jax.tree.map(lambda a, k=k: a[k], stats_M))
+    return list(h_MxBxTxD)
 
 
 def count_params(model: nnx.Module) -> dict[str, int]:

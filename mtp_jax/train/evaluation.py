@@ -118,7 +118,7 @@ def validation_prompts(config, tokenizer, n: int, length: int,
 
 
 def training_prompts(config, tokenizer) -> list[list[int]]:
-  """The trainer's decode-evaluation prompts ([] when train.eval_decode_prompts or D is 0)."""
+  """The trainer's decode-evaluation prompts ([] when train.eval_decode_prompts or M is 0)."""
   n = config.train.eval_decode_prompts
   if not n or not config.model.mtp.depth:
     return []
@@ -170,23 +170,23 @@ def decode_metrics(decoder: Decoder, prompts: Sequence[Sequence[int]],
   add the speedup, tokens/s of both and `identical` (spec tokens == AR tokens). A
   model without MTP modules decodes autoregressively only (compare) or not at all.
   """
-  depth = decoder.args.drafting_depths()  # every depth that can draft (not leap ones)
+  drafting = decoder.args.drafting_depths()  # every depth that can draft (not leap ones)
   kw = dict(batch_size=batch_size or len(prompts), warm_up=compare, eos_id=None,
             pad_to=(max(map(len, prompts)), max_new_tokens))
-  modes = ([0] if compare else []) + ([depth] if depth else [])
+  modes = ([0] if compare else []) + ([drafting] if drafting else [])
   results = {n: decoder.generate_batched(prompts, max_new_tokens, num_drafts=n, **kw)
              for n in modes}
   out = {}
-  if depth:
-    st = results[depth].stats()
+  if drafting:
+    st = results[drafting].stats()
     out[TAU_KEY] = st['mean_accepted_length']
     for k, a in enumerate(st['acceptance_per_depth'], 1):
       out[metric_key('eval', 'decode_accept', k)] = a
   if compare:
     ar = results[0]
     out['eval/decode_ar_tokens_per_sec'] = ar.new_tokens / max(ar.seconds, 1e-12)
-    if depth:
-      sp = results[depth]
+    if drafting:
+      sp = results[drafting]
       out['eval/decode_spec_tokens_per_sec'] = sp.new_tokens / max(sp.seconds, 1e-12)
       out['eval/decode_speedup'] = ar.seconds / max(sp.seconds, 1e-12)
       out['eval/decode_identical'] = all(np.array_equal(a, s)
@@ -277,11 +277,11 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
 
 def format_table(r: dict) -> str:
   """A readable report of evaluate_workdir's dict."""
-  depth = r['mtp_depth']
+  mtp_depth = r['mtp_depth']
   lines = [f"{r['workdir']}  step {r['step']}  split {r['split']}  "
            f"({r['eval_batches']} batches, {int(r['eval/tokens'])} tokens)", '',
            f"{'depth':<8}{'loss':>9}{'acc':>9}{'agree':>9}{'bpb':>9}"]
-  for k in range(depth + 1):
+  for k in range(mtp_depth + 1):
     stat = lambda s, k=k: r[metric_key('eval', s, k)]  # noqa: E731
     agree = f"{stat('agree'):9.4f}" if k else f"{'-':>9}"
     lines.append(f"{depth_name(k).replace('_', ' '):<8}{stat('loss'):9.4f}"
@@ -295,8 +295,8 @@ def format_table(r: dict) -> str:
                  f"{r['decode_prompt_len']} tokens, {r['decode_max_new_tokens']} new tokens each")
   if TAU_KEY in r:
     accept = '  '.join(f"{r[metric_key('eval', 'decode_accept', k)]:.3f}"
-                       for k in range(1, depth + 1))
-    lines.append(f'tau (mean accepted length) {r[TAU_KEY]:.3f} of at most {depth + 1}; '
+                       for k in range(1, mtp_depth + 1))
+    lines.append(f'tau (mean accepted length) {r[TAU_KEY]:.3f} of at most {mtp_depth + 1}; '
                  f'acceptance per depth {accept}')
   if 'eval/decode_ar_tokens_per_sec' in r:
     text = f"AR {r['eval/decode_ar_tokens_per_sec']:.1f} tok/s"

@@ -29,9 +29,9 @@ class FlopsPerToken:
   """Forward FLOPs per token by part; `train` = 3 x `forward`."""
   trunk_matmul: float  # L blocks: q, k, v, o projections and the SwiGLU MLP
   trunk_attention: float  # L blocks: scores (q k^T) and weighted values
-  mtp_eh_proj: float  # D depths: the head's own layers (sequential: M_k, 2d -> d)
-  mtp_block: float  # D depths: their block's projections, MLP and attention
-  vocab: float  # (D + 1) OutHead projections: the main head and one per depth
+  mtp_eh_proj: float  # M depths: the head's own layers (sequential: eh_proj, 2d -> d)
+  mtp_block: float  # M depths: their block's projections, MLP and attention
+  vocab: float  # (M + 1) OutHead projections: the main head and one per depth
 
   @property
   def forward(self) -> float:
@@ -42,10 +42,10 @@ class FlopsPerToken:
   def train(self) -> float:
     return 3.0 * self.forward
 
-  def train_frozen_trunk(self, depth: int) -> float:
+  def train_frozen_trunk(self, mtp_depth: int) -> float:
     """model.mtp.freeze_trunk: the trunk and the main head run forward only; the MTP
-    eh_proj and blocks 3x; the D MTP vocab projections 2x (input gradient, frozen OutHead)."""
-    mtp_vocab = self.vocab * depth / (depth + 1)
+    eh_proj and blocks 3x; the M MTP vocab projections 2x (input gradient, frozen OutHead)."""
+    mtp_vocab = self.vocab * mtp_depth / (mtp_depth + 1)
     return self.forward + 2.0 * (self.mtp_eh_proj + self.mtp_block) + mtp_vocab
 
   def as_dict(self) -> dict:
@@ -67,14 +67,14 @@ def layer_flops(args, layer: int, seq_len: int, causal: bool = True) -> tuple[fl
 def flops_per_token(args, seq_len: int, causal: bool = True) -> FlopsPerToken:
   """FLOPs per token of `args` (a model.ModelArgs) on sequences of seq_len tokens."""
   per_layer = [layer_flops(args, i, seq_len, causal) for i in range(args.n_layers + 1)]
-  depth = args.mtp_depth
+  mtp_depth = args.mtp_depth
   eh = args.mtp_head().flops_per_token(args)
   return FlopsPerToken(
       trunk_matmul=sum(p for p, _ in per_layer[:-1]),
       trunk_attention=sum(a for _, a in per_layer[:-1]),
-      mtp_eh_proj=float(depth * eh),
-      mtp_block=depth * sum(per_layer[-1]),
-      vocab=float((depth + 1) * 2 * args.d_model * args.vocab_size))
+      mtp_eh_proj=float(mtp_depth * eh),
+      mtp_block=mtp_depth * sum(per_layer[-1]),
+      vocab=float((mtp_depth + 1) * 2 * args.d_model * args.vocab_size))
 
 
 def config_flops_per_token(config, causal: bool = True) -> FlopsPerToken:

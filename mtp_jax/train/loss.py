@@ -6,9 +6,9 @@ Every depth keeps the static length T; targets of depth k are tokens shifted lef
 its target offset o_k (k + 1 unless model.mtp.target_offsets sets leap targets). Position
 i is valid at depth k only when t_{i+o_k} exists and lies in t_i's document. The weights
 w_k follow lambda's schedule and the depth curriculum (depth_weights): a function of the
-step alone, so the compiled step is the same at every step. loss_chunk = 0: every depth's logits in one [(D+1) B T, V] product (small
+step alone, so the compiled step is the same at every step. loss_chunk = 0: every depth's logits in one [(M+1) B T, V] product (small
 vocabularies: the fastest form, its logits all alive at once); loss_chunk > 0: depth by
-depth in sequence chunks under `jax.checkpoint`, so the [D+1, B, T, V] logits never exist
+depth in sequence chunks under `jax.checkpoint`, so the [M+1, B, T, V] logits never exist
 at once (not even as saved residuals): the form for large vocabularies.
 """
 from __future__ import annotations
@@ -26,24 +26,24 @@ from mtp_jax.model.mtp import MTPModel, shift_left, vocab_logits
 Array = jax.Array
 
 
-def _offset(depth: int, offsets) -> int:
-  return depth + 1 if offsets is None else int(offsets[depth])
+def _offset(k: int, offsets) -> int:
+  return k + 1 if offsets is None else int(offsets[k])
 
 
-def valid_mask(segment_ids_BxT: Array, depth: int, offsets=None) -> Array:
-  """Positions whose target t_{i+o} (o = offsets[depth], default depth + 1) is inside the
-  sequence and in t_i's document."""
-  target_seg = shift_left(segment_ids_BxT, _offset(depth, offsets), fill=0)
+def valid_mask(segment_ids_BxT: Array, k: int, offsets=None) -> Array:
+  """Positions of depth k whose target t_{i+o_k} (o_k = offsets[k], default k + 1) is inside
+  the sequence and in t_i's document."""
+  target_seg = shift_left(segment_ids_BxT, _offset(k, offsets), fill=0)
   return (segment_ids_BxT != 0) & (target_seg == segment_ids_BxT)
 
 
-def targets(tokens_BxT: Array, depth: int, offsets=None) -> Array:
-  """t_{i+o} at i: depth `depth`'s targets (offsets as in valid_mask)."""
-  return shift_left(tokens_BxT, _offset(depth, offsets), fill=0)
+def targets(tokens_BxT: Array, k: int, offsets=None) -> Array:
+  """t_{i+o_k} at i: depth k's targets (offsets as in valid_mask)."""
+  return shift_left(tokens_BxT, _offset(k, offsets), fill=0)
 
 
-def self_targets(pred0_BxT: Array, num_mtp: int, offsets=None) -> Array:
-  """[D, B, T] self-distillation targets: depth k at i gets the main model's argmax at
+def self_targets(pred0_BxT: Array, mtp_depth: int, offsets=None) -> Array:
+  """[M, B, T] self-distillation targets: depth k at i gets the main model's argmax at
   i + o_k - 1 (o_k = k + 1 by default).
 
   pred0[i + o_k - 1] is the main model's choice for token i+o_k after the true prefix up
@@ -53,11 +53,11 @@ def self_targets(pred0_BxT: Array, num_mtp: int, offsets=None) -> Array:
   """
   pred0_BxT = jax.lax.stop_gradient(pred0_BxT)
   return jnp.stack([shift_left(pred0_BxT, _offset(k, offsets) - 1, fill=0)
-                    for k in range(1, num_mtp + 1)])
+                    for k in range(1, mtp_depth + 1)])
 
 
-def teacher_hiddens(h0_BxTxD: Array, num_mtp: int, offsets=None) -> Array:
-  """[D, B, T, d] the main model's final hidden state at i + k for depth k at i ('soft').
+def teacher_hiddens(h0_BxTxD: Array, mtp_depth: int, offsets=None) -> Array:
+  """[M, B, T, d] the main model's final hidden state at i + k for depth k at i ('soft').
 
   Its logits are the main model's distribution of token i+k+1 after the true prefix up to
   token i+k: exactly the distribution speculative sampling verifies depth k's draft
@@ -67,7 +67,7 @@ def teacher_hiddens(h0_BxTxD: Array, num_mtp: int, offsets=None) -> Array:
   """
   h0_BxTxD = jax.lax.stop_gradient(h0_BxTxD)
   return jnp.stack([shift_left(h0_BxTxD, _offset(k, offsets) - 1)
-                    for k in range(1, num_mtp + 1)])
+                    for k in range(1, mtp_depth + 1)])
 
 
 def _nll(logits, targets, teacher_logits=None):
@@ -79,9 +79,11 @@ def _nll(logits, targets, teacher_logits=None):
   return optax.softmax_cross_entropy(logits, p)
 
 
-def valid_counts(segment_ids_BxT: Array, num_depths: int, offsets=None) -> Array:
-  """[D+1] number of valid positions per depth (the loss normalisers)."""
-  return jnp.stack([valid_mask(segment_ids_BxT, k, offsets).sum() for k in range(num_depths)])
+def valid_counts(segment_ids_BxT: Array, mtp_depth: int, offsets=None) -> Array:
+  """[M+1] number of valid positions per head, the main one and depths 1..M (the loss
+  normalisers)."""
+  return jnp.stack([valid_mask(segment_ids_BxT, k, offsets).sum()
+                    for k in range(mtp_depth + 1)])
 
 
 def lambda_at(config, step) -> Array:
@@ -114,16 +116,16 @@ def curriculum_phase(config) -> tuple[int, int]:
 def active_depths(config, step) -> Array:
   """The number a(s) of active MTP depths at step s (depths 1..a(s) are active).
 
-  Aynetdinov & Akbik 2025, k(s) heads counting the main one, k_max = D + 1:
+  Aynetdinov & Akbik 2025, k(s) heads counting the main one, k_max = M + 1:
     forward  k(s) = min(k_max, floor(s / P) + 1)    a(s) = k(s) - 1
     reverse  k(s) = max(1, k_max - floor(s / P))
-  none: a(s) = D.
+  none: a(s) = M.
   """
-  depth = config.model.mtp.depth
+  mtp_depth = config.model.mtp.depth
   kind = config_lib.optional(config, 'model.mtp.curriculum', 'none')
   step = jnp.asarray(step, jnp.int32)
-  if kind == 'none' or depth == 0:
-    return jnp.full((), depth, jnp.int32)
+  if kind == 'none' or mtp_depth == 0:
+    return jnp.full((), mtp_depth, jnp.int32)
   phase_steps, k_max = curriculum_phase(config)
   if phase_steps:
     phase = step // phase_steps
@@ -137,35 +139,37 @@ def active_depths(config, step) -> Array:
 
 
 def depth_weights(config, step) -> Array:
-  """[D+1] weights: 1 for the main loss, then w_k (explicit, or lambda / D), times 1 for
+  """[M+1] weights: 1 for the main loss, then w_k (explicit, or lambda / M), times 1 for
   an active depth of the curriculum and 0 for an inactive one."""
-  depth = config.model.mtp.depth
-  if depth == 0:
+  mtp_depth = config.model.mtp.depth
+  if mtp_depth == 0:
     return jnp.ones((1,), jnp.float32)
   if config.model.mtp.weights:
     w = jnp.asarray(config.model.mtp.weights, jnp.float32)
   else:
-    w = jnp.full((depth,), lambda_at(config, step) / depth, jnp.float32)
-  active = jnp.arange(1, depth + 1) <= active_depths(config, step)
+    w = jnp.full((mtp_depth,), lambda_at(config, step) / mtp_depth, jnp.float32)
+  active = jnp.arange(1, mtp_depth + 1) <= active_depths(config, step)
   return jnp.concatenate([jnp.ones((1,), jnp.float32), jnp.where(active, w, 0.0)])
 
 
-def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk: int,
-               first: int = 0, teacher_KxBxTxD: Array | None = None):
-  """Per-depth (sum of -log p over valid positions [K], number correct [K], argmax [K, B, T]).
+def _head_sums(model: MTPModel, hiddens: list, targets_M1xBxT, mask_M1xBxT, chunk: int,
+               first: int = 0, teacher_MxBxTxD: Array | None = None):
+  """Per-depth (sum of -log p over valid positions [M1], number correct [M1], argmax
+  [M1, B, T]).
 
-  hiddens are depths first, first + 1, ...; OutHead is detached for MTP depths (first > 0)
-  under model.args.stop_gradient. teacher_KxBxTxD (teacher_hiddens): the loss is then the
+  hiddens are depths first, first + 1, ...: the main head and the M depths (M1 of them),
+  or with first = 1 the depths alone (the stacks then hold M); OutHead is detached for MTP depths (first > 0)
+  under model.args.stop_gradient. teacher_MxBxTxD (teacher_hiddens): the loss is then the
   cross-entropy against the main head's softmax of those hidden states (its final norm,
   OutHead), computed chunk by chunk beside the logits; 'number correct' still counts
-  targets_KxBxT.
+  targets_M1xBxT.
 
   chunk 0 (or None): _head_sums_batched, one product for all depths. chunk > 0: one
   lax.scan over the depths, and inside it one over sequence chunks whose body (head
   norm, vocab projection, cross-entropy) runs under jax.checkpoint: a single
-  [B, chunk, V] block of logits is alive at a time, whatever D is, and none is kept
+  [B, chunk, V] block of logits is alive at a time, whatever M is, and none is kept
   for the backward pass. (Separate per-depth loops would each get their own
-  temporaries in XLA's buffer assignment: peak memory then grows with D.)
+  temporaries in XLA's buffer assignment: peak memory then grows with M.)
   """
   num = len(hiddens)
   b, t, _ = hiddens[0].shape
@@ -174,20 +178,20 @@ def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk:
   if first > 0 and model.args.stop_gradient:
     w_DxV = jax.lax.stop_gradient(w_DxV)
   teach = None
-  if teacher_KxBxTxD is not None:  # the main head: final norm and OutHead, no gradient
+  if teacher_MxBxTxD is not None:  # the main head: final norm and OutHead, no gradient
     teacher_w = jax.lax.stop_gradient(model.output_kernel())
     teacher_norm = model.head_norm(0)
     teach = lambda h: vocab_logits(teacher_norm, h, teacher_w)  # noqa: E731
   if chunk in (0, None):
-    teacher_logits = None if teach is None else jnp.stack([teach(h) for h in teacher_KxBxTxD])
-    return _head_sums_batched(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT, teacher_logits)
+    teacher_logits = None if teach is None else jnp.stack([teach(h) for h in teacher_MxBxTxD])
+    return _head_sums_batched(norms, hiddens, w_DxV, targets_M1xBxT, mask_M1xBxT, teacher_logits)
   n = t // chunk
-  h_KxBxTxD = jnp.stack(hiddens)
+  h_M1xBxTxD = jnp.stack(hiddens)
   norm_def, _ = nnx.split(norms[0])
-  norm_K = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in norms])
+  norm_M1 = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in norms])
   # without a teacher a zero-size stand-in rides along in the scans (no work, same code)
   teacher = (jnp.zeros((num, b, t, 0), hiddens[0].dtype) if teach is None
-             else teacher_KxBxTxD)
+             else teacher_MxBxTxD)
 
   def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
     return jnp.moveaxis(x.reshape((b, n, chunk) + x.shape[2:]), 1, 0)
@@ -209,9 +213,9 @@ def _head_sums(model: MTPModel, hiddens: list, targets_KxBxT, mask_KxBxT, chunk:
                                              (split(h), split(tgt), split(m), split(th)))
     return None, (loss_sum, correct, jnp.moveaxis(pred, 0, 1).reshape(b, t))
 
-  _, (loss_K, correct_K, pred_KxBxT) = jax.lax.scan(
-      depth_body, None, (h_KxBxTxD, targets_KxBxT, mask_KxBxT, norm_K, teacher))
-  return loss_K, correct_K, pred_KxBxT
+  _, (loss_M1, correct_M1, pred_M1xBxT) = jax.lax.scan(
+      depth_body, None, (h_M1xBxTxD, targets_M1xBxT, mask_M1xBxT, norm_M1, teacher))
+  return loss_M1, correct_M1, pred_M1xBxT
 
 
 def cross_entropy_autodiff(logits_NxV: Array, targets_N: Array) -> tuple[Array, Array]:
@@ -224,33 +228,33 @@ def cross_entropy_autodiff(logits_NxV: Array, targets_N: Array) -> tuple[Array, 
 cross_entropy = cross_entropy_autodiff
 
 
-def _head_sums_batched(norms, hiddens, w_DxV, targets_KxBxT, mask_KxBxT, teacher_logits=None):
+def _head_sums_batched(norms, hiddens, w_DxV, targets_M1xBxT, mask_M1xBxT, teacher_logits=None):
   """_head_sums over the whole length (loss_chunk = 0): every depth's vocab projection in
-  one [K*B*T, d] x [d, V] product and one cross-entropy over [K, B, T, V] logits.
+  one [M1*B*T, d] x [d, V] product and one cross-entropy over [M1, B, T, V] logits.
 
   One large GEMM (and one for each of its two gradients) instead of K small ones inside a
-  scan: the MaxText-shape train step (V 1024) ran 1.04x faster at D = 0 and 1.10x at
-  D = 3 (docs/benchmarks.md). The logits of every depth then exist at once
+  scan: the MaxText-shape train step (V 1024) ran 1.04x faster at M = 0 and 1.10x at
+  M = 3 (docs/benchmarks.md). The logits of every depth then exist at once
   and stay as residuals for the backward pass (4 K B T V bytes): the form for small
   vocabularies; loss_chunk > 0 keeps one [B, chunk, V] block alive.
   """
   # Stacked on a new leading axis, not concatenated along B*T: the batch axis stays where
   # the mesh shards it, so data parallel needs no all-to-all (the concatenate of [B*T, d]
   # rows resharded every depth's rows, and the logits back: 0.05 of the 2-device step).
-  x_KxBxTxD = jnp.stack([norm(h) for norm, h in zip(norms, hiddens)])
-  logits_KxBxTxV = jnp.einsum('kbtd,dv->kbtv', x_KxBxTxD, w_DxV.astype(x_KxBxTxD.dtype),
+  x_M1xBxTxD = jnp.stack([norm(h) for norm, h in zip(norms, hiddens)])
+  logits_M1xBxTxV = jnp.einsum('kbtd,dv->kbtv', x_M1xBxTxD, w_DxV.astype(x_M1xBxTxD.dtype),
                               preferred_element_type=jnp.float32)
   if teacher_logits is None:
-    nll, pred_KxBxT = cross_entropy(logits_KxBxTxV, targets_KxBxT)
+    nll, pred_M1xBxT = cross_entropy(logits_M1xBxTxV, targets_M1xBxT)
   else:
-    nll = _nll(logits_KxBxTxV, targets_KxBxT, teacher_logits)
-    pred_KxBxT = jnp.argmax(logits_KxBxTxV, axis=-1).astype(jnp.int32)
-  mf = mask_KxBxT.astype(jnp.float32)
-  return (jnp.sum(nll * mf, axis=(1, 2)), jnp.sum((pred_KxBxT == targets_KxBxT) * mf, axis=(1, 2)),
-          pred_KxBxT)
+    nll = _nll(logits_M1xBxTxV, targets_M1xBxT, teacher_logits)
+    pred_M1xBxT = jnp.argmax(logits_M1xBxTxV, axis=-1).astype(jnp.int32)
+  mf = mask_M1xBxT.astype(jnp.float32)
+  return (jnp.sum(nll * mf, axis=(1, 2)), jnp.sum((pred_M1xBxT == targets_M1xBxT) * mf, axis=(1, 2)),
+          pred_M1xBxT)
 
 
-def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: Array | None = None,
+def loss_and_metrics(model: MTPModel, batch: dict, weights_M1: Array, counts_M1: Array | None = None,
                      chunk: int = 0, mtp_targets: str = 'data', balance_weight: float = 0.0):
   """The weighted loss and summed per-depth statistics of one (micro)batch.
 
@@ -258,10 +262,10 @@ def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: A
   'soft' (teacher_hiddens: the main model's whole distribution), config.loss.mtp_targets;
   'correct' counts the true tokens either way.
 
-  counts_K: the valid-position counts that normalise each depth's mean; pass the full
+  counts_M1: the valid-position counts that normalise each depth's mean; pass the full
   batch's counts when this is one microbatch of an accumulated step, so the summed
   gradients equal one large batch exactly. Defaults to this batch's own counts.
-  Returns (loss, sums) where sums maps 'loss_sum', 'correct', 'agree', 'count' to [D+1]
+  Returns (loss, sums) where sums maps 'loss_sum', 'correct', 'agree', 'count' to [M+1]
   arrays (agree[0] is unused and 0).
 
   A model with MoE layers adds balance_weight x the sum over its MoE layers of the
@@ -274,37 +278,37 @@ def loss_and_metrics(model: MTPModel, batch: dict, weights_K: Array, counts_K: A
   routing = moe.collect(model)
   num = len(hiddens)
   offsets = model.args.target_offsets()
-  mask_KxBxT = jnp.stack([valid_mask(seg, k, offsets) for k in range(num)])
-  targets_KxBxT = jnp.stack([targets(tokens, k, offsets) for k in range(num)])
+  mask_M1xBxT = jnp.stack([valid_mask(seg, k, offsets) for k in range(num)])
+  targets_M1xBxT = jnp.stack([targets(tokens, k, offsets) for k in range(num)])
   if num == 1 or (mtp_targets == 'data' and not model.args.stop_gradient):
-    loss_K, correct_K, pred_KxBxT = _head_sums(model, hiddens, targets_KxBxT, mask_KxBxT, chunk)
+    loss_M1, correct_M1, pred_M1xBxT = _head_sums(model, hiddens, targets_M1xBxT, mask_M1xBxT, chunk)
   else:  # depth 0 first: its argmax gives the 'self' targets; OutHead differs under stop_gradient
-    loss_0, correct_0, pred_0 = _head_sums(model, hiddens[:1], targets_KxBxT[:1],
-                                           mask_KxBxT[:1], chunk)
-    mtp_tgt, teacher = targets_KxBxT[1:], None
+    loss_0, correct_0, pred_0 = _head_sums(model, hiddens[:1], targets_M1xBxT[:1],
+                                           mask_M1xBxT[:1], chunk)
+    mtp_tgt, teacher = targets_M1xBxT[1:], None
     if mtp_targets == 'self':
       mtp_tgt = self_targets(pred_0[0], num - 1, offsets)
     elif mtp_targets == 'soft':
       teacher = teacher_hiddens(hiddens[0], num - 1, offsets)
-    loss_k, _, pred_k = _head_sums(model, hiddens[1:], mtp_tgt, mask_KxBxT[1:], chunk, first=1,
-                                   teacher_KxBxTxD=teacher)
-    correct_k = jnp.sum((pred_k == targets_KxBxT[1:]) & mask_KxBxT[1:], axis=(1, 2))
-    loss_K = jnp.concatenate([loss_0, loss_k])
-    correct_K = jnp.concatenate([correct_0, correct_k.astype(correct_0.dtype)])
-    pred_KxBxT = jnp.concatenate([pred_0, pred_k])
+    loss_k, _, pred_k = _head_sums(model, hiddens[1:], mtp_tgt, mask_M1xBxT[1:], chunk, first=1,
+                                   teacher_MxBxTxD=teacher)
+    correct_k = jnp.sum((pred_k == targets_M1xBxT[1:]) & mask_M1xBxT[1:], axis=(1, 2))
+    loss_M1 = jnp.concatenate([loss_0, loss_k])
+    correct_M1 = jnp.concatenate([correct_0, correct_k.astype(correct_0.dtype)])
+    pred_M1xBxT = jnp.concatenate([pred_0, pred_k])
   # does depth k's argmax at i equal the main model's argmax at i + o_k - 1 (its choice of
   # the same token t_{i+o_k})?
   agree = [jnp.zeros((), jnp.float32)] + [
-      jnp.sum((pred_KxBxT[k] == shift_left(pred_KxBxT[0], offsets[k] - 1, fill=-1))
-              & mask_KxBxT[k])
+      jnp.sum((pred_M1xBxT[k] == shift_left(pred_M1xBxT[0], offsets[k] - 1, fill=-1))
+              & mask_M1xBxT[k])
       .astype(jnp.float32) for k in range(1, num)]
-  sums = {'loss_sum': loss_K, 'correct': correct_K, 'agree': jnp.stack(agree),
-          'count': mask_KxBxT.sum(axis=(1, 2)).astype(jnp.float32)}
-  denom = sums['count'] if counts_K is None else counts_K.astype(jnp.float32)
+  sums = {'loss_sum': loss_M1, 'correct': correct_M1, 'agree': jnp.stack(agree),
+          'count': mask_M1xBxT.sum(axis=(1, 2)).astype(jnp.float32)}
+  denom = sums['count'] if counts_M1 is None else counts_M1.astype(jnp.float32)
   per_depth = sums['loss_sum'] / jnp.maximum(denom, 1.0)  # empty mask -> 0, never NaN
-  loss = jnp.sum(weights_K[:num] * per_depth)
+  loss = jnp.sum(weights_M1[:num] * per_depth)
   if routing:
-    share = 1.0 if counts_K is None else sums['count'][0] / jnp.maximum(counts_K[0], 1)
+    share = 1.0 if counts_M1 is None else sums['count'][0] / jnp.maximum(counts_M1[0], 1)
     routing['moe_balance'] = routing['moe_balance'] * share
     loss = loss + balance_weight * jnp.sum(routing['moe_balance'])
     sums.update(routing)

@@ -24,8 +24,9 @@ def depth_name(depth: int) -> str:
   return 'main' if depth == 0 else f'mtp_{depth}'
 
 
-def depth_names(num_depths: int) -> list[str]:
-  return [depth_name(k) for k in range(num_depths)]
+def depth_names(heads: int) -> list[str]:
+  """depth_name of the first `heads` heads: the main one, then depths 1, 2, ..."""
+  return [depth_name(k) for k in range(heads)]
 
 
 def metric_key(split: str, stat: str, depth: int | None = None) -> str:

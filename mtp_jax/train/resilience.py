@@ -3,7 +3,7 @@
 Partial restores (--init_from) live in checkpoint.py, exit codes in errors.py.
 
 - Preflight checks that fail before anything compiles, with one-line messages:
-  the workdir, free disk space for a checkpoint, documents long enough for depth D.
+  the workdir, free disk space for a checkpoint, documents long enough for depth M.
 - `WorkdirLock`: one trainer per workdir (an flock on `<workdir>/train.lock`).
 - `PreemptionGuard`: SIGTERM / SIGINT ask the loop to stop after the current step,
   save and exit 0. With several processes JAX's preemption sync point decides, so

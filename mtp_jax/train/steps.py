@@ -50,13 +50,13 @@ def train_step(config, graphdef, state, batch):
   """
   old_state = jax.tree.map(lambda x: x, state)  # nnx.merge aliases `state`'s variables
   model, optimizer = nnx.merge(graphdef, state)
-  num_depths = config.model.mtp.depth + 1
+  mtp_depth = config.model.mtp.depth
   step = optimizer.step[...]
   weights = loss_lib.depth_weights(config, step)
   active = loss_lib.active_depths(config, step)
   offsets = config_lib.target_offsets(config)
   # Normalisers from the whole batch: microbatch gradients then sum to the big-batch one.
-  counts = loss_lib.valid_counts(batch['segment_ids'], num_depths, offsets)
+  counts = loss_lib.valid_counts(batch['segment_ids'], mtp_depth, offsets)
   # The frozen parameters (model.mtp.freeze_trunk) go to `rest`: no gradient for them.
   model_graph, params, rest = nnx.split(model, train_state.trainable(config), ...)
   mtp_targets = config_lib.optional(config, 'loss.mtp_targets', 'data')
@@ -90,7 +90,7 @@ def train_step(config, graphdef, state, batch):
   if config_lib.optional(config, 'model.mtp.curriculum', 'none') != 'none':
     new_state = hold_inactive_depths(old_state, new_state, active)
   metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': train_state.lr_schedule(config)(step),
-             'lambda': weights[1:].sum() if num_depths > 1 else jnp.zeros(()),
+             'lambda': weights[1:].sum() if mtp_depth else jnp.zeros(()),
              'active_depths': active, **sums}
   return resilience.keep_finite_update(old_state, new_state, metrics)
 
@@ -123,14 +123,14 @@ def hold_inactive_depths(old_state, new_state, active):
 def eval_step(config, graphdef, state, batch, token_bytes_V):
   """Summed per-depth statistics on one batch, plus target bytes for bits per byte."""
   model, _ = nnx.merge(graphdef, state)
-  num_depths = config.model.mtp.depth + 1
-  weights = jnp.ones((num_depths,), jnp.float32)
+  mtp_depth = config.model.mtp.depth
+  weights = jnp.ones((mtp_depth + 1,), jnp.float32)
   _, sums = loss_lib.loss_and_metrics(model, batch, weights, None, config.model.loss_chunk)
   seg = batch['segment_ids']
   offsets = model.args.target_offsets()
   byte_sums = [jnp.sum(jnp.where(loss_lib.valid_mask(seg, k, offsets),
                                  token_bytes_V[loss_lib.targets(batch['tokens'], k, offsets)], 0))
-               for k in range(num_depths)]
+               for k in range(mtp_depth + 1)]
   sums['bytes'] = jnp.stack(byte_sums).astype(jnp.float32)
   return sums
 
