@@ -370,9 +370,21 @@ def _attention_head_width(m) -> int:
 
 
 def validate(config, num_devices: int | None = None) -> None:
-  """Checks every field that could fail later, before anything compiles."""
+  """Checks every field that could fail later, before anything compiles: the sizes first
+  (later checks divide by them), then section by section."""
   check_schema(config)
-  m, mtp, d, t = config.model, config.model.mtp, config.data, config.train
+  _validate_sizes(config)
+  _validate_model(config)
+  _validate_mtp(config)
+  _validate_loss(config)
+  _validate_train(config)
+  _validate_data(config)
+  _validate_mesh(config, num_devices)
+
+
+def _validate_sizes(config) -> None:
+  """The widths, lengths and counts that must be positive integers."""
+  m, d, t = config.model, config.data, config.train
   for name, val in [('model.d_model', m.d_model), ('model.n_layers', m.n_layers),
                     ('model.n_heads', m.n_heads), ('model.n_kv_heads', m.n_kv_heads),
                     ('model.head_dim', m.head_dim), ('model.mlp_dim', m.mlp_dim),
@@ -381,6 +393,11 @@ def validate(config, num_devices: int | None = None) -> None:
                     ('train.log_every', t.log_every), ('train.eval_batches', t.eval_batches),
                     ('model.vocab_multiple', m.vocab_multiple)]:
     require_positive_int(name, val)
+
+
+def _validate_model(config) -> None:
+  """config.model outside its mtp / mla / moe sub-sections."""
+  m, d = config.model, config.data
   _require(m.vocab_size >= 0, f'model.vocab_size must be >= 0, got {m.vocab_size}')
   _require(m.n_heads % m.n_kv_heads == 0,
            f'model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})')
@@ -416,6 +433,10 @@ def validate(config, num_devices: int | None = None) -> None:
   _require(not m.attention_bias or m.attention == 'gqa',
            "model.attention_bias applies to model.attention='gqa' only")
 
+
+def _validate_mtp(config) -> None:
+  """config.model.mtp, and the block kinds with their mla / moe sub-sections."""
+  mtp, d = config.model.mtp, config.data
   _require(isinstance(mtp.depth, int) and mtp.depth >= 0,
            f'model.mtp.depth must be a non-negative integer, got {mtp.depth!r}')
   _require(mtp.depth + 1 < d.seq_len,
@@ -431,17 +452,26 @@ def validate(config, num_devices: int | None = None) -> None:
            'model.mtp.freeze_trunk trains only the MTP modules, but model.mtp.depth is 0: '
            'set model.mtp.depth >= 1')
   _validate_block_kinds(config)
+  if mtp.weights:
+    _require(len(mtp.weights) == mtp.depth,
+             f'model.mtp.weights has {len(mtp.weights)} entries but model.mtp.depth is {mtp.depth}')
+    _require(all(w >= 0 for w in mtp.weights), f'model.mtp.weights must be >= 0, got {mtp.weights}')
+
+
+def _validate_loss(config) -> None:
+  """config.loss."""
+  mtp = config.model.mtp
   _require(config.loss.mtp_targets in ('data', 'self', 'soft'),
            "loss.mtp_targets must be 'data', 'self' or 'soft', got "
            f'{config.loss.mtp_targets!r}')
   _require(config.loss.mtp_targets == 'data' or mtp.depth > 0,
            f'loss.mtp_targets={config.loss.mtp_targets!r} sets the targets of MTP depths, '
            'but model.mtp.depth is 0')
-  if mtp.weights:
-    _require(len(mtp.weights) == mtp.depth,
-             f'model.mtp.weights has {len(mtp.weights)} entries but model.mtp.depth is {mtp.depth}')
-    _require(all(w >= 0 for w in mtp.weights), f'model.mtp.weights must be >= 0, got {mtp.weights}')
 
+
+def _validate_train(config) -> None:
+  """config.train."""
+  d, t = config.data, config.train
   _require(t.lr > 0, f'train.lr must be > 0, got {t.lr}')
   _require(0 <= t.warmup_steps, f'train.warmup_steps must be >= 0, got {t.warmup_steps}')
   _require(0 <= t.min_lr_ratio <= 1, f'train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}')
@@ -464,7 +494,15 @@ def validate(config, num_devices: int | None = None) -> None:
   _require(isinstance(t.max_consecutive_skips, int) and t.max_consecutive_skips >= 1,
            'train.max_consecutive_skips must be a positive integer, '
            f'got {t.max_consecutive_skips!r}')
+  profile_window(config)  # ConfigError on a malformed or unusable train.profile_steps
+  for name in ('compilation_cache_dir', 'checkpoint_dir'):
+    _require(isinstance(t[name], str), f'train.{name} must be a path or URL string, '
+             f'got {t[name]!r}')
 
+
+def _validate_data(config) -> None:
+  """config.data."""
+  d = config.data
   _require(d.tokenizer in ('byte', 'sentencepiece', 'hf'),
            f"data.tokenizer must be 'byte', 'sentencepiece' or 'hf', got {d.tokenizer!r}")
   if d.tokenizer == 'sentencepiece':
@@ -479,13 +517,14 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(isinstance(d[name], int) and not isinstance(d[name], bool) and d[name] >= 0,
              f'data.{name} must be a non-negative integer (0: from the CPU count), '
              f'got {d[name]!r}')
-  profile_window(config)  # ConfigError on a malformed or unusable train.profile_steps
-  for name in ('compilation_cache_dir', 'checkpoint_dir'):
-    _require(isinstance(t[name], str), f'train.{name} must be a path or URL string, '
-             f'got {t[name]!r}')
   _require(isinstance(d.corpus_dir, str), f'data.corpus_dir must be a path string, got {d.corpus_dir!r}')
   validate_data_source(d)
 
+
+def _validate_mesh(config, num_devices: int | None) -> None:
+  """config.mesh, and with a device count the divisibility of the batch, vocabulary,
+  heads and experts over it."""
+  m, d, t = config.model, config.data, config.train
   for rule in config.mesh.rules:
     _require(len(rule) == 2, f'mesh.rules entries must be (logical, mesh_axes) pairs, got {rule!r}')
     axes = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
