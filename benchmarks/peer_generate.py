@@ -1,7 +1,7 @@
 """The project's AR decoding against a plain-JAX peer `generate` loop, in one process.
 
   python benchmarks/peer_generate.py --rounds 60 --filters
-  python benchmarks/peer_generate.py --filters --ab sampling.BITWISE_THRESHOLDS --rounds 20
+  python benchmarks/peer_generate.py --filters --ab bitwise_thresholds --rounds 20
 
 The peer is written here from the math, independently of mtp_jax's decoder and layers:
 one jitted `lax.while_loop`, a preallocated [B, S, K, H] KV cache per layer updated with
@@ -13,9 +13,9 @@ tokens), read from the model's own parameters, and the script fails unless the p
 greedy tokens equal `Decoder.generate`'s (num_drafts = 0) token for token: both compute
 the same function. Then every variant is timed round robin over --rounds rounds, so
 background load hits all alike; tokens/s of the best and the median round per variant,
-and the project / peer ratios of both. --ab MODULE.FLAG also times the project's T = 1
-variants with a boolean module-level setting read while tracing switched off (a second
-Decoder compiled after `decoder.clear_compiled()`), e.g. sampling.BITWISE_THRESHOLDS.
+and the project / peer ratios of both. --ab OPTION also times the project's T = 1
+variants with a boolean Decoder option switched off (a second Decoder, its own compiled
+programs), e.g. bitwise_thresholds or tall_attention.
 """
 import functools
 import json
@@ -30,12 +30,10 @@ import numpy as np
 import common  # benchmarks/common.py
 
 from decode_speed import random_model  # noqa: E402
-from mtp_jax.decode import Decoder, clear_compiled  # noqa: E402
-from mtp_jax.decode import sampling  # noqa: E402
-from mtp_jax.model import decode_ops  # noqa: E402
+from mtp_jax.decode import Decoder  # noqa: E402
 
 NAME = 'peer_generate'
-AB_MODULES = {'decode_ops': decode_ops, 'sampling': sampling}  # their switches read while tracing
+AB_OPTIONS = ('bitwise_thresholds', 'tall_attention')  # Decoder's boolean options
 
 
 def parse(argv):
@@ -49,15 +47,10 @@ def parse(argv):
   p.add_argument('--filters', action='store_true',
                  help='also time the project\'s T = 1 AR with top-k 50 and with top-p 0.9 '
                       '(and speculative sampling with top-p 0.9)')
-  p.add_argument('--ab', default='',
-                 help='MODULE.FLAG, e.g. sampling.BITWISE_THRESHOLDS: also time the project\'s '
+  p.add_argument('--ab', default='', choices=('',) + AB_OPTIONS,
+                 help='a Decoder option, e.g. bitwise_thresholds: also time the project\'s '
                       'T = 1 variants with that boolean switch off ("_off")')
   args = p.parse_args(argv)
-  if args.ab and (args.ab.count('.') != 1 or args.ab.split('.')[0] not in AB_MODULES
-                  or not isinstance(getattr(AB_MODULES[args.ab.split('.')[0]],
-                                            args.ab.split('.')[1], None), bool)):
-    p.error(f'--ab must name a boolean switch MODULE.FLAG of {sorted(AB_MODULES)}, '
-            f'got {args.ab!r}')
   if args.rounds < 1 or args.prompt_len < 1 or args.max_new_tokens < 2:
     p.error('--rounds and --prompt_len must be >= 1, --max_new_tokens >= 2')
   if args.smoke:
@@ -194,14 +187,14 @@ def main(argv=None) -> int:
     return 1
   print(f'greedy outputs identical ({n} tokens)', file=sys.stderr)
 
-  off_dec = [None]  # the Decoder compiled with the --ab switch off, made on first use
+  off_dec = [None]  # the Decoder with the --ab option off, made on first use
 
   def project(temperature, num_drafts=0, off=False, **kw):
     def run(i):
       d = dec
       if off:
         if off_dec[0] is None:
-          off_dec[0] = Decoder(model)
+          off_dec[0] = Decoder(model, **{args.ab: False})
         d = off_dec[0]
       return d.generate(prompt.tolist(), n, num_drafts=num_drafts, temperature=temperature,
                         eos_id=None, seed=i, **kw).seconds
@@ -230,24 +223,10 @@ def main(argv=None) -> int:
   ab = list(t1)
   if args.ab:
     variants.update({f'{k}_off': project(1.0, off=True, **kw) for k, kw in t1.items()})
-  # Compile and warm up, untimed: every form with the switch on, then (after forgetting
-  # the compiled programs) the _off forms with it off.
-  for k, run in variants.items():
-    if not k.endswith('_off'):
-      run(0)
-      run(0)
-  if args.ab:
-    module, flag = args.ab.split('.')
-    clear_compiled()
-    setattr(AB_MODULES[module], flag, False)
-    try:
-      for k, run in variants.items():
-        if k.endswith('_off'):
-          run(0)
-          run(0)
-    finally:
-      setattr(AB_MODULES[module], flag, True)
-      clear_compiled()
+  # Compile and warm up, untimed: every form, the _off ones on their own Decoder.
+  for run in variants.values():
+    run(0)
+    run(0)
   times = {k: [] for k in variants}
   for i in range(args.rounds):
     for k, run in variants.items():

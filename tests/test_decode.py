@@ -671,3 +671,32 @@ def test_leap_depths_do_not_draft():
   leap = decode.Decoder(build(config))
   assert leap.args.drafting_depths() == 0
   assert leap.generate(prompts[:1], 4, eos_id=None).num_drafts == 0
+
+
+def test_decoder_options_change_the_traced_program_not_the_tokens():
+  """tall_attention / bitwise_thresholds: the earlier forms are Decoder options compiled into
+  their own programs (no module state), and decode the same tokens."""
+  model = build(tiny_model_config(2))
+  prompts = [[3, 4, 5, 6, 7], [9, 10, 11]]
+  on = decode.Decoder(model)
+  off = decode.Decoder(model, tall_attention=False, bitwise_thresholds=False)
+  for kw in (dict(), dict(temperature=1.0, top_k=5, top_p=0.9)):
+    a = on.generate(prompts, 8, num_drafts=2, seed=3, **kw).tokens
+    b = off.generate(prompts, 8, num_drafts=2, seed=3, **kw).tokens
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)), kw
+  prog_on, prog_off = on.program(2, 8, 8, num_drafts=2), off.program(2, 8, 8, num_drafts=2)
+  assert prog_on != prog_off and not prog_off.tall_attention
+  if jax.default_backend() == 'cpu':  # the tall form is the CPU one, read while tracing
+    a_XxQxC, b_XxRxC = jnp.ones((2, 3, 8)), jnp.ones((2, 32, 8))
+    form = lambda: str(jax.make_jaxpr(  # noqa: E731
+        lambda a, b: decode_ops._few_query_dot(a, b, jnp.float32))(a_XxQxC, b_XxRxC))
+    assert 'optimization_barrier' in form()
+    with decode_ops.tall_attention(False):
+      assert 'optimization_barrier' not in form()
+    assert 'optimization_barrier' in form()  # the option is scoped to what it traces
+    tall_off = decode.Decoder(model, tall_attention=False)
+    prog = tall_off.program(2, 8, 8, num_drafts=2)
+    text_on = on.compile(prog_on).as_text()
+    decode.clear_compiled()  # the same program compiled again reads the same: a fair compare
+    assert decode.Decoder(model).compile(prog_on).as_text() == text_on
+    assert tall_off.compile(prog).as_text() != text_on

@@ -62,9 +62,7 @@ _COMPILED = {}  # (graphdef, Program) -> compiled executable, shared by every De
 
 
 def clear_compiled() -> None:
-  """Forgets every compiled program. Decoders built afterwards compile anew: the way to
-  compare a module-level setting read while tracing (e.g. `sampling.BITWISE_THRESHOLDS`,
-  `decode_ops.ATTN_TALL`) in one process, one Decoder per setting."""
+  """Forgets every compiled program; Decoders compile anew on their next call."""
   _COMPILED.clear()
 
 
@@ -83,6 +81,8 @@ class Program:
   layout: str = 'heads_major'  # KV cache layout (decode_ops.CACHE_LAYOUTS)
   weights: str = 'float32'  # dtype of the weight matrices the program reads
   adaptive: bool = False  # confidence-adaptive draft length (verify_widths buckets)
+  tall_attention: bool = True  # Decoder(tall_attention=...): decode_ops.tall_attention
+  bitwise_thresholds: bool = True  # Decoder(bitwise_thresholds=...): Sampling.bitwise
 
   @property
   def verify_widths(self) -> tuple:
@@ -388,11 +388,15 @@ class Decoder:
   """
 
   def __init__(self, model: MTPModel, *, weight_dtype: str = 'float32',
-               cache_layout: str | None = None):
+               cache_layout: str | None = None, tall_attention: bool = True,
+               bitwise_thresholds: bool = True):
     """weight_dtype 'bfloat16': the weight matrices (ndim >= 2: projections, embedding)
     stored in bfloat16 for decoding, half the bytes a step reads; products accumulate
     in float32, norms, activations and KV caches stay in the model's dtype.
     cache_layout: decode_ops.CACHE_LAYOUTS (default: decode_ops.default_cache_layout()).
+    tall_attention / bitwise_thresholds: the faster forms of the few-query attention
+    products on CPU (decode_ops.tall_attention) and of the top-k / top-p thresholds
+    (Sampling.bitwise); False compiles the earlier forms, for comparing the two.
     """
     if weight_dtype not in WEIGHT_DTYPES:
       raise RequestError(f'weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}')
@@ -401,6 +405,7 @@ class Decoder:
       raise RequestError(f'cache_layout must be one of {decode_ops.CACHE_LAYOUTS}, got {layout!r}')
     self.args = model.args
     self.weight_dtype, self.layout = weight_dtype, layout
+    self.tall_attention, self.bitwise_thresholds = bool(tall_attention), bool(bitwise_thresholds)
     # The decode layout (decode_ops.DecodeWeight): the decode path's matrices transposed and
     # fused once here, on a copy; the caller's model is untouched.
     self.graphdef, params = nnx.split(model.for_decoding(layout))
@@ -435,7 +440,9 @@ class Decoder:
     return Program(batch, bucket(prompt_len), bucket(max_new), num_drafts, greedy=greedy,
                    record=record, top_k=not greedy and top_k > 0,
                    top_p=not greedy and top_p < 1.0, layout=self.layout,
-                   weights=self.weight_dtype, adaptive=draft_threshold > 0 and num_drafts > 0)
+                   weights=self.weight_dtype, adaptive=draft_threshold > 0 and num_drafts > 0,
+                   tall_attention=self.tall_attention,
+                   bitwise_thresholds=self.bitwise_thresholds)
 
   def _inputs(self, prog, prompts, max_new, eos_id, temperature, top_k, top_p, seed,
               draft_argmax=False, draft_threshold=0.0):
@@ -447,7 +454,8 @@ class Decoder:
     max_new = np.broadcast_to(np.asarray(max_new, np.int32), (b,)).copy()
     sampling = Sampling(np.float32(temperature if temperature > 0 else 1.0),
                         np.int32(top_k), np.float32(top_p), np.bool_(draft_argmax),
-                        use_top_k=prog.top_k, use_top_p=prog.top_p)
+                        use_top_k=prog.top_k, use_top_p=prog.top_p,
+                        bitwise=prog.bitwise_thresholds)
     return (self._leaves, padded, lens, max_new, np.int32(-1 if eos_id is None else eos_id),
             sampling, np.int32(seed), np.float32(draft_threshold))
 
@@ -461,7 +469,8 @@ class Decoder:
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
                               example)
       fn = jax.jit(functools.partial(_decode, prog, self.graphdef, self._treedef))
-      _COMPILED[key] = fn.lower(*abstract).compile()
+      with decode_ops.tall_attention(prog.tall_attention):  # read while tracing
+        _COMPILED[key] = fn.lower(*abstract).compile()
     self._programs[prog] = _COMPILED[key]
     return _COMPILED[key]
 

@@ -29,6 +29,9 @@ class Sampling:
   draft_argmax: Array | bool = False  # drafts are argmax (q = one-hot), not sampled from q
   use_top_k: bool = dataclasses.field(default=True, metadata=dict(static=True))
   use_top_p: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  # the top-k / top-p thresholds by the bitwise search below; False: from full sorts (the
+  # earlier form, kept for comparison: Decoder(bitwise_thresholds=False))
+  bitwise: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
 
 # Top-k / top-p need a per-row threshold: the k-th largest logit, and the smallest
@@ -72,18 +75,13 @@ def _top_p_mask(probs, top_p):
   return key >= _largest_key(lambda t: mass(t) >= top_p, 31, probs.shape[:-1])[..., None]
 
 
-# False: the thresholds from full sorts, as before (kept for the in-process A/B:
-# benchmarks/peer_generate.py --filters --ab sampling.BITWISE_THRESHOLDS).
-BITWISE_THRESHOLDS = True
-
-
 def _sorted_top_k_mask(x, k):
-  """_top_k_mask from a sort of the row (the A/B's baseline)."""
+  """_top_k_mask from a sort of the row (Sampling.bitwise False)."""
   return x >= jnp.take(-jnp.sort(-x, axis=-1), k - 1, axis=-1)[..., None]
 
 
 def _sorted_top_p_mask(probs, top_p):
-  """_top_p_mask from a sort of the row (the A/B's baseline)."""
+  """_top_p_mask from a sort of the row (Sampling.bitwise False)."""
   desc = -jnp.sort(-probs, axis=-1)
   before = jnp.cumsum(desc, axis=-1) - desc  # mass strictly above each sorted entry
   kept = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1
@@ -97,11 +95,11 @@ def _adjusted_logits(logits, sampling: Sampling):
   neg = jnp.array(-jnp.inf, x.dtype)
   if sampling.use_top_k:
     k = jnp.clip(sampling.top_k, 1, v)
-    keep = (_top_k_mask if BITWISE_THRESHOLDS else _sorted_top_k_mask)(x, k)
+    keep = (_top_k_mask if sampling.bitwise else _sorted_top_k_mask)(x, k)
     x = jnp.where((sampling.top_k > 0) & ~keep, neg, x)
   if sampling.use_top_p:
     probs = jax.nn.softmax(x, axis=-1)
-    keep = (_top_p_mask if BITWISE_THRESHOLDS else _sorted_top_p_mask)(probs, sampling.top_p)
+    keep = (_top_p_mask if sampling.bitwise else _sorted_top_p_mask)(probs, sampling.top_p)
     x = jnp.where((sampling.top_p < 1.0) & ~keep, neg, x)
   return x
 

@@ -6,6 +6,8 @@ rule (`decode_dot`, `_few_query_dot`) and the cache helpers the layers' `decode`
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -130,14 +132,25 @@ def decode_dot(x_NxI: Array, w_OxI: Array) -> Array:
 # (0.4 AR step at d 768 / L 12); the tall-skinny form, [slots, queries] behind a barrier,
 # then the small transpose, cut a 4-row trunk pass from 1.40 to 1.26 one-row passes.
 # One query (an AR step), prefill-sized
-# windows and other backends keep the einsum.
-ATTN_TALL = True
+# windows and other backends keep the einsum. The form is chosen while tracing:
+# Decoder(tall_attention=False) traces its programs under tall_attention(False).
+_TALL_ATTENTION = contextvars.ContextVar('tall_attention', default=True)
+
+
+@contextlib.contextmanager
+def tall_attention(enabled: bool):
+  """Whether _few_query_dot may use the tall-skinny form in what is traced inside."""
+  token = _TALL_ATTENTION.set(enabled)
+  try:
+    yield
+  finally:
+    _TALL_ATTENTION.reset(token)
 
 
 def _few_query_dot(a_XxQxC, b_XxRxC, out_dtype):
   """[X, Q, R] = a b^T per leading index x, contracting C; Q few rows (decode_dot's rule)."""
   q = a_XxQxC.shape[1]
-  if not ATTN_TALL or q == 1 or q > TALL_ROWS or jax.default_backend() != 'cpu':
+  if not _TALL_ATTENTION.get() or q == 1 or q > TALL_ROWS or jax.default_backend() != 'cpu':
     return jnp.einsum('xqc,xrc->xqr', a_XxQxC, b_XxRxC,
                       preferred_element_type=jnp.float32).astype(out_dtype)
   qp = _padded_rows(q)
