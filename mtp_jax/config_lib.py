@@ -607,9 +607,9 @@ def _validate_mtp_schedules(config) -> None:
 
 def target_offsets(config) -> tuple:
   """(1, o_1, ..., o_D): the target offset of every head of `config`, the main one first."""
-  depth = config.model.mtp.depth
+  mtp_depth = config.model.mtp.depth
   offsets = tuple(optional(config, 'model.mtp.target_offsets', ()))
-  return (1,) + (offsets or tuple(range(2, depth + 2)))
+  return (1,) + (offsets or tuple(range(2, mtp_depth + 2)))
 
 
 def _validate_rope_scaling(rs) -> None:

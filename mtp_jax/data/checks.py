@@ -29,15 +29,15 @@ def check_document_lengths(config) -> None:
   """ConfigError when no sampled training document is long enough for the deepest MTP depth.
 
   Depth k at position i predicts t_{i+k+1} of the same document, so a document (with its
-  eos) needs D + 2 tokens to give depth D one target; a corpus of shorter ones would
-  train depth D on a loss that is always empty (0), silently.
+  eos) needs M + 2 tokens to give depth M one target; a corpus of shorter ones would
+  train depth M on a loss that is always empty (0), silently.
   """
   # Deferred: stdlib_dataset imports tensorflow_datasets (seconds), needed only to train.
   from mtp_jax.data import stdlib_dataset  # pylint: disable=g-import-not-at-top
   # Deferred: as stdlib_dataset (pipeline imports it); its document_ids reads data.tokens_key.
   from mtp_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-  depth = config.model.mtp.depth
-  need = depth + 2
+  mtp_depth = config.model.mtp.depth
+  need = mtp_depth + 2
   d = config.data
   source = stdlib_dataset.data_source(d, d.train_split)
   tokenizer = tokenizers.get_tokenizer(d)
@@ -53,5 +53,5 @@ def check_document_lengths(config) -> None:
   raise ConfigError(
       f'data: the {n} documents checked in split {d.train_split!r} of {user_data.describe(d)} '
       f'are all shorter than model.mtp.depth + 2 = {need} tokens (longest '
-      f'{longest} with eos), so MTP depth {depth} would never have a target; lower '
+      f'{longest} with eos), so MTP depth {mtp_depth} would never have a target; lower '
       'model.mtp.depth or use longer documents')

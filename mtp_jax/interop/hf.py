@@ -120,9 +120,9 @@ class Source:
     self.reader.close()
 
 
-def _full_args(args: ModelArgs, depth: int) -> ModelArgs:
+def _full_args(args: ModelArgs, mtp_depth: int) -> ModelArgs:
   """args with the checkpoint's MTP depths, sequential, in the layout's block kinds."""
-  return dataclasses.replace(args, mtp_depth=depth, mtp_kind='sequential',
+  return dataclasses.replace(args, mtp_depth=mtp_depth, mtp_kind='sequential',
                              mtp_block_attention='', mtp_block_mlp='')
 
 

@@ -145,10 +145,10 @@ def self_distill(workdir: str, out_dir: str, settings: Settings,
     raise RequestError(f'--out {out_dir!r} already holds {DATA_FILE}; choose a new directory')
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise RequestError(f'--out {out_dir!r} exists and is not a directory')
-  depth = int(config.model.mtp.depth)
-  if settings.num_drafts > depth:
+  mtp_depth = int(config.model.mtp.depth)
+  if settings.num_drafts > mtp_depth:
     raise RequestError(f'--num_drafts {settings.num_drafts} exceeds the checkpoint\'s '
-                       f'model.mtp.depth ({depth})')
+                       f'model.mtp.depth ({mtp_depth})')
   config_lib.validate(config)
   split = settings.split or config.data.train_split
   tokenizer = tokenizers.get_tokenizer(config.data)

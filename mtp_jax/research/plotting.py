@@ -291,10 +291,10 @@ def plot_sweep_acceptance(results: list[dict], path: str, budget: str = 'equal_t
   width = 0.8 / max(len(by), 1)
   for ax, (t, name) in zip(axes, temps):
     for i, (v, rs) in enumerate(by.items()):
-      depth = rs[0]['depth']
+      mtp_depth = rs[0]['depth']
       acc = np.asarray([r['evals'][budget]['decode'][t]['acceptance_per_depth'] for r in rs])
       agree = np.asarray([r['evals'][budget]['heldout']['agree'] for r in rs])
-      xs = np.arange(1, depth + 1) + (i - (len(by) - 1) / 2) * width
+      xs = np.arange(1, mtp_depth + 1) + (i - (len(by) - 1) / 2) * width
       ax.bar(xs, acc.mean(0), width, yerr=acc.std(0, ddof=1) if len(rs) > 1 else None,
              color=VARIANT_COLORS.get(v), label=_variant_label(rs), capsize=2)
       ax.plot(xs, agree.mean(0), 'k_', ms=12, mew=2,

@@ -126,12 +126,12 @@ class LMEvaluator:
     if not self.prompts:
       return {}
     dec = evaluation.local_decoder(ts.graphdef, state, ts.mesh)
-    depth = dec.args.drafting_depths()
-    if not depth:
+    drafting = dec.args.drafting_depths()
+    if not drafting:
       return {}
     out = {}
     for temp in self.temperatures:
-      res = dec.generate(self.prompts, self.new_tokens, num_drafts=depth, temperature=temp,
+      res = dec.generate(self.prompts, self.new_tokens, num_drafts=drafting, temperature=temp,
                          eos_id=None, seed=self.decode_seed)
       st = res.stats()
       out[f'T{temp:g}'] = {'tau': st['mean_accepted_length'],

@@ -1,7 +1,7 @@
 """Metric names and where metrics go: metrics.jsonl, TensorBoard event files, a live console line.
 
-Every per-depth key is `metric_key(split, stat, depth)`: 'train/loss_main',
-'eval/acc_mtp_2', 'eval/decode_accept_mtp_1'; depth None is a key without a depth
+Every per-depth key is `metric_key(split, stat, k)`: 'train/loss_main',
+'eval/acc_mtp_2', 'eval/decode_accept_mtp_1'; k None is a key without a depth
 ('eval/decode_tau'). Readers find the depths a log holds with `parse_key`.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ import numpy as np
 _KEY_RE = re.compile(r'^(\w+)/(\w+?)_(main|mtp_(\d+))$')
 
 
-def depth_name(depth: int) -> str:
+def depth_name(k: int) -> str:
   """'main' for the main model (depth 0), 'mtp_k' for MTP depth k."""
-  return 'main' if depth == 0 else f'mtp_{depth}'
+  return 'main' if k == 0 else f'mtp_{k}'
 
 
 def depth_names(heads: int) -> list[str]:
@@ -29,9 +29,9 @@ def depth_names(heads: int) -> list[str]:
   return [depth_name(k) for k in range(heads)]
 
 
-def metric_key(split: str, stat: str, depth: int | None = None) -> str:
+def metric_key(split: str, stat: str, k: int | None = None) -> str:
   """'split/stat_main', 'split/stat_mtp_k', or 'split/stat' when depth is None."""
-  return f'{split}/{stat}' if depth is None else f'{split}/{stat}_{depth_name(depth)}'
+  return f'{split}/{stat}' if k is None else f'{split}/{stat}_{depth_name(k)}'
 
 
 # Free-running decoding (evaluation.decode_metrics): mean accepted length, and per depth k
