@@ -117,7 +117,7 @@ def sampling_for(form, temperature=1.0):
 def keys_for(form, batch, seed=0):
   impl = 'rbg' if form.startswith('rbg_') else None
   base = jax.random.key(seed, impl=impl)
-  return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(batch))  # as _decode
+  return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(batch))  # as decode_program
 
 
 def loop_fn(prog, form, steps):

@@ -156,6 +156,48 @@ def test_function_level_imports_are_the_deferred_ones():
   assert found == DEFERRED, f'allowed but no longer deferred: {sorted(DEFERRED - found)}'
 
 
+def _private_uses(path) -> list[str]:
+  """'line: name' for each private name of another package module a file imports or reads:
+  `from mtp_jax.x import _y`, and `_y` read off a name bound to a package module."""
+  tree = ast.parse(pathlib.Path(path).read_text(encoding='utf-8'))
+  bound, found = set(), []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or '').split('.')[0] == 'mtp_jax':
+      for a in node.names:
+        if a.name.startswith('_'):
+          found.append(f'{node.lineno}: {node.module}.{a.name}')
+        elif f'{node.module}.{a.name}' in MODULES:
+          bound.add(a.asname or a.name)
+    elif isinstance(node, ast.Import):
+      bound.update(a.asname or a.name.split('.')[0] for a in node.names
+                   if a.name.split('.')[0] == 'mtp_jax')
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and node.attr.startswith('_')
+        and not node.attr.startswith('__')):
+      base = node.value
+      while isinstance(base, ast.Attribute) and not base.attr.startswith('_'):
+        base = base.value
+      if isinstance(base, ast.Name) and base.id in bound:
+        found.append(f'{node.lineno}: {base.id}...{node.attr}')
+  return found
+
+
+def test_no_module_uses_another_modules_private_names():
+  """What one module takes from another is public: a leading underscore means 'this file only'."""
+  found = {path: _private_uses(path) for path in MODULES.values()}
+  found = {p: f for p, f in found.items() if f}
+  assert not found, f'private names used across modules: {found}'
+
+
+def test_private_name_check_sees_both_forms(tmp_path):
+  src = tmp_path / 'm.py'
+  src.write_text('from mtp_jax.checkpoint.reader import _x\nfrom mtp_jax.model import mla\n'
+                 'from mtp_jax import checkpoint as c\n'
+                 'y = mla._pad_last\nz = c.reader._w\nok = mla.MLAttention\n')
+  assert _private_uses(src) == ['1: mtp_jax.checkpoint.reader._x', '4: mla..._pad_last',
+                                '5: c..._w']
+
+
 def test_no_test_file_imports_another():
   """Shared code lives in helpers.py (or conftest.py's fixtures), never in a test module."""
   tests = os.path.join(REPO, 'tests')

@@ -689,7 +689,7 @@ def test_decoder_options_change_the_traced_program_not_the_tokens():
   if jax.default_backend() == 'cpu':  # the tall form is the CPU one, read while tracing
     a_XxQxC, b_XxRxC = jnp.ones((2, 3, 8)), jnp.ones((2, 32, 8))
     form = lambda: str(jax.make_jaxpr(  # noqa: E731
-        lambda a, b: decode_ops._few_query_dot(a, b, jnp.float32))(a_XxQxC, b_XxRxC))
+        lambda a, b: decode_ops.few_query_dot(a, b, jnp.float32))(a_XxQxC, b_XxRxC))
     assert 'optimization_barrier' in form()
     with decode_ops.tall_attention(False):
       assert 'optimization_barrier' not in form()

@@ -11,8 +11,8 @@ The names below are the public API (`from mtp_jax import checkpoint as ckpt_lib`
 from mtp_jax.checkpoint.compat import DATA_FIELDS, check_compatible, config_diffs
 from mtp_jax.checkpoint.integrity import data_state_hash, fingerprint, integrity_meta, verify
 from mtp_jax.checkpoint.partial import check_init_from, init_from, resolve_checkpoint
-from mtp_jax.checkpoint.reader import (CheckpointReader, load_workdir, read_state_arrays,
-                                       restore_state, warn)
+from mtp_jax.checkpoint.reader import (CheckpointReader, load_workdir, path_names,
+                                       read_state_arrays, restore_state, warn)
 from mtp_jax.checkpoint.store import (QUARANTINE_DIR, TMP_MARKER, CheckpointError, Checkpointer,
                                       Restored, abstract_like, is_url, location, short)
 
@@ -21,5 +21,5 @@ __all__ = [
     'TMP_MARKER', 'abstract_like', 'check_compatible', 'check_init_from', 'config_diffs',
     'data_state_hash', 'fingerprint', 'init_from', 'integrity_meta', 'load_workdir',
     'read_state_arrays', 'resolve_checkpoint', 'restore_state', 'short', 'verify', 'warn',
-    'is_url', 'location',
+    'is_url', 'location', 'path_names',
 ]

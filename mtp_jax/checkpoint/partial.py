@@ -14,7 +14,8 @@ import orbax.checkpoint as ocp
 
 from mtp_jax.errors import ConfigError
 from mtp_jax.checkpoint.compat import config_diffs
-from mtp_jax.checkpoint.reader import CheckpointReader, _key_str, _nested, _paths, _restore_item, warn
+from mtp_jax.checkpoint.reader import (CheckpointReader, leaf_paths, nested, path_names,
+                                       restore_item, warn)
 from mtp_jax.checkpoint.store import CheckpointError
 
 
@@ -86,7 +87,7 @@ def init_from(source: str, config, config_dict: dict, state, abstract_state,
   def wanted(path):  # the model half; MTP depths only up to `keep`
     return path[0] == '0' and (path[1] != 'mtp' or int(path[2]) < keep)
 
-  target = _nested({p: x for p, x in _paths(abstract_state).items() if wanted(p)})
+  target = nested({p: x for p, x in leaf_paths(abstract_state).items() if wanted(p)})
   restore_args = jax.tree.map(
       lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype),
       target)
@@ -94,10 +95,10 @@ def init_from(source: str, config, config_dict: dict, state, abstract_state,
 
   def load(s: int) -> dict:
     meta = reader.read_meta(s)
-    restored = _restore_item(
+    restored = restore_item(
         os.path.join(directory, str(s), 'state'), ocp.PyTreeCheckpointHandler(),
         ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True))
-    loaded = _paths(restored)
+    loaded = leaf_paths(restored)
     reader.verify_paths(s, meta, loaded)
     return loaded
 
@@ -108,7 +109,7 @@ def init_from(source: str, config, config_dict: dict, state, abstract_state,
     raise CheckpointError(f'--init_from {source}: cannot load the trunk ({e})') from e
   flat, treedef = jax.tree_util.tree_flatten_with_path(state)
   state = jax.tree_util.tree_unflatten(treedef, [
-      loaded.get(tuple(_key_str(k) for k in p), x) for p, x in flat])
+      loaded.get(path_names(p), x) for p, x in flat])
   fresh = config.model.mtp.depth - keep
   desc = (f'Initialised from {directory}/{step}: trunk, embedding and head'
           + (f' + MTP depths 1..{keep}' if keep else '')

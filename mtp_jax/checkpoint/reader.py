@@ -22,7 +22,7 @@ from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.errors import RequestError
 from mtp_jax.checkpoint.integrity import fingerprint, verify
-from mtp_jax.checkpoint.store import (CheckpointError, Restored, _listdir, draining_loops,
+from mtp_jax.checkpoint.store import (CheckpointError, Restored, listdir, draining_loops,
                                       is_url, isdir, location, short)
 
 
@@ -82,7 +82,7 @@ class CheckpointReader:
       return (not self.directory.startswith('gs://')
               or epath.Path(f'{self.directory}/{n}/{_COMMIT_FILE}').exists())
 
-    return sorted(int(n) for n in _listdir(self.directory)
+    return sorted(int(n) for n in listdir(self.directory)
                   if n.isdigit() and isdir(f'{self.directory}/{n}') and finished(n))
 
   def _dir(self, step: int, item: str = '') -> str:
@@ -100,7 +100,7 @@ class CheckpointReader:
   def restore(self, step: int, abstract_state):
     """(state, meta) of `step` onto `abstract_state`'s shardings, verified; raises if broken."""
     meta = self.read_meta(step)
-    state = _restore_item(self._dir(step, 'state'), ocp.StandardCheckpointHandler(),
+    state = restore_item(self._dir(step, 'state'), ocp.StandardCheckpointHandler(),
                           ocp.args.StandardRestore(abstract_state))
     verify(step, state, meta)
     return state, meta
@@ -180,7 +180,7 @@ class CheckpointReader:
     finally:
       handler.close()
     tree = getattr(tree, 'tree', tree)
-    return sorted(_paths(tree), key=_order_key)
+    return sorted(leaf_paths(tree), key=_order_key)
 
   def verify_paths(self, step: int, meta: dict, loaded: dict) -> None:
     """ValueError unless every {path: array} of `loaded` matches its recorded fingerprint
@@ -203,7 +203,7 @@ class CheckpointReader:
     """Every array of `step` in fingerprint order, as saved and verified; no model is built."""
     meta = self.read_meta(step)
     tree = _restore_as_numpy(self._dir(step, 'state'))
-    loaded = _paths(tree)
+    loaded = leaf_paths(tree)
     self.verify_paths(step, meta, loaded)
     return [np.asarray(loaded[p]) for p in sorted(loaded, key=_order_key)]
 
@@ -235,7 +235,7 @@ def _restore_as_numpy(path: str):
     handler.close()
 
 
-def _restore_item(path: str, handler, args):
+def restore_item(path: str, handler, args):
   """One item directory restored through its handler alone: a Checkpointer would also look
   for (and log the lack of) step-level metadata inside the item directory."""
   try:
@@ -317,20 +317,28 @@ def read_state_arrays(directory: str, step: int) -> list[np.ndarray]:
   return CheckpointReader(directory).read_arrays(step)
 
 
-def _key_str(k) -> str:
+def path_names(path) -> tuple[str, ...]:
+  """A jax tree path as the tuple of its key names: ('0', 'embed', 'embedding', 'value').
+
+  The one spelling of a parameter's path, shared by checkpoints and the HF interop."""
+  return tuple(_key_name(k) for k in path)
+
+
+def _key_name(k) -> str:
+  """A DictKey's key, a SequenceKey's index, a GetAttrKey's name."""
   for attr in ('key', 'idx', 'name'):
     if hasattr(k, attr):
       return str(getattr(k, attr))
   return str(k)
 
 
-def _paths(tree) -> dict:
+def leaf_paths(tree) -> dict:
   """{('0', 'embed', 'embedding', 'value'): leaf, ...}: the names orbax saves under."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {tuple(_key_str(k) for k in p): x for p, x in flat}
+  return {path_names(p): x for p, x in flat}
 
 
-def _nested(paths: dict) -> dict:
+def nested(paths: dict) -> dict:
   out = {}
   for path, leaf in paths.items():
     node = out

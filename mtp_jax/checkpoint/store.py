@@ -166,7 +166,7 @@ class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = location(directory)  # a URL (gs://...) reaches orbax untouched
     # Reported once by the trainer; orbax deletes them (cleanup_tmp_directories).
-    self.incomplete = sorted(n for n in _listdir(self.directory) if TMP_MARKER in n)
+    self.incomplete = sorted(n for n in listdir(self.directory) if TMP_MARKER in n)
     self._options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
         cleanup_tmp_directories=True)
@@ -304,7 +304,7 @@ class Checkpointer:
           _release_draining_policy()
 
 
-def _listdir(path: str) -> list[str]:
+def listdir(path: str) -> list[str]:
   if is_url(path):
     try:
       return [p.name for p in epath.Path(path).iterdir()]

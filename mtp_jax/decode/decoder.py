@@ -311,7 +311,7 @@ def _iteration(prog, model, st: DecodeState, eos, sampling, threshold) -> Decode
       history_length=hl)
 
 
-def _decode(prog: Program, graphdef, treedef, leaves, prompts_BxP, prompt_len_B, max_new_B, eos,
+def decode_program(prog: Program, graphdef, treedef, leaves, prompts_BxP, prompt_len_B, max_new_B, eos,
             sampling, seed, threshold):
   """Prefill, then the while loop until every row is done. Returns the final DecodeState.
 
@@ -468,7 +468,7 @@ class Decoder:
       example = self._inputs(prog, [[0]] * prog.batch, 1, 1, 0.0, 0, 1.0, 0)
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
                               example)
-      fn = jax.jit(functools.partial(_decode, prog, self.graphdef, self._treedef))
+      fn = jax.jit(functools.partial(decode_program, prog, self.graphdef, self._treedef))
       with decode_ops.tall_attention(prog.tall_attention):  # read while tracing
         _COMPILED[key] = fn.lower(*abstract).compile()
     self._programs[prog] = _COMPILED[key]

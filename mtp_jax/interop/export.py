@@ -40,17 +40,10 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_ma
 BYTE_SPECIALS = {'<|pad|>': tokenizers.PAD_ID, '<|eos|>': tokenizers.EOS_ID}
 
 
-def _key(k) -> str:
-  for attr in ('key', 'idx', 'name'):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
 def model_params(model: MTPModel) -> dict:
   """{path (str keys, no '.value' leaf): numpy array} of the Params and routing biases."""
   state = nnx.state(model, nnx.Any(nnx.Param, moe.RoutingBias))
-  return {tuple(_key(k) for k in p)[:-1]: np.asarray(x)
+  return {ckpt_lib.path_names(p)[:-1]: np.asarray(x)
           for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax import config_lib
+from mtp_jax.checkpoint import path_names
 from mtp_jax.train_state import HF_PREFIX, InitFrom
 from mtp_jax.data import tokenizers
 from mtp_jax.interop import fp8 as fp8_lib
@@ -306,13 +307,6 @@ def describe(directory: str, args: ModelArgs, loaded: int, src: Source | None = 
   return '; '.join(parts) + '; optimizer, step and data start fresh.'
 
 
-def _key(k) -> str:
-  for attr in ('key', 'idx', 'name'):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
 def init_state(directory: str, config, state, notify=print):
   """The train state (model, optimizer) with DIR's weights in the parameters it holds.
 
@@ -321,7 +315,7 @@ def init_state(directory: str, config, state, notify=print):
   """
   args = ModelArgs.from_config(config)
   flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-  paths = [tuple(_key(k) for k in p) for p, _ in flat]
+  paths = [path_names(p) for p, _ in flat]
   # The model half of the (model, optimizer) state: ('0', ..., '.value').
   targets = {p[1:-1]: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
              for p, (_, x) in zip(paths, flat) if p[0] == '0'}
@@ -345,7 +339,7 @@ def load_model(directory: str, config) -> MTPModel:
   graphdef, state = nnx.split(model)
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-  paths = [tuple(_key(k) for k in p)[:-1] for p, _ in flat]  # without the '.value' leaf
+  paths = [path_names(p)[:-1] for p, _ in flat]  # without the '.value' leaf
   targets = {p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
              for p, (_, x) in zip(paths, flat)}
   loaded = load_into(directory, args, targets)
@@ -356,7 +350,7 @@ def load_model(directory: str, config) -> MTPModel:
 def _param_shapes(args: ModelArgs) -> dict:
   """{path (as in Tensor.path): shape} of a model of `args`; no array is created."""
   state = nnx.state(nnx.eval_shape(lambda: MTPModel(args, rngs=nnx.Rngs(0))))
-  return {tuple(_key(k) for k in p)[:-1]: x.shape
+  return {path_names(p)[:-1]: x.shape
           for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
@@ -402,6 +396,6 @@ def load_dir(directory: str, base=None) -> tuple:
   flat, treedef = jax.tree_util.tree_flatten_with_path(state)
   leaves = []
   for p, x in flat:
-    w = params.pop(tuple(_key(k) for k in p)[:-1], None)  # each host copy freed once placed
+    w = params.pop(path_names(p)[:-1], None)  # each host copy freed once placed
     leaves.append(x if w is None else jax.device_put(w.astype(x.dtype), device))
   return config, nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))

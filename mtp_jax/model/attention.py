@@ -43,7 +43,7 @@ def attention_mask(segment_ids_BxT: Array) -> Array:
 
 # The large negative that masked scores get (jax.nn.dot_product_attention's value): finite,
 # so a row's max-subtraction never sees inf - inf.
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 # The core `auto` picks per backend: on CPU the blocked core (~2x faster there than
@@ -107,9 +107,9 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   kv = k_BxTxKxH.shape[2]
   g = n // kv
   scale = 1.0 / math.sqrt(h)
-  # Masked scores get a large finite negative (see _MASKED); a row always sees its own
+  # Masked scores get a large finite negative (see MASKED); a row always sees its own
   # position (causal, same document), so no row is all masked.
-  bias_Bx1xTxT = jnp.where(mask_Bx1xTxT, 0.0, _MASKED).astype(jnp.float32)
+  bias_Bx1xTxT = jnp.where(mask_Bx1xTxT, 0.0, MASKED).astype(jnp.float32)
   k_BxKxTxH = jnp.transpose(k_BxTxKxH, (0, 2, 1, 3))
   v_BxKxTxH = jnp.transpose(v_BxTxKxH, (0, 2, 1, 3))
   if g == 1:  # no GQA: 4-D [B, N, ., .] throughout (measured faster on XLA:CPU than the 5-D form)

@@ -2,7 +2,7 @@
 
 A decode step multiplies a few rows (batch x window) by every weight. XLA:CPU runs those
 fastest in a tall-skinny form kept behind an optimization barrier; this module holds that
-rule (`decode_dot`, `_few_query_dot`) and the cache helpers the layers' `decode` paths use.
+rule (`decode_dot`, `few_query_dot`) and the cache helpers the layers' `decode` paths use.
 """
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ def default_cache_layout() -> str:
 def empty_cache(cfg, batch: int, slots: int, layout: str):
   """One GQA layer's zero KV cache of `slots` positions in `layout` (Attention.empty_cache
   of a model's own layers; MLA's differs: Block.empty_cache)."""
-  return _empty_kv(batch, slots, cfg.n_kv_heads, cfg.head_dim, cfg.dtype, layout)
+  return empty_kv(batch, slots, cfg.n_kv_heads, cfg.head_dim, cfg.dtype, layout)
 
 
-def _empty_kv(batch: int, slots: int, k: int, h: int, dtype, layout: str) -> tuple:
+def empty_kv(batch: int, slots: int, k: int, h: int, dtype, layout: str) -> tuple:
   if layout == 'bskh':
     return (jnp.zeros((batch, slots, k, h), dtype),) * 2
   return (jnp.zeros((batch * k, slots, h), dtype), jnp.zeros((batch * k, h, slots), dtype))
@@ -139,7 +139,7 @@ _TALL_ATTENTION = contextvars.ContextVar('tall_attention', default=True)
 
 @contextlib.contextmanager
 def tall_attention(enabled: bool):
-  """Whether _few_query_dot may use the tall-skinny form in what is traced inside."""
+  """Whether few_query_dot may use the tall-skinny form in what is traced inside."""
   token = _TALL_ATTENTION.set(enabled)
   try:
     yield
@@ -147,7 +147,7 @@ def tall_attention(enabled: bool):
     _TALL_ATTENTION.reset(token)
 
 
-def _few_query_dot(a_XxQxC, b_XxRxC, out_dtype):
+def few_query_dot(a_XxQxC, b_XxRxC, out_dtype):
   """[X, Q, R] = a b^T per leading index x, contracting C; Q few rows (decode_dot's rule)."""
   q = a_XxQxC.shape[1]
   if not _TALL_ATTENTION.get() or q == 1 or q > TALL_ROWS or jax.default_backend() != 'cpu':
@@ -160,7 +160,7 @@ def _few_query_dot(a_XxQxC, b_XxRxC, out_dtype):
   return y_XxRxQ[:, :, :q].transpose(0, 2, 1).astype(out_dtype)
 
 
-def _write_heads_major(cache_BKx, new_BxKx, index_B, axis):
+def write_heads_major(cache_BKx, new_BxKx, index_B, axis):
   """Row b's T new entries go to slots index_B[b].. along `axis` (1 or 2) of its K heads."""
   b, kv = new_BxKx.shape[:2]
   new_BxKx = new_BxKx.astype(cache_BKx.dtype)

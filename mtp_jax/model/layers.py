@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.model import attention as attn_lib
-from mtp_jax.model.attention import _MASKED, attention_impl, blocked_causal_attention
-from mtp_jax.model.decode_ops import (DecodeWeight, _empty_kv, _few_query_dot,
-                                      _write_heads_major, decode_dot, decode_kernel,
+from mtp_jax.model.attention import MASKED, attention_impl, blocked_causal_attention
+from mtp_jax.model.decode_ops import (DecodeWeight, empty_kv, few_query_dot,
+                                      write_heads_major, decode_dot, decode_kernel,
                                       write_cache)
 from mtp_jax.runtime.sharding import constrain
 
@@ -223,7 +223,7 @@ class Attention(nnx.Module):
 
   def empty_cache(self, batch: int, slots: int, layout: str) -> tuple:
     """(k, v): this layer's zero KV cache of `slots` positions in `layout` (CACHE_LAYOUTS)."""
-    return _empty_kv(batch, slots, *self.cache_heads, self.dtype, layout)
+    return empty_kv(batch, slots, *self.cache_heads, self.dtype, layout)
 
   def prepare_decode(self) -> None:
     """The decode layout (see DecodeWeight): [q; k; v] as one [(N + 2K) H, d] matrix
@@ -252,17 +252,17 @@ class Attention(nnx.Module):
     q = self.rope(qkv[:, :n * hd].reshape(b, t, n, hd), positions_BxT)
     k = self.rope(qkv[:, n * hd:(n + kv) * hd].reshape(b, t, kv, hd), positions_BxT)
     v = qkv[:, (n + kv) * hd:].reshape(b, t, kv, hd)
-    k_cache = _write_heads_major(cache[0], k.transpose(0, 2, 1, 3), cache_index_B, axis=1)
-    v_cache = _write_heads_major(cache[1], v.transpose(0, 2, 3, 1), cache_index_B, axis=2)
+    k_cache = write_heads_major(cache[0], k.transpose(0, 2, 1, 3), cache_index_B, axis=1)
+    v_cache = write_heads_major(cache[1], v.transpose(0, 2, 3, 1), cache_index_B, axis=2)
     # queries of one KV head: [B*K, G*T, H] (query head n = kv_head * G + g, as in GQA)
     q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
-    scores = _few_query_dot(q, k_cache.astype(dt), jnp.float32) * (1 / math.sqrt(hd))
+    scores = few_query_dot(q, k_cache.astype(dt), jnp.float32) * (1 / math.sqrt(hd))
     mask = jnp.broadcast_to(mask_Bx1xTxS[:, None], (b, kv, g, t, scores.shape[-1]))
     # Masked scores get a large finite negative: a query that sees nothing (a position
     # before 0 in an MTP window) averages finite values, never NaN.
-    scores = jnp.where(mask.reshape(scores.shape), scores, _MASKED)
+    scores = jnp.where(mask.reshape(scores.shape), scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = _few_query_dot(probs, v_cache.astype(dt), dt)  # [B*K, G*T, H]
+    out = few_query_dot(probs, v_cache.astype(dt), dt)  # [B*K, G*T, H]
     out = out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b * t, n * hd)
     return decode_dot(out, self.o_t[...]).reshape(b, t, d), (k_cache, v_cache)
 

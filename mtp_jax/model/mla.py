@@ -238,7 +238,7 @@ class MLAttention(nnx.Module):
     latent = self._latent(a[:, nq:], positions_BxT)
     # One "KV head" ([B, 1, T, C] new entries): the writer of the heads-major caches,
     # one in-place update per row for few rows.
-    latent_BxSxC = decode_ops._write_heads_major(cache[0], latent[:, None], cache_index_B, axis=1)
+    latent_BxSxC = decode_ops.write_heads_major(cache[0], latent[:, None], cache_index_B, axis=1)
     q_lat = _head_dot(q_BxTxNxQ[..., :dn], self.kb_t[...])
     q_rope = layers.apply_rope(q_BxTxNxQ[..., dn:], positions_BxT, self.rope_theta)
     lat = latent_attention(q_lat, q_rope, latent_BxSxC, mask_Bx1xTxS, 1.0 / math.sqrt(dn + dr))
@@ -275,6 +275,6 @@ def latent_attention(q_lat_BxTxNxR: Array, q_rope_BxTxNxE: Array, latent_BxSxC: 
                       preferred_element_type=jnp.float32) * scale
   s = scores.shape[-1]
   mask = jnp.broadcast_to(mask_Bx1xTxS[:, 0, :, None, :], (b, t, n, s)).reshape(b, t * n, s)
-  probs = jax.nn.softmax(jnp.where(mask, scores, attn_lib._MASKED), axis=-1).astype(dt)
+  probs = jax.nn.softmax(jnp.where(mask, scores, attn_lib.MASKED), axis=-1).astype(dt)
   out = jnp.einsum('bqs,bsc->bqc', probs, latent)
   return out[..., :r].reshape(b, t, n, r)

@@ -114,7 +114,7 @@ def _has_checkpoint(workdir: str, directory: str | None = None) -> bool:
   directory = directory or os.path.join(workdir, 'checkpoints')
   try:
     return any(n.isdigit() and ckpt_store.isdir(f'{directory.rstrip("/")}/{n}')
-               for n in ckpt_store._listdir(directory))  # pylint: disable=protected-access
+               for n in ckpt_store.listdir(directory))
   except Exception:  # pylint: disable=broad-except  (unreachable storage: nothing to keep)
     return False
 

@@ -307,10 +307,8 @@ def _decode(config, device, topo, batch: int, new_tokens: int, log) -> dict:
              np.zeros((batch,), np.int32), np.int32(1), sampling, np.int32(0), np.float32(0))
   abstract_in = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else struct(x),
                              example)
-  # the function Decoder.compile jits (private to the decoder; no public hook takes abstract
-  # weights)
-  # pylint: disable-next=protected-access
-  fn = jax.jit(functools.partial(decoder_lib._decode, prog, graphdef, treedef))
+  # the function Decoder.compile jits, given abstract weights
+  fn = jax.jit(functools.partial(decoder_lib.decode_program, prog, graphdef, treedef))
   rep = _compiled(fn, abstract_in, 'decode', topo, 1, log)
   rep.update({'batch': batch, 'prompt_len': prog.prompt_len, 'max_new': prog.max_new,
               'num_drafts': prog.num_drafts, 'weights': weights,
