@@ -45,6 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from mtp_jax import config_files  # noqa: E402
 from mtp_jax.data import tokenizers  # noqa: E402
 from mtp_jax.model import attention as attn_lib  # noqa: E402
 from mtp_jax.model import ModelArgs  # noqa: E402
@@ -70,12 +71,7 @@ STEP_DEVICES = 1
 
 def load_config(name: str):
   """configs/<name>.py's get_config()."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  path = os.path.join(common.REPO, 'configs', f'{name}.py')
-  spec = importlib.util.spec_from_file_location(f'configs_{name}', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return config_files.load(os.path.join(common.REPO, 'configs', f'{name}.py'))
 
 
 def shrink(c):

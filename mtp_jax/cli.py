@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import os
 import sys
 
 from absl import flags, logging
 from ml_collections import config_flags
 
+from mtp_jax import config_files
 from mtp_jax.errors import ConfigError, RequestError, exit_code_of, one_line  # noqa: F401
 
 
@@ -95,28 +95,28 @@ def parse_with_config(parser: argparse.ArgumentParser, argv=None):
   return args, overrides
 
 
-def load_config(path: str, overrides=()):
-  """The locked ConfigDict of a config file with `--config.KEY=VALUE` overrides applied.
+def load_config(spec: str, overrides=()):
+  """The locked ConfigDict of a config file ('path' or 'path:argument', config_files.load)
+  with `--config.KEY=VALUE` overrides applied.
 
-  ConfigError (one line) for a missing or broken file, an unknown key or a bad value.
+  ConfigError (one line) for a missing or broken file, a bad argument, an unknown key or a
+  bad value.
   """
-  if not os.path.isfile(path):
-    raise ConfigError(f'cannot load --config {path!r}: No such file or directory')
+  config = config_files.load(spec)
   values = flags.FlagValues()
-  argv = ['mtp_jax', f'--config={path}'] + list(overrides)
-  # sys_argv: the overrides are these, not the process's own argv (main(argv) in a test).
-  holder = config_flags.DEFINE_config_file('config', path, 'config file', flag_values=values,
-                                           lock_config=True, sys_argv=argv)
+  argv = ['mtp_jax'] + list(overrides)
   try:
+    # sys_argv: the overrides are these, not the process's own argv (main(argv) in a test).
+    holder = config_flags.DEFINE_config_dict('config', config, 'config file',
+                                             flag_values=values, lock_config=True, sys_argv=argv)
     values(argv)
     config = holder.value
-    config.keys()  # a config file that failed to load raises only when used
   except flags.Error as e:
     raise ConfigError(f'bad --config override: {_clean(e)}') from e
   except AttributeError as e:  # ml_collections: an unknown --config.x key
     raise ConfigError(_unknown_field(e, overrides)) from e
   except Exception as e:  # pylint: disable=broad-except
-    raise ConfigError(f'bad --config file or override ({type(e).__name__}): {_clean(e)}') from e
+    raise ConfigError(f'bad --config override ({type(e).__name__}): {_clean(e)}') from e
   return config
 
 

@@ -3,7 +3,6 @@
 No fixtures and no environment set-up here (conftest.py does that, before JAX starts),
 so tests/multihost_worker.py can import it too.
 """
-import importlib.util
 import json
 import os
 import pathlib
@@ -14,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import config_lib
+from mtp_jax import config_files, config_lib
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps as steps_lib
 from mtp_jax.model import moe as moe_lib
@@ -27,11 +26,7 @@ MULTIHOST_STEPS = 4  # steps of test_multihost's two-process job
 # -- configs -----------------------------------------------------------------------------------
 def load_config(name: str):
   """configs/<name>.py's get_config()."""
-  path = os.path.join(REPO, 'configs', f'{name}.py')
-  spec = importlib.util.spec_from_file_location(f'configs_{name}', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return config_files.load(os.path.join(REPO, 'configs', f'{name}.py'))
 
 
 def tiny_model_config(depth=2, kind='sequential', vocab=64, **model):

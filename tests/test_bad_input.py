@@ -177,6 +177,8 @@ CLI_CASES = [
     ('missing --config', [], ['the following arguments are required: --config']),
     ('config file not found', ['--config=configs/no_such.py'],
      ['cannot load --config', 'No such file or directory']),
+    ('unknown config argument', ['--config=configs/ablation.py:d9'],
+     ['configs/ablation.py', "unknown argument 'd9'"]),
     ('unknown override key', ['--config=configs/tiny.py', '--config.model.mtp.dept=2'],
      ['unknown config field', 'model.mtp.dept', 'did you mean "depth"']),
     ('wrong override type', ['--config=configs/tiny.py', '--config.model.mtp.depth=two'],

@@ -116,3 +116,37 @@ def test_cli_misspelled_key_and_bad_value(tmp_path):
   assert proc.stderr.strip() == ("error: bad flag: --host_malloc must be one of auto, keep, "
                                  "system, got tcmalloc")
   assert not os.path.exists(tmp_path / 'checkpoints')  # nothing ran
+
+
+def test_config_file_argument_selects_the_variant():
+  """`--config path:argument` is get_config(argument), as in ml_collections' config flags."""
+  from mtp_jax import cli, config_files
+  ablation = config_files.load_module(os.path.join(REPO, 'configs', 'ablation.py'))
+  c = cli.load_config(os.path.join(REPO, 'configs', 'ablation.py:d1'), ['--config.train.steps=2'])
+  want = ablation.get_config('d1')
+  assert c.model.mtp.depth == 1 and want.model.mtp.depth == 1 and c.train.steps == 2
+  want.train.steps = 2
+  assert c.to_dict() == want.to_dict()
+  assert config_files.load(os.path.join(REPO, 'configs', 'ablation.py:d3p')).model.mtp.kind == (
+      'parallel')
+  assert config_files.split_spec('a/b.py:x,y') == ('a/b.py', 'x,y')
+  assert config_files.split_spec('a/b.py') == ('a/b.py', None)
+
+
+@pytest.mark.parametrize('text, spec_tail, words', [
+    (None, ':d1', ['cannot load --config', 'No such file or directory']),
+    ('x = 1\n', '', ['defines no get_config()']),
+    ('import nothing_here\n', '', ['bad --config file', 'ModuleNotFoundError']),
+    ('def get_config(arg):\n  raise ValueError(f"unknown variant {arg!r}")\n', ':d9',
+     ['bad --config', "argument 'd9'", "unknown variant 'd9'"]),
+    ('def get_config():\n  return None\n', '', ['get_config() returned None']),
+])
+def test_config_file_errors_are_one_line(tmp_path, text, spec_tail, words):
+  from mtp_jax import config_files
+  path = tmp_path / 'c.py'
+  if text is not None:
+    path.write_text(text)
+  with pytest.raises(ConfigError) as e:
+    config_files.load(f'{path}{spec_tail}')
+  message = str(e.value)
+  assert '\n' not in message and all(w in message for w in words), message

@@ -11,7 +11,7 @@ from flax import nnx
 
 from helpers import (REPO, load_config, loss_batch, loss_grads, step_losses, synthetic_batches,
                      tiny_model_config)
-from mtp_jax import config_lib
+from mtp_jax import config_files, config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.runtime import distributed
 from mtp_jax.train import flops
@@ -26,10 +26,7 @@ CONFIGS = sorted(os.path.splitext(os.path.basename(p))[0]
 
 def _config_devices(name):
   """The device count a config's mesh is written for (module constant DEVICES), or 8."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'configs', f'{name}.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = config_files.load_module(os.path.join(REPO, 'configs', f'{name}.py'))
   return getattr(module, 'DEVICES', 8)
 
 

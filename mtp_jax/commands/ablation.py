@@ -30,14 +30,13 @@ tables go to stdout and to OUT/summary.md, with their numbers in OUT/summary.jso
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
 
 import numpy as np
 
-from mtp_jax import cli
+from mtp_jax import cli, config_files
 from mtp_jax.research import stats  # numpy and scipy only
 
 # The checkout this package is installed from (pip install -e .): configs/ lives there.
@@ -52,11 +51,7 @@ TEMP_NAMES = {'T0': 'greedy', 'T1': 'T = 1', 'T0.7': 'T = 0.7'}
 
 
 def load_config_module(name: str):
-  spec = importlib.util.spec_from_file_location(f'configs_{name}',
-                                                os.path.join(REPO, 'configs', f'{name}.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return config_files.load_module(os.path.join(REPO, 'configs', f'{name}.py'))
 
 
 ABLATION = load_config_module('ablation')

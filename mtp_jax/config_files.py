@@ -1,0 +1,52 @@
+"""Config files by path: `configs/tiny.py`, or `configs/ablation.py:d1` as ml_collections'
+config flags read them (the text after the first ':' is get_config's argument).
+
+The one loader of config files: the commands' `--config`, the research sweep's variant
+tables, the benchmarks and the tests all load through it.
+"""
+import importlib.util
+import os
+
+from mtp_jax.errors import ConfigError
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+  """('configs/ablation.py', 'd1') of 'configs/ablation.py:d1'; (path, None) without ':'."""
+  path, sep, argument = spec.partition(':')
+  return path, (argument if sep else None)
+
+
+def load_module(path: str):
+  """The module of a config file; ConfigError (one line) for a missing or broken file."""
+  if not os.path.isfile(path):
+    raise ConfigError(f'cannot load --config {path!r}: No such file or directory')
+  name = 'config_' + os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError(f'bad --config file {path} ({type(e).__name__}): {_clean(e)}') from e
+  if not callable(getattr(module, 'get_config', None)):
+    raise ConfigError(f'bad --config file {path}: it defines no get_config()')
+  return module
+
+
+def load(spec: str):
+  """The ConfigDict of 'path' (get_config()) or 'path:argument' (get_config(argument))."""
+  path, argument = split_spec(spec)
+  module = load_module(path)
+  try:
+    config = module.get_config() if argument is None else module.get_config(argument)
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    what = f'argument {argument!r}' if argument is not None else 'get_config()'
+    raise ConfigError(f'bad --config {spec} ({what}): {_clean(e)}') from e
+  if config is None:
+    raise ConfigError(f'bad --config file {path}: get_config() returned None')
+  return config
+
+
+def _clean(e: BaseException) -> str:
+  return ' '.join(str(e).split())
