@@ -9,42 +9,28 @@ untied 32k vocabulary. Mesh (data 1, fsdp 128, tensor 1): parameters, gradients 
 moments sharded ZeRO-3 style over every chip; docs/scaling.md has the compiled memory,
 collectives and step-time estimate.
 """
-from mtp_jax import config_lib
+import os
+
+from mtp_jax import config_files
+
+# configs/_tpu_pod.py: what every pod config shares
+POD = config_files.load_module(os.path.join(os.path.dirname(__file__), '_tpu_pod.py'))
 
 DEVICES = 128  # v5p-256 = 128 chips (256 TensorCores)
 
 
 def get_config():
-  c = config_lib.base_config()
+  c = POD.pod_config()
   m = c.model
-  m.vocab_size = 32768
   m.d_model = 4096
   m.n_layers = 32
   m.n_heads = 32
   m.n_kv_heads = 8
   m.head_dim = 128
   m.mlp_dim = 14336
-  m.tie_embeddings = False
-  m.dtype = 'bfloat16'
-  m.remat = 'block'
-  m.scan_layers = True
-  m.loss_chunk = 1024
-  m.mtp.depth = 1
-  m.mtp.lambda_values = (0.3, 0.1)
-  m.mtp.lambda_boundaries = (40000,)
   d = c.data
-  d.tokenizer = 'sentencepiece'
-  d.spm_model = '/mnt/shared/tokenizer/spm32k.model'  # the same path on every host
-  d.seq_len = 4096
   d.batch_size = 512  # 2M tokens per step; 4 sequences per chip
-  d.worker_count = 8
   t = c.train
-  t.steps = 50000
   t.lr = 2e-4
-  t.warmup_steps = 2000
-  t.log_every = 100
-  t.eval_every = 2000
-  t.eval_batches = 8
-  t.checkpoint_every = 1000
   c.mesh.shape = (1, 128, 1)
   return c

@@ -11,24 +11,23 @@ multiplies only the tokens routed to those 8, each (token, expert) row sent to i
 ragged all-to-all (model/moe.py, expert parallelism); its compiled train step and memory
 per chip, beside the all-gather exchange's, are in docs/scaling.md.
 """
-from mtp_jax import config_lib
+import os
+
+from mtp_jax import config_files
+
+# configs/_tpu_pod.py: what every pod config shares
+POD = config_files.load_module(os.path.join(os.path.dirname(__file__), '_tpu_pod.py'))
 
 DEVICES = 32  # v5p-64 = 32 chips
 
 
 def get_config():
-  c = config_lib.base_config()
+  c = POD.pod_config()
   m = c.model
-  m.vocab_size = 32768
   m.d_model = 2048
   m.n_layers = 12
   m.n_heads = 16
   m.mlp_dim = 10944  # the dense first layer
-  m.tie_embeddings = False
-  m.dtype = 'bfloat16'
-  m.remat = 'block'
-  m.scan_layers = True
-  m.loss_chunk = 1024
   m.attention = 'mla'
   m.mla.q_lora_rank = 1536
   m.mla.kv_lora_rank = 512
@@ -47,22 +46,8 @@ def get_config():
   # grouped products remat='block' keeps) for all 8 chips' rows; rows past them are dropped
   # and logged (train/moe_dropped_rows_l{j})
   m.moe.capacity_factor = 1.25
-  m.mtp.depth = 1  # its block: MLA + MoE, as DeepSeek-V3's layer 61
-  m.mtp.lambda_values = (0.3, 0.1)
-  m.mtp.lambda_boundaries = (40000,)
+  # the one MTP depth (_tpu_pod.py) has this block, MLA + MoE, as DeepSeek-V3's layer 61
   d = c.data
-  d.tokenizer = 'sentencepiece'
-  d.spm_model = '/mnt/shared/tokenizer/spm32k.model'  # the same path on every host
-  d.seq_len = 4096
   d.batch_size = 128  # 512k tokens per step; 4 sequences per chip
-  d.worker_count = 8
-  t = c.train
-  t.steps = 50000
-  t.lr = 3e-4
-  t.warmup_steps = 2000
-  t.log_every = 100
-  t.eval_every = 2000
-  t.eval_batches = 8
-  t.checkpoint_every = 1000
   c.mesh.shape = (8, 4, 1)
   return c

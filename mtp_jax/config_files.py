@@ -17,7 +17,7 @@ def split_spec(spec: str) -> tuple[str, str | None]:
 
 
 def load_module(path: str):
-  """The module of a config file; ConfigError (one line) for a missing or broken file."""
+  """The module of a config file (or of a file a config shares); ConfigError (one line) for a missing or broken file."""
   if not os.path.isfile(path):
     raise ConfigError(f'cannot load --config {path!r}: No such file or directory')
   name = 'config_' + os.path.splitext(os.path.basename(path))[0]
@@ -27,8 +27,6 @@ def load_module(path: str):
     spec.loader.exec_module(module)
   except Exception as e:  # pylint: disable=broad-except
     raise ConfigError(f'bad --config file {path} ({type(e).__name__}): {_clean(e)}') from e
-  if not callable(getattr(module, 'get_config', None)):
-    raise ConfigError(f'bad --config file {path}: it defines no get_config()')
   return module
 
 
@@ -36,6 +34,8 @@ def load(spec: str):
   """The ConfigDict of 'path' (get_config()) or 'path:argument' (get_config(argument))."""
   path, argument = split_spec(spec)
   module = load_module(path)
+  if not callable(getattr(module, 'get_config', None)):
+    raise ConfigError(f'bad --config file {path}: it defines no get_config()')
   try:
     config = module.get_config() if argument is None else module.get_config(argument)
   except ConfigError:

@@ -21,7 +21,8 @@ from mtp_jax.train import loss as loss_lib
 from mtp_jax.model import MTPModel, ModelArgs, count_params
 
 CONFIGS = sorted(os.path.splitext(os.path.basename(p))[0]
-                 for p in glob.glob(os.path.join(REPO, 'configs', '*.py')))
+                 for p in glob.glob(os.path.join(REPO, 'configs', '*.py'))
+                 if not os.path.basename(p).startswith('_'))  # _*.py: shared parts
 
 
 def _config_devices(name):
