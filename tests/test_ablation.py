@@ -21,10 +21,11 @@ from mtp_jax.data import corpus, induction, tokenizers
 from flax import nnx
 
 SCRIPT = os.path.join(REPO, 'scripts', 'ablation.py')
-from mtp_jax.commands import ablation as ablation_command  # noqa: E402
+from mtp_jax.commands import ablation as A  # noqa: E402
+from mtp_jax.research import ablation as ablation_lib  # noqa: E402
+from mtp_jax.research import tables  # noqa: E402
 
 
-A = ablation_command
 # Fields that may differ between variants; everything else must be identical.
 VARYING = {('model', 'mtp', 'depth'), ('model', 'mtp', 'kind')}
 
@@ -39,10 +40,10 @@ def _flat(d, prefix=()):
 @pytest.mark.parametrize('group', ['lm', 'induction', 'names'])
 @pytest.mark.parametrize('smoke', [False, True])
 def test_variants_differ_only_in_heads_and_equal_flop_steps_fit_the_budget(group, smoke):
-  mod = A.CONFIGS[group]
+  mod = tables.CONFIGS[group]
   opt = ',smoke' if smoke else ''
   base = mod.get_config(mod.BASELINE + opt)
-  budget = A.ABLATION.step_flops(base) * base.train.steps
+  budget = tables.ABLATION.step_flops(base) * base.train.steps
   flat_base = _flat(json.loads(base.to_json_best_effort()))
   steps = {}
   for v, (depth, kind) in mod.VARIANTS.items():
@@ -53,8 +54,8 @@ def test_variants_differ_only_in_heads_and_equal_flop_steps_fit_the_budget(group
     flat = _flat(json.loads(c.to_json_best_effort()))
     differ = {k for k in flat.keys() | flat_base.keys() if flat.get(k) != flat_base.get(k)}
     assert differ <= VARYING, differ - VARYING
-    n = A.ABLATION.equal_flop_steps(c, base)
-    per_step = A.ABLATION.step_flops(c)
+    n = tables.ABLATION.equal_flop_steps(c, base)
+    per_step = tables.ABLATION.step_flops(c)
     assert budget - per_step < n * per_step <= budget, (v, n)  # within one step
     steps[v] = n
   assert steps['d0'] == base.train.steps and steps['d0'] > steps['d1']
@@ -67,7 +68,7 @@ def test_variants_differ_only_in_heads_and_equal_flop_steps_fit_the_budget(group
 
 
 def test_bad_input_is_one_clear_error():
-  for mod, arg in ((A.ABLATION, 'd2'), (A.ABLATION, 'd1,big'), (A.INDUCTION, 'd3p')):
+  for mod, arg in ((tables.ABLATION, 'd2'), (tables.ABLATION, 'd1,big'), (tables.INDUCTION, 'd3p')):
     with pytest.raises(ValueError, match='unknown argument'):
       mod.get_config(arg)
   for flags, msg in ((['--seeds', '0,x'], 'comma-separated integers'),
@@ -165,9 +166,9 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
   args = A.parse(['--smoke', '--seeds', '0,1', '--groups', 'lm', '--variants', 'd0,d1',
                   '--temperatures', '1', '--out', out, '--workdir', work,
                   '--data_dir', stdlib_data_dir])
-  runs = A.make_runs(args)
+  runs = ablation_lib.make_runs(args)
   assert [(r.variant, r.seed) for r in runs] == [('d0', 0), ('d1', 0), ('d0', 1), ('d1', 1)]
-  sweep = A.make_sweep(args, runs)
+  sweep = ablation_lib.make_sweep(args, runs)
   # Stop d1 seed 1 after its first checkpoint, as a killed sweep would; then resume it.
   last = runs[-1]
   for r in runs[:-1]:
@@ -189,20 +190,20 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
   for a, b in zip(resumed['curve'], uninterrupted['curve']):
     assert a['step'] == b['step']
     np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-5)
-  for budget in A.BUDGETS:
+  for budget in tables.BUDGETS:
     np.testing.assert_allclose(resumed['evals'][budget]['heldout']['bpb'],
                                uninterrupted['evals'][budget]['heldout']['bpb'], rtol=1e-5)
   logs.clear()
   sweep.run(runs[0])
   assert any('finished, not rerun' in s for s in logs), logs
 
-  summary = A.tabulate(out, {0, 1})
+  summary = tables.tabulate(out, {0, 1})
   assert [n for n in os.listdir(out) if n.startswith('lm')] == ['lm.json']  # no .tmp left
   written = json.loads(pathlib.Path(out, 'lm.json').read_text())
   assert [(r['variant'], r['seed']) for r in written] == [
       ('d0', 0), ('d0', 1), ('d1', 0), ('d1', 1)]
   results = {(r['variant'], r['seed']): r for r in research.load_results(out, 'lm')}
-  for budget in A.BUDGETS:
+  for budget in tables.BUDGETS:
     for v in ('d0', 'd1'):
       row = summary['lm'][budget][v]
       assert row['seeds'] == [0, 1]
@@ -228,7 +229,7 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
   assert 0 < r['evals']['equal_tokens']['heldout']['tokens'] <= 2 * 4 * 64  # 2 batches of 4 x 64
   assert r['evaluation']['heldout']['documents'] > 0
   assert 0 <= r['evals']['equal_tokens']['decode']['T1']['acceptance_per_depth'][0] <= 1
-  text = A.markdown(summary)
+  text = tables.markdown(summary)
   assert text.count('| d1 (D = 1 sequential) |') == 4 and 'Welch t' in text
 
   proc = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'plot.py'),
@@ -287,6 +288,6 @@ def test_the_committed_summary_is_the_tabulation_of_the_committed_runs():
   """benchmarks/research/summary.json is what `mtp-ablation --no_run` tabulates from lm.json and
   induction.json beside it: the figures docs/research.md quotes come from those runs."""
   out = os.path.join(REPO, 'benchmarks', 'research')
-  summary = json.loads(json.dumps(A.tabulate(out), default=A._json_default))  # pylint: disable=protected-access
+  summary = json.loads(json.dumps(tables.tabulate(out), default=tables.json_default))
   with open(os.path.join(out, 'summary.json')) as f:
     assert summary == json.load(f)

@@ -11,9 +11,11 @@ from helpers import REPO
 from mtp_jax import config_lib
 from mtp_jax.commands import ablation as A
 from mtp_jax.data import induction
+from mtp_jax.research import ablation as ablation_lib
 from mtp_jax.research import design as design_lib
 from mtp_jax.research import stats
 from mtp_jax.research import sweep as research
+from mtp_jax.research import tables
 
 COMMITTED = os.path.join(REPO, 'benchmarks', 'research')
 
@@ -88,19 +90,19 @@ def test_design_choice(hours, sd, case):
 
 
 def test_sized_variants_and_budgets():
-  base = A.ABLATION.get_config('d0,decay')
+  base = tables.ABLATION.get_config('d0,decay')
   flat = lambda c: {k: v for k, v in config_lib.base_config().items()}  # noqa: E731,F841
-  for v, (depth, kind, cur) in A.ABLATION.SIZED_VARIANTS.items():
-    c = A.ABLATION.get_config(v + ',decay')
+  for v, (depth, kind, cur) in tables.ABLATION.SIZED_VARIANTS.items():
+    c = tables.ABLATION.get_config(v + ',decay')
     config_lib.validate(c)
     assert (c.model.mtp.depth, c.model.mtp.kind, c.model.mtp.curriculum) == (depth, kind, cur)
     assert c.train.min_lr_ratio == 0.1 and c.model.d_model == base.model.d_model
-  runs = A.sized_runs(960)
+  runs = ablation_lib.sized_runs(960)
   assert runs[0] == ('d0', 'tokens', 960) and len(runs) == 11
   flops = {v: n for v, b, n in runs if b == 'flops'}
   assert flops['d3'] == flops['d3f'] == flops['d3r'] < flops['d1'] < 960  # same compiled shapes
   with pytest.raises(ValueError, match='unknown argument'):
-    A.ABLATION.get_config('d3f')  # the curricula exist in the sized sweep only
+    tables.ABLATION.get_config('d3f')  # the curricula exist in the sized sweep only
 
 
 def test_name_stories_score_the_second_token_at_the_second_mention():
@@ -132,7 +134,7 @@ def test_name_stories_score_the_second_token_at_the_second_mention():
     j = next(j for j in range(i - 1) if seg[r, j] == seg[r, i] and tok[r, j] == tok[r, i - 1])
     copier[r, i - 1] = tok[r, j + 1]
   assert induction.copy_accuracy(copier, a) == 1.0
-  assert isinstance(induction.make_task(64, **A.NAMES.TASK), induction.NameStoryTask)
+  assert isinstance(induction.make_task(64, **tables.NAMES.TASK), induction.NameStoryTask)
   with pytest.raises(ValueError, match='kind'):
     induction.make_task(64, kind='cards')
 
@@ -145,13 +147,13 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
   args = A.parse(['--smoke', '--seeds', '0,1', '--groups', 'sized,names', '--variants',
                   'd0,d3f,p2', '--temperatures', '0', '--out', out, '--workdir', work,
                   '--data_dir', stdlib_data_dir])
-  runs = A.make_runs(args)
+  runs = ablation_lib.make_runs(args)
   names = [(r.group, r.variant, r.seed) for r in runs]
   assert names[:3] == [('sized', 'd0@tokens', 0), ('sized', 'd3f@tokens', 0),
                        ('sized', 'd3f@flops', 0)]
-  assert ('names', 'p2', 1) in names and all(r.steps == A.NAMES.SMOKE_STEPS
+  assert ('names', 'p2', 1) in names and all(r.steps == tables.NAMES.SMOKE_STEPS
                                              for r in runs if r.group == 'names')
-  sweep = A.make_sweep(args, runs)
+  sweep = ablation_lib.make_sweep(args, runs)
   last = [r for r in runs if r.group == 'sized' and r.steps > r.save_every][-1]  # d3f@tokens, s1
   story = [r for r in runs if r.group == 'names'][-1]  # p2, seed 1
   for r in runs:
@@ -177,7 +179,7 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
   np.testing.assert_allclose(resumed['evals'][budget]['heldout']['bpb'],
                              straight['evals'][budget]['heldout']['bpb'], rtol=1e-5)
   assert len(resumed['evals'][budget]['heldout']['bpb']) == 4  # every depth, curriculum or not
-  summary = A.tabulate(out, {0, 1})
+  summary = tables.tabulate(out, {0, 1})
   tok = summary['sized']['equal_tokens']
   assert set(tok['table']) == {'d0', 'd3f'} and tok['table']['d3f']['curriculum'] == 'forward'
   assert 'd3f - d0 stdlib_bpb' in tok['tests'] and tok['mde']['stdlib_bpb']['n'] == 2
@@ -186,9 +188,9 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
   nm = summary['names']
   assert set(nm['table']) == {'d0', 'p2'}
   p2 = nm['table']['p2']['metrics']
-  assert p2['equal_flop_step']['mean'] < A.NAMES.SMOKE_STEPS
+  assert p2['equal_flop_step']['mean'] < tables.NAMES.SMOKE_STEPS
   assert 'p2 - d0 copy accuracy, equal FLOPs' in nm['tests']
-  text = A.markdown(summary)
+  text = tables.markdown(summary)
   assert 'Minimum detectable paired effect on stdlib_bpb' in text
   assert 'minimum detectable effect' in text and 'stories with random names' in text
 
@@ -202,11 +204,11 @@ def test_design_command_measures_prints_and_saves(tmp_path, capsys):
   text = capsys.readouterr().out
   d = json.load(open(os.path.join(out, 'design.json')))
   assert d['seeds'] >= 5 and d['steps'] >= 960 and d['runs_per_seed'] == 11
-  assert all(d['step_seconds'][v] > 0 for v in A.ABLATION.SIZED_VARIANTS)
+  assert all(d['step_seconds'][v] > 0 for v in tables.ABLATION.SIZED_VARIANTS)
   assert d['step_seconds']['d3f'] == d['step_seconds']['d3']  # measured once per shape
   assert f"--sized_steps {d['steps']}" in text and 'Minimum detectable paired effect' in text
   assert d['names']['wall_seconds'] > 0 and 'mtp-ablation --groups names' in text
   args = A.parse(['--groups', 'sized', '--out', out])
-  assert A.sized_steps(args) == d['steps']
+  assert ablation_lib.sized_steps(args) == d['steps']
   assert A.main(['--groups', 'sized', '--out', str(tmp_path / 'none'), '--seeds', '0']) == 2
   assert 'run mtp-ablation --design' in capsys.readouterr().err

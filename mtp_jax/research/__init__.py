@@ -2,6 +2,7 @@
 evaluation sets, and self-distillation data.
 
 - sweep.py: `Sweep`, seeded runs of config variants with their evaluations.
+- ablation.py, tables.py: mtp-ablation's sweep (its runs and design) and its tables.
 - design.py, stats.py: how many seeds and tokens a comparison needs; Welch and paired tests.
 - heldout.py: held-out documents and prompts.
 - results.py, plotting.py: stored results and the figures drawn from them.

@@ -1,0 +1,203 @@
+"""The ablation sweep behind mtp-ablation: its runs (every group's variants x seeds), the
+in-process Sweep that trains and evaluates them, the sized sweep's design, then the tables
+(research/tables.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from mtp_jax.data import checks as data_checks
+from mtp_jax.data import induction
+from mtp_jax.errors import RequestError
+from mtp_jax.research import design as design_lib
+from mtp_jax.research import heldout, tables
+from mtp_jax.research import sweep as research
+from mtp_jax.research.tables import ABLATION, CONFIGS, INDUCTION, NAMES, SIZED_BUDGETS
+
+
+def group_variants(args, group: str) -> list[str]:
+  allv = list(ABLATION.SIZED_VARIANTS if group == 'sized' else CONFIGS[group].VARIANTS)
+  return [v for v in allv if not args.variants or v in args.variants]
+
+
+def sized_runs(steps: int, smoke: bool = False, variants=None) -> list[tuple[str, str, int]]:
+  """One seed's runs of the sized sweep [(variant, budget, steps)] when an equal-token run
+  takes `steps`: every variant at `steps`, each MTP variant again at its equal-FLOP steps
+  (the most whose FLOPs do not exceed d0's run; D = 0's run serves both budgets)."""
+  opt = ',decay' + (',smoke' if smoke else '')
+  base = ABLATION.get_config(ABLATION.BASELINE + opt)
+  base.train.steps = steps
+  out = []
+  for v in variants or ABLATION.SIZED_VARIANTS:
+    out.append((v, 'tokens', steps))
+    if v != ABLATION.BASELINE:
+      c = ABLATION.get_config(v + opt)
+      c.train.steps = steps
+      out.append((v, 'flops', ABLATION.equal_flop_steps(c, base)))
+  return out
+
+
+def design_path(out: str) -> str:
+  return os.path.join(out, 'design.json')
+
+
+def sized_steps(args) -> int:
+  """The equal-token steps of the sized sweep: --sized_steps, else OUT/design.json's."""
+  if args.sized_steps:
+    return args.sized_steps
+  if args.smoke:
+    return ABLATION.SMOKE_STEPS
+  path = design_path(args.out)
+  if not os.path.isfile(path):
+    raise RequestError(f'the sized group needs its design: run mtp-ablation --design '
+                         f'--out {args.out} first (or pass --sized_steps)')
+  with open(path) as f:
+    return int(json.load(f)['steps'])
+
+
+def make_runs(args):
+  """Every Run of the sweep, seed-major (a partial sweep has every variant's first seeds)."""
+  opt = ',smoke' if args.smoke else ''
+  runs = []
+  sized = sized_runs(sized_steps(args), args.smoke,
+                     group_variants(args, 'sized')) if 'sized' in args.groups else []
+  for seed in args.seeds:
+    for group in args.groups:
+      if group == 'sized':
+        for v, budget, steps in sized:
+          c = ABLATION.get_config(v + ',decay' + opt)
+          c.seed, c.data.shuffle_seed, c.train.steps = seed, seed, steps
+          if args.data_dir:
+            c.data.data_dir = args.data_dir
+          runs.append(research.Run('sized', f'{v}@{budget}', seed, c,
+                                   eval_at={SIZED_BUDGETS[budget]: steps},
+                                   save_every=4 if args.smoke else 100))
+        continue
+      mod = CONFIGS[group]
+      base = mod.get_config(mod.BASELINE + opt)
+      for v in group_variants(args, group):
+        c = mod.get_config(v + opt)
+        c.seed = seed
+        c.data.shuffle_seed = seed
+        if args.data_dir:
+          c.data.data_dir = args.data_dir
+        equal = ABLATION.equal_flop_steps(c, base)
+        if group == 'lm':
+          runs.append(research.Run('lm', v, seed, c, eval_at={
+              'equal_flops': equal, 'equal_tokens': int(c.train.steps)},
+              save_every=4 if args.smoke else 50))
+        elif group == 'names':  # every variant the same steps; equal FLOPs from the curves
+          every = NAMES.SMOKE_EVAL_EVERY if args.smoke else NAMES.EVAL_EVERY
+          runs.append(research.Run('names', v, seed, c, kind='induction', eval_every=every,
+                                   log_every=every, task=NAMES.SMOKE_TASK if args.smoke
+                                   else NAMES.TASK, save_every=4 if args.smoke else 100))
+        else:
+          c.train.steps = equal  # equal compute: D = k trains fewer steps than D = 0
+          every = INDUCTION.SMOKE_EVAL_EVERY if args.smoke else INDUCTION.EVAL_EVERY
+          runs.append(research.Run('induction', v, seed, c, kind='induction',
+                                   eval_every=every, log_every=every,
+                                   task=INDUCTION.SMOKE_TASK if args.smoke else INDUCTION.TASK,
+                                   save_every=4 if args.smoke else 100))
+  return runs
+
+
+def make_sweep(args, runs):
+  sweep = research.Sweep(args.workdir, args.out,
+                         log=lambda s: print(s, file=sys.stderr, flush=True))
+  lm = [r for r in runs if r.kind == 'lm' and not sweep.finished(r)]
+  if lm:
+    data_checks.validate_data(lm[0].config)  # prepares the stdlib data set once
+    rule = heldout.HeldoutRule(cap_bytes=200_000) if args.smoke else heldout.HeldoutRule()
+    sweep.lm_eval = research.LMEvaluator(
+        lm[0].config, eval_batches=2 if args.smoke else 32,
+        num_prompts=2 if args.smoke else 16, prompt_len=16 if args.smoke else 64,
+        new_tokens=8 if args.smoke else 64, heldout_rule=rule,
+        temperatures=args.temperatures)
+  for group in ('induction', 'names'):
+    ind = [r for r in runs if r.group == group]
+    if ind:
+      mod = CONFIGS[group]
+      rows = mod.SMOKE_EVAL_ROWS if args.smoke else mod.EVAL_ROWS
+      task = induction.make_task(ind[0].config.data.seq_len, **ind[0].task)
+      sweep.induction_evals[group] = research.InductionEvaluator(task, rows)
+  sweep.induction_eval = sweep.induction_evals.get('induction')
+  return sweep
+
+
+def names_estimate(args, research) -> dict:
+  """Wall time of the names group at design_lib.MIN_SEEDS seeds, from measured step and
+  evaluation times (every variant trains the same steps and evaluates every EVAL_EVERY)."""
+  opt = ',smoke' if args.smoke else ''
+  steps = NAMES.SMOKE_STEPS if args.smoke else NAMES.STEPS
+  every = NAMES.SMOKE_EVAL_EVERY if args.smoke else NAMES.EVAL_EVERY
+  rows = NAMES.SMOKE_EVAL_ROWS if args.smoke else NAMES.EVAL_ROWS
+  step_s, eval_s = {}, {}
+  for v in NAMES.VARIANTS:
+    c = NAMES.get_config(v + opt)
+    print(f'measuring names {v} ...', file=sys.stderr, flush=True)
+    step_s[v] = research.measure_step_seconds(c, args.measure_steps)
+    task = induction.make_task(c.data.seq_len, **(NAMES.SMOKE_TASK if args.smoke else NAMES.TASK))
+    eval_s[v] = research.measure_induction_eval_seconds(c, research.InductionEvaluator(task, rows))
+  per_seed = sum(steps * step_s[v] + (steps // every + 1) * eval_s[v] for v in NAMES.VARIANTS)
+  seeds = design_lib.MIN_SEEDS
+  return {'seeds': seeds, 'steps': steps, 'per_seed_seconds': per_seed,
+          'wall_seconds': seeds * per_seed, 'step_seconds': step_s, 'eval_seconds': eval_s,
+          'command': f'mtp-ablation --groups names --seeds {",".join(map(str, range(seeds)))}'}
+
+
+def make_design(args) -> dict:
+  """--design: the committed spread, step times measured briefly, the chosen design."""
+  spread = design_lib.committed_spread(args.spread_from, ABLATION.BASELINE)
+  opt = ',decay' + (',smoke' if args.smoke else '')
+  load = os.getloadavg()
+  step_s, eval_s = {}, {}
+  measured = {}  # variants of one shape cost the same (the curriculum only sets weights)
+  for v in ABLATION.SIZED_VARIANTS:
+    c = ABLATION.get_config(v + opt)
+    key = (c.model.mtp.depth, c.model.mtp.kind)
+    if key not in measured:
+      print(f'measuring {v} ...', file=sys.stderr, flush=True)
+      measured[key] = (
+          research.measure_step_seconds(c, args.measure_steps),
+          research.measure_eval_seconds(
+              c, eval_batches=2 if args.smoke else 32, sets=2,
+              num_prompts=2 if args.smoke else 16, prompt_len=16 if args.smoke else 64,
+              new_tokens=8 if args.smoke else 64, temperatures=args.temperatures))
+    step_s[v], eval_s[v] = measured[key]
+  design = design_lib.choose(spread, lambda n: sized_runs(n, args.smoke), step_s, eval_s,
+                             budget_hours=args.budget_hours)
+  design['names'] = names_estimate(args, research)
+  design['load_average'] = {'before': list(load), 'after': list(os.getloadavg())}
+  design['command'] = (f'mtp-ablation --groups sized --seeds '
+                       f'{",".join(str(s) for s in range(design["seeds"]))} '
+                       f'--sized_steps {design["steps"]}')
+  return design
+
+
+def run(args) -> int:
+  """mtp-ablation after its flags parse: --design, else the runs (unless --no_run), then the
+  tables."""
+  if args.design:
+    design = make_design(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(design_path(args.out), 'w') as f:
+      json.dump(design, f, indent=1, default=tables.json_default)
+    print(design_lib.describe(design))
+    la = design['load_average']
+    nm = design['names']
+    print(f"Measured at load average {la['before'][0]:.1f} (1 min) on {os.cpu_count()} cores; "
+          f"the estimate scales with the load.\nRun: {design['command']}\n"
+          f"Names induction: {nm['seeds']} seeds x {len(nm['step_seconds'])} variants x "
+          f"{nm['steps']} steps, estimated {nm['wall_seconds'] / 3600:.2f} h (seconds per step "
+          + ', '.join(f'{v} {t:.3f}' for v, t in nm['step_seconds'].items())
+          + f").\nRun: {nm['command']}")
+    return 0
+  if not args.no_run:
+    runs = make_runs(args)
+    sweep = make_sweep(args, runs)
+    for run in runs:
+      sweep.run(run)
+  print(tables.write_summary(args.out, set(args.seeds)))
+  return 0

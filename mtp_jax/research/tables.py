@@ -1,0 +1,473 @@
+"""The ablation sweep's tables: the per-run JSON of each group (OUT/lm.json, induction.json,
+sized.json, names.json) aggregated over seeds, with Welch and paired tests, as
+OUT/summary.json and the markdown of OUT/summary.md.
+
+Numpy and scipy only: `mtp-ablation --no_run` tabulates without starting JAX.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from mtp_jax import config_files
+from mtp_jax.research import results as results_lib
+from mtp_jax.research import stats
+
+# The checkout this package is installed from (pip install -e .): configs/ lives there.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GROUPS = ('lm', 'induction', 'sized', 'names')
+DEFAULT_GROUPS = ('lm', 'induction')
+SIZED_BUDGETS = {'tokens': 'equal_tokens', 'flops': 'equal_flops'}  # variant suffix -> budget
+BUDGETS = {'equal_flops': 'equal training FLOPs', 'equal_tokens': 'equal training tokens'}
+TEMPS = ('T0', 'T1', 'T0.7')
+TEMP_NAMES = {'T0': 'greedy', 'T1': 'T = 1', 'T0.7': 'T = 0.7'}
+
+
+def load_config_module(name: str):
+  return config_files.load_module(os.path.join(REPO, 'configs', f'{name}.py'))
+
+
+ABLATION = load_config_module('ablation')
+INDUCTION = load_config_module('induction')
+NAMES = load_config_module('induction_names')
+CONFIGS = {'lm': ABLATION, 'induction': INDUCTION, 'names': NAMES}
+
+
+def lm_metrics(r: dict, budget: str) -> dict:
+  """The figures of one lm run at one budget, flat (lists per depth become _k keys)."""
+  ev = r['evals'][budget]
+  out = {'steps': ev['step'], 'train_tflop': ev['flops'] / 1e12,
+         'stdlib_bpb': ev['stdlib_val']['bpb'][0], 'heldout_bpb': ev['heldout']['bpb'][0],
+         'stdlib_bpb_se': ev['stdlib_val']['bpb_se_main'],
+         'heldout_bpb_se': ev['heldout']['bpb_se_main']}
+  for k, a in enumerate(ev['heldout']['agree'], 1):
+    out[f'heldout_agree_{k}'] = a
+  for k, a in enumerate(ev['stdlib_val']['agree'], 1):
+    out[f'stdlib_agree_{k}'] = a
+  for temp, d in ev.get('decode', {}).items():
+    out[f'tau_{temp}'] = d['tau']
+    out[f'distinct4_{temp}'] = d['distinct_4grams']
+    for k, a in enumerate(d['acceptance_per_depth'], 1):
+      out[f'accept_{temp}_{k}'] = a
+  return out
+
+
+def induction_metrics(r: dict) -> dict:
+  curve = [p for p in r['curve'] if 'copy_acc' in p]
+  out = {'steps': r['steps'], 'train_tflop': r['steps'] * r['flops_per_step'] / 1e12,
+         'copy_acc_final': curve[-1]['copy_acc'], 'other_acc_final': curve[-1]['other_acc']}
+  # Speed of learning at equal compute: the accuracy after a quarter and a half of the
+  # budget (the last evaluation at or before that step).
+  for name, frac in (('copy_acc_quarter', 0.25), ('copy_acc_half', 0.5)):
+    out[name] = [p for p in curve if p['step'] <= frac * r['steps']][-1]['copy_acc']
+  return out
+
+
+def eval_se_of_difference(a: dict, b: dict, budget: str, corpus: str) -> float:
+  """Standard error, from eval sampling alone, of bpb(a) - bpb(b): both runs are scored
+  on the same batches, so the per-batch differences give it (stats.batch_bpb_se)."""
+  ea, eb = a['evals'][budget][corpus], b['evals'][budget][corpus]
+  diff = np.subtract(ea['batch_loss_sum_main'], eb['batch_loss_sum_main'])
+  return stats.batch_bpb_se(diff, ea['batch_bytes_main'])
+
+
+def aggregate(per_run: dict[int, dict]) -> dict:
+  """{metric: {'per_seed': {seed: v}, 'mean', 'std'}} over the seeds (None-free metrics)."""
+  seeds = sorted(per_run)
+  keys = sorted({k for m in per_run.values() for k in m})
+  out = {}
+  for k in keys:
+    vals = {s: per_run[s].get(k) for s in seeds}
+    got = [v for v in vals.values() if v is not None]
+    mean, std = stats.mean_std(got) if got else (None, None)
+    out[k] = {'per_seed': vals, 'mean': mean, 'std': std, 'n': len(got)}
+  return out
+
+
+def tabulate(out_dir: str, seeds=None) -> dict:
+  """summary: per group, budget and variant the aggregated figures, plus the tests."""
+  summary = {'lm': {}, 'induction': {}, 'tests': {}}
+  lm = [r for r in results_lib.load_results(out_dir, 'lm') if seeds is None or r['seed'] in seeds]
+  by_variant = {}
+  for r in lm:
+    by_variant.setdefault(r['variant'], []).append(r)
+  order = [v for v in ABLATION.VARIANTS if v in by_variant]
+  for budget in BUDGETS:
+    table = {}
+    for v in order:
+      table[v] = {'depth': by_variant[v][0]['depth'], 'mtp_kind': by_variant[v][0]['mtp_kind'],
+                  'seeds': sorted(r['seed'] for r in by_variant[v]),
+                  'metrics': aggregate({r['seed']: lm_metrics(r, budget) for r in by_variant[v]})}
+    summary['lm'][budget] = table
+    tests = {}
+    base = table.get(ABLATION.BASELINE)
+    for v in order:
+      if v == ABLATION.BASELINE or base is None:
+        continue
+      for metric, corpus in (('stdlib_bpb', 'stdlib_val'), ('heldout_bpb', 'heldout')):
+        a, b = table[v]['metrics'][metric]['per_seed'], base['metrics'][metric]['per_seed']
+        common = sorted(set(a) & set(b))
+        if len(common) >= 2:
+          runs_a = {r['seed']: r for r in by_variant[v]}
+          runs_b = {r['seed']: r for r in by_variant[ABLATION.BASELINE]}
+          tests[f'{v} - d0 {metric}'] = {
+              'welch': stats.welch([a[s] for s in a], [b[s] for s in b]),
+              'paired': stats.paired([a[s] for s in common], [b[s] for s in common]),
+              'n': len(common),
+              'eval_se_of_difference': float(np.mean([eval_se_of_difference(
+                  runs_a[s], runs_b[s], budget, corpus) for s in common]))}
+    if 'd3' in table and 'd3p' in table:
+      for metric in ('heldout_bpb', 'heldout_agree_1', 'heldout_agree_3'):
+        a, b = table['d3']['metrics'][metric]['per_seed'], table['d3p']['metrics'][metric]['per_seed']
+        if len(a) >= 2 and len(b) >= 2:
+          tests[f'd3 - d3p {metric}'] = {'welch': stats.welch(list(a.values()),
+                                                                 list(b.values()))}
+    summary['tests'][budget] = tests
+  ind = [r for r in results_lib.load_results(out_dir, 'induction')
+         if seeds is None or r['seed'] in seeds]
+  ind_by = {}
+  for r in ind:
+    ind_by.setdefault(r['variant'], []).append(r)
+  base_runs = {r['seed']: r for r in ind_by.get(INDUCTION.BASELINE, [])}
+  for v in [v for v in INDUCTION.VARIANTS if v in ind_by]:
+    per = {}
+    for r in ind_by[v]:
+      per[r['seed']] = induction_metrics(r)
+      if r['seed'] in base_runs:  # equal steps (= tokens): D = 0's accuracy at this run's end
+        curve = [p for p in base_runs[r['seed']]['curve'] if 'copy_acc' in p]
+        per[r['seed']]['d0_copy_acc_same_step'] = [
+            p for p in curve if p['step'] <= r['steps']][-1]['copy_acc']
+    summary['induction'][v] = {
+        'depth': ind_by[v][0]['depth'], 'seeds': sorted(r['seed'] for r in ind_by[v]),
+        'metrics': aggregate(per)}
+  if ind:
+    summary['induction_task'] = ind[0].get('task', {})
+  base = summary['induction'].get(INDUCTION.BASELINE)
+  for v, row in summary['induction'].items():
+    if v != INDUCTION.BASELINE and base:
+      for metric in ('copy_acc_half', 'copy_acc_final'):
+        a = list(row['metrics'][metric]['per_seed'].values())
+        b = list(base['metrics'][metric]['per_seed'].values())
+        if len(a) >= 2 and len(b) >= 2:
+          summary['tests'].setdefault('induction', {})[f'{v} - d0 {metric} (equal FLOPs)'] = {
+              'welch': stats.welch(a, b)}
+      a = row['metrics']['copy_acc_final']['per_seed']
+      b = row['metrics']['d0_copy_acc_same_step']['per_seed']
+      common = [s for s in a if b.get(s) is not None]
+      if len(common) >= 2:
+        summary['tests'].setdefault('induction', {})[
+            f'{v} - d0 copy accuracy at {v}\'s last step (equal steps and tokens)'] = {
+                'welch': stats.welch([a[s] for s in common], [b[s] for s in common]),
+                'paired': stats.paired([a[s] for s in common], [b[s] for s in common])}
+  sized = [r for r in results_lib.load_results(out_dir, 'sized')
+           if seeds is None or r['seed'] in seeds]
+  if sized:
+    summary['sized'] = tabulate_sized(sized)
+  names = [r for r in results_lib.load_results(out_dir, 'names')
+           if seeds is None or r['seed'] in seeds]
+  if names:
+    summary['names'] = tabulate_names(names)
+  return summary
+
+
+def paired_test(a: dict, b: dict) -> dict | None:
+  """Paired t test of per-seed values a - b over their common seeds, with the minimum
+  detectable effect (alpha 0.05, power 0.8) at the observed sd of the differences."""
+  common = sorted(s for s in a if s in b and a[s] is not None and b[s] is not None)
+  if len(common) < 2:
+    return None
+  diffs = [a[s] - b[s] for s in common]
+  out = stats.paired([a[s] for s in common], [b[s] for s in common])
+  sd = stats.mean_std(diffs)[1]
+  return {**out, 'n': len(common), 'sd': sd, 'mde': stats.min_detectable_effect(sd, len(common))}
+
+
+def tabulate_sized(runs: list[dict]) -> dict:
+  """The sized sweep per budget: variant rows (mean ± std), paired tests against d0 (and
+  the curricula against static d3), and the minimum detectable effect of the design."""
+  by = {}
+  for r in runs:
+    v, suffix = r['variant'].split('@')
+    by.setdefault((v, SIZED_BUDGETS[suffix]), []).append(r)
+  out = {}
+  for budget in BUDGETS:
+    table = {}
+    for v in ABLATION.SIZED_VARIANTS:
+      rs = by.get((v, budget)) or (by.get((v, 'equal_tokens')) if v == ABLATION.BASELINE
+                                   else None)  # D = 0's one run serves both budgets
+      if not rs:
+        continue
+      cfg = rs[0]['config']['model']['mtp']
+      table[v] = {'depth': rs[0]['depth'], 'mtp_kind': rs[0]['mtp_kind'],
+                  'curriculum': cfg.get('curriculum', 'none'),
+                  'seeds': sorted(r['seed'] for r in rs),
+                  'metrics': aggregate({r['seed']: lm_metrics(r, next(iter(r['evals'])))
+                                        for r in rs})}
+    tests, pooled = {}, {'stdlib_bpb': [], 'heldout_bpb': []}
+    pairs = [(v, ABLATION.BASELINE) for v in table if v != ABLATION.BASELINE]
+    pairs += [(v, 'd3') for v in ('d3f', 'd3r') if v in table and 'd3' in table]
+    for v, ref in pairs:
+      if ref not in table:
+        continue
+      for metric in ('stdlib_bpb', 'heldout_bpb') + (('tau_T0', 'tau_T1') if ref == 'd3'
+                                                     else ()):
+        if metric not in table[v]['metrics'] or metric not in table[ref]['metrics']:
+          continue
+        t = paired_test(table[v]['metrics'][metric]['per_seed'],
+                        table[ref]['metrics'][metric]['per_seed'])
+        if t is not None:
+          tests[f'{v} - {ref} {metric}'] = t
+          if ref == ABLATION.BASELINE:
+            a, b = table[v]['metrics'][metric]['per_seed'], table[ref]['metrics'][metric]['per_seed']
+            pooled[metric].append([a[s] - b[s] for s in a if s in b])
+    design = {}
+    for metric, groups in pooled.items():
+      sd, dof = stats.pooled_sd(groups)
+      n = min((len(g) for g in groups), default=0)
+      if dof:
+        design[metric] = {'pooled_sd': sd, 'dof': dof, 'n': n,
+                          'mde': stats.min_detectable_effect(sd, n)}
+    out[budget] = {'table': table, 'tests': tests, 'mde': design}
+  return out
+
+
+def _names_equal_flop_step(r: dict, base: dict) -> int:
+  return max(1, int(base['steps'] * base['flops_per_step'] // r['flops_per_step']))
+
+
+def _at_step(curve: list[dict], step: int) -> float:
+  """Copy accuracy at the last evaluation at or before `step`."""
+  return [p for p in curve if p['step'] <= step][-1]['copy_acc']
+
+
+def tabulate_names(runs: list[dict]) -> dict:
+  """Name-story induction: per variant the curve's landmarks, equal steps and equal FLOPs
+  against D = 0, paired by seed (same task batches and trunk initialisation)."""
+  by = {}
+  for r in runs:
+    by.setdefault(r['variant'], {})[r['seed']] = r
+  base = by.get(NAMES.BASELINE, {})
+  table = {}
+  for v in [v for v in NAMES.VARIANTS if v in by]:
+    per = {}
+    for seed, r in by[v].items():
+      curve = [p for p in r['curve'] if 'copy_acc' in p]
+      m = {'steps': r['steps'], 'copy_acc_final': curve[-1]['copy_acc'],
+           'other_acc_final': curve[-1]['other_acc'],
+           'copy_acc_quarter': _at_step(curve, r['steps'] // 4),
+           'copy_acc_half': _at_step(curve, r['steps'] // 2),
+           'steps_to_half': next((p['step'] for p in curve if p['copy_acc'] >= 0.5), None)}
+      b = base.get(seed)
+      if b is not None:  # equal FLOPs: this run at the most steps within D = 0's FLOPs
+        eq = _names_equal_flop_step(r, b)
+        m['equal_flop_step'] = eq
+        m['copy_acc_equal_flops'] = _at_step(curve, eq)
+      per[seed] = m
+    table[v] = {'depth': next(iter(by[v].values()))['depth'],
+                'mtp_kind': next(iter(by[v].values()))['mtp_kind'],
+                'seeds': sorted(by[v]), 'metrics': aggregate(per)}
+  tests = {}
+  if NAMES.BASELINE in table:
+    b = table[NAMES.BASELINE]['metrics']['copy_acc_final']['per_seed']
+    for v in table:
+      if v == NAMES.BASELINE:
+        continue
+      m = table[v]['metrics']
+      for name, metric in (('equal steps', 'copy_acc_final'),
+                           ('equal FLOPs', 'copy_acc_equal_flops'),
+                           ('half the steps', 'copy_acc_half')):
+        other = b if metric != 'copy_acc_half' else \
+            table[NAMES.BASELINE]['metrics']['copy_acc_half']['per_seed']
+        t = paired_test(m[metric]['per_seed'], other) if metric in m else None
+        if t is not None:
+          tests[f'{v} - d0 copy accuracy, {name}'] = t
+  task = next(iter(runs))['task']
+  return {'table': table, 'tests': tests, 'task': task, 'chance': NAMES.CHANCE}
+
+
+def _pm(m: dict, fmt: str = '{:.3f}') -> str:
+  if m is None or m['mean'] is None:
+    return 'n.a.'
+  if m['n'] < 2:
+    return fmt.format(m['mean'])
+  return f'{fmt.format(m["mean"])} ± {fmt.format(m["std"])}'
+
+
+def _seeds(m: dict, fmt: str = '{:.3f}') -> str:
+  return ' / '.join('n.a.' if v is None else fmt.format(v) for v in m['per_seed'].values())
+
+
+def markdown(summary: dict) -> str:
+  out = []
+  for budget, title in BUDGETS.items():
+    table = summary['lm'].get(budget, {})
+    if not table:
+      continue
+    ns = sorted({len(row['seeds']) for row in table.values()})
+    out += [f'**{title[0].upper() + title[1:]}** (mean ± std over seeds, n = {"/".join(map(str, ns))}; '
+            'bpb = bits per byte of the main head; agreement = teacher-forced agreement of '
+            'MTP depth k with the main head, held-out; tau = tokens per verify step)', '',
+            '| variant | steps | train TFLOP | stdlib val bpb | held-out bpb | '
+            'agreement per depth | tau greedy | tau T = 1 | tau T = 0.7 | '
+            'distinct 4-grams, greedy / T = 1 |',
+            '|---|---|---|---|---|---|---|---|---|---|']
+    for v, row in table.items():
+      m = row['metrics']
+      agree = ' / '.join(_pm(m[f'heldout_agree_{k}'], '{:.2f}')
+                         for k in range(1, row['depth'] + 1)) or 'n.a.'
+      taus = [_pm(m.get(f'tau_{t}'), '{:.2f}') if row['depth'] else '1 (n.a.)' for t in TEMPS]
+      distinct = ' / '.join(f'{m[f"distinct4_{t}"]["mean"]:.2f}' for t in ('T0', 'T1')
+                            if f'distinct4_{t}' in m) or 'n.a.'
+      out.append(f'| {_label(v, row)} | {_pm(m["steps"], "{:.0f}")} | '
+                 f'{_pm(m["train_tflop"], "{:.2f}")} | {_pm(m["stdlib_bpb"])} | '
+                 f'{_pm(m["heldout_bpb"])} | {agree} | {" | ".join(taus)} | {distinct} |')
+    se = [row['metrics'][k]['mean'] for row in table.values()
+          for k in ('stdlib_bpb_se', 'heldout_bpb_se')]
+    out += ['', f'Standard error of one run\'s bpb estimate (eval sampling, batch-level): '
+            f'{min(se):.3f}-{max(se):.3f} bits; every run is scored on the same batches.', '',
+            'Each seed (seeds ' + ', '.join(str(s) for s in next(iter(table.values()))['seeds'])
+            + '):', '', '| variant | stdlib val bpb | held-out bpb | tau greedy | tau T = 1 | '
+            'tau T = 0.7 | acceptance per depth, T = 1 (mean) |', '|---|---|---|---|---|---|---|']
+    for v, row in table.items():
+      m = row['metrics']
+      taus = [_seeds(m[f'tau_{t}'], '{:.2f}') if f'tau_{t}' in m else 'n.a.' for t in TEMPS]
+      acc = ' / '.join(f'{m[f"accept_T1_{k}"]["mean"]:.2f}' for k in range(1, row['depth'] + 1)
+                       if f'accept_T1_{k}' in m) or 'n.a.'
+      out.append(f'| {_label(v, row)} | {_seeds(m["stdlib_bpb"])} | {_seeds(m["heldout_bpb"])} | '
+                 f'{" | ".join(taus)} | {acc} |')
+    tests = summary['tests'].get(budget, {})
+    if tests:
+      out += ['', 'Differences (negative bpb = better than D = 0): Welch t over seeds, and '
+              'paired t over seeds (same seed = same data order and trunk init):', '']
+      for name, t in tests.items():
+        w = t['welch']
+        line = f'- {name}: {w["diff"]:+.4f}, Welch t = {w["t"]:.2f}, p = {w["p"]:.3f}'
+        if 'paired' in t:
+          line += (f'; paired t = {t["paired"]["t"]:.2f}, p = {t["paired"]["p"]:.3f}; eval '
+                   f'SE of one seed\'s difference {t["eval_se_of_difference"]:.4f}')
+        out.append(line)
+    out.append('')
+  ind = summary['induction']
+  if ind:
+    alphabet = ind_alphabet(summary)
+    out += ['**Induction** (equal training FLOPs; copy accuracy = top-1 accuracy of the main '
+            'head on the second occurrence of the repeated span, after its first token; '
+            f'chance 1/{alphabet})', '',
+            '| variant | steps | train TFLOP | copy accuracy after 1/4 of the FLOPs | '
+            'after 1/2 | at the end | at the end, each seed | D = 0 at the same step |',
+            '|---|---|---|---|---|---|---|---|']
+    for v, row in ind.items():
+      m = row['metrics']
+      out.append(f'| {v} (D = {row["depth"]}) | {_pm(m["steps"], "{:.0f}")} | '
+                 f'{_pm(m["train_tflop"], "{:.3f}")} | {_pm(m["copy_acc_quarter"])} | '
+                 f'{_pm(m["copy_acc_half"])} | {_pm(m["copy_acc_final"])} | '
+                 f'{_seeds(m["copy_acc_final"])} | '
+                 f'{_pm(m.get("d0_copy_acc_same_step")) if row["depth"] else "-"} |')
+    out.append('')
+    for name, t in summary['tests'].get('induction', {}).items():
+      w = t['welch']
+      line = f'- {name}: {w["diff"]:+.3f}, Welch t = {w["t"]:.2f}, p = {w["p"]:.3f}'
+      if 'paired' in t:
+        line += f'; paired t = {t["paired"]["t"]:.2f}, p = {t["paired"]["p"]:.3f}'
+      out.append(line)
+  if summary.get('sized'):
+    out += [''] + markdown_sized(summary['sized'])
+  if summary.get('names'):
+    out += [''] + markdown_names(summary['names'])
+  return '\n'.join(out)
+
+
+def _test_line(name: str, t: dict, fmt: str = '{:+.4f}') -> str:
+  return (f'- {name}: {fmt.format(t["diff"])}, paired t = {t["t"]:.2f}, p = {t["p"]:.3f}, '
+          f'n = {t["n"]}; minimum detectable effect {t["mde"]:.3f} (sd of the differences '
+          f'{t["sd"]:.4f})')
+
+
+def markdown_sized(sized: dict) -> list[str]:
+  out = []
+  for budget, title in BUDGETS.items():
+    part = sized.get(budget)
+    if not part or not part['table']:
+      continue
+    table = part['table']
+    ns = sorted({len(row['seeds']) for row in table.values()})
+    out += [f'**Sized sweep, {title}** (decayed learning rate, one run per budget; mean ± std '
+            f'over seeds, n = {"/".join(map(str, ns))})', '',
+            '| variant | steps | train TFLOP | stdlib val bpb | held-out bpb | '
+            'agreement per depth | tau greedy | tau T = 1 |', '|---|---|---|---|---|---|---|---|']
+    for v, row in table.items():
+      m = row['metrics']
+      agree = ' / '.join(_pm(m[f'heldout_agree_{k}'], '{:.2f}')
+                         for k in range(1, row['depth'] + 1)) or 'n.a.'
+      taus = [_pm(m.get(f'tau_{t}'), '{:.2f}') if row['depth'] else '1 (n.a.)'
+              for t in ('T0', 'T1')]
+      label = _label(v, row) + (f', {row["curriculum"]} curriculum'
+                                if row.get('curriculum', 'none') != 'none' else '')
+      out.append(f'| {label} | {_pm(m["steps"], "{:.0f}")} | {_pm(m["train_tflop"], "{:.2f}")} '
+                 f'| {_pm(m["stdlib_bpb"])} | {_pm(m["heldout_bpb"])} | {agree} | '
+                 f'{" | ".join(taus)} |')
+    out.append('')
+    for metric, d in part['mde'].items():
+      out.append(f'Minimum detectable paired effect on {metric} (alpha 0.05, power 0.8, '
+                 f'n = {d["n"]}): {d["mde"]:.3f} bits per byte (pooled sd of the paired '
+                 f'differences against d0: {d["pooled_sd"]:.4f}, {d["dof"]} dof).')
+    if part['tests']:
+      out += ['', 'Paired differences (negative bpb = better than the reference):', '']
+      out += [_test_line(name, t) for name, t in part['tests'].items()]
+    out.append('')
+  return out
+
+
+def markdown_names(names: dict) -> list[str]:
+  table = names['table']
+  out = [f'**Induction on stories with random names** (copy accuracy = main-head top-1 '
+         f'accuracy on the second token of a name at its second mention; chance '
+         f'{names["chance"]:.3f}; mean ± std over seeds)', '',
+         '| variant | steps | after 1/4 of the steps | after 1/2 | at the end (equal steps) | '
+         'at equal FLOPs | steps to 50 % | at the end, each seed |',
+         '|---|---|---|---|---|---|---|---|']
+  for v, row in table.items():
+    m = row['metrics']
+    reach = m['steps_to_half']
+    reached = f'{reach["n"]}/{len(row["seeds"])} seeds' + (
+        f', {reach["mean"]:.0f}' if reach['n'] else '')
+    eqf = _pm(m.get('copy_acc_equal_flops')) if row['depth'] else '(= at the end)'
+    label = f'{v} (D = 0)' if not row['depth'] else f'{v} (D = {row["depth"]} {row["mtp_kind"]})'
+    out.append(f'| {label} | {_pm(m["steps"], "{:.0f}")} | {_pm(m["copy_acc_quarter"])} | '
+               f'{_pm(m["copy_acc_half"])} | {_pm(m["copy_acc_final"])} | {eqf} | {reached} | '
+               f'{_seeds(m["copy_acc_final"])} |')
+  out.append('')
+  out += [_test_line(name, t, '{:+.3f}') for name, t in names['tests'].items()]
+  out.append('')
+  return out
+
+
+def ind_alphabet(summary: dict):
+  return summary.get('induction_task', {}).get('alphabet', '?')
+
+
+def _label(v: str, row: dict) -> str:
+  if not row['depth']:
+    return f'{v} (D = 0)'
+  return f'{v} (D = {row["depth"]} {row["mtp_kind"]})'
+
+
+def write_summary(out_dir: str, seeds=None) -> str:
+  """Tabulate OUT_DIR's runs into OUT_DIR/summary.json and summary.md; the markdown."""
+  summary = tabulate(out_dir, seeds)
+  text = markdown(summary)
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, 'summary.json'), 'w') as f:
+    json.dump(summary, f, indent=1, default=json_default)
+  with open(os.path.join(out_dir, 'summary.md'), 'w') as f:
+    f.write(text + '\n')
+  return text
+
+
+def json_default(x):
+  if isinstance(x, np.generic):
+    return x.item()
+  raise TypeError(type(x))
