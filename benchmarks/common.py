@@ -120,7 +120,7 @@ class Run:
       os.makedirs(os.path.dirname(os.path.abspath(lock)), exist_ok=True)
       self._lock = open(lock, 'a')  # pylint: disable=consider-using-with
       fcntl.flock(self._lock, fcntl.LOCK_EX)  # waits for any other benchmark to finish
-    self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
+    self.started = datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')
     self.load_start = load_average()
 
   def envelope(self) -> dict:

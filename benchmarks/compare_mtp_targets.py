@@ -221,7 +221,7 @@ def evaluate_all(root: str, trunk: str, args, runs) -> dict:
                            / max(steps_t1, 1) for k in range(DEPTH)],
         'final_train_losses': _last_train_metrics(workdir),
     }
-    print(f"{name}: agree {['%.3f' % a for a in results[name]['agree']]}  greedy tau "
+    print(f"{name}: agree {[f'{a:.3f}' for a in results[name]['agree']]}  greedy tau "
           f"{g['mean_accepted_length']:.3f}  T=1 tau {results[name]['sampled_tau']:.3f}",
           file=sys.stderr)
   return results

@@ -27,8 +27,9 @@ ROOTS = ('mtp_jax', 'configs', 'scripts', 'tests', 'benchmarks', 'notebooks', 'd
 TOP_FILES = ('README.md', 'CHANGELOG.md', 'pyproject.toml', 'setup.py', 'pytest.ini')
 # What a reader fills in: <name>, {k}, *.json, $VAR, NAME, DIR, ...
 PLACEHOLDER = re.compile(r'[<>{}*$]|\.\.\.|\b(N|NAME|DIR|FILE|OUT|PATH|KEY|WORKDIR)\b')
-PATH_RE = re.compile(r'(?<![\w./~-])((?:%s)/[\w./-]*|(?:%s))(?![\w/])' % (
-    '|'.join(re.escape(r) for r in ROOTS), '|'.join(re.escape(f) for f in TOP_FILES)))
+_ROOTS_RE = '|'.join(re.escape(r) for r in ROOTS)
+_TOP_RE = '|'.join(re.escape(f) for f in TOP_FILES)
+PATH_RE = re.compile(rf'(?<![\w./~-])((?:{_ROOTS_RE})/[\w./-]*|(?:{_TOP_RE}))(?![\w/])')
 CONFIG_KEY_RE = re.compile(r'--config\.([A-Za-z_][\w.]*)')
 BARE_KEY_RE = re.compile(r'^(model|data|train|loss|mesh)((?:\.\w+)+)(=.*)?$')
 PROGRAM_RE = re.compile(r'^(?:\S*/)?((?:scripts|benchmarks)/[\w/]+\.py|mtp-[a-z-]+)$')

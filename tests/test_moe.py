@@ -219,7 +219,7 @@ def test_tiny_mla_moe_trains_and_balances(devices):
       nnx.state(nnx.merge(ts.graphdef, s)[0], moe.RoutingBias))]
   losses = []
   batches = synthetic_batches(1, 8, 16, vocab=64, seed=1) * 6
-  for i, batch in enumerate(batches):
+  for batch in batches:
     before = bias(state)
     state, m = steps_lib.run_step(ts, state, batch)
     losses.append(float(m['loss']))

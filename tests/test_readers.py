@@ -262,7 +262,7 @@ def test_failed_validation_leaves_no_new_workdir(stdlib_data_dir, tmp_path, devi
   assert os.listdir(tmp_path) == []  # neither runs/ nor runs/new/ (nor checkpoints/)
   existing = tmp_path / 'mine'
   existing.mkdir()
-  with pytest.raises(Exception):
+  with pytest.raises(Exception, match='freeze_trunk'):
     train_and_evaluate(config, str(existing), devices=devices[:1])
   assert existing.is_dir()  # a workdir that existed stays
 

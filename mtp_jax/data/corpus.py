@@ -88,7 +88,7 @@ def fingerprint(root: str, paths: Sequence[str]) -> str:
       size = os.path.getsize(os.path.join(root, p))
     except OSError:
       size = -1
-    h.update(f'{p}\t{size}\n'.encode('utf-8'))
+    h.update(f'{p}\t{size}\n'.encode())
   return h.hexdigest()[:10]
 
 

@@ -80,7 +80,7 @@ class ModelArgs:
   attention_block_kv: int = 512
 
   @classmethod
-  def from_config(cls, config, vocab_size: int | None = None) -> 'ModelArgs':
+  def from_config(cls, config, vocab_size: int | None = None) -> ModelArgs:
     """The model of `config`; vocab_size overrides config.model.vocab_size.
 
     The model does not read tokenizers: a config whose model.vocab_size is 0 (the
@@ -415,7 +415,7 @@ class MTPModel(nnx.Module):
     return module.block(x, positions_BxT, mask, cache, cache_index_B)
 
   # -- the decode path: few-token steps through KV caches (layers.Block.decode) --------
-  def for_decoding(self, layout: str) -> 'MTPModel':
+  def for_decoding(self, layout: str) -> MTPModel:
     """A copy of the model in the decode layout (decode_ops.DecodeWeight) for cache `layout`.
 
     It shares this model's norms and embedding and holds every other matrix transposed

@@ -51,7 +51,7 @@ def table_peak(device_kind: str, dtype) -> float | None:
   return best[1][0] if is_bf16 else best[1][1]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe_fn():
   return jax.jit(lambda a, b: a @ b)
 

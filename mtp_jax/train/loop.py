@@ -180,7 +180,7 @@ class _Notifier:
 
 
 def _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from,
-           data_changes, workdir) -> '_Run':
+           data_changes, workdir) -> _Run:
   """The run's state on the mesh: resumed, or loaded from --init_from, or fresh."""
   ts, state = steps.setup(config, devices)
   data_iter = pipeline.make_train_iter(config, process_index=jax.process_index(),

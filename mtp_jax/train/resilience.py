@@ -182,7 +182,7 @@ class WorkdirLock:
     self.notify = notify
     self._fd = None
 
-  def acquire(self) -> 'WorkdirLock':
+  def acquire(self) -> WorkdirLock:
     """WorkdirError naming the holder when another trainer holds the workdir."""
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children
     try:
@@ -199,7 +199,7 @@ class WorkdirLock:
           f'{self.path}): one trainer per workdir; wait for it to finish, or stop it and '
           'rerun to resume') from e
     record = {'pid': os.getpid(), 'host': socket.gethostname(),
-              'since': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}
+              'since': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + '\n').encode(), 0)
     self._fd = fd
@@ -271,7 +271,7 @@ class StartupSignals:
   def __init__(self):
     self._previous = None
 
-  def install(self) -> 'StartupSignals':
+  def install(self) -> StartupSignals:
     if threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._handle)
     return self

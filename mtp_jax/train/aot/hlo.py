@@ -335,7 +335,7 @@ def _fusion_use(body: list, shapes: dict) -> tuple:
     if all(e is not None for e in elements) and any(e[2] == 'dynamic-update-slice'
                                                    for e in elements):
       written = 0.0
-      for n, t, o, r in elements:
+      for _, t, o, r in elements:
         if o == 'dynamic-update-slice':
           update = _operands(r)[1]
           written += _type_bytes(next((tt for nn, tt, *_ in body if nn == update), ''))
