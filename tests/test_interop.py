@@ -97,7 +97,7 @@ def test_export_init_from_hf_export_again_is_the_same(case, exports, devices, st
   assert _json(first, 'generation_config.json') == {'eos_token_id': 1, 'pad_token_id': 0}
   loaded, _ = train_state.restore_model_at(c, run, 0)
   got = export.model_params(loaded)
-  # What the files hold (FP8 dequantised; test_convert bounds its error), else the model.
+  # What the files hold (FP8 dequantised; test_hf_layouts bounds its error), else the model.
   want = export.model_params(hf.load_dir(str(first))[1] if case.endswith('fp8') else model)
   depths = 0 if layout == 'llama' else c.model.mtp.depth
   compared = 0

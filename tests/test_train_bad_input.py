@@ -1,4 +1,5 @@
-"""The bad-input catalogue: every case fails before anything compiles, with one line, exit 2.
+"""Training's bad input (train_and_evaluate and scripts/train.py): every case fails before
+anything compiles, with one line, exit 2.
 
 In-process cases call train_and_evaluate with steps.setup (the first compile)
 replaced by a tripwire; the CLI cases run scripts/train.py and check the exit code and

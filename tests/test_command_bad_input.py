@@ -1,4 +1,4 @@
-"""The bad-input catalogue of every user command: exit 2, one `error:` line, no traceback,
+"""Every user command's bad input, a case per command: exit 2, one `error:` line, no traceback,
 and nothing on disk changed.
 
 Each case runs a command on input that is refused before anything compiles, in a folder
