@@ -21,12 +21,11 @@ from __future__ import annotations
 import sys
 import time
 
-import common  # benchmarks/common.py
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import common  # benchmarks/common.py
 from mtp_jax.model import attention as attn_lib  # noqa: E402
 from mtp_jax.model import mtp as model_lib  # noqa: E402
 

@@ -173,10 +173,13 @@ def evaluate_all(root: str, trunk: str, args, runs) -> dict:
   """Every run on the trunk's held-out corpus data: one process, programs compiled once."""
   import jax  # pylint: disable=g-import-not-at-top  (JAX starts after the training stages)
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from mtp_jax import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-  from mtp_jax.train import evaluation  # pylint: disable=g-import-not-at-top
-  from mtp_jax.train import steps
   from mtp_jax.data import pipeline, tokenizers  # pylint: disable=g-import-not-at-top
+  from mtp_jax.train import (
+    evaluation,  # pylint: disable=g-import-not-at-top
+    steps,
+  )
   from mtp_jax.train.metrics import metric_key  # pylint: disable=g-import-not-at-top
 
   corpus, _ = ckpt_lib.load_workdir(trunk)

@@ -19,10 +19,10 @@ import os
 import sys
 import time
 
-import common  # benchmarks/common.py
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+import common  # benchmarks/common.py
 
 NAME = 'decode_speed'
 
@@ -77,11 +77,13 @@ def smoke_config():
 
 def main(argv=None) -> int:
   args = parse(argv)
-  from mtp_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from mtp_jax import (
+    checkpoint,  # pylint: disable=import-outside-toplevel
+    train_state,  # pylint: disable=import-outside-toplevel
+  )
+  from mtp_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
   from mtp_jax.decode import Decoder  # pylint: disable=import-outside-toplevel
   from mtp_jax.train import evaluation  # pylint: disable=import-outside-toplevel
-  from mtp_jax import train_state  # pylint: disable=import-outside-toplevel
-  from mtp_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
 
   run = common.start(args, NAME, argv)
   if args.smoke:
@@ -197,9 +199,11 @@ def random_model(config, d, layers, vocab=None, heads=None):
   """A random-init MTPModel of config's kind: 128-wide heads, MLP 3d, or heads =
   (n_heads, head_dim) and MLP 3d (the peer shape)."""
   import copy
+
   from flax import nnx
-  from mtp_jax.model import MTPModel, ModelArgs
+
   from mtp_jax.data import tokenizers
+  from mtp_jax.model import ModelArgs, MTPModel
   c = copy.deepcopy(config)
   c.model.d_model, c.model.n_layers, c.model.mlp_dim = d, layers, 3 * d
   n, hd = heads or (max(1, d // 128), 128)

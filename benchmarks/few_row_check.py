@@ -15,11 +15,11 @@ interleaved calls, in units of the float32 1-row GEMV of the same weight.
 import sys
 import time
 
-import common  # benchmarks/common.py
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import common  # benchmarks/common.py
 
 C = (((1,), (1,)), ((), ()))
 F32, BF16 = jnp.float32, jnp.bfloat16

@@ -13,15 +13,16 @@ import json
 import sys
 import time
 
-import common  # benchmarks/common.py
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from mtp_jax.model import mla  # noqa: E402
-from mtp_jax.model import ModelArgs  # noqa: E402
+import common  # benchmarks/common.py
+from mtp_jax.model import (
+  ModelArgs,  # noqa: E402
+  mla,  # noqa: E402
+)
 
 NAME = 'mla_decode_forms'
 

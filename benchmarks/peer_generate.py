@@ -26,10 +26,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from decode_speed import random_model  # noqa: E402
 
 import common  # benchmarks/common.py
-
-from decode_speed import random_model  # noqa: E402
 from mtp_jax.decode import Decoder  # noqa: E402
 
 NAME = 'peer_generate'

@@ -34,7 +34,6 @@ import sys
 import time
 
 import common  # benchmarks/common.py: no JAX
-
 from mtp_jax.runtime import host_memory  # noqa: E402  (standard library only)
 
 # The allocator setting the trainer makes (--host_malloc), before JAX starts a thread.
@@ -47,11 +46,10 @@ import numpy as np  # noqa: E402
 
 from mtp_jax import config_files  # noqa: E402
 from mtp_jax.data import tokenizers  # noqa: E402
-from mtp_jax.model import attention as attn_lib  # noqa: E402
 from mtp_jax.model import ModelArgs  # noqa: E402
-from mtp_jax.runtime import distributed  # noqa: E402
+from mtp_jax.model import attention as attn_lib  # noqa: E402
+from mtp_jax.runtime import distributed, sharding  # noqa: E402
 from mtp_jax.runtime import peak as peak_lib  # noqa: E402
-from mtp_jax.runtime import sharding  # noqa: E402
 from mtp_jax.train import flops as flops_lib  # noqa: E402
 from mtp_jax.train import steps as steps_lib  # noqa: E402
 

@@ -14,9 +14,9 @@ from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_files, config_lib
+from mtp_jax.model import moe as moe_lib
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps as steps_lib
-from mtp_jax.model import moe as moe_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_DECODE = (4, 16)  # tiny_run's decode eval: prompts, new tokens each
@@ -306,8 +306,8 @@ def make_hf_model(directory, family, seed=0):
 def write_workdir(path, config, seed=1, steps=(3,)):
   """A training workdir holding checkpoints `steps` of a random model of `config` (routing
   biases random too), as the trainer writes them; returns the model."""
-  from mtp_jax.data import tokenizers
   from mtp_jax import train_state
+  from mtp_jax.data import tokenizers
   model, optimizer = train_state.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
   if config.model.mlp == 'moe':
     params_with_routing_bias(model, seed)

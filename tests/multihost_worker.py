@@ -10,8 +10,9 @@ def main(process_id, num_processes, port, workdir, data_dir, stop_after):
   distributed.initialize('auto', f'127.0.0.1:{port}', int(num_processes), int(process_id),
                          cpu_devices=4)
   import jax
-  from mtp_jax.train import train_and_evaluate
+
   from helpers import job_config  # tests/ is on sys.path: it is this script's folder
+  from mtp_jax.train import train_and_evaluate
   assert jax.process_count() == int(num_processes) and jax.device_count() == 8
   print(distributed.describe(), flush=True)
   train_and_evaluate(job_config(data_dir), workdir,

@@ -9,22 +9,20 @@ import sys
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from helpers import REPO, byte_config, byte_ids
 from mtp_jax import config_lib
-from mtp_jax.decode import Decoder
-from mtp_jax.research import sweep as research
-from mtp_jax.research import heldout
-from mtp_jax.research import stats
-from mtp_jax.train import steps as steps_lib
 from mtp_jax.data import corpus, induction, tokenizers
-from flax import nnx
+from mtp_jax.decode import Decoder
+from mtp_jax.research import heldout, stats
+from mtp_jax.research import sweep as research
+from mtp_jax.train import steps as steps_lib
 
 SCRIPT = os.path.join(REPO, 'scripts', 'ablation.py')
 from mtp_jax.commands import ablation as A  # noqa: E402
 from mtp_jax.research import ablation as ablation_lib  # noqa: E402
 from mtp_jax.research import tables  # noqa: E402
-
 
 # Fields that may differ between variants; everything else must be identical.
 VARYING = {('model', 'mtp', 'depth'), ('model', 'mtp', 'kind')}

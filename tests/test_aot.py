@@ -14,7 +14,8 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from helpers import REPO, load_config
 from mtp_jax import config_lib

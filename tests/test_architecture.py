@@ -7,7 +7,6 @@ import ast
 import os
 import pathlib
 
-
 from helpers import REPO
 
 PACKAGE = os.path.join(REPO, 'mtp_jax')

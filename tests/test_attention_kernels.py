@@ -15,8 +15,8 @@ from helpers import dsv3_model_config, load_config, randomize, synthetic_batches
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.errors import ConfigError
+from mtp_jax.model import ModelArgs, MTPModel
 from mtp_jax.model import attention as attn_lib
-from mtp_jax.model import MTPModel, ModelArgs
 from mtp_jax.runtime import sharding
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps as steps_lib

@@ -9,15 +9,23 @@ import pytest
 from flax import nnx
 
 import numpy_reference as ref
-from helpers import POS, SEG, load_config, loss_batch, randomize, synthetic_batches, tiny_model_config
+from helpers import (
+  POS,
+  SEG,
+  load_config,
+  loss_batch,
+  randomize,
+  synthetic_batches,
+  tiny_model_config,
+)
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import tokenizers
-from mtp_jax.model import MTPModel, ModelArgs
-from mtp_jax.train import train_and_evaluate
+from mtp_jax.model import ModelArgs, MTPModel
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps as steps_lib
+from mtp_jax.train import train_and_evaluate
 
 
 def paper_heads(kind, step, steps, k_max, phase=None):

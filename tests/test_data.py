@@ -635,8 +635,8 @@ def test_batch_must_split_over_processes(cfg):
 def test_user_data_errors_stop_a_run_before_compiling(devices, tmp_path, monkeypatch):
   """As in test_train_bad_input.py: exit code 2, one line, steps.setup never reached."""
   from mtp_jax import cli  # pylint: disable=g-import-not-at-top  (JAX-heavy)
-  from mtp_jax.train import train_and_evaluate
   from mtp_jax.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
+  from mtp_jax.train import train_and_evaluate
 
   def tripwire(*a, **k):
     raise AssertionError('reached compilation: the input error was not caught before it')

@@ -18,12 +18,11 @@ from flax import nnx
 
 from helpers import REPO, TINY_DECODE, tiny_model_config
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import config_lib, train_state
 from mtp_jax.commands import evaluate as evaluate_command
 from mtp_jax.data import tokenizers
-from mtp_jax import config_lib
 from mtp_jax.decode import decoder as decode
 from mtp_jax.train import evaluation
-from mtp_jax import train_state
 from mtp_jax.train import steps as steps_lib
 
 SCRIPT = os.path.join(REPO, 'scripts', 'eval.py')

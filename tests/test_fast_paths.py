@@ -9,12 +9,12 @@ import pytest
 from flax import nnx
 
 from helpers import load_config, tiny_model_config
-from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.data import tokenizers
-from mtp_jax.model import layers
 from mtp_jax.model import attention as attn_lib
+from mtp_jax.model import layers
+from mtp_jax.model.mtp import ModelArgs, MTPModel, remat_policy
+from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train import loss as loss_lib
-from mtp_jax.model.mtp import MTPModel, ModelArgs, remat_policy
 
 
 def _packed_segments(b, t, seed=0):

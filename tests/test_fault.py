@@ -23,11 +23,10 @@ import pytest
 from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
-from mtp_jax.train import resilience
-from mtp_jax.train import train_and_evaluate
-from mtp_jax.train import metrics as metrics_lib
-from mtp_jax.train import steps as steps_lib
 from mtp_jax.config_lib import ConfigError
+from mtp_jax.train import metrics as metrics_lib
+from mtp_jax.train import resilience, train_and_evaluate
+from mtp_jax.train import steps as steps_lib
 
 FIELDS = dict(steps=6, log_every=2, eval_every=0, checkpoint_every=2, eval_batches=1)
 

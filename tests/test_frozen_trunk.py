@@ -10,12 +10,11 @@ from flax import nnx
 
 from helpers import load_config, tiny_model_config
 from mtp_jax import config_lib
-from mtp_jax.data import tokenizers
-from mtp_jax.train import flops
-from mtp_jax.train import train_and_evaluate
-from mtp_jax.train import loss as loss_lib
 from mtp_jax.config_lib import ConfigError
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.data import tokenizers
+from mtp_jax.model import ModelArgs, MTPModel
+from mtp_jax.train import flops, train_and_evaluate
+from mtp_jax.train import loss as loss_lib
 
 TRAIN = dict(log_every=2, eval_every=0, eval_batches=1, progress=False)
 

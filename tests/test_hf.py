@@ -11,24 +11,21 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-import sentencepiece as spm
 import pytest
+import sentencepiece as spm
 import torch
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from helpers import REPO, hf_tokenizer_texts, load_config
-from mtp_jax import config_lib
-from mtp_jax.interop import export, hf
-from mtp_jax.interop import layouts
-from mtp_jax.model import layers
-from mtp_jax.runtime import sharding
-from mtp_jax.train import train_and_evaluate
-from mtp_jax import train_state
+from mtp_jax import config_lib, train_state
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import tokenizers
 from mtp_jax.decode import Decoder
-from mtp_jax.model import MTPModel
+from mtp_jax.interop import export, hf, layouts
+from mtp_jax.model import MTPModel, layers
+from mtp_jax.runtime import sharding
+from mtp_jax.train import train_and_evaluate
 
 FAMILIES = ('llama', 'qwen2')
 CODE = 'def f(x):\n\tif x:\n        return {"é": x}  # 日本語 🐍\n\n'

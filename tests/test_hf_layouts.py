@@ -21,14 +21,18 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from helpers import (dsv3_model_config, params_with_routing_bias, randomize, tiny_model_config,
-                     write_workdir)
-from mtp_jax.data import tokenizers
+from helpers import (
+  dsv3_model_config,
+  params_with_routing_bias,
+  randomize,
+  tiny_model_config,
+  write_workdir,
+)
 from mtp_jax.commands import export as export_cmd
+from mtp_jax.data import tokenizers
 from mtp_jax.interop import export, fp8, hf, hf_config, layouts
 from mtp_jax.interop.safetensors_io import INDEX, InteropError, Reader, read_json, write_dir
-from mtp_jax.model import layers
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model import ModelArgs, MTPModel, layers
 
 TOKENS = np.arange(12, dtype=np.int32)[None] * 5 % 64
 

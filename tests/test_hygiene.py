@@ -19,12 +19,11 @@ import pytest
 from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
-from mtp_jax.errors import ConfigError
 from mtp_jax.commands import train as train_cmd
+from mtp_jax.errors import ConfigError
 from mtp_jax.runtime import peak as peak_lib
-from mtp_jax.train import train_and_evaluate
 from mtp_jax.train import metrics as metrics_lib
-from mtp_jax.train import resilience
+from mtp_jax.train import resilience, train_and_evaluate
 
 WORDS = ['alpha', 'beta', 'gamma', 'delta', 'def', 'return', 'class', 'import', 'while']
 

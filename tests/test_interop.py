@@ -16,14 +16,14 @@ import pytest
 from flax import nnx
 
 from helpers import REPO, dsv3_model_config, load_config, tiny_model_config, write_workdir
-from mtp_jax.train_state import InitFrom
+from mtp_jax import train_state
 from mtp_jax.data import tokenizers
 from mtp_jax.decode import Decoder
 from mtp_jax.interop import export, hf
 from mtp_jax.interop.safetensors_io import Reader
-from mtp_jax import train_state
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model import ModelArgs, MTPModel
 from mtp_jax.train import train_and_evaluate
+from mtp_jax.train_state import InitFrom
 
 CASES = ('llama', 'mimo', 'deepseek_v3', 'deepseek_v3_fp8')
 TEXTS = ['def f(x):\n\treturn {"é": x}  # 日本語 🐍\n', '', ' \n', 'a<b>c</s>\x00\xff']

@@ -11,10 +11,7 @@ from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.decode import Decoder
 from mtp_jax.errors import RequestError
-from mtp_jax.model import layers
-from mtp_jax.model import moe
-from mtp_jax.model import moe_exchange
-from mtp_jax.model import mtp
+from mtp_jax.model import layers, moe, moe_exchange, mtp
 from mtp_jax.train import flops
 
 

@@ -7,9 +7,9 @@ from flax import nnx
 
 import numpy_reference as ref
 from helpers import POS, SEG, loss_batch, loss_grads, randomize, tiny_model_config
-from mtp_jax.train import loss as loss_lib
 from mtp_jax.data import tokenizers
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model import ModelArgs, MTPModel
+from mtp_jax.train import loss as loss_lib
 
 # Row 0 packs documents of 5, 6 and 3 tokens and 2 padding slots; row 1 is one document.
 HAND_COUNTS = [26, 22, 18]

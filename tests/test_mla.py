@@ -12,7 +12,7 @@ import numpy_reference as ref
 from helpers import dsv3_model_config, randomize, set_field
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model import ModelArgs, MTPModel
 
 TOKENS = np.array([[5, 9, 1, 33, 2, 7, 60, 4, 11, 12, 3, 8, 21, 22, 0, 0]])
 SEG = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 0, 0]])

@@ -7,8 +7,8 @@ from flax import nnx
 
 import numpy_reference as ref
 from helpers import randomize, tiny_model_config
-from mtp_jax.model import MTPModel, ModelArgs, count_params
 from mtp_jax.data import tokenizers
+from mtp_jax.model import ModelArgs, MTPModel, count_params
 
 
 def build(depth, kind='sequential', seed=0, **model):

@@ -5,21 +5,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import numpy_reference as ref
-from helpers import (dsv3_model_config, params_with_routing_bias, set_field, step_losses,
-                     synthetic_batches)
+from helpers import (
+  dsv3_model_config,
+  params_with_routing_bias,
+  set_field,
+  step_losses,
+  synthetic_batches,
+)
 from mtp_jax import config_lib
-from mtp_jax.runtime import sharding
 from mtp_jax.data import tokenizers
 from mtp_jax.interop import fp8
+from mtp_jax.model import ModelArgs, MTPModel, moe, moe_exchange
+from mtp_jax.runtime import sharding
 from mtp_jax.train import flops
-from mtp_jax.model import moe
-from mtp_jax.model import moe_exchange
-from jax.sharding import PartitionSpec as P
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps as steps_lib
-from mtp_jax.model import MTPModel, ModelArgs
 
 TOKENS = np.array([[5, 9, 1, 33, 2, 7, 60, 4, 11, 12, 3, 8, 21, 22, 0, 0],
                    [3, 3, 40, 41, 42, 6, 7, 8, 50, 1, 2, 9, 9, 9, 10, 63]])

@@ -18,7 +18,6 @@ import pytest
 from helpers import MULTIHOST_STEPS, REPO, job_config
 
 
-
 class _Concat:
   """Iterates several per-process iterators as one: their batches side by side."""
 
@@ -97,8 +96,8 @@ def test_two_processes_equal_one_process_of_eight_devices(devices, stdlib_data_d
   assert 'Resumed from' in second[0][2] and 'tok/s' in second[0][2]
   assert 'tok/s' not in second[1][2]  # only process 0 reports
 
-  from mtp_jax.train import train_and_evaluate
   from mtp_jax.data import pipeline
+  from mtp_jax.train import train_and_evaluate
   make_train_iter, make_eval_batches = pipeline.make_train_iter, pipeline.make_eval_batches
 
   def train_iter(config, *, process_index=0, process_count=1):

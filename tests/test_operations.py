@@ -16,10 +16,9 @@ from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib, errors
 from mtp_jax.checkpoint import store as ckpt_store
-from mtp_jax.train import train_and_evaluate
-from mtp_jax.train import resilience, steps
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import pipeline
+from mtp_jax.train import resilience, steps, train_and_evaluate
 
 
 def _train(workdir, *flags, env=None):

@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 
-from helpers import REPO
 import mtp_jax
+from helpers import REPO
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 
@@ -21,10 +21,8 @@ LAZY = ('data', 'research', 'runtime', 'train')  # modules of these run before J
 
 
 def test_the_short_imports_work():
-  from mtp_jax.decode import Decoder
-  from mtp_jax.decode import decoder
-  from mtp_jax.model import MTPModel, ModelArgs
-  from mtp_jax.model import mtp
+  from mtp_jax.decode import Decoder, decoder
+  from mtp_jax.model import ModelArgs, MTPModel, mtp
   from mtp_jax.train import loss, loss_and_metrics, train_and_evaluate
   assert (MTPModel, ModelArgs, Decoder) == (mtp.MTPModel, mtp.ModelArgs, decoder.Decoder)
   assert loss_and_metrics is loss.loss_and_metrics and train_and_evaluate.__module__ == (

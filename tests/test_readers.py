@@ -22,11 +22,9 @@ import pytest
 
 from helpers import REPO, load_config
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import cli
-from mtp_jax.train import resilience
-from mtp_jax.train import train_and_evaluate
-from mtp_jax import train_state
+from mtp_jax import cli, train_state
 from mtp_jax.model.mtp import shift_left
+from mtp_jax.train import resilience, train_and_evaluate
 
 
 def _script(name):

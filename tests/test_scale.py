@@ -9,16 +9,22 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import (REPO, load_config, loss_batch, loss_grads, step_losses, synthetic_batches,
-                     tiny_model_config)
+from helpers import (
+  REPO,
+  load_config,
+  loss_batch,
+  loss_grads,
+  step_losses,
+  synthetic_batches,
+  tiny_model_config,
+)
 from mtp_jax import config_files, config_lib
 from mtp_jax.data import tokenizers
-from mtp_jax.runtime import distributed
-from mtp_jax.train import flops
+from mtp_jax.model import ModelArgs, MTPModel, count_params
+from mtp_jax.runtime import distributed, sharding
 from mtp_jax.runtime import peak as peak_lib
-from mtp_jax.runtime import sharding
+from mtp_jax.train import flops
 from mtp_jax.train import loss as loss_lib
-from mtp_jax.model import MTPModel, ModelArgs, count_params
 
 CONFIGS = sorted(os.path.splitext(os.path.basename(p))[0]
                  for p in glob.glob(os.path.join(REPO, 'configs', '*.py'))

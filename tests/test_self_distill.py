@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import train_state
 from mtp_jax.commands import self_distill as self_distill_command
+from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
 from mtp_jax.decode import Decoder
 from mtp_jax.train import train_and_evaluate
-from mtp_jax import train_state
-from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
 
 ARGS = ['--num_prompts', '7', '--prompt_len', '8', '--max_new_tokens', '12', '--batch_size', '4',
         '--temperature', '1.0', '--seed', '3']

@@ -13,9 +13,8 @@ from mtp_jax.commands import ablation as A
 from mtp_jax.data import induction
 from mtp_jax.research import ablation as ablation_lib
 from mtp_jax.research import design as design_lib
-from mtp_jax.research import stats
+from mtp_jax.research import stats, tables
 from mtp_jax.research import sweep as research
-from mtp_jax.research import tables
 
 COMMITTED = os.path.join(REPO, 'benchmarks', 'research')
 

@@ -7,9 +7,8 @@ run in one pytest process.
 import numpy as np
 import pytest
 
-from mtp_jax.decode import DecodeResult, Decoder
-from mtp_jax.decode import generate
 from helpers import MAX_NEW, byte_ids, word_prompts
+from mtp_jax.decode import Decoder, DecodeResult, generate
 
 
 def blocks(src):
@@ -110,8 +109,8 @@ def test_sources_need_record():
 
 def test_pieces_html_and_chart(tmp_path):
   """The notebook's views: one piece per token (a split character on its last byte)."""
-  from mtp_jax.research import plotting
   from mtp_jax.data import tokenizers
+  from mtp_jax.research import plotting
   tok = tokenizers.ByteTokenizer()
   ids = tok.encode('é<b>\n')
   pieces = plotting.token_pieces(tok, tok.encode('x = '), ids)

@@ -11,9 +11,9 @@ import pytest
 
 from helpers import load_config, synthetic_batches
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax.config_lib import ConfigError
 from mtp_jax.train import steps as steps_lib
 from mtp_jax.train import train_and_evaluate
-from mtp_jax.config_lib import ConfigError
 
 
 def tiny_config(data_dir, **train_fields):

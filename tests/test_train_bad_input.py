@@ -17,9 +17,9 @@ import pytest
 from helpers import REPO, load_config
 from mtp_jax import cli
 from mtp_jax.data import checks as data_checks
-from mtp_jax.train import train_and_evaluate
-from mtp_jax.train import steps as steps_lib
 from mtp_jax.data import corpus, pipeline, stdlib_dataset
+from mtp_jax.train import steps as steps_lib
+from mtp_jax.train import train_and_evaluate
 
 
 def tiny(data_dir):

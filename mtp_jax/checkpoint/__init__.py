@@ -11,10 +11,25 @@ The names below are the public API (`from mtp_jax import checkpoint as ckpt_lib`
 from mtp_jax.checkpoint.compat import DATA_FIELDS, check_compatible, config_diffs
 from mtp_jax.checkpoint.integrity import data_state_hash, fingerprint, integrity_meta, verify
 from mtp_jax.checkpoint.partial import check_init_from, init_from, resolve_checkpoint
-from mtp_jax.checkpoint.reader import (CheckpointReader, load_workdir, path_names,
-                                       read_state_arrays, restore_state, warn)
-from mtp_jax.checkpoint.store import (QUARANTINE_DIR, TMP_MARKER, CheckpointError, Checkpointer,
-                                      Restored, abstract_like, is_url, location, short)
+from mtp_jax.checkpoint.reader import (
+                                       CheckpointReader,
+                                       load_workdir,
+                                       path_names,
+                                       read_state_arrays,
+                                       restore_state,
+                                       warn,
+)
+from mtp_jax.checkpoint.store import (
+                                       QUARANTINE_DIR,
+                                       TMP_MARKER,
+                                       Checkpointer,
+                                       CheckpointError,
+                                       Restored,
+                                       abstract_like,
+                                       is_url,
+                                       location,
+                                       short,
+)
 
 __all__ = [
     'CheckpointError', 'CheckpointReader', 'Checkpointer', 'DATA_FIELDS', 'QUARANTINE_DIR', 'Restored',

@@ -7,7 +7,6 @@ import os
 from mtp_jax import config_lib
 from mtp_jax.errors import ConfigError
 
-
 # Fields whose change makes an old checkpoint unusable for this run.
 _SHAPE_FIELDS = ('model', 'data.tokenizer', 'data.spm_model', 'data.seq_len')
 

@@ -12,11 +12,17 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from mtp_jax.errors import ConfigError
 from mtp_jax.checkpoint.compat import config_diffs
-from mtp_jax.checkpoint.reader import (CheckpointReader, leaf_paths, nested, path_names,
-                                       restore_item, warn)
+from mtp_jax.checkpoint.reader import (
+  CheckpointReader,
+  leaf_paths,
+  nested,
+  path_names,
+  restore_item,
+  warn,
+)
 from mtp_jax.checkpoint.store import CheckpointError
+from mtp_jax.errors import ConfigError
 
 
 def resolve_checkpoint(path: str) -> tuple[str, int | None]:

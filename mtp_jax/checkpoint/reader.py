@@ -19,11 +19,19 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from mtp_jax import config_lib
+from mtp_jax.checkpoint.integrity import fingerprint, verify
+from mtp_jax.checkpoint.store import (
+  CheckpointError,
+  Restored,
+  draining_loops,
+  is_url,
+  isdir,
+  listdir,
+  location,
+  short,
+)
 from mtp_jax.data import tokenizers
 from mtp_jax.errors import RequestError
-from mtp_jax.checkpoint.integrity import fingerprint, verify
-from mtp_jax.checkpoint.store import (CheckpointError, Restored, listdir, draining_loops,
-                                      is_url, isdir, location, short)
 
 
 class _ClosedLoopFilter(logging.Filter):

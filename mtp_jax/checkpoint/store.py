@@ -23,9 +23,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from mtp_jax.errors import ConfigError
 from mtp_jax.checkpoint.integrity import verify
-
+from mtp_jax.errors import ConfigError
 
 TMP_MARKER = '.orbax-checkpoint-tmp'
 QUARANTINE_DIR = 'corrupt_checkpoints'  # next to `checkpoints/`: broken steps moved aside

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
   except cli.RequestError as e:
     return cli.report_expected(e)
   from absl import logging
+
   from mtp_jax.train import evaluation  # after flag parsing: JAX starts here
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:

@@ -56,6 +56,7 @@ def main(argv=None) -> int:
   except cli.RequestError as e:
     return cli.report_expected(e)
   from absl import logging  # pylint: disable=g-import-not-at-top
+
   from mtp_jax.interop import export  # pylint: disable=g-import-not-at-top  (JAX starts here)
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:

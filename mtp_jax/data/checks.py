@@ -33,9 +33,11 @@ def check_document_lengths(config) -> None:
   train depth M on a loss that is always empty (0), silently.
   """
   # Deferred: stdlib_dataset imports tensorflow_datasets (seconds), needed only to train.
-  from mtp_jax.data import stdlib_dataset  # pylint: disable=g-import-not-at-top
   # Deferred: as stdlib_dataset (pipeline imports it); its document_ids reads data.tokens_key.
-  from mtp_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  from mtp_jax.data import (
+    pipeline,  # pylint: disable=g-import-not-at-top
+    stdlib_dataset,  # pylint: disable=g-import-not-at-top
+  )
   mtp_depth = config.model.mtp.depth
   need = mtp_depth + 2
   d = config.data

@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from absl import flags
 import grain
 import numpy as np
+from absl import flags
 
 from mtp_jax import config_lib
-from mtp_jax.errors import ConfigError
 from mtp_jax.data import stdlib_dataset, tokenizers, user_data
+from mtp_jax.errors import ConfigError
 
 _KEY = 'tokens'
 _RENAME = {'tokens': _KEY, 'segment_ids': f'{_KEY}_segment_ids',

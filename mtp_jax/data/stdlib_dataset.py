@@ -21,8 +21,8 @@ from typing import Any
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import tqdm_utils
 
-from mtp_jax.errors import ConfigError
 from mtp_jax.data import corpus, user_data
+from mtp_jax.errors import ConfigError
 
 STDLIB_NAME = 'python_stdlib'
 DATA_DIR_ENV = 'MTP_JAX_DATA_DIR'

@@ -19,7 +19,6 @@ vocab may be padded past the tokenizer's, so a sampler can emit such ids).
 """
 from __future__ import annotations
 
-
 import io
 import json
 import os

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from mtp_jax import config_lib
-from mtp_jax.errors import ConfigError
 from mtp_jax.data import corpus
+from mtp_jax.errors import ConfigError
 
 TFDS, FILES, JSONL, PARQUET, HF_DISK = 'tfds', 'files', 'jsonl', 'parquet', 'hf_disk'
 SOURCES = config_lib.DATA_SOURCES  # (TFDS, FILES, JSONL, PARQUET, HF_DISK)

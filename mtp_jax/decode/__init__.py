@@ -5,7 +5,7 @@
 - sampling.py: `Sampling` (temperature, top-k, top-p) and the acceptance rule.
 - generate.py: `decode_workdir`, decoding with a training workdir's newest model.
 """
-from mtp_jax.decode.decoder import DecodeResult, Decoder, check_request, clear_compiled
+from mtp_jax.decode.decoder import Decoder, DecodeResult, check_request, clear_compiled
 from mtp_jax.decode.generate import decode_workdir, read_prompts, token_sources
 from mtp_jax.decode.sampling import Sampling
 

@@ -48,12 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-
-from mtp_jax.model import decode_ops
 from mtp_jax.decode import sampling as sampling_lib
-from mtp_jax.errors import RequestError
-from mtp_jax.model.mtp import MAX_DRAFTS, MTPModel
 from mtp_jax.decode.sampling import PAD_ID, Sampling, row_keys, take_rows
+from mtp_jax.errors import RequestError
+from mtp_jax.model import decode_ops
+from mtp_jax.model.mtp import MAX_DRAFTS, MTPModel
 
 Array = jax.Array
 MIN_BUCKET = 16

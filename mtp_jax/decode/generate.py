@@ -12,10 +12,10 @@ import os
 import numpy as np
 
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax.decode.decoder import DecodeResult, Decoder, check_request
 from mtp_jax import train_state
-from mtp_jax.errors import RequestError
 from mtp_jax.data import tokenizers
+from mtp_jax.decode.decoder import Decoder, DecodeResult, check_request
+from mtp_jax.errors import RequestError
 
 
 # -- prompts and a workdir, end to end (scripts/decode.py) --------------------------------------

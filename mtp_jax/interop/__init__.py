@@ -7,10 +7,14 @@
 - layouts.py: the tensor-name tables of each layout; hf_config.py: config.json <-> config.
 - safetensors_io.py: reading and writing the files; fp8.py: DeepSeek-V3's block scales.
 """
-from mtp_jax.interop.export import (LAYOUTS, export_model, export_workdir, model_params,
-                                    to_hf_tensors)
-from mtp_jax.interop.hf import (apply_to_config, check_weights, load_dir, load_model,
-                                params_from_hf)
+from mtp_jax.interop.export import (
+                                    LAYOUTS,
+                                    export_model,
+                                    export_workdir,
+                                    model_params,
+                                    to_hf_tensors,
+)
+from mtp_jax.interop.hf import apply_to_config, check_weights, load_dir, load_model, params_from_hf
 from mtp_jax.interop.safetensors_io import InteropError
 
 __all__ = ['InteropError', 'LAYOUTS', 'apply_to_config', 'check_weights', 'export_model',

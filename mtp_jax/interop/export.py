@@ -22,14 +22,12 @@ from flax import nnx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import train_state
 from mtp_jax.data import tokenizers
 from mtp_jax.interop import fp8 as fp8_lib
-from mtp_jax.interop import hf_config
-from mtp_jax.interop import layouts
+from mtp_jax.interop import hf_config, layouts
 from mtp_jax.interop.safetensors_io import SHARD_BYTES, InteropError, write_dir
-from mtp_jax.model import moe
-from mtp_jax import train_state
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model import ModelArgs, MTPModel, moe
 
 LAYOUTS = layouts.LAYOUTS
 # A Hugging Face trunk's tokenizer files, copied when present.

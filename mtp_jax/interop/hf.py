@@ -31,13 +31,12 @@ from flax import nnx
 
 from mtp_jax import config_lib
 from mtp_jax.checkpoint import path_names
-from mtp_jax.train_state import HF_PREFIX, InitFrom
 from mtp_jax.data import tokenizers
 from mtp_jax.interop import fp8 as fp8_lib
-from mtp_jax.interop import hf_config
-from mtp_jax.interop import layouts
+from mtp_jax.interop import hf_config, layouts
 from mtp_jax.interop.safetensors_io import InteropError, MemoryReader, Reader
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model import ModelArgs, MTPModel
+from mtp_jax.train_state import HF_PREFIX, InitFrom
 
 PREFIX = HF_PREFIX
 SUPPORTED = hf_config.ARCHITECTURES

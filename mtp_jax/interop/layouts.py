@@ -36,9 +36,7 @@ import numpy as np
 
 from mtp_jax.interop import fp8 as fp8_lib
 from mtp_jax.interop.safetensors_io import InteropError
-from mtp_jax.model import layers
-from mtp_jax.model import mla
-from mtp_jax.model import moe
+from mtp_jax.model import layers, mla, moe
 from mtp_jax.model.mtp import ModelArgs, block_classes
 
 LAYOUTS = ('llama', 'deepseek_v3', 'mimo')

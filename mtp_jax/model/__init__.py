@@ -14,8 +14,18 @@ Nothing here reads or writes checkpoints (mtp_jax.checkpoint) or builds an optim
 import warnings as _warnings
 
 from mtp_jax.data import tokenizers as _tokenizers
-from mtp_jax.model.mtp import (ATTENTION_KINDS, MAX_DRAFTS, MLP_KINDS, MTP_KINDS, MTPModel,
-                               ModelArgs, ParallelHead, SequentialMTP, SharedHead, count_params)
+from mtp_jax.model.mtp import (
+  ATTENTION_KINDS,
+  MAX_DRAFTS,
+  MLP_KINDS,
+  MTP_KINDS,
+  ModelArgs,
+  MTPModel,
+  ParallelHead,
+  SequentialMTP,
+  SharedHead,
+  count_params,
+)
 
 __all__ = ['ATTENTION_KINDS', 'MAX_DRAFTS', 'MLP_KINDS', 'MTP_KINDS', 'MTPModel', 'ModelArgs',
            'ParallelHead', 'SequentialMTP', 'SharedHead', 'count_params']

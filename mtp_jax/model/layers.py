@@ -16,9 +16,15 @@ from flax import nnx
 
 from mtp_jax.model import attention as attn_lib
 from mtp_jax.model.attention import MASKED, attention_impl, blocked_causal_attention
-from mtp_jax.model.decode_ops import (DecodeWeight, empty_kv, few_query_dot,
-                                      write_heads_major, decode_dot, decode_kernel,
-                                      write_cache)
+from mtp_jax.model.decode_ops import (
+  DecodeWeight,
+  decode_dot,
+  decode_kernel,
+  empty_kv,
+  few_query_dot,
+  write_cache,
+  write_heads_major,
+)
 from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array

@@ -37,11 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.model import layers
-
 from mtp_jax.model import attention as attn_lib
-
-from mtp_jax.model import decode_ops
+from mtp_jax.model import decode_ops, layers
 from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array

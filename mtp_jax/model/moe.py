@@ -81,10 +81,7 @@ from flax.core import spmd as flax_spmd
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from mtp_jax.model import layers
-
-from mtp_jax.model import decode_ops
-from mtp_jax.model import moe_exchange
+from mtp_jax.model import decode_ops, layers, moe_exchange
 from mtp_jax.runtime.sharding import constrain, logical_spec
 
 Array = jax.Array

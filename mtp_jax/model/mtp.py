@@ -19,11 +19,8 @@ from flax import nnx
 
 from mtp_jax import config_lib
 from mtp_jax.errors import ConfigError
-from mtp_jax.model import layers
 from mtp_jax.model import attention as attn_lib
-from mtp_jax.model import decode_ops
-from mtp_jax.model import mla
-from mtp_jax.model import moe
+from mtp_jax.model import decode_ops, layers, mla, moe
 from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array

@@ -24,11 +24,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import config_lib
-from mtp_jax.decode import Decoder, check_request
-from mtp_jax import train_state
-from mtp_jax.errors import RequestError
+from mtp_jax import config_lib, train_state
 from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
+from mtp_jax.decode import Decoder, check_request
+from mtp_jax.errors import RequestError
 
 DATA_FILE = 'data.jsonl'
 META_FILE = 'meta.json'

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mtp_jax.train import evaluation
 from mtp_jax.data import corpus
+from mtp_jax.train import evaluation
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,15 +32,15 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax.train import evaluation
-from mtp_jax.train import flops as flops_lib
-from mtp_jax.runtime import sharding
 from mtp_jax import train_state
-from mtp_jax.train import steps as steps_lib
 from mtp_jax.data import induction, pipeline, tokenizers
 from mtp_jax.research import results as results_lib
 from mtp_jax.research.heldout import HeldoutRule, heldout_documents, pack_rows, prompts_from
 from mtp_jax.research.stats import batch_bpb_se
+from mtp_jax.runtime import sharding
+from mtp_jax.train import evaluation
+from mtp_jax.train import flops as flops_lib
+from mtp_jax.train import steps as steps_lib
 
 RESULT_VERSION = 1
 

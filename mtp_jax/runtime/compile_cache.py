@@ -11,7 +11,6 @@ import os
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-
 # train.compilation_cache_dir's default; $JAX_COMPILATION_CACHE_DIR, when set, replaces it.
 DEFAULT_DIR = '~/.cache/mtp_jax/jax_cache'
 

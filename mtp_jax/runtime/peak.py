@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from mtp_jax.runtime import machine
 
-
 # -- peak FLOP/s -------------------------------------------------------------------------
 # Dense peak per chip, FLOP/s, from the vendors' data sheets: (bfloat16, float32 matmuls).
 # float32 on TPU runs the MXU at bf16 rate with default precision; on GPUs JAX's default

@@ -10,9 +10,10 @@ import contextlib
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import mesh_utils
 from flax.core import spmd as flax_spmd
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.experimental import mesh_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mtp_jax import config_lib
 

@@ -23,15 +23,13 @@ from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
-from mtp_jax.decode import Decoder
-from mtp_jax.train import loss as loss_lib
 from mtp_jax.data import checks as data_checks
+from mtp_jax.data import tokenizers, user_data
+from mtp_jax.decode import Decoder
+from mtp_jax.errors import ConfigError, RequestError
 from mtp_jax.runtime import sharding
+from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps
-from mtp_jax.errors import RequestError
-from mtp_jax.errors import ConfigError
-from mtp_jax.data import tokenizers
-from mtp_jax.data import user_data
 from mtp_jax.train.metrics import TAU_KEY, depth_name, metric_key
 
 MAX_PLAIN_DOCS = 4096  # documents read from a split without a 'path' feature to order by

@@ -17,22 +17,19 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import config_lib
-from mtp_jax.train import evaluation
-from mtp_jax.train import flops as flops_lib
+from mtp_jax import config_lib, train_state
+from mtp_jax.data import checks as data_checks
+from mtp_jax.data import pipeline, tokenizers
 from mtp_jax.interop import hf
-from mtp_jax.train_state import InitFrom
+from mtp_jax.model import moe
+from mtp_jax.model import mtp as model_lib
+from mtp_jax.runtime import compile_cache, profiling, sharding
+from mtp_jax.train import evaluation, resilience, steps
+from mtp_jax.train import flops as flops_lib
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import metrics as metrics_lib
-from mtp_jax.model import mtp as model_lib
-from mtp_jax.model import moe
-from mtp_jax.train import resilience
-from mtp_jax.data import checks as data_checks
-from mtp_jax.runtime import compile_cache, profiling, sharding
-from mtp_jax import train_state
-from mtp_jax.train import steps
-from mtp_jax.data import pipeline, tokenizers
 from mtp_jax.train.metrics import metric_key
+from mtp_jax.train_state import InitFrom
 
 
 class _Window:

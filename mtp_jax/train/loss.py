@@ -20,8 +20,8 @@ from flax import nnx
 
 from mtp_jax import config_lib
 from mtp_jax.model import moe
-from mtp_jax.train.metrics import metric_key
 from mtp_jax.model.mtp import MTPModel, shift_left, vocab_logits
+from mtp_jax.train.metrics import metric_key
 
 Array = jax.Array
 

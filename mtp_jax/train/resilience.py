@@ -32,8 +32,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mtp_jax.checkpoint import store as ckpt_store
-from mtp_jax.errors import one_line
-from mtp_jax.errors import ConfigError
+from mtp_jax.errors import ConfigError, one_line
 from mtp_jax.train.metrics import depth_names
 
 

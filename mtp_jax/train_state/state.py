@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model import ModelArgs, MTPModel
 from mtp_jax.runtime import sharding
 from mtp_jax.train_state.optimizer import build_optimizer, trainable
 

@@ -27,8 +27,14 @@ compiled module), kernels (kernel calls from their shapes), programs (compiling 
 figures (FLOPs against flops.py, fit, roofline), report (the text).
 """
 from mtp_jax.train.aot.devices import Topology, parse_topology, topology_devices, traced_for
-from mtp_jax.train.aot.figures import (GIB, PROGRAMS, DoesNotFit, attention_core_of,
-                                       check_fits, expected_compiled_flops)
+from mtp_jax.train.aot.figures import (
+                                       GIB,
+                                       PROGRAMS,
+                                       DoesNotFit,
+                                       attention_core_of,
+                                       check_fits,
+                                       expected_compiled_flops,
+)
 from mtp_jax.train.aot.hlo import COLLECTIVES, HloStats, analyze_hlo, read_computations
 from mtp_jax.train.aot.kernels import KernelCall, causal_kept_fraction, kernel_call
 from mtp_jax.train.aot.programs import compile_report, hlo_text, shard_bytes, spec_text

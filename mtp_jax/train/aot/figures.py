@@ -10,9 +10,9 @@
 """
 from __future__ import annotations
 
+import mtp_jax.train.aot.kernels as kernels_lib
 from mtp_jax.model.mtp import ModelArgs, block_classes
 from mtp_jax.train import flops as flops_lib
-import mtp_jax.train.aot.kernels as kernels_lib
 from mtp_jax.train.aot.devices import Topology
 
 GIB = 2 ** 30

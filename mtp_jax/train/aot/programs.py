@@ -22,17 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import mtp_jax.train.aot.figures as figures
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import config_lib
+from mtp_jax import config_lib, train_state
 from mtp_jax.data import tokenizers
 from mtp_jax.decode import decoder as decoder_lib
 from mtp_jax.decode.sampling import Sampling
 from mtp_jax.errors import RequestError
-from mtp_jax import train_state
-from mtp_jax.model import MTPModel, ModelArgs
+from mtp_jax.model import ModelArgs, MTPModel
 from mtp_jax.runtime import sharding
 from mtp_jax.train import steps
-import mtp_jax.train.aot.figures as figures
 from mtp_jax.train.aot.devices import Topology, no_jax_cache, topology_devices, traced_for
 from mtp_jax.train.aot.figures import GIB, PROGRAMS, DoesNotFit
 from mtp_jax.train.aot.hlo import analyze_hlo
