@@ -5,10 +5,10 @@
 
 One command, four stages (a stage whose workdir already holds its last checkpoint is
 skipped, so an interrupted run picks up where it stopped):
-  1. trunk: a small D = 0 byte-level model on the stdlib corpus (README's recipe model);
+  1. trunk: a small M = 0 byte-level model on the stdlib corpus (README's recipe model);
   2. self-distilled data: scripts/self_distill.py samples the trunk's own continuations
      (T = 1) of prompts drawn from the corpus's train split;
-  3. D = 3 MTP modules on the frozen trunk (model.mtp.freeze_trunk), one run per signal:
+  3. M = 3 MTP modules on the frozen trunk (model.mtp.freeze_trunk), one run per signal:
        data_text    corpus text, loss.mtp_targets=data (the true next tokens)
        self_targets corpus text, loss.mtp_targets=self (the trunk's greedy tokens)
        distilled    self-distilled text, loss.mtp_targets=data (the trunk's sampled tokens)

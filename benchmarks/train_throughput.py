@@ -9,14 +9,14 @@ process, so the background load hits every variant alike):
             (mtp_jax.train.flops) / step time / the host's peak (mtp_jax.runtime.peak: the
             best f32 matmul probe ever taken here, cached; this section's own 2048^2
             probes, taken between its steps, raise it when higher)
-  overhead  step time at D = 1, 2, 3 over D = 0 (same trunk), next to the FLOP ratio
+  overhead  step time at M = 1, 2, 3 over M = 0 (same trunk), next to the FLOP ratio
   moe       configs/dsv3_mini.py (MLA + DeepSeekMoE): tokens/s, MFU of the active parameters,
             and the dispatch overhead against a dense control of the same active FLOPs
             (also with 4x the routed experts, and with model.moe.dispatch = ragged)
   maxtext   MaxText 0.2.5's CPU peer model (maxtext_config) at --depths: tokens/s; what
             vs_maxtext.py runs beside MaxText
   memory    peak temporary memory of the compiled step (XLA's memory analysis, never run) at
-            vocab 32k, T 1024, D = 1 vs D = 4, under XLA:CPU's default scheduler and (in a
+            vocab 32k, T 1024, M = 1 vs M = 4, under XLA:CPU's default scheduler and (in a
             child process: the flag is process-wide) its memory-aware one
   compile   train-step compile time: configs/tiny.py and a 12-layer model with and without
             model.scan_layers (persistent compilation cache off)

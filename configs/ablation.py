@@ -1,7 +1,7 @@
 """MTP ablation on the stdlib corpus: `--config configs/ablation.py:<variant>[,smoke]`.
 
 Variants (docs/design.md §2): `d0` (plain next-token model), `d1` and `d3` (DeepSeek-V3
-sequential MTP modules, D = 1 and 3) and `d3p` (D = 3 parallel heads on h^0,
+sequential MTP modules, M = 1 and 3) and `d3p` (M = 3 parallel heads on h^0,
 Gloeckle et al. 2024). Every variant has the same trunk (d 128, 2 layers, byte level,
 T 128), tokens per step, optimizer and evaluation; only the heads differ.
 
@@ -10,8 +10,8 @@ decay), and every variant trains STEPS steps. With a schedule that does not depe
 the run's length, the state of a run at step n is the state a run of n steps would
 end with, so one run per variant and seed gives both budgets (scripts/ablation.py):
 - equal tokens (the DeepSeek-V3 framing, MTP added on top): every variant at STEPS;
-- equal training FLOPs: D = 0 at STEPS, variant v at equal_flop_steps(v), the most
-  steps whose FLOPs (mtp_jax/train/flops.py, 3 x forward matmuls) do not exceed D = 0's.
+- equal training FLOPs: M = 0 at STEPS, variant v at equal_flop_steps(v), the most
+  steps whose FLOPs (mtp_jax/train/flops.py, 3 x forward matmuls) do not exceed M = 0's.
 
 0.47 M parameters at d0, 1.2 M at d3. Sized for the whole 3-seed sweep (with
 configs/induction.py) in about 40 minutes of unpaused wall time on 2 shared CPU cores;
@@ -22,7 +22,7 @@ results and what they support: docs/research.md.
 
 The sized sweep (`mtp-ablation --groups sized`, docs/research.md) uses `,decay`: the same
 model and data with a cosine decay to 0.1 x the peak learning rate over each run's own
-length, one run per budget, and two more variants, D = 3 sequential under the depth
+length, one run per budget, and two more variants, M = 3 sequential under the depth
 curriculum: `d3f` (forward) and `d3r` (reverse), phases of a quarter of the run
 (model.mtp.curriculum). SIZED_VARIANTS lists them; the design (seeds, steps) comes from
 mtp_jax/research/design.py.

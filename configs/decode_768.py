@@ -1,6 +1,6 @@
-"""The decode model: d 768, L 12, D = 3, byte level, sized for the weight-bound regime of a CPU.
+"""The decode model: d 768, L 12, M = 3, byte level, sized for the weight-bound regime of a CPU.
 
-At the main job's size (d 256, L 4) a decode step is a few hundred tiny ops and a D = 3
+At the main job's size (d 256, L 4) a decode step is a few hundred tiny ops and a M = 3
 iteration costs about ten plain steps, so drafting cannot pay there; at d 768 / L 12 a step
 reads ~340 MB of float32 weights and an iteration costs ~2 plain steps, so an accepted
 length of 3+ turns into a real speed-up (docs/decoding.md). 6 x 128-wide heads (XLA:CPU

@@ -1,5 +1,5 @@
 """DeepSeek-V3's layout in miniature: MLA everywhere, dense first layer, DeepSeekMoE after,
-D = 1 sequential MTP whose block is MLA + MoE (as DeepSeek-V3's layer 61).
+M = 1 sequential MTP whose block is MLA + MoE (as DeepSeek-V3's layer 61).
 
 Byte-level on the embedded stdlib corpus; sized to run on 2 CPU cores: d 128, 3 layers,
 1.5 M parameters (0.43 M in the MTP module), 300 steps of 8 x 128 tokens. Ratios follow

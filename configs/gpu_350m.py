@@ -1,4 +1,4 @@
-"""A ~350M-parameter D = 1 MTP model for one 80 GB GPU (H100 / H200), bf16 compute.
+"""A ~350M-parameter M = 1 MTP model for one 80 GB GPU (H100 / H200), bf16 compute.
 
   python scripts/train_tokenizer.py --vocab_size 32000 --output runs/tokenizer/spm32k.model
   python scripts/train.py --config configs/gpu_350m.py --workdir runs/gpu_350m

@@ -4,7 +4,7 @@ Rows of 64 tokens uniform over a 32-letter alphabet in which one span of 8-16
 tokens occurs three times in a row; the score is the main head's accuracy on the
 second occurrence (chance 1/32). Variants `d0`, `d1`, `d3` (sequential MTP), all with the same 2-layer
 d 64 trunk, 16 x 64 tokens per step, optimizer and warmup-then-constant learning rate, at EQUAL TRAINING
-FLOPs: D = 0 trains STEPS steps, D = k the most steps that fit the same FLOPs
+FLOPs: M = 0 trains STEPS steps, M = k the most steps that fit the same FLOPs
 (configs/ablation.py's equal_flop_steps); 0.13 M trunk parameters. scripts/ablation.py
 evaluates every EVAL_EVERY steps on EVAL_ROWS fixed rows (a seed no training batch uses).
 `,smoke`: a few steps of a smaller model (tests).

@@ -9,11 +9,11 @@ second token of a name at its second mention (chance 1/26). Variants, all with t
 and warmup-then-constant learning rate:
 - `d0`: next-token prediction only;
 - `p2`: parallel n = 2 (one parallel head on h^0 predicting t_(i+2), Gloeckle et al.);
-- `d1`: sequential D = 1 (a DeepSeek-V3 MTP module).
+- `d1`: sequential M = 1 (a DeepSeek-V3 MTP module).
 Every variant trains STEPS steps (equal steps and tokens) and is evaluated every
 EVAL_EVERY steps on EVAL_ROWS fixed rows; the learning rate is constant after warmup,
 so the state at step n is what an n-step run ends with, and the equal-FLOP comparison
-reads D = 0 at STEPS against each MTP variant at the most steps whose FLOPs fit
+reads M = 0 at STEPS against each MTP variant at the most steps whose FLOPs fit
 (configs/ablation.py's equal_flop_steps), from the same curves.
 `,smoke`: a few steps of a smaller model (tests).
 

@@ -1,4 +1,4 @@
-"""The main job: a byte-level decoder with D = 3 sequential MTP modules, trained on the
+"""The main job: a byte-level decoder with M = 3 sequential MTP modules, trained on the
 running interpreter's Python standard library (built on first use, no download).
 
 d 256, 4 layers, 2 x 128-wide heads; 6.4 M parameters (3.5 M trunk, 3.0 M in the three MTP

@@ -1,4 +1,4 @@
-"""A tiny D = 2 model for tests and smoke runs: trains in seconds on 2 CPU cores.
+"""A tiny M = 2 model for tests and smoke runs: trains in seconds on 2 CPU cores.
 
 d 64, 2 layers, 4 query / 2 key-value heads (GQA); 0.23 M parameters; 60 steps of 8 x 64
 tokens of the stdlib corpus.

@@ -1,4 +1,4 @@
-"""A ~7B-parameter dense D = 1 MTP model on a TPU v5p-256 slice (128 chips, 32 hosts).
+"""A ~7B-parameter dense M = 1 MTP model on a TPU v5p-256 slice (128 chips, 32 hosts).
 
   python scripts/aot_compile.py --config configs/tpu_7b.py --topology v5p-256
   scripts/launch_tpu_pod.sh my-v5p-256 us-east5-a -- \\

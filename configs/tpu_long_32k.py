@@ -1,4 +1,4 @@
-"""The 1B D = 1 MTP model of tpu_pod_1b on 32k-token sequences, on a TPU v5p-64 (32 chips).
+"""The 1B M = 1 MTP model of tpu_pod_1b on 32k-token sequences, on a TPU v5p-64 (32 chips).
 
   python scripts/aot_compile.py --config configs/tpu_long_32k.py --topology v5p-64
   scripts/launch_tpu_pod.sh my-v5p-64 us-east5-a -- \\

@@ -1,4 +1,4 @@
-"""A DeepSeek-V3-style MoE with D = 1 MTP on a TPU v5p-64 slice (32 chips): MLA attention,
+"""A DeepSeek-V3-style MoE with M = 1 MTP on a TPU v5p-64 slice (32 chips): MLA attention,
 a dense first layer, then DeepSeekMoE layers of 2 shared + 64 routed experts (top 6).
 
   python scripts/aot_compile.py --config configs/tpu_moe.py --topology v5p-64

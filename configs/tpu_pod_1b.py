@@ -1,4 +1,4 @@
-"""A ~1B-parameter D = 1 MTP model on a TPU v5p-64 pod slice (32 chips, 8 hosts).
+"""A ~1B-parameter M = 1 MTP model on a TPU v5p-64 pod slice (32 chips, 8 hosts).
 
   scripts/launch_tpu_pod.sh my-v5p-64 us-east5-a -- \\
       --config configs/tpu_pod_1b.py --workdir /mnt/shared/runs/tpu_pod_1b

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Trains the decode model of docs/decoding.md (configs/decode_768.py: d 768, L 12, D = 3,
+# Trains the decode model of docs/decoding.md (configs/decode_768.py: d 768, L 12, M = 3,
 # byte level) from a clean checkout, then measures its decode speed.
 #
 #   scripts/train_decode_model.sh [RUNS_DIR]        (default: runs)
 #
 # Six stages, each a scripts/train.py run that starts from the previous one (--init_from):
-# a D = 0 trunk, then the D = 3 MTP modules on the frozen trunk, first towards the trunk's
+# a M = 0 trunk, then the M = 3 MTP modules on the frozen trunk, first towards the trunk's
 # greedy token (self targets), then towards its whole distribution (soft targets), which is
 # what makes sampled decoding pay. Rerunning the script resumes: a finished stage only
 # re-reads its last checkpoint. About 2 hours on 2 quiet CPU cores (docs/decoding.md).

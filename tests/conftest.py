@@ -67,7 +67,7 @@ def tiny_run(stdlib_data_dir, tmp_path_factory):
 
 @pytest.fixture(scope='session')
 def trained(devices, tmp_path_factory):
-  """A D = 3 model trained briefly on the word language, and its workdir.
+  """A M = 3 model trained briefly on the word language, and its workdir.
 
   Shared by the decode, token-source and ablation tests: one training run.
   """

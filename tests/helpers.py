@@ -73,7 +73,7 @@ def word_text(rng, n_chars):
 def train_word_model(devices, tmp_path_factory, config=None):
   """A model trained briefly on the word language (high acceptance), and its workdir.
 
-  config: a byte-vocabulary model config (default: byte_config(3), D = 3).
+  config: a byte-vocabulary model config (default: byte_config(3), M = 3).
   The workdir holds a checkpoint written exactly as train_and_evaluate writes one
   (model + optimizer state, meta with the config) and config.json.
   """

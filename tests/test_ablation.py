@@ -228,7 +228,7 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
   assert r['evaluation']['heldout']['documents'] > 0
   assert 0 <= r['evals']['equal_tokens']['decode']['T1']['acceptance_per_depth'][0] <= 1
   text = tables.markdown(summary)
-  assert text.count('| d1 (D = 1 sequential) |') == 4 and 'Welch t' in text
+  assert text.count('| d1 (M = 1 sequential) |') == 4 and 'Welch t' in text
 
   proc = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'plot.py'),
                          f'--sweep={out}', f'--out={tmp_path / "figs"}'],

@@ -1,6 +1,6 @@
 """The Pallas attention kernels (splash for TPU, the Triton flash kernel for GPU), run in
 Pallas interpret mode on CPU: values and gradients against the blocked core and the float64
-numpy reference on packed rows, GQA and MLA shapes, the MTP model at D = 3, training steps,
+numpy reference on packed rows, GQA and MLA shapes, the MTP model at M = 3, training steps,
 the block remat policy, and the configs the kernels cannot take."""
 import functools
 
@@ -124,7 +124,7 @@ def _loss_and_grads(model, batch):
 # MLA's kernel gradients at its widths are checked fast above (mla_widths); its model here is slow
 @pytest.mark.parametrize('attention', ['gqa', pytest.param('mla', marks=pytest.mark.slow)])
 def test_splash_loss_and_gradients_match_blocked_under_block_remat_and_scan(attention):
-  """D = 2, remat block (the kernel's residuals saved by name), scanned layers and depths:
+  """M = 2, remat block (the kernel's residuals saved by name), scanned layers and depths:
   the loss and every parameter gradient equal those of the blocked core (GQA) or the
   library call (MLA, which has no blocked form)."""
   other = 'blocked' if attention == 'gqa' else 'xla'
@@ -151,7 +151,7 @@ def _kernel_calls(jaxpr) -> int:
 
 @pytest.mark.parametrize('impl', KERNELS)
 def test_block_remat_keeps_the_kernel_residuals(impl, devices):
-  """The gradient of the D = 3 model (5 attention layers) on a data 2 x fsdp 2 x tensor 2
+  """The gradient of the M = 3 model (5 attention layers) on a data 2 x fsdp 2 x tensor 2
   mesh: without remat and under remat='block' 5 forward + 10 backward kernel calls (the
   forward's output and residuals saved, never recomputed); remat='full' reruns the 5
   forwards. Traced only."""
@@ -181,7 +181,7 @@ def _train(config, devices, batches):
 
 
 def test_three_training_steps_with_splash_match_blocked(devices):
-  """configs/tiny.py (D = 1, 4 x 128 tokens) on a data 2 x fsdp 2 x tensor 2 mesh (the kernel per shard
+  """configs/tiny.py (M = 1, 4 x 128 tokens) on a data 2 x fsdp 2 x tensor 2 mesh (the kernel per shard
   in jax.shard_map: rows over data x fsdp, heads over tensor): loss and gradient norm of
   three steps with attention_core=splash equal blocked's (relative 1e-5)."""
   batches = synthetic_batches(3, 4, T, vocab=64, seed=2)

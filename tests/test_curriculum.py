@@ -131,7 +131,7 @@ def _changed(a, b, depth):
 
 @pytest.mark.parametrize('kind', ['forward', 'reverse'])
 def test_curriculum_compiles_once_and_inactive_depths_stay(devices, kind):
-  """6 steps, D = 2, P = 2: one compiled train step across every phase; a(s) per step is
+  """6 steps, M = 2, P = 2: one compiled train step across every phase; a(s) per step is
   the formula's; an inactive depth's parameters do not move (no gradient, and no momentum
   or weight decay); an active one's do."""
   c = tiny_model_config(2)
@@ -160,7 +160,7 @@ def _losses(workdir):
 
 
 def test_resumed_curriculum_equals_uninterrupted(devices, stdlib_data_dir, tmp_path):
-  """A forward curriculum over 6 steps (D = 2, P = 2), stopped at step 3 (mid-phase) and
+  """A forward curriculum over 6 steps (M = 2, P = 2), stopped at step 3 (mid-phase) and
   resumed == run straight: same losses, same active depths, same final parameters."""
   def config():
     c = load_config('tiny')

@@ -306,7 +306,7 @@ def test_parallel_heads_decode():
 
 
 def test_autoregressive_matches_uncached_greedy_and_depth_zero():
-  """The cache code itself: AR decoding of a D = 0 model == argmax of full forwards."""
+  """The cache code itself: AR decoding of a M = 0 model == argmax of full forwards."""
   model = build(byte_config(0))
   dec = decode.Decoder(model)
   prompts = random_prompts(8, seed=13)
@@ -321,7 +321,7 @@ def test_autoregressive_matches_uncached_greedy_and_depth_zero():
 # -- MLA + MoE blocks (DeepSeek-V3's layout) ---------------------------------------------------
 @pytest.fixture(scope='session')
 def mla_moe_model(devices, tmp_path_factory):
-  """MLA everywhere, layer 0 dense, MoE in layer 1 and the D = 2 MTP blocks, trained
+  """MLA everywhere, layer 0 dense, MoE in layer 1 and the M = 2 MTP blocks, trained
   briefly on the word language (so that drafts are accepted, partly and fully)."""
   config = dsv3_model_config(2)
   config.model.vocab_size = 0  # the byte tokenizer's, as byte_config
@@ -377,7 +377,7 @@ N_SAMPLES = 8192
 
 @pytest.fixture(scope='session')
 def small_vocab_models():
-  """D = 3 models over 8 tokens with random weights of a given scale (q far from p)."""
+  """M = 3 models over 8 tokens with random weights of a given scale (q far from p)."""
   cache = {}
 
   def get(scale, blocks='gqa'):
@@ -445,7 +445,7 @@ def chi2_pvalue(samples_NxM, probs):
 ], ids=['sampled-drafts', 'sampled-drafts-topk-topp', 'argmax-drafts', 'adaptive-length',
         'mla-moe-sampled-drafts'])
 def test_lossless_sampling(small_vocab_models, setting):
-  """Chi-square: the first 4 sampled tokens (one full D = 3 block) follow plain sampling.
+  """Chi-square: the first 4 sampled tokens (one full M = 3 block) follow plain sampling.
 
   Compared with the exact joint law (enumerated over all 8^4 continuations), for
   speculative decoding and, as a check of the harness, for plain AR sampling.
@@ -557,7 +557,7 @@ def _script():
 
 @pytest.fixture(scope='session')
 def depth0_workdir(tmp_path_factory):
-  """A workdir with a genuine checkpoint of a D = 0 model."""
+  """A workdir with a genuine checkpoint of a M = 0 model."""
   config = byte_config(0)
   model, optimizer = train_state.create_model_and_optimizer(tokenizers.resolve_vocab_size(config))
   workdir = str(tmp_path_factory.mktemp('depth0'))

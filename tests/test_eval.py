@@ -110,7 +110,7 @@ def test_table_of_an_earlier_step(tiny_run, capsys):
 
 @pytest.fixture(scope='module')
 def depth0_run(stdlib_data_dir, tmp_path_factory):
-  """A workdir holding a checkpoint of a D = 0 model over the byte vocabulary, saved
+  """A workdir holding a checkpoint of a M = 0 model over the byte vocabulary, saved
   before the train.eval_decode_* fields existed."""
   config = tiny_model_config(0, vocab=0)
   config.data.data_dir = stdlib_data_dir

@@ -46,7 +46,7 @@ def test_blocked_attention_matches_library_call_with_gradients(t, block, n, kv):
 
 
 def _assert_blocked_equals_xla(c, model_overrides, check):
-  """Loss and every gradient of the D = 2 model on packed rows: the 'blocked' attention
+  """Loss and every gradient of the M = 2 model on packed rows: the 'blocked' attention
   core (with its model overrides) against 'xla'; check(model, impl) inspects each model."""
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 16)), jnp.int32)
   seg = _packed_segments(2, 16, seed=3)
@@ -70,7 +70,7 @@ def _assert_blocked_equals_xla(c, model_overrides, check):
 
 
 def test_model_loss_and_gradients_agree_across_attention_paths():
-  """The whole MTP model (D = 2, GQA, packed rows): loss and every gradient, xla vs blocked."""
+  """The whole MTP model (M = 2, GQA, packed rows): loss and every gradient, xla vs blocked."""
   c = tiny_model_config(2)
 
   def check(model, impl):
@@ -121,7 +121,7 @@ def test_block_remat_saves_the_core_output_and_never_reruns_its_forward():
 
 
 def test_model_with_block_remat_and_saved_core_agrees_with_library_attention():
-  """No GQA (the saved core's case), D = 2, packed rows: remat='block' with the blocked
+  """No GQA (the saved core's case), M = 2, packed rows: remat='block' with the blocked
   core gives the loss and every gradient of the library call without remat."""
   c = tiny_model_config(2, n_kv_heads=4)
 

@@ -326,7 +326,7 @@ def test_nonfinite_halt_names_step_and_depths_and_saves_nothing_bad(devices, std
 # ----------------------------------------------------------------------------- init from
 
 def test_init_from_adds_an_mtp_depth(devices, stdlib_data_dir, reference, tmp_path, capfd):
-  """D = 2 run -> D = 3: trunk, embedding/head and depths 1-2 loaded, depth 3 fresh; trains."""
+  """M = 2 run -> M = 3: trunk, embedding/head and depths 1-2 loaded, depth 3 fresh; trains."""
   deeper = tiny(stdlib_data_dir)
   deeper.model.mtp.depth = 3
   with pytest.raises(ConfigError, match=r'incompatible config.*model\.mtp\.depth.*--init_from'):

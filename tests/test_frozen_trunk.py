@@ -53,7 +53,7 @@ def leaves(tree) -> dict:
 # ----------------------------------------------------------------------- (a) frozen trunk
 @pytest.fixture(scope='module')
 def source(devices, stdlib_data_dir, tmp_path_factory):
-  """A briefly trained D = 1 run: the 'existing model' that gets MTP drafting."""
+  """A briefly trained M = 1 run: the 'existing model' that gets MTP drafting."""
   workdir = tmp_path_factory.mktemp('source')
   run(tiny(stdlib_data_dir, depth=1, steps=3), workdir, devices)
   return workdir
@@ -61,7 +61,7 @@ def source(devices, stdlib_data_dir, tmp_path_factory):
 
 def test_frozen_trunk_trains_only_mtp_and_keeps_the_trunk_bit_identical(
     devices, stdlib_data_dir, source, tmp_path, capfd):
-  """--init_from a D = 1 run into D = 2 with freeze_trunk + self targets, stopped and resumed:
+  """--init_from a M = 1 run into M = 2 with freeze_trunk + self targets, stopped and resumed:
   trunk / Emb / final norm bit-identical to the source, every MTP parameter moved."""
   config = tiny(stdlib_data_dir, depth=2, steps=4, freeze_trunk=True)
   config.loss.mtp_targets = 'self'

@@ -206,7 +206,7 @@ def test_rope_rows_permute_between_pair_and_half_order():
 # -- DeepSeek-V3 layout ---------------------------------------------------------------------
 @pytest.fixture(scope='module')
 def dsv3(tmp_path_factory):
-  """A random MLA + MoE model with D = 2 (routing biases random), and its FP8 export."""
+  """A random MLA + MoE model with M = 2 (routing biases random), and its FP8 export."""
   args, model = _model(dsv3_model_config(2))
   out = str(tmp_path_factory.mktemp('dsv3') / 'fp8')
   export.export_model(model, out, 'deepseek_v3', fp8=True)

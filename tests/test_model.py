@@ -40,7 +40,7 @@ def test_shapes_and_finite(depth, kind):
 
 
 def test_depth_zero_has_identical_trunk():
-  """D = 0 is the same trunk: same parameter tree minus `mtp`, same h^0 and logits."""
+  """M = 0 is the same trunk: same parameter tree minus `mtp`, same h^0 and logits."""
   m0, m2 = build(0, seed=3), build(2, seed=3)
   s0 = nnx.to_pure_dict(nnx.state(m0, nnx.Param))
   s2 = nnx.to_pure_dict(nnx.state(m2, nnx.Param))

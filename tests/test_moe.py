@@ -251,7 +251,7 @@ def test_balance_loss_enters_the_loss():
 
 @pytest.mark.slow  # four compiles of an MLA + MoE loss and its gradient: ~60 s loaded
 def test_scan_layers_with_moe_equals_the_loop():
-  """scan_layers over a dense layer + a run of 2 MoE layers and D = 2 MoE MTP depths, with
+  """scan_layers over a dense layer + a run of 2 MoE layers and M = 2 MoE MTP depths, with
   full remat: the same loss, gradients, per-layer expert loads and balance terms as the
   unrolled loop."""
   batch = {k: jnp.asarray(v) for k, v in synthetic_batches(1, 4, 16, vocab=64, seed=5)[0].items()}

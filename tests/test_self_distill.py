@@ -1,7 +1,7 @@
 """scripts/self_distill.py (FastMTP's self-distilled data): the trunk's own sampled
 continuations, written as token ids, equal the decoder's output for the seed, and train.
 
-Uses the test run's trained tiny workdir (conftest.tiny_run, configs/tiny.py, D = 2).
+Uses the test run's trained tiny workdir (conftest.tiny_run, configs/tiny.py, M = 2).
 """
 import json
 import pathlib

@@ -5,14 +5,14 @@
   mtp-plot --sweep runs/ablation             # the figures
 
 Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
-- `lm`: configs/ablation.py's D = 0 / 1 / 3 sequential / 3 parallel on the stdlib
+- `lm`: configs/ablation.py's M = 0 / 1 / 3 sequential / 3 parallel on the stdlib
   corpus; each run is evaluated at its equal-training-FLOP step and at the equal-token
   step (the schedule is constant after warmup, so both come from one run). Evaluation:
   bits per byte (with the standard error of the estimate) on the stdlib validation
   split and on a held-out corpus of third-party code (heldout.heldout_documents),
   teacher-forced agreement of each MTP depth with the main head, and free-running
   speculative decoding of held-out prompts, greedy and sampled at T = 1 and T = 0.7.
-- `induction`: configs/induction.py's D = 0 / 1 / 3 at equal training FLOPs; accuracy
+- `induction`: configs/induction.py's M = 0 / 1 / 3 at equal training FLOPs; accuracy
   on the second occurrence of a repeated random span vs training steps.
 - `sized`: configs/ablation.py's `,decay` variants d0 / d1 / d3 / d3f / d3r / d3p with a
   learning rate decayed over each run, so every budget is its own run (`<variant>@tokens`
@@ -20,7 +20,7 @@ Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
   the seeds and steps come from `--design` (mtp_jax/research/design.py), which sizes the
   sweep to a minimum detectable paired effect and writes OUT/design.json. Every table
   prints the minimum detectable effect of the seeds it has.
-- `names`: configs/induction_names.py's D = 0 / parallel n = 2 / sequential D = 1 on
+- `names`: configs/induction_names.py's M = 0 / parallel n = 2 / sequential M = 1 on
   stories with random names (Gloeckle et al. 2024 section 4.1): accuracy on the second
   token of a name at its second mention vs steps, at equal steps and equal FLOPs.
 

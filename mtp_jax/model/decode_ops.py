@@ -81,7 +81,7 @@ TALL_ROWS = 64
 # ... and the tall-skinny product's M padded up to a multiple of ROW_MULTIPLE past 4 rows:
 # YNNPACK's kernels run 5-7 rows slower than 8 and 9-15 slower than 16 (768-d block
 # weights, quiet, over the best 1-row product: 5 rows 1.4-2.3, 8 rows 1.1-1.9, 12 rows
-# 1.9-3.4, 16 rows 1.3-2.4), so the D = 3 MTP windows of 5 and 6 rows run as 8.
+# 1.9-3.4, 16 rows 1.3-2.4), so the M = 3 MTP windows of 5 and 6 rows run as 8.
 ROW_MULTIPLE = 8
 WRITE_LOOP_ROWS = 6  # cache updates: one in-place update per row up to here, else a scatter
 

@@ -74,7 +74,7 @@ rms_normalize_vjp.defvjp(_rms_vjp_fwd, _rms_vjp_bwd)
 
 # The form every RMSNorm runs (rms_normalize_autodiff: the same values by autodiff). The
 # closed form against autodiff, measured in one process: the MaxText-shape
-# step (remat block) 0.97-1.00x the time of autodiff at D = 0 / 1 / 3 and 12-16 % less temp
+# step (remat block) 0.97-1.00x the time of autodiff at M = 0 / 1 / 3 and 12-16 % less temp
 # memory; configs/stdlib_mtp.py (no remat) 0.95-0.99x, 17 % less.
 rms_normalize = rms_normalize_vjp
 

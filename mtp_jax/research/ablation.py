@@ -25,7 +25,7 @@ def group_variants(args, group: str) -> list[str]:
 def sized_runs(steps: int, smoke: bool = False, variants=None) -> list[tuple[str, str, int]]:
   """One seed's runs of the sized sweep [(variant, budget, steps)] when an equal-token run
   takes `steps`: every variant at `steps`, each MTP variant again at its equal-FLOP steps
-  (the most whose FLOPs do not exceed d0's run; D = 0's run serves both budgets)."""
+  (the most whose FLOPs do not exceed d0's run; M = 0's run serves both budgets)."""
   opt = ',decay' + (',smoke' if smoke else '')
   base = ABLATION.get_config(ABLATION.BASELINE + opt)
   base.train.steps = steps
@@ -94,7 +94,7 @@ def make_runs(args):
                                    log_every=every, task=NAMES.SMOKE_TASK if args.smoke
                                    else NAMES.TASK, save_every=4 if args.smoke else 100))
         else:
-          c.train.steps = equal  # equal compute: D = k trains fewer steps than D = 0
+          c.train.steps = equal  # equal compute: M = k trains fewer steps than M = 0
           every = INDUCTION.SMOKE_EVAL_EVERY if args.smoke else INDUCTION.EVAL_EVERY
           runs.append(research.Run('induction', v, seed, c, kind='induction',
                                    eval_every=every, log_every=every,

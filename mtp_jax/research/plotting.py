@@ -230,7 +230,7 @@ def plot_sweep_loss(results: list[dict], path: str) -> str:
   """Main-head training loss vs training FLOPs per variant, mean ± std over seeds.
 
   Each point is the mean over the last `smooth` log windows (10 steps each) of fresh
-  training batches; the dotted line is D = 0's budget, where the equal-FLOP table reads
+  training batches; the dotted line is M = 0's budget, where the equal-FLOP table reads
   each run.
   """
   smooth = 5
@@ -244,7 +244,7 @@ def plot_sweep_loss(results: list[dict], path: str) -> str:
   base = [r for r in results if r['depth'] == 0]
   if base:
     ax.axvline(base[0]['steps'] * base[0]['flops_per_step'] / 1e12, color='k', ls=':', lw=1,
-               label='equal-FLOP budget (D = 0 at its last step)')
+               label='equal-FLOP budget (M = 0 at its last step)')
   ax.set_xlabel('training FLOPs (TFLOP, mtp_jax/train/flops.py)')
   ax.set_ylabel('main-head train loss (nats / byte)')
   ax.set_ylim(top=min(ax.get_ylim()[1], 4.0))

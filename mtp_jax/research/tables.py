@@ -136,7 +136,7 @@ def tabulate(out_dir: str, seeds=None) -> dict:
     per = {}
     for r in ind_by[v]:
       per[r['seed']] = induction_metrics(r)
-      if r['seed'] in base_runs:  # equal steps (= tokens): D = 0's accuracy at this run's end
+      if r['seed'] in base_runs:  # equal steps (= tokens): M = 0's accuracy at this run's end
         curve = [p for p in base_runs[r['seed']]['curve'] if 'copy_acc' in p]
         per[r['seed']]['d0_copy_acc_same_step'] = [
             p for p in curve if p['step'] <= r['steps']][-1]['copy_acc']
@@ -197,7 +197,7 @@ def tabulate_sized(runs: list[dict]) -> dict:
     table = {}
     for v in ABLATION.SIZED_VARIANTS:
       rs = by.get((v, budget)) or (by.get((v, 'equal_tokens')) if v == ABLATION.BASELINE
-                                   else None)  # D = 0's one run serves both budgets
+                                   else None)  # M = 0's one run serves both budgets
       if not rs:
         continue
       cfg = rs[0]['config']['model']['mtp']
@@ -245,7 +245,7 @@ def _at_step(curve: list[dict], step: int) -> float:
 
 def tabulate_names(runs: list[dict]) -> dict:
   """Name-story induction: per variant the curve's landmarks, equal steps and equal FLOPs
-  against D = 0, paired by seed (same task batches and trunk initialisation)."""
+  against M = 0, paired by seed (same task batches and trunk initialisation)."""
   by = {}
   for r in runs:
     by.setdefault(r['variant'], {})[r['seed']] = r
@@ -261,7 +261,7 @@ def tabulate_names(runs: list[dict]) -> dict:
            'copy_acc_half': _at_step(curve, r['steps'] // 2),
            'steps_to_half': next((p['step'] for p in curve if p['copy_acc'] >= 0.5), None)}
       b = base.get(seed)
-      if b is not None:  # equal FLOPs: this run at the most steps within D = 0's FLOPs
+      if b is not None:  # equal FLOPs: this run at the most steps within M = 0's FLOPs
         eq = _names_equal_flop_step(r, b)
         m['equal_flop_step'] = eq
         m['copy_acc_equal_flops'] = _at_step(curve, eq)
@@ -340,7 +340,7 @@ def markdown(summary: dict) -> str:
                  f'{" | ".join(taus)} | {acc} |')
     tests = summary['tests'].get(budget, {})
     if tests:
-      out += ['', 'Differences (negative bpb = better than D = 0): Welch t over seeds, and '
+      out += ['', 'Differences (negative bpb = better than M = 0): Welch t over seeds, and '
               'paired t over seeds (same seed = same data order and trunk init):', '']
       for name, t in tests.items():
         w = t['welch']
@@ -357,7 +357,7 @@ def markdown(summary: dict) -> str:
             'head on the second occurrence of the repeated span, after its first token; '
             f'chance 1/{alphabet})', '',
             '| variant | steps | train TFLOP | copy accuracy after 1/4 of the FLOPs | '
-            'after 1/2 | at the end | at the end, each seed | D = 0 at the same step |',
+            'after 1/2 | at the end | at the end, each seed | M = 0 at the same step |',
             '|---|---|---|---|---|---|---|---|']
     for v, row in ind.items():
       m = row['metrics']
@@ -435,7 +435,7 @@ def markdown_names(names: dict) -> list[str]:
     reached = f'{reach["n"]}/{len(row["seeds"])} seeds' + (
         f', {reach["mean"]:.0f}' if reach['n'] else '')
     eqf = _pm(m.get('copy_acc_equal_flops')) if row['depth'] else '(= at the end)'
-    label = f'{v} (D = 0)' if not row['depth'] else f'{v} (D = {row["depth"]} {row["mtp_kind"]})'
+    label = f'{v} (M = 0)' if not row['depth'] else f'{v} (D = {row["depth"]} {row["mtp_kind"]})'
     out.append(f'| {label} | {_pm(m["steps"], "{:.0f}")} | {_pm(m["copy_acc_quarter"])} | '
                f'{_pm(m["copy_acc_half"])} | {_pm(m["copy_acc_final"])} | {eqf} | {reached} | '
                f'{_seeds(m["copy_acc_final"])} |')
@@ -451,7 +451,7 @@ def ind_alphabet(summary: dict):
 
 def _label(v: str, row: dict) -> str:
   if not row['depth']:
-    return f'{v} (D = 0)'
+    return f'{v} (M = 0)'
   return f'{v} (D = {row["depth"]} {row["mtp_kind"]})'
 
 

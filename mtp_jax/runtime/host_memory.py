@@ -1,7 +1,7 @@
 """How this process's C allocator treats the buffers XLA:CPU frees: keep them for reuse.
 
 XLA:CPU allocates every executable's temporaries afresh on each run (the MaxText-shape
-D = 3 train step: 551 MiB per device) and frees them at its end. glibc serves blocks that
+M = 3 train step: 551 MiB per device) and frees them at its end. glibc serves blocks that
 large with mmap and unmaps them on free, so each step faults every page back in, zeroed
 by the kernel: 282,000 minor faults and 0.7 s of system time per 1.9 s step on the 2-core
 VM of docs/benchmarks.md. With `keep` the allocator takes them
