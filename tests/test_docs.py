@@ -272,4 +272,4 @@ def test_the_checks_can_fail():
   assert VOCABULARY.search('fixed in ' + 'issue 7') and MACHINE_PATH.search(' /' + 'tmp/x')
   assert not VOCABULARY.search("@pytest.fixture(scope='session')".replace(
       "scope='session'", ''))
-  assert slug('What the `main` job does (M = 3)') == 'what-the-main-job-does-d--3'
+  assert slug('What the `main` job does (M = 3)') == 'what-the-main-job-does-m--3'
