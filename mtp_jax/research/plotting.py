@@ -205,7 +205,7 @@ def _variant_label(rs: list[dict]) -> str:
   kind = f' {r["mtp_kind"]}' if r['depth'] else ''
   curriculum = r.get('config', {}).get('model', {}).get('mtp', {}).get('curriculum', 'none')
   kind += f', {curriculum} curriculum' if curriculum != 'none' else ''
-  return f'{r["variant"]}: D = {r["depth"]}{kind} (n = {len(rs)})'
+  return f'{r["variant"]}: M = {r["depth"]}{kind} (n = {len(rs)})'
 
 
 def _smooth(y, width: int):

@@ -361,7 +361,7 @@ def markdown(summary: dict) -> str:
             '|---|---|---|---|---|---|---|---|']
     for v, row in ind.items():
       m = row['metrics']
-      out.append(f'| {v} (D = {row["depth"]}) | {_pm(m["steps"], "{:.0f}")} | '
+      out.append(f'| {v} (M = {row["depth"]}) | {_pm(m["steps"], "{:.0f}")} | '
                  f'{_pm(m["train_tflop"], "{:.3f}")} | {_pm(m["copy_acc_quarter"])} | '
                  f'{_pm(m["copy_acc_half"])} | {_pm(m["copy_acc_final"])} | '
                  f'{_seeds(m["copy_acc_final"])} | '
@@ -435,7 +435,7 @@ def markdown_names(names: dict) -> list[str]:
     reached = f'{reach["n"]}/{len(row["seeds"])} seeds' + (
         f', {reach["mean"]:.0f}' if reach['n'] else '')
     eqf = _pm(m.get('copy_acc_equal_flops')) if row['depth'] else '(= at the end)'
-    label = f'{v} (M = 0)' if not row['depth'] else f'{v} (D = {row["depth"]} {row["mtp_kind"]})'
+    label = f'{v} (M = 0)' if not row['depth'] else f'{v} (M = {row["depth"]} {row["mtp_kind"]})'
     out.append(f'| {label} | {_pm(m["steps"], "{:.0f}")} | {_pm(m["copy_acc_quarter"])} | '
                f'{_pm(m["copy_acc_half"])} | {_pm(m["copy_acc_final"])} | {eqf} | {reached} | '
                f'{_seeds(m["copy_acc_final"])} |')
@@ -452,7 +452,7 @@ def ind_alphabet(summary: dict):
 def _label(v: str, row: dict) -> str:
   if not row['depth']:
     return f'{v} (M = 0)'
-  return f'{v} (D = {row["depth"]} {row["mtp_kind"]})'
+  return f'{v} (M = {row["depth"]} {row["mtp_kind"]})'
 
 
 def write_summary(out_dir: str, seeds=None) -> str:
