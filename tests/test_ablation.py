@@ -283,8 +283,8 @@ def test_parallel_heads_train_and_decode_losslessly_after_training(devices):
 
 
 def test_the_committed_summary_is_the_tabulation_of_the_committed_runs():
-  """benchmarks/research/summary.json is what `mtp-ablation --no_run` tabulates from lm.json and
-  induction.json beside it: the figures docs/research.md quotes come from those runs."""
+  """benchmarks/research/summary.json is what `mtp-ablation --no_run` tabulates from the run
+  files beside it: the figures docs/research.md quotes come from those runs."""
   out = os.path.join(REPO, 'benchmarks', 'research')
   summary = json.loads(json.dumps(tables.tabulate(out), default=tables.json_default))
   with open(os.path.join(out, 'summary.json')) as f:

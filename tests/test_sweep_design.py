@@ -42,16 +42,38 @@ def test_minimum_detectable_effect_has_the_stated_power():
 
 def test_committed_spread_pools_the_paired_differences():
   spread = design_lib.committed_spread(COMMITTED)
-  runs = {(r['variant'], r['seed']): r for r in json.load(open(os.path.join(COMMITTED, 'lm.json')))}
+  _, by = design_lib.committed_evals(COMMITTED)
+  seeds = spread['seeds']
   groups = []
-  for v in ('d1', 'd3', 'd3p'):
+  for v in sorted({v for v, _, _ in by} - {'d0'}):
     for corpus in ('stdlib_val', 'heldout'):
-      groups.append([runs[(v, s)]['evals']['equal_tokens'][corpus]['bpb'][0]
-                     - runs[('d0', s)]['evals']['equal_tokens'][corpus]['bpb'][0]
-                     for s in (0, 1, 2)])
+      groups.append([by[(v, 'equal_tokens', s)]['evals']['equal_tokens'][corpus]['bpb'][0]
+                     - by[('d0', 'equal_tokens', s)]['evals']['equal_tokens'][corpus]['bpb'][0]
+                     for s in seeds])
   tok = spread['budgets']['equal_tokens']
-  assert tok['dof'] == 12 and tok['pooled_sd'] == pytest.approx(stats.pooled_sd(groups)[0])
-  assert spread['tokens_per_run'] == 320 * 1024 and spread['seeds'] == [0, 1, 2]
+  assert tok['dof'] == len(groups) * (len(seeds) - 1)
+  assert tok['pooled_sd'] == pytest.approx(stats.pooled_sd(groups)[0])
+  assert len(seeds) >= 3 and spread['tokens_per_run'] == spread['steps'] * spread['tokens_per_step']
+
+
+def test_a_sized_sweeps_spread_pairs_each_budget_with_the_baselines_one_run(tmp_path):
+  """Sized runs are one budget each (d1@tokens, d1@flops); d0's one equal-token run is the
+  reference of both, as in the tables."""
+  def run(variant, seed, budget, bpb):
+    return {'variant': variant, 'seed': seed, 'steps': 100, 'tokens_per_step': 64,
+            'evals': {budget: {'stdlib_val': {'bpb': [bpb]}, 'heldout': {'bpb': [bpb + 1]}}}}
+  runs = []
+  for s, base in enumerate((3.0, 3.2, 3.1)):
+    runs += [run('d0@tokens', s, 'equal_tokens', base),
+             run('d1@tokens', s, 'equal_tokens', base - 0.1 * (s + 1)),
+             run('d1@flops', s, 'equal_flops', base + 0.2 * s)]
+  (tmp_path / 'sized.json').write_text(json.dumps(runs))
+  spread = design_lib.committed_spread(str(tmp_path))
+  assert spread['group'] == 'sized' and spread['seeds'] == [0, 1, 2]
+  assert spread['tokens_per_run'] == 6400
+  tok, flops = spread['budgets']['equal_tokens'], spread['budgets']['equal_flops']
+  assert tok['pooled_sd'] == pytest.approx(0.1) and tok['dof'] == 4  # -0.1, -0.2, -0.3
+  assert flops['pooled_sd'] == pytest.approx(0.2) and flops['dof'] == 4  # 0, 0.2, 0.4
 
 
 def _spread(sd=0.1):

@@ -39,30 +39,50 @@ BUDGET_HOURS = 2.0
 CORPORA = ('stdlib_val', 'heldout')
 
 
+def committed_evals(out_dir: str) -> tuple[str, dict]:
+  """A committed sweep's evaluations by (variant, budget, seed): the group it read (`sized`
+  when there is a sized.json, else `lm`) and {(variant, budget, seed): run}. A sized run is
+  one budget (`d1@tokens`, `d1@flops`) and is keyed by its variant alone; the baseline's
+  one equal-token run serves both budgets, as in the tables."""
+  for group in ('sized', 'lm'):
+    runs = results_lib.load_results(out_dir, group)
+    if runs:
+      break
+  else:
+    raise FileNotFoundError(f'no sized.json or lm.json under {out_dir}: the spread comes from a '
+                            'committed sweep')
+  out = {}
+  for r in runs:
+    for budget in r['evals']:
+      out[(r['variant'].split('@')[0], budget, r['seed'])] = r
+  return group, out
+
+
 def committed_spread(out_dir: str, baseline: str = 'd0') -> dict:
-  """The paired spread of a committed lm sweep, per budget: pooled sd, its dof, each
+  """The paired spread of a committed sweep, per budget: pooled sd, its dof, each
   comparison's sd, plus the sweep's seeds and tokens per run."""
-  runs = results_lib.load_results(out_dir, 'lm')
-  if not runs:
-    raise FileNotFoundError(f'no lm.json under {out_dir}: the spread comes from a committed '
-                            'sweep')
-  by = {(r['variant'], r['seed']): r for r in runs}
-  base = {s: r for (v, s), r in by.items() if v == baseline}
+  group, by = committed_evals(out_dir)
+  base = {s: r for (v, _, s), r in by.items() if v == baseline}
   if not base:
-    raise ValueError(f'{out_dir}/lm.json has no {baseline} runs to pair against')
+    raise ValueError(f'{out_dir}/{group}.json has no {baseline} runs to pair against')
   any_base = next(iter(base.values()))
-  out = {'seeds': sorted(base), 'steps': int(any_base['steps']),
+  out = {'group': group, 'seeds': sorted(base), 'steps': int(any_base['steps']),
          'tokens_per_step': int(any_base['tokens_per_step']),
          'tokens_per_run': int(any_base['steps']) * int(any_base['tokens_per_step']),
          'budgets': {}}
-  variants = sorted({v for v, _ in by if v != baseline})
-  for budget in sorted(any_base['evals']):
+  variants = sorted({v for v, _, _ in by if v != baseline})
+  budgets = sorted({b for _, b, _ in by})
+  for budget in budgets:
     groups, each = [], {}
     for v in variants:
       for corpus in CORPORA:
-        diffs = [by[(v, s)]['evals'][budget][corpus]['bpb'][0]
-                 - base[s]['evals'][budget][corpus]['bpb'][0]
-                 for s in sorted(base) if (v, s) in by and budget in by[(v, s)]['evals']]
+        diffs = []
+        for s in sorted(base):
+          run = by.get((v, budget, s))
+          if run is None:
+            continue
+          ref = base[s]['evals'].get(budget) or next(iter(base[s]['evals'].values()))
+          diffs.append(run['evals'][budget][corpus]['bpb'][0] - ref[corpus]['bpb'][0])
         if len(diffs) > 1:
           groups.append(diffs)
           each[f'{v} - {baseline} {corpus}'] = stats.mean_std(diffs)[1]
