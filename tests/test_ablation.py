@@ -141,6 +141,10 @@ def test_statistics():
   assert stats.welch([1.0, 2.0, 3.0], [1.5, 2.5, 2.0])['p'] > 0.5
   p = stats.paired([1.0, 2.0, 3.0], [1.1, 2.1, 3.2])
   assert p['diff'] == pytest.approx(-4 / 30) and p['t'] < 0
+  from scipy import stats as sps  # the interval scipy's own paired test gives
+  ci = sps.ttest_rel([1.0, 2.0, 3.0], [1.1, 2.1, 3.2]).confidence_interval(0.95)
+  assert p['ci95'] == pytest.approx([ci.low, ci.high])
+  assert p['ci95'][0] < p['diff'] < p['ci95'][1]
   # Equal batches: the ratio estimator's standard error is 0; noisy ones: about std / sqrt(n).
   assert stats.batch_bpb_se([2.0] * 8, [1.0] * 8) == 0.0
   rng = np.random.default_rng(0)

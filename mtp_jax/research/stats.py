@@ -28,13 +28,16 @@ def welch(a: Sequence[float], b: Sequence[float]) -> dict:
 
 
 def paired(a: Sequence[float], b: Sequence[float]) -> dict:
-  """Paired t test of a - b (same seeds: same data order and trunk initialisation)."""
+  """Paired t test of a - b (same seeds: same data order and trunk initialisation), with the
+  95 % confidence interval of the mean difference (t with n - 1 dof)."""
   d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
   m, s = mean_std(d)
   if s == 0:
-    return {'diff': m, 't': math.inf if m else 0.0, 'p': 0.0 if m else 1.0}
-  t = m / (s / math.sqrt(len(d)))
-  return {'diff': m, 't': t, 'p': float(2 * stats.t.sf(abs(t), len(d) - 1))}
+    return {'diff': m, 't': math.inf if m else 0.0, 'p': 0.0 if m else 1.0, 'ci95': [m, m]}
+  se = s / math.sqrt(len(d))
+  half = float(stats.t.ppf(0.975, len(d) - 1)) * se
+  return {'diff': m, 't': m / se, 'p': float(2 * stats.t.sf(abs(m / se), len(d) - 1)),
+          'ci95': [m - half, m + half]}
 
 
 def batch_bpb_se(loss_sums: Sequence[float], bytes_: Sequence[float]) -> float:

@@ -381,7 +381,9 @@ def markdown(summary: dict) -> str:
 
 
 def _test_line(name: str, t: dict, fmt: str = '{:+.4f}') -> str:
-  return (f'- {name}: {fmt.format(t["diff"])}, paired t = {t["t"]:.2f}, p = {t["p"]:.3f}, '
+  ci = (f' (95 % CI {fmt.format(t["ci95"][0])} to {fmt.format(t["ci95"][1])})'
+        if 'ci95' in t else '')
+  return (f'- {name}: {fmt.format(t["diff"])}{ci}, paired t = {t["t"]:.2f}, p = {t["p"]:.3f}, '
           f'n = {t["n"]}; minimum detectable effect {t["mde"]:.3f} (sd of the differences '
           f'{t["sd"]:.4f})')
 
