@@ -213,6 +213,10 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
   assert 'p2 - d0 copy accuracy, equal FLOPs' in nm['tests']
   text = tables.markdown(summary)
   assert 'Minimum detectable paired effect on stdlib_bpb' in text
+  # A restarted sweep builds its runs afresh (vocabulary size still 0) and skips the finished
+  # ones: every result is found, none refused as another config's.
+  restarted = research.Sweep(work, out)
+  assert all(restarted.saved(r) is not None for r in ablation_lib.make_runs(args))
   assert 'minimum detectable effect' in text and 'stories with random names' in text
 
 

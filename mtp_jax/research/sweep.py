@@ -34,6 +34,7 @@ from flax import nnx
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import train_state
 from mtp_jax.data import induction, pipeline, tokenizers
+from mtp_jax.errors import RequestError
 from mtp_jax.research import results as results_lib
 from mtp_jax.research.heldout import HeldoutRule, heldout_documents, pack_rows, prompts_from
 from mtp_jax.research.stats import batch_bpb_se
@@ -203,8 +204,8 @@ class Sweep:
   def saved(self, run: Run) -> dict | None:
     """The run's finished result in the output folder, or None."""
     saved = results_lib.find_result(self.out_dir, run.group, run.variant, run.seed)
-    if saved is not None and saved.get('config') != _config_dict(run.config):
-      raise ValueError(f'{self.result_path(run)} holds {run.name} of another config; '
+    if saved is not None and saved.get('config') != _config_dict(_resolved(run.config)):
+      raise RequestError(f'{self.result_path(run)} holds {run.name} of another config; '
                        'move the file away to rerun')
     return saved
 
@@ -214,7 +215,7 @@ class Sweep:
   def _setup(self, run: Run):
     key = (run.group, run.variant)
     if key not in self._setups:
-      cfg = run.config.copy_and_resolve_references()
+      cfg = _resolved(run.config)
       cfg.seed = 0
       self._setups[key] = steps_lib.setup(cfg, self.devices)[0]
     return self._setups[key]
@@ -224,7 +225,7 @@ class Sweep:
     if saved is not None:
       self.log(f'{run.group}/{run.name}: finished, not rerun ({self.result_path(run)})')
       return saved
-    config = tokenizers.resolve_vocab_size(run.config)
+    config = _resolved(run.config)
     ts = self._setup(run)
     _, state, _, _ = train_state.init_state(config, ts.mesh, ts.rules)
     data_iter, next_batch = None, None
@@ -301,6 +302,11 @@ class Sweep:
     self.log(f'{run.group}/{run.name}: done, {result["train_seconds"]:.0f} s of training '
              f'steps -> {self.result_path(run)}')
     return out
+
+
+def _resolved(config):
+  """A copy of a run's config with the vocabulary size filled in, as its result records it."""
+  return tokenizers.resolve_vocab_size(config.copy_and_resolve_references())
 
 
 def _config_dict(config) -> dict:
