@@ -320,3 +320,32 @@ def write_workdir(path, config, seed=1, steps=(3,)):
                                  **ckpt_lib.integrity_meta(state)}, force=True)
   ckpt.close()
   return model
+
+
+# -- a small jsonl corpus for trainer runs on one device -----------------------------------------
+JSONL_WORDS = ['alpha', 'beta', 'gamma', 'delta', 'def', 'return', 'class', 'import', 'while']
+
+
+def write_jsonl(path, lines=30, bad_line=None):
+  """`lines` records of word text; line `bad_line` (1-based) an unterminated JSON string."""
+  with open(path, 'w') as f:
+    for i in range(1, lines + 1):
+      if i == bad_line:
+        f.write('{"text": "unterminated\n')
+      else:
+        text = ' '.join(JSONL_WORDS[(i * 7 + j * 3) % len(JSONL_WORDS)] for j in range(60))
+        f.write(json.dumps({'text': text}) + '\n')
+  return str(path)
+
+
+def jsonl_config(path, **train_fields):
+  """tiny.py reading the jsonl file(s) at `path`: seq_len 32, a few quiet steps."""
+  c = load_config('tiny')
+  c.data.source, c.data.path, c.data.seq_len = 'jsonl', str(path), 32
+  c.data.validation_percent = 20
+  c.train.progress = False
+  fields = dict(steps=4, log_every=2, eval_every=0, checkpoint_every=0, eval_batches=1)
+  for k, v in {**fields, **train_fields}.items():
+    c.train[k] = v
+  return c
+

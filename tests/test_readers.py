@@ -1,5 +1,6 @@
 """Reading a run never harms it: decode, eval and --init_from read checkpoints
-read-only and verified, fall back past a broken newest step, and one trainer owns a workdir.
+read-only and verified, fall back past a broken newest step, and one trainer owns a workdir;
+exports of a live trainer's newest checkpoint succeed while it removes old ones.
 
 The corruption tests copy the test run's trained tiny workdir (conftest.tiny_run: steps 20
 and 40) and run scripts/decode.py and scripts/eval.py in-process, as test_eval.py does.
@@ -7,6 +8,7 @@ and 40) and run scripts/decode.py and scripts/eval.py in-process, as test_eval.p
 import glob
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -14,13 +16,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import REPO, load_config
+from helpers import REPO, load_config, write_jsonl
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli, train_state
 from mtp_jax.model.mtp import shift_left
@@ -324,3 +327,93 @@ def test_reading_while_training_harms_nothing(stdlib_data_dir, tmp_path):
   assert not [n for n in os.listdir(workdir / 'checkpoints') if ckpt_lib.TMP_MARKER in n]
   assert not (workdir / ckpt_lib.QUARANTINE_DIR).exists()
   print(f'readers during training: {[(n, c) for n, c, _ in readers]}')
+
+
+# ----------------------------------------------------------- readers beside a live trainer
+
+def test_a_step_removed_while_it_is_read_gives_way_to_a_newer_one(tmp_path):
+  """newest_first against the trainer's max_to_keep: step 2 loses its files (its
+  directory last) while read; the reader waits it out and takes step 4. A step that
+  stays on disk and fails otherwise is broken at once, and named."""
+  for step in (2, 4):
+    (tmp_path / str(step)).mkdir()
+  reader = ckpt_lib.CheckpointReader(str(tmp_path), notify=lambda text: None)
+
+  removal = threading.Timer(0.2, shutil.rmtree, [tmp_path / '2'])
+
+  def action(step):
+    if step == 2:
+      if not removal.is_alive() and (tmp_path / '2').exists():
+        removal.start()
+      raise FileNotFoundError(f'{tmp_path}/2/meta/metadata')
+    return 'read'
+
+  assert reader.newest_first(action, newest=2)[:2] == (4, 'read')
+  removal.join()
+  (tmp_path / '2').mkdir()  # asked for by number: one line naming it, even mid-removal
+
+  def missing(step):
+    raise FileNotFoundError(f'{tmp_path}/{step}/meta/metadata')
+
+  with pytest.raises(ckpt_lib.CheckpointError, match='checkpoint 2 in .* was removed while'):
+    reader.newest_first(missing, step=2)
+
+  def broken(step):
+    raise ValueError(f'step {step}: restored arrays differ from the saved ones')
+
+  t0 = time.time()
+  with pytest.raises(ckpt_lib.CheckpointError, match='step 4: ValueError: step 4: restored'):
+    reader.newest_first(broken)
+  assert time.time() - t0 < 0.5
+  with pytest.raises(ckpt_lib.CheckpointError, match='checkpoint 4 in .* is broken'):
+    reader.newest_first(broken, step=4)
+
+
+def _export_main():
+  """The export command's main(argv), wherever it lives."""
+  path = os.path.join(REPO, 'scripts', 'export.py')
+  spec = importlib.util.spec_from_file_location('export_script', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main
+
+
+def test_exports_in_a_loop_beside_a_live_trainer(tmp_path, capfd):
+  """A trainer checkpointing every 2 steps and keeping 2; exports of the newest checkpoint
+  run while it removes old ones: every export and the trainer succeed."""
+  docs = write_jsonl(tmp_path / 'docs.jsonl', lines=60)
+  workdir = tmp_path / 'run'
+  env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu')
+  trainer = subprocess.Popen(
+      [sys.executable, os.path.join(REPO, 'scripts', 'train.py'),
+       '--config', os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', str(workdir),
+       '--cpu_devices=1', '--config.data.source=jsonl', f'--config.data.path={docs}',
+       '--config.data.seq_len=32', '--config.data.validation_percent=20',
+       '--config.train.steps=400', '--config.train.checkpoint_every=2',
+       '--config.train.max_to_keep=2', '--config.train.eval_every=0',
+       '--config.train.log_every=50', '--config.train.progress=False'],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+  export = _export_main()
+  results, live = [], 0
+  try:
+    deadline = time.time() + 300
+    while not os.path.isdir(workdir / 'checkpoints') or not [
+        n for n in os.listdir(workdir / 'checkpoints') if n.isdigit()]:
+      assert trainer.poll() is None, trainer.communicate()[1][-2000:]
+      assert time.time() < deadline
+      time.sleep(0.2)
+    while trainer.poll() is None and len(results) < 8:
+      out = tmp_path / f'export_{len(results)}'
+      results.append(export(['--workdir', str(workdir), '--out', str(out), '--layout', 'mimo',
+                             '--json']))
+
+      live += trainer.poll() is None
+  finally:
+    if trainer.poll() is None and len(results) >= 8:
+      trainer.terminate()  # enough exports: SIGTERM saves and exits 0
+    _, trainer_err = trainer.communicate(timeout=300)
+  err = capfd.readouterr().err
+  assert results == [0] * len(results) and len(results) >= 2, err[-2000:]
+  assert 'Traceback' not in err, err[-3000:]  # a read abandoned under a trainer stays quiet
+  assert live >= 2, 'the trainer finished before the exports could race it'
+  assert trainer.returncode == 0, trainer_err[-2000:]
