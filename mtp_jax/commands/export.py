@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 import sys
 
+import mtp_jax.commands.preflight as preflight
 from mtp_jax import cli  # argparse only: JAX starts after the flags
-from mtp_jax.commands import preflight
 
 # mtp_jax.interop.layouts.LAYOUTS, without importing JAX before the flags are parsed
 LAYOUTS = ('llama', 'deepseek_v3', 'mimo')

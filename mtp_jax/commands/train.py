@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+import mtp_jax.commands.preflight as preflight
 from mtp_jax import cli
-from mtp_jax.commands import preflight
 
 
 def parser() -> cli.ArgumentParser:

@@ -2,7 +2,8 @@
 enough for the deepest MTP depth."""
 from __future__ import annotations
 
-from mtp_jax.data import tokenizers, user_data
+import mtp_jax.data.tokenizers as tokenizers
+import mtp_jax.data.user_data as user_data
 from mtp_jax.errors import ConfigError, one_line
 
 
@@ -10,7 +11,7 @@ def validate_data(config, process_count: int = 1) -> None:
   """pipeline.validate_data_config, with TFDS's failure on a split left without any readable
   document (every file binary or empty) turned into a ConfigError naming the corpus."""
   # Deferred: the data pipeline imports tensorflow_datasets (seconds), needed only to train.
-  from mtp_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  import mtp_jax.data.pipeline as pipeline  # pylint: disable=g-import-not-at-top
   try:
     pipeline.validate_data_config(config, process_count)
   except AssertionError as e:
@@ -32,12 +33,10 @@ def check_document_lengths(config) -> None:
   eos) needs M + 2 tokens to give depth M one target; a corpus of shorter ones would
   train depth M on a loss that is always empty (0), silently.
   """
-  # Deferred: stdlib_dataset imports tensorflow_datasets (seconds), needed only to train.
-  # Deferred: as stdlib_dataset (pipeline imports it); its document_ids reads data.tokens_key.
-  from mtp_jax.data import (
-    pipeline,  # pylint: disable=g-import-not-at-top
-    stdlib_dataset,  # pylint: disable=g-import-not-at-top
-  )
+  # Deferred: stdlib_dataset imports tensorflow_datasets (seconds), needed only to train,
+  # and pipeline imports stdlib_dataset; its document_ids reads data.tokens_key.
+  import mtp_jax.data.pipeline as pipeline
+  import mtp_jax.data.stdlib_dataset as stdlib_dataset
   mtp_depth = config.model.mtp.depth
   need = mtp_depth + 2
   d = config.data

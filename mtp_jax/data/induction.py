@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from mtp_jax.data import tokenizers
+import mtp_jax.data.tokenizers as tokenizers
 
 # Byte tokens of 'A', 'B', ...: the alphabet is printable text under the byte tokenizer.
 FIRST_BYTE = ord('A')

@@ -19,8 +19,10 @@ import grain
 import numpy as np
 from absl import flags
 
+import mtp_jax.data.stdlib_dataset as stdlib_dataset
+import mtp_jax.data.tokenizers as tokenizers
+import mtp_jax.data.user_data as user_data
 from mtp_jax import config_lib
-from mtp_jax.data import stdlib_dataset, tokenizers, user_data
 from mtp_jax.errors import ConfigError
 
 _KEY = 'tokens'

@@ -21,7 +21,8 @@ from typing import Any
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import tqdm_utils
 
-from mtp_jax.data import corpus, user_data
+import mtp_jax.data.corpus as corpus
+import mtp_jax.data.user_data as user_data
 from mtp_jax.errors import ConfigError
 
 STDLIB_NAME = 'python_stdlib'

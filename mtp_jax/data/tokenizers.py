@@ -397,7 +397,7 @@ def sample_texts(data_config, split: str, max_bytes: int, seed: int = 0) -> list
   """Documents of a split in a seeded random order, until max_bytes of UTF-8 text."""
   # Deferred: stdlib_dataset imports tensorflow_datasets (seconds); the byte and spm
   # tokenizers themselves need no data set.
-  from mtp_jax.data import stdlib_dataset  # pylint: disable=g-import-not-at-top
+  import mtp_jax.data.stdlib_dataset as stdlib_dataset  # pylint: disable=g-import-not-at-top
   source = stdlib_dataset.data_source(data_config, split)
   texts, total = [], 0
   for i in np.random.default_rng(seed).permutation(len(source)):

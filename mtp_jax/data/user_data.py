@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
+import mtp_jax.data.corpus as corpus
 from mtp_jax import config_lib
-from mtp_jax.data import corpus
 from mtp_jax.errors import ConfigError
 
 TFDS, FILES, JSONL, PARQUET, HF_DISK = 'tfds', 'files', 'jsonl', 'parquet', 'hf_disk'

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtp_jax.decode import sampling as sampling_lib
+import mtp_jax.decode.sampling as sampling_lib
 from mtp_jax.decode.sampling import PAD_ID, Sampling, row_keys, take_rows
 from mtp_jax.errors import RequestError
 from mtp_jax.model import decode_ops

@@ -21,11 +21,12 @@ import sentencepiece
 from flax import nnx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+import mtp_jax.interop.fp8 as fp8_lib
+import mtp_jax.interop.hf_config as hf_config
+import mtp_jax.interop.layouts as layouts
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import train_state
 from mtp_jax.data import tokenizers
-from mtp_jax.interop import fp8 as fp8_lib
-from mtp_jax.interop import hf_config, layouts
 from mtp_jax.interop.safetensors_io import SHARD_BYTES, InteropError, write_dir
 from mtp_jax.model import ModelArgs, MTPModel, moe
 

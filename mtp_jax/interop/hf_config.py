@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import mtp_jax.interop.fp8 as fp8_lib
 from mtp_jax import config_lib
-from mtp_jax.interop import fp8 as fp8_lib
 from mtp_jax.interop.safetensors_io import InteropError, read_json
 
 # architectures entry -> family

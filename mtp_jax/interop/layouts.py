@@ -34,7 +34,7 @@ import dataclasses
 
 import numpy as np
 
-from mtp_jax.interop import fp8 as fp8_lib
+import mtp_jax.interop.fp8 as fp8_lib
 from mtp_jax.interop.safetensors_io import InteropError
 from mtp_jax.model import layers, mla, moe
 from mtp_jax.model.mtp import ModelArgs, block_classes

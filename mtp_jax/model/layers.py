@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.model import attention as attn_lib
+import mtp_jax.model.attention as attn_lib
 from mtp_jax.model.attention import MASKED, attention_impl, blocked_causal_attention
 from mtp_jax.model.decode_ops import (
   DecodeWeight,

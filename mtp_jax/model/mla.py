@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.model import attention as attn_lib
-from mtp_jax.model import decode_ops, layers
+import mtp_jax.model.attention as attn_lib
+import mtp_jax.model.decode_ops as decode_ops
+import mtp_jax.model.layers as layers
 from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array

@@ -81,7 +81,9 @@ from flax.core import spmd as flax_spmd
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from mtp_jax.model import decode_ops, layers, moe_exchange
+import mtp_jax.model.decode_ops as decode_ops
+import mtp_jax.model.layers as layers
+import mtp_jax.model.moe_exchange as moe_exchange
 from mtp_jax.runtime.sharding import constrain, logical_spec
 
 Array = jax.Array

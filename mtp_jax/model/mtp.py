@@ -17,10 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import mtp_jax.model.attention as attn_lib
+import mtp_jax.model.decode_ops as decode_ops
+import mtp_jax.model.layers as layers
+import mtp_jax.model.mla as mla
+import mtp_jax.model.moe as moe
 from mtp_jax import config_lib
 from mtp_jax.errors import ConfigError
-from mtp_jax.model import attention as attn_lib
-from mtp_jax.model import decode_ops, layers, mla, moe
 from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array

@@ -16,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.runtime import machine
+import mtp_jax.runtime.machine as machine
 
 # -- peak FLOP/s -------------------------------------------------------------------------
 # Dense peak per chip, FLOP/s, from the vendors' data sheets: (bfloat16, float32 matmuls).

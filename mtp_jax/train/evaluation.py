@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import mtp_jax.train.loss as loss_lib
+import mtp_jax.train.steps as steps
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
 from mtp_jax.data import checks as data_checks
@@ -28,8 +30,6 @@ from mtp_jax.data import tokenizers, user_data
 from mtp_jax.decode import Decoder
 from mtp_jax.errors import ConfigError, RequestError
 from mtp_jax.runtime import sharding
-from mtp_jax.train import loss as loss_lib
-from mtp_jax.train import steps
 from mtp_jax.train.metrics import TAU_KEY, depth_name, metric_key
 
 MAX_PLAIN_DOCS = 4096  # documents read from a split without a 'path' feature to order by

@@ -16,6 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+import mtp_jax.train.evaluation as evaluation
+import mtp_jax.train.flops as flops_lib
+import mtp_jax.train.loss as loss_lib
+import mtp_jax.train.metrics as metrics_lib
+import mtp_jax.train.resilience as resilience
+import mtp_jax.train.steps as steps
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib, train_state
 from mtp_jax.data import checks as data_checks
@@ -24,10 +30,6 @@ from mtp_jax.interop import hf
 from mtp_jax.model import moe
 from mtp_jax.model import mtp as model_lib
 from mtp_jax.runtime import compile_cache, profiling, sharding
-from mtp_jax.train import evaluation, resilience, steps
-from mtp_jax.train import flops as flops_lib
-from mtp_jax.train import loss as loss_lib
-from mtp_jax.train import metrics as metrics_lib
 from mtp_jax.train.metrics import metric_key
 from mtp_jax.train_state import InitFrom
 

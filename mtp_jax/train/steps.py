@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import mtp_jax.train.loss as loss_lib
+import mtp_jax.train.resilience as resilience
 from mtp_jax import config_lib, train_state
 from mtp_jax.data import tokenizers
 from mtp_jax.model import moe
 from mtp_jax.runtime import sharding
-from mtp_jax.train import loss as loss_lib
-from mtp_jax.train import resilience
 
 
 @dataclasses.dataclass
