@@ -187,8 +187,8 @@ def plot_decode_acceptance(stats: dict, accepted_hist, path: str) -> str:
 
 
 # -- multi-seed sweeps (scripts/ablation.py's JSON) --------------------------------------------
-VARIANT_COLORS = {'d0': '#424242', 'd1': '#1e88e5', 'd3': '#e53935', 'd3f': '#8e24aa',
-                  'd3r': '#43a047', 'd3p': '#fb8c00'}
+VARIANT_COLORS = {'d0': '#424242', 'd1': '#1e88e5', 'p2': '#fb8c00', 'd3': '#e53935',
+                  'd3f': '#8e24aa', 'd3r': '#43a047', 'd3p': '#fb8c00'}
 
 
 def _group_by_variant(results: list[dict]) -> dict[str, list[dict]]:
@@ -256,16 +256,23 @@ def plot_sweep_loss(results: list[dict], path: str) -> str:
 
 
 def plot_induction(results: list[dict], path: str, chance: float | None = None) -> str:
-  """Copy accuracy on the second occurrence vs training steps and vs FLOPs, seed bands."""
+  """Copy accuracy on the second occurrence vs training steps and vs FLOPs: the mean over
+  seeds, and each seed as a thin line (induction forms in some seeds and not in others,
+  which a mean and a band would hide)."""
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.3), sharey=True)
   top = 0.0
   for v, rs in _group_by_variant(results).items():
     curves = [[p for p in r['curve'] if 'copy_acc' in p] for r in rs]
     ys = [[p['copy_acc'] for p in c] for c in curves]
     top = max(top, max(max(y) for y in ys))
+    n = min(len(y) for y in ys)
+    color = VARIANT_COLORS.get(v)
     for ax, key, scale in ((axes[0], 'step', 1.0), (axes[1], 'flops', 1e12)):
-      xs = np.asarray([p[key] / scale for p in curves[0]])
-      _mean_band(ax, xs, ys, VARIANT_COLORS.get(v), _variant_label(rs))
+      xs = np.asarray([p[key] / scale for p in curves[0]])[:n]
+      for y in ys:
+        ax.plot(xs, y[:n], color=color, lw=0.7, alpha=0.45)
+      ax.plot(xs, np.mean([y[:n] for y in ys], axis=0), color=color, lw=2,
+              label=_variant_label(rs))
   for ax, xl in zip(axes, ('training step', 'training FLOPs (TFLOP)')):
     if chance:
       ax.axhline(chance, color='grey', ls=':', lw=1, label=f'chance ({chance:.3f})')
@@ -274,7 +281,7 @@ def plot_induction(results: list[dict], path: str, chance: float | None = None) 
   axes[0].set_ylabel('accuracy on the 2nd occurrence')
   axes[0].set_ylim(0, min(1.0, top * 1.25 + 0.02))
   axes[0].legend(fontsize=8)
-  axes[0].set_title('Induction vs steps (band: ±1 std over seeds)')
+  axes[0].set_title('Induction vs steps (thick: mean over seeds; thin: each seed)')
   axes[1].set_title('Induction vs compute (equal-FLOP budgets)')
   return _save(fig, path)
 
