@@ -1,31 +1,27 @@
-"""MTP ablation on the stdlib corpus: `--config configs/ablation.py:<variant>[,smoke]`.
+"""MTP ablation on the stdlib corpus: `--config configs/ablation.py:<variant>[,decay][,smoke]`.
 
-Variants (docs/design.md §2): `d0` (plain next-token model), `d1` and `d3` (DeepSeek-V3
-sequential MTP modules, M = 1 and 3) and `d3p` (M = 3 parallel heads on h^0,
-Gloeckle et al. 2024). Every variant has the same trunk (d 128, 2 layers, byte level,
-T 128), tokens per step, optimizer and evaluation; only the heads differ.
+Every variant has the same trunk (d 128, 2 layers, byte level, T 128, 1,024 tokens a step),
+optimizer, λ = 0.3 and evaluation; only the heads and their schedule differ (docs/design.md
+§2–3). 0.47 M parameters at d0, 1.2 M at d3. Results and what they support:
+docs/research.md.
 
-The schedule is a linear warmup of WARMUP steps, then a CONSTANT learning rate (no
-decay), and every variant trains STEPS steps. With a schedule that does not depend on
-the run's length, the state of a run at step n is the state a run of n steps would
-end with, so one run per variant and seed gives both budgets (scripts/ablation.py):
-- equal tokens (the DeepSeek-V3 framing, MTP added on top): every variant at STEPS;
-- equal training FLOPs: M = 0 at STEPS, variant v at equal_flop_steps(v), the most
-  steps whose FLOPs (mtp_jax/train/flops.py, 3 x forward matmuls) do not exceed M = 0's.
+`,decay` (the sized sweep, `mtp-ablation --groups sized`): a cosine decay to
+DECAY_MIN_LR_RATIO x the peak learning rate over each run's own length, so each budget
+(equal tokens, equal training FLOPs) is its own run. SIZED_VARIANTS: `d0` (next-token
+only), `d1` and `d3` (DeepSeek-V3 sequential modules, M = 1 and 3), `d3f` and `d3r`
+(M = 3 under the forward and reverse depth curriculum, model.mtp.curriculum, phases of a
+quarter of the run) and `d3p` (M = 3 parallel heads on h^0, Gloeckle et al. 2024). The
+design (seeds, steps) comes from mtp_jax/research/design.py.
 
-0.47 M parameters at d0, 1.2 M at d3. Sized for the whole 3-seed sweep (with
-configs/induction.py) in about 40 minutes of unpaused wall time on 2 shared CPU cores;
-results and what they support: docs/research.md.
+Without `,decay` (the `lm` group): a linear warmup of WARMUP steps, then a constant
+learning rate, STEPS steps for every variant in VARIANTS. The state of such a run at step
+n is what an n-step run ends with, so one run per variant and seed gives both budgets:
+every variant at STEPS (equal tokens), and variant v at equal_flop_steps(v), the most
+steps whose FLOPs (mtp_jax/train/flops.py) do not exceed M = 0's.
+
 `,smoke` is the same on configs/tiny.py's shapes with a few steps (tests).
 
-  python scripts/ablation.py --seeds 0,1,2
-
-The sized sweep (`mtp-ablation --groups sized`, docs/research.md) uses `,decay`: the same
-model and data with a cosine decay to 0.1 x the peak learning rate over each run's own
-length, one run per budget, and two more variants, M = 3 sequential under the depth
-curriculum: `d3f` (forward) and `d3r` (reverse), phases of a quarter of the run
-(model.mtp.curriculum). SIZED_VARIANTS lists them; the design (seeds, steps) comes from
-mtp_jax/research/design.py.
+  python scripts/train.py --config configs/ablation.py:d3f,decay
 """
 from mtp_jax import config_lib
 
