@@ -46,7 +46,7 @@ def parse(argv):
   p.add_argument('--workdir', default=os.path.join('runs', 'ablation', 'workdirs'),
                  help='checkpoints of unfinished runs')
   p.add_argument('--out', default=os.path.join('runs', 'ablation'),
-                 help='lm.json and induction.json (every run), summary.json and summary.md')
+                 help='GROUP.json per group (every run), summary.json and summary.md')
   p.add_argument('--no_run', action='store_true', help='only tabulate what is there')
   p.add_argument('--smoke', action='store_true', help='tiny configs, a few steps (tests)')
   p.add_argument('--data_dir', default='', help='data.data_dir of the stdlib data set')

@@ -1,9 +1,11 @@
 """Writes PNG figures of a run or of a sweep.
 
   mtp-plot --workdir DIR [--out DIR]     # one run's metrics.jsonl
-  mtp-plot --sweep DIR [--out DIR]       # mtp-ablation's lm.json and induction.json:
-                                         # loss_vs_flops.png, acceptance_per_depth.png,
-                                         # induction.png
+  mtp-plot --sweep DIR [--out DIR]       # mtp-ablation's GROUP.json files: per group
+                                         # present, sized_loss_vs_flops.png,
+                                         # sized_acceptance_per_depth.png, names.png
+                                         # (lm: loss_vs_flops.png, acceptance_per_depth.png;
+                                         # induction: induction.png)
 
 Reads only: the figures go to --out (default: WORKDIR/plots, or the sweep folder).
 """
@@ -17,7 +19,7 @@ from mtp_jax import cli
 def parser() -> cli.ArgumentParser:
   p = cli.ArgumentParser(prog='mtp-plot', description=__doc__.splitlines()[0])
   p.add_argument('--workdir', help='run directory holding metrics.jsonl')
-  p.add_argument('--sweep', help='output folder of mtp-ablation (lm.json, induction.json)')
+  p.add_argument('--sweep', help='output folder of mtp-ablation (its GROUP.json files)')
   p.add_argument('--out', help='where to write the PNGs (default: WORKDIR/plots, or the sweep '
                  'folder)')
   return p
