@@ -6,8 +6,11 @@ raises `ConfigError` naming the offending field.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
+from collections.abc import Callable
+from typing import Any
 
 import ml_collections
 
@@ -249,10 +252,27 @@ def resolved_mesh_shape(shape, num_devices: int) -> tuple[int, ...]:
   return shape
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionFacts:
+  """What the config checks ask of an attention kind, readable before JAX starts. The
+  model's class of the same name (mtp.ATTENTION_KINDS) carries the same facts
+  (head_widths, takes_rope_scaling, takes_qkv_bias); tests/test_kinds.py holds them equal."""
+  label: str  # how messages name it
+  qk_head_dim: Callable[[Any], int]  # config.model -> one head's query / key width
+  takes_rope_scaling: bool  # its RoPE follows model.rope_scaling
+  takes_qkv_bias: bool  # it has model.attention_bias's q/k/v biases
+
+
 # The kind names a config may use; mtp_jax/model/mtp.py's tables of the same names hold
-# the classes (tests/test_config.py holds the two equal). The model imports this module,
+# the classes (tests/test_kinds.py holds the two equal). The model imports this module,
 # never the reverse, so the names are written here too.
-ATTENTION_KINDS = ('gqa', 'mla')  # model.attention, model.mtp.block_attention
+ATTENTION_FACTS = {  # model.attention, model.mtp.block_attention
+    'gqa': AttentionFacts('GQA', lambda m: m.head_dim, takes_rope_scaling=True,
+                          takes_qkv_bias=True),
+    'mla': AttentionFacts('MLA', lambda m: m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim,
+                          takes_rope_scaling=False, takes_qkv_bias=False),
+}
+ATTENTION_KINDS = tuple(ATTENTION_FACTS)
 MLP_KINDS = ('dense', 'moe')  # model.mlp, model.mtp.block_mlp
 MTP_KINDS = ('sequential', 'parallel')  # model.mtp.kind
 MOE_DISPATCHES = ('auto', 'ragged', 'blocks', 'gmm')  # model.moe.dispatch (moe.DISPATCHES)
@@ -362,11 +382,16 @@ def attention_kernel_problem(core: str, seq_len: int, block_q: int, block_kv: in
   return ''
 
 
+def _attention_facts(m) -> list[AttentionFacts]:
+  """The facts of the trunk's and the MTP blocks' attention kinds; a name no kind has is
+  left out here and refused by _validate_block_kinds."""
+  kinds = sorted({m.attention, m.mtp.block_attention or m.attention})
+  return [ATTENTION_FACTS[k] for k in kinds if k in ATTENTION_FACTS]
+
+
 def _attention_head_width(m) -> int:
   """The widest query/key head of the trunk's and the MTP blocks' attention kinds."""
-  kinds = {m.attention, m.mtp.block_attention or m.attention}
-  return max(m.head_dim if kind == 'gqa' else m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
-             for kind in kinds)
+  return max((f.qk_head_dim(m) for f in _attention_facts(m)), default=m.head_dim)
 
 
 def validate(config, num_devices: int | None = None) -> None:
@@ -422,16 +447,19 @@ def _validate_model(config) -> None:
   _require(m.norm_eps > 0, f'model.norm_eps must be > 0, got {m.norm_eps}')
   _require(m.rope_theta > 0, f'model.rope_theta must be > 0, got {m.rope_theta}')
   _validate_rope_scaling(m.rope_scaling)
-  _require(not m.rope_scaling.kind or (m.attention == 'gqa'
-                                       and m.mtp.block_attention in ('', 'gqa')),
-           'model.rope_scaling applies to GQA attention only (MLA blocks keep unscaled RoPE)')
+  unscaled = [f.label for f in _attention_facts(m) if not f.takes_rope_scaling]
+  scaled = [f.label for f in ATTENTION_FACTS.values() if f.takes_rope_scaling]
+  _require(not m.rope_scaling.kind or not unscaled,
+           f"model.rope_scaling applies to {' or '.join(scaled)} attention only "
+           f"({' and '.join(unscaled)} blocks keep unscaled RoPE)")
   _require(isinstance(m.max_positions, int) and m.max_positions >= 0,
            f'model.max_positions must be a non-negative integer, got {m.max_positions!r}')
   _require(not m.max_positions or d.seq_len <= m.max_positions,
            f'data.seq_len ({d.seq_len}) exceeds model.max_positions ({m.max_positions}), '
            'the positions the model supports')
-  _require(not m.attention_bias or m.attention == 'gqa',
-           "model.attention_bias applies to model.attention='gqa' only")
+  biased = [k for k, f in ATTENTION_FACTS.items() if f.takes_qkv_bias]
+  _require(not m.attention_bias or m.attention not in ATTENTION_FACTS or m.attention in biased,
+           f'model.attention_bias applies to model.attention={_either(biased)} only')
 
 
 def _validate_mtp(config) -> None:

@@ -1,4 +1,5 @@
 """The block and MTP-head kinds: one table of names, and classes that carry their own facts."""
+import dataclasses
 import inspect
 
 import jax
@@ -25,6 +26,35 @@ def test_the_config_accepts_exactly_the_model_s_kind_names():
   assert config_lib.MTP_KINDS == tuple(mtp.MTP_KINDS)
   assert config_lib.MOE_DISPATCHES == moe.DISPATCHES
   assert config_lib.MOE_EXCHANGES == moe_exchange.EXCHANGES
+
+
+@pytest.mark.parametrize('name', config_lib.ATTENTION_KINDS)
+def test_the_config_s_attention_facts_are_the_model_classes_own(name):
+  """config_lib checks a config with ATTENTION_FACTS before JAX starts; each class carries
+  the same facts, and behaves as they say: RoPE scaling moves its output, the bias flag
+  adds q/k/v bias parameters."""
+  assert tuple(config_lib.ATTENTION_FACTS) == tuple(mtp.ATTENTION_KINDS)
+  facts, cls = config_lib.ATTENTION_FACTS[name], mtp.ATTENTION_KINDS[name]
+  c = dsv3_model_config(1, attention=name, mlp='dense')  # head_dim 8, MLA's q/k heads 6 + 4
+  args = _args(c)
+  assert facts.qk_head_dim(c.model) == cls.head_widths(args)[0]
+  assert (facts.takes_rope_scaling, facts.takes_qkv_bias) == (
+      cls.takes_rope_scaling, cls.takes_qkv_bias)
+  x_BxTxD = jax.random.normal(jax.random.key(0), (1, 6, args.d_model))
+  positions_BxT = jnp.arange(6)[None] + 100
+  mask = jnp.tril(jnp.ones((6, 6), bool))[None, None]
+
+  def out(**fields):
+    with nnx.use_eager_sharding(False):  # as MTPModel builds its layers, outside a mesh
+      layer = cls(dataclasses.replace(args, **fields), rngs=nnx.Rngs(0))
+    return layer, layer(x_BxTxD, positions_BxT, mask)[0]
+
+  _, plain = out()
+  _, scaled = out(rope_scaling=('linear', 4.0))
+  assert (not jnp.allclose(plain, scaled)) == facts.takes_rope_scaling
+  biased, _ = out(attention_bias=True)
+  has_bias = any('bias' in str(path) for path, _ in nnx.to_flat_state(nnx.state(biased, nnx.Param)))
+  assert has_bias == facts.takes_qkv_bias
 
 
 @pytest.mark.parametrize('field, name', [('model.attention', 'sparse'), ('model.mlp', 'glu'),

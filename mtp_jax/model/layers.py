@@ -142,6 +142,9 @@ def apply_rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float,
 class Attention(nnx.Module):
   """Causal grouped-query attention with RoPE; optional per-row KV cache."""
 
+  takes_rope_scaling = True  # its RoPE follows model.rope_scaling (rope_inv_freq)
+  takes_qkv_bias = True  # model.attention_bias adds q/k/v biases
+
   def __init__(self, cfg, rngs: nnx.Rngs):
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     init = nnx.initializers.lecun_normal()
@@ -321,7 +324,12 @@ class MLP(nnx.Module):
 
 class AttentionKind(Protocol):
   """What Block and its callers need of an attention class (Attention, mla.MLAttention);
-  mtp.ATTENTION_KINDS names each by its config value (model.attention)."""
+  mtp.ATTENTION_KINDS names each by its config value (model.attention). Its facts that the
+  config checks read before JAX starts (head_widths' first width, takes_rope_scaling,
+  takes_qkv_bias) are written again in config_lib.ATTENTION_FACTS, held equal by a test."""
+
+  takes_rope_scaling: bool  # its RoPE follows model.rope_scaling
+  takes_qkv_bias: bool  # model.attention_bias adds q/k/v biases
 
   def __init__(self, cfg, rngs: nnx.Rngs): ...
 

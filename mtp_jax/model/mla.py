@@ -85,6 +85,9 @@ class MLAttention(nnx.Module):
   (prepare_decode); both are the absorbed-latent path (latent_attention).
   """
 
+  takes_rope_scaling = False  # its decoupled RoPE keeps the unscaled frequencies
+  takes_qkv_bias = False  # no q/k/v biases: model.attention_bias does not apply
+
   def __init__(self, cfg, rngs: nnx.Rngs):
     d, n = cfg.d_model, cfg.n_heads
     qr, kvr = cfg.q_lora_rank, cfg.kv_lora_rank
