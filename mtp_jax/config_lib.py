@@ -634,7 +634,7 @@ def _validate_mtp_schedules(config) -> None:
 
 
 def target_offsets(config) -> tuple:
-  """(1, o_1, ..., o_D): the target offset of every head of `config`, the main one first."""
+  """(1, o_1, ..., o_M): the target offset of every head of `config`, the main one first."""
   mtp_depth = config.model.mtp.depth
   offsets = tuple(optional(config, 'model.mtp.target_offsets', ()))
   return (1,) + (offsets or tuple(range(2, mtp_depth + 2)))

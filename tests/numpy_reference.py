@@ -27,28 +27,28 @@ def silu(g):
   return g / (1.0 + np.exp(-g))
 
 
-def causal_attention(q_TxNxH, k_TxKxH, v_TxKxV, seg_T, scale, do_TxNxV=None):
+def causal_attention(q_TxNxH, k_TxKxH, v_TxKxHv, seg_T, scale, do_TxNxHv=None):
   """softmax(q k^T * scale) v over the earlier positions of the same document, one sequence;
   query head n reads kv head n // (N / K). With do: also (dq, dk, dv), the gradients of
   sum(out * do), from the softmax Jacobian (dS = P (dP - rowsum(P dP)))."""
   t, n, _ = q_TxNxH.shape
   group = n // k_TxKxH.shape[1]
   allowed = (np.arange(t)[None, :] <= np.arange(t)[:, None]) & (seg_T[:, None] == seg_T[None, :])
-  out = np.zeros((t, n, v_TxKxV.shape[-1]))
-  dq, dk, dv = np.zeros(q_TxNxH.shape), np.zeros(k_TxKxH.shape), np.zeros(v_TxKxV.shape)
+  out = np.zeros((t, n, v_TxKxHv.shape[-1]))
+  dq, dk, dv = np.zeros(q_TxNxH.shape), np.zeros(k_TxKxH.shape), np.zeros(v_TxKxHv.shape)
   for head in range(n):
     kv = head // group
     s = np.where(allowed, q_TxNxH[:, head] @ k_TxKxH[:, kv].T * scale, -np.inf)
     p = np.exp(s - s.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)
-    out[:, head] = p @ v_TxKxV[:, kv]
-    if do_TxNxV is not None:
-      dp = do_TxNxV[:, head] @ v_TxKxV[:, kv].T
+    out[:, head] = p @ v_TxKxHv[:, kv]
+    if do_TxNxHv is not None:
+      dp = do_TxNxHv[:, head] @ v_TxKxHv[:, kv].T
       ds = p * (dp - np.sum(p * dp, axis=1, keepdims=True))
       dq[:, head] = ds @ k_TxKxH[:, kv] * scale
       dk[:, kv] += ds.T @ q_TxNxH[:, head] * scale
-      dv[:, kv] += p.T @ do_TxNxV[:, head]
-  return out if do_TxNxV is None else (out, dq, dk, dv)
+      dv[:, kv] += p.T @ do_TxNxHv[:, head]
+  return out if do_TxNxHv is None else (out, dq, dk, dv)
 
 
 def mla_attention(a, h_TxD, pos_T, seg_T, eps, theta):
@@ -208,7 +208,7 @@ def head_logits(params, h, depth, eps=1e-6):
 
 def loss(params, tokens_BxT, pos_BxT, seg_BxT, depth, weights, kind='sequential', offsets=None):
   """L = L_main + sum_k w_k L^k with §3's valid positions; also per-depth (sum, count).
-  offsets: o_1..o_D, depth k's target t_{i+o_k} (default k + 1)."""
+  offsets: o_1..o_M, depth k's target t_{i+o_k} (default k + 1)."""
   heads = [1] + list(offsets or range(2, depth + 2))
   b, t = tokens_BxT.shape
   sums = np.zeros(depth + 1)

@@ -76,11 +76,11 @@ def models(random_model, trained):
   return {'random': random_model, 'trained': trained[0]}
 
 
-def _model_forward(model, tokens_NxT, query_N):
-  """Uncached teacher-forced forward: argmax of every depth at position query_N."""
-  hs = model(tokens_NxT)
-  rows = jnp.arange(tokens_NxT.shape[0])
-  return jnp.stack([jnp.argmax(model.logits(h[rows, query_N][:, None], k)[:, 0], -1)
+def _model_forward(model, tokens_BxT, query_B):
+  """Uncached teacher-forced forward: argmax of every depth at position query_B."""
+  hs = model(tokens_BxT)
+  rows = jnp.arange(tokens_BxT.shape[0])
+  return jnp.stack([jnp.argmax(model.logits(h[rows, query_B][:, None], k)[:, 0], -1)
                     for k, h in enumerate(hs)], 1)
 
 
@@ -424,9 +424,9 @@ def exact_joint(model, sampling, m=4):
   return norm(lp), norm(lq)
 
 
-def chi2_pvalue(samples_NxM, probs):
+def chi2_pvalue(samples_BxT, probs):
   """Pearson chi-square goodness of fit; cells expecting < 5 counts are pooled."""
-  idx = np.ravel_multi_index(samples_NxM.T, (VOCAB,) * samples_NxM.shape[1])
+  idx = np.ravel_multi_index(samples_BxT.T, (VOCAB,) * samples_BxT.shape[1])
   counts = np.bincount(idx, minlength=len(probs))
   expected = probs * len(idx)
   big = expected >= 5
@@ -695,9 +695,9 @@ def test_decoder_options_change_the_traced_program_not_the_tokens():
   prog_on, prog_off = on.program(2, 8, 8, num_drafts=2), off.program(2, 8, 8, num_drafts=2)
   assert prog_on != prog_off and not prog_off.tall_attention
   if jax.default_backend() == 'cpu':  # the tall form is the CPU one, read while tracing
-    a_XxQxC, b_XxRxC = jnp.ones((2, 3, 8)), jnp.ones((2, 32, 8))
+    a_BKxGTxI, b_BKxOxI = jnp.ones((2, 3, 8)), jnp.ones((2, 32, 8))
     form = lambda: str(jax.make_jaxpr(  # noqa: E731
-        lambda a, b: decode_ops.few_query_dot(a, b, jnp.float32))(a_XxQxC, b_XxRxC))
+        lambda a, b: decode_ops.few_query_dot(a, b, jnp.float32))(a_BKxGTxI, b_BKxOxI))
     assert 'optimization_barrier' in form()
     with decode_ops.tall_attention(False):
       assert 'optimization_barrier' not in form()

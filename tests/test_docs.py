@@ -273,3 +273,63 @@ def test_the_checks_can_fail():
   assert not VOCABULARY.search("@pytest.fixture(scope='session')".replace(
       "scope='session'", ''))
   assert slug('What the `main` job does (M = 3)') == 'what-the-main-job-does-m--3'
+
+
+# -- shape suffixes: the keys of docs/design.md's table -----------------------------------------
+SUFFIX = re.compile(r'^[a-z][a-z0-9_]*?_([A-Z0-9][A-Za-z0-9]*(?:x[A-Za-z0-9]*)*)$')
+KEY = re.compile(r'[A-Z][a-z]*\d*')
+
+
+def shape_keys() -> set:
+  """Every key the dimension-key table of docs/design.md defines."""
+  with open(os.path.join(DOCS_DIR, 'design.md'), encoding='utf-8') as f:
+    rows = [line for line in f if line.startswith('| `')]
+  return {k for row in rows for k in re.findall(r'`([A-Z][A-Za-z0-9]*)`', row)}
+
+
+def suffix_problem(suffix: str, keys: set) -> str:
+  """'' when every axis of a suffix is a key, a product of keys, a number or a number times
+  a key (a trailing x: the axes past it unnamed); else what is wrong."""
+  parts = suffix.split('x')
+  for i, part in enumerate(parts):
+    if part == '' and i == len(parts) - 1 and i > 0:
+      continue
+    m = re.fullmatch(r'(\d*)((?:[A-Z][a-z]*\d*)*)', part)
+    if not m or not part:
+      return f'{part!r} is not a key'
+    unknown = [k for k in KEY.findall(m.group(2)) if k not in keys]
+    if unknown:
+      return f'{unknown} not in the table'
+  return ''
+
+
+def test_shape_suffixes_use_the_design_table_keys():
+  """x_BxTxD, idx_BTxEk, ...: each axis of a name's shape suffix in mtp_jax is a key of
+  docs/design.md's table (or a product, a number, a multiple of them)."""
+  keys = shape_keys()
+  assert {'B', 'T', 'D', 'V', 'M', 'M1', 'Hv', 'Ek', 'BTEk'} <= keys and 'Q' not in keys
+  bad = []
+  for root, _, files in os.walk(os.path.join(REPO, 'mtp_jax')):
+    for name in files:
+      if not name.endswith('.py'):
+        continue
+      path = os.path.join(root, name)
+      with open(path, encoding='utf-8') as f:
+        tree = ast.parse(f.read())
+      for node in ast.walk(tree):
+        ident = (node.id if isinstance(node, ast.Name) else node.arg if isinstance(node, ast.arg)
+                 else node.attr if isinstance(node, ast.Attribute) else None)
+        m = SUFFIX.match(ident or '')
+        if m and suffix_problem(m.group(1), keys):
+          bad.append(f'{os.path.relpath(path, REPO)}:{node.lineno} {ident}: '
+                     f'{suffix_problem(m.group(1), keys)}')
+  assert not sorted(set(bad)), '\n'.join(sorted(set(bad)))
+
+
+def test_the_suffix_check_can_fail():
+  keys = {'B', 'T', 'D', 'Ek', 'M1'}
+  assert not suffix_problem('BxTxD', keys) and not suffix_problem('BTxEk', keys)
+  assert not suffix_problem('Bx1xT', keys) and not suffix_problem('M1xBx', keys)
+  assert 'not in the table' in suffix_problem('BxQxD', keys)
+  assert 'not in the table' in suffix_problem('NKxD', keys)
+  assert 'is not a key' in suffix_problem('Bxx', keys)

@@ -152,8 +152,9 @@ def make_model(depth=2, kind='sequential', tie=True, **mtp):
   return MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(c)), rngs=nnx.Rngs(0))
 
 
-def param_grads(model, batch, weights_NxK, mtp_targets='data'):
-  """(loss [N], sums, {param: grad [N, ...]}) for N weight vectors, in one compiled program."""
+def param_grads(model, batch, weight_sets, mtp_targets='data'):
+  """(loss [n], sums, {param: grad [n, ...]}) for the n weight vectors of weight_sets
+  [n, M1] (one weight per head), in one compiled program."""
   graph, params, rest = nnx.split(model, nnx.Param, ...)
 
   def f(p, w):
@@ -161,7 +162,7 @@ def param_grads(model, batch, weights_NxK, mtp_targets='data'):
     return loss_lib.loss_and_metrics(m, batch, w, mtp_targets=mtp_targets)
 
   grad = jax.vmap(jax.value_and_grad(f, has_aux=True), in_axes=(None, 0))
-  (loss, sums), grads = jax.jit(grad)(params, jnp.asarray(weights_NxK, jnp.float32))
+  (loss, sums), grads = jax.jit(grad)(params, jnp.asarray(weight_sets, jnp.float32))
   return np.asarray(loss), jax.tree.map(np.asarray, sums), leaves(grads)
 
 

@@ -77,9 +77,9 @@ def test_causality_per_depth(kind):
   for k in range(depth + 1):
     # jac[i, j, v] = d(output at i) / d(one-hot input j, v)
     jac = jax.jit(jax.jacrev(lambda x: model.logits(model(x)[k], k)[0] @ probe))(onehot)[:, 0]
-    touched_IxJ = np.abs(np.asarray(jac)).sum(-1) > 0
+    touched_TxT = np.abs(np.asarray(jac)).sum(-1) > 0
     for i in range(t):
-      touched = np.nonzero(touched_IxJ[i])[0]
+      touched = np.nonzero(touched_TxT[i])[0]
       reach = i + k if (kind == 'sequential' and k > 0) else i
       assert touched.max() <= min(reach, t - 1), (k, i, touched)
       if reach < t:

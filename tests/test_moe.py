@@ -434,13 +434,13 @@ def test_fp8_block_dequantisation():
 
 
 # -- the expert-parallel exchange (mtp_jax/model/moe_exchange.py) -------------------------------
-def _who_sends_what(idx_QxNxK, n_dev, e_local, rows):
+def _who_sends_what(idx_XsxBTxEk, n_dev, e_local, rows):
   """numpy: per device, the rows it sends to each device (its rows sorted by expert), where
   each slice starts in its own buffer and lands in the receiver's R-row buffer, cut at R."""
-  q_n = idx_QxNxK.shape[0]
+  q_n = idx_XsxBTxEk.shape[0]
   sent = np.zeros((q_n, n_dev), int)
   for q in range(q_n):
-    for e in idx_QxNxK[q].reshape(-1):
+    for e in idx_XsxBTxEk[q].reshape(-1):
       sent[q, e // e_local] += 1
   in_off, send, out_off, dropped = (np.zeros((q_n, n_dev), int) for _ in range(4))
   for q in range(q_n):
@@ -472,8 +472,8 @@ def test_exchange_offsets_and_sizes_match_numpy(devices, rows):
   assert rows or r == n_dev * n * k  # min(K, E / P) = 2 rows per token at most
   mesh = jax.make_mesh((n_dev,), ('x',), devices=devices)
 
-  def local(idx_NxK):
-    counts = jnp.bincount(idx_NxK.reshape(-1), length=n_dev * e_local).reshape(n_dev, e_local)
+  def local(idx_BTxEk):
+    counts = jnp.bincount(idx_BTxEk.reshape(-1), length=n_dev * e_local).reshape(n_dev, e_local)
     all_counts = jax.lax.all_gather(counts, 'x')
     p = moe_exchange.plan(counts, all_counts, jax.lax.axis_index('x'), r)
     return tuple(p[name][None] for name in ('input_offsets', 'send_sizes', 'output_offsets',

@@ -132,9 +132,9 @@ class DecodeState:
 
 
 # -- windows over the caches -----------------------------------------------------------------
-def _write_rows(buf_BxL, new_BxW, index_B):
+def _write_rows(buf_BxU, new_BxW, index_B):
   return jax.vmap(lambda b, n, i: jax.lax.dynamic_update_slice_in_dim(b, n, i, 0))(
-      buf_BxL, new_BxW.astype(buf_BxL.dtype), index_B)
+      buf_BxU, new_BxW.astype(buf_BxU.dtype), index_B)
 
 
 def _window(prog: Program, start_B, width: int):

@@ -158,7 +158,7 @@ def take_rows(x, idx_B):
   return x[jnp.arange(x.shape[0]), idx_B]
 
 
-def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, keys_B,
+def accept(greedy: bool, logits_BxTxV, drafts_BxA, q_BxAxV, sampling: Sampling, keys_B,
            proposed_B=None):
   """(a [B] accepted drafts, candidates [B, A+1]: d_1..d_a, the bonus, then PAD_ID).
 
@@ -169,25 +169,25 @@ def accept(greedy: bool, logits_BxTxV, drafts_BxD, q_BxDxV, sampling: Sampling, 
   draft length, decided from the drafts' side alone); when all of them are accepted
   the bonus is drawn from p itself, as after a block of exactly that many drafts.
   """
-  dn = drafts_BxD.shape[1]
+  dn = drafts_BxA.shape[1]
   j = jnp.arange(dn + 1)
-  proposed = jnp.full(drafts_BxD.shape[:1], dn, jnp.int32) if proposed_B is None else proposed_B
+  proposed = jnp.full(drafts_BxA.shape[:1], dn, jnp.int32) if proposed_B is None else proposed_B
   if greedy:
     g = jnp.argmax(logits_BxTxV, -1).astype(jnp.int32)
-    ok = ((drafts_BxD == g[:, :dn]) & (j[:dn] < proposed[:, None])).astype(jnp.int32)
+    ok = ((drafts_BxA == g[:, :dn]) & (j[:dn] < proposed[:, None])).astype(jnp.int32)
     a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
     return a, jnp.where(j <= a[:, None], g, PAD_ID)  # d_j == g_{j-1} for j <= a
   p = adjusted_probs(logits_BxTxV, sampling)  # [B, A+1, V]
-  p_d = jnp.take_along_axis(p[:, :dn], drafts_BxD[..., None], -1)[..., 0]
-  q_d = jnp.take_along_axis(q_BxDxV, drafts_BxD[..., None], -1)[..., 0]
+  p_d = jnp.take_along_axis(p[:, :dn], drafts_BxA[..., None], -1)[..., 0]
+  q_d = jnp.take_along_axis(q_BxAxV, drafts_BxA[..., None], -1)[..., 0]
   u = jax.vmap(lambda k: jax.random.uniform(k, (dn,)))(row_keys(keys_B, 2))
   ok = ((u * q_d < p_d) & (j[:dn] < proposed[:, None])).astype(jnp.int32)  # min(1, p/q)
   a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
   # First rejection at j: sample normalize(max(0, p_j - q_{j+1})); all proposed accepted: p.
-  residual = jnp.concatenate([jnp.maximum(p[:, :dn] - q_BxDxV, 0.0), p[:, dn:]], 1)
+  residual = jnp.concatenate([jnp.maximum(p[:, :dn] - q_BxAxV, 0.0), p[:, dn:]], 1)
   r = jnp.where((a == proposed)[:, None], take_rows(p, a), take_rows(residual, a))
   r = jnp.where(jnp.sum(r, -1, keepdims=True) > 0, r, take_rows(p, a))  # p == q: never rejected
   bonus = categorical(row_keys(keys_B, 3), r)
-  cand = jnp.concatenate([drafts_BxD, jnp.zeros_like(bonus)[:, None]], 1)
+  cand = jnp.concatenate([drafts_BxA, jnp.zeros_like(bonus)[:, None]], 1)
   cand = jnp.where(j < a[:, None], cand, jnp.where(j == a[:, None], bonus[:, None], PAD_ID))
   return a, cand

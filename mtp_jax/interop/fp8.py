@@ -34,16 +34,16 @@ def scale_shape(shape: tuple, block: int = BLOCK) -> tuple:
   return tuple(-(-n // block) for n in shape)
 
 
-def dequantize(weight_OxI: np.ndarray, scale_inv_PxQ: np.ndarray,
+def dequantize(weight_OxI: np.ndarray, scale_inv_ObxIb: np.ndarray,
                block: int = BLOCK) -> np.ndarray:
   """float32 weight: block [p, q] times scale_inv[p, q], as DeepSeek's `weight_dequant`
   (inference/kernel.py). ValueError when the scale's shape does not fit the weight."""
   o, i = weight_OxI.shape
   want = scale_shape((o, i), block)
-  if tuple(scale_inv_PxQ.shape) != want:
-    raise ValueError(f'weight_scale_inv has shape {tuple(scale_inv_PxQ.shape)}, expected '
+  if tuple(scale_inv_ObxIb.shape) != want:
+    raise ValueError(f'weight_scale_inv has shape {tuple(scale_inv_ObxIb.shape)}, expected '
                      f'{want} for a {tuple(weight_OxI.shape)} weight in {block} x {block} blocks')
-  scale = np.repeat(np.repeat(scale_inv_PxQ.astype(np.float32), block, 0), block, 1)
+  scale = np.repeat(np.repeat(scale_inv_ObxIb.astype(np.float32), block, 0), block, 1)
   return weight_OxI.astype(np.float32) * scale[:o, :i]
 
 
@@ -57,7 +57,7 @@ def quantize(w_OxI: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndar
   p, q = scale_shape((o, i), block)
   padded = np.zeros((p * block, q * block), np.float32)
   padded[:o, :i] = w_OxI
-  amax_PxQ = np.abs(padded.reshape(p, block, q, block)).max(axis=(1, 3))
-  scale_PxQ = np.where(amax_PxQ > 0, amax_PxQ / E4M3_MAX, 1.0).astype(np.float32)
-  full = np.repeat(np.repeat(scale_PxQ, block, 0), block, 1)[:o, :i]
-  return (w_OxI / full).astype(ml_dtypes.float8_e4m3fn), scale_PxQ
+  amax_ObxIb = np.abs(padded.reshape(p, block, q, block)).max(axis=(1, 3))
+  scale_ObxIb = np.where(amax_ObxIb > 0, amax_ObxIb / E4M3_MAX, 1.0).astype(np.float32)
+  full = np.repeat(np.repeat(scale_ObxIb, block, 0), block, 1)[:o, :i]
+  return (w_OxI / full).astype(ml_dtypes.float8_e4m3fn), scale_ObxIb

@@ -120,31 +120,32 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
     outs = []
     for a in range(0, t, block):
       e = min(a + block, t)
-      s_BxNxQxE = jnp.einsum('bnqh,bnsh->bnqs', q_BxNxTxH[:, :, a:e], k_BxKxTxH[:, :, :e],
-                             preferred_element_type=jnp.float32) + bias_Bx1xTxT[:, :, a:e, :e]
-      row_max = jax.lax.stop_gradient(jnp.max(s_BxNxQxE, axis=-1, keepdims=True))
-      p_BxNxQxE = jnp.exp(s_BxNxQxE - row_max)
-      o_BxNxQxH = jnp.einsum('bnqs,bnsh->bnqh', p_BxNxQxE.astype(v_BxTxKxH.dtype),
-                             v_BxKxTxH[:, :, :e], preferred_element_type=jnp.float32)
-      outs.append((o_BxNxQxH / jnp.sum(p_BxNxQxE, axis=-1, keepdims=True)).astype(q_BxTxNxH.dtype))
+      s_BxNxTqxTk = jnp.einsum('bnqh,bnsh->bnqs', q_BxNxTxH[:, :, a:e], k_BxKxTxH[:, :, :e],
+                               preferred_element_type=jnp.float32) + bias_Bx1xTxT[:, :, a:e, :e]
+      row_max = jax.lax.stop_gradient(jnp.max(s_BxNxTqxTk, axis=-1, keepdims=True))
+      p_BxNxTqxTk = jnp.exp(s_BxNxTqxTk - row_max)
+      o_BxNxTqxH = jnp.einsum('bnqs,bnsh->bnqh', p_BxNxTqxTk.astype(v_BxTxKxH.dtype),
+                              v_BxKxTxH[:, :, :e], preferred_element_type=jnp.float32)
+      outs.append((o_BxNxTqxH / jnp.sum(p_BxNxTqxTk, axis=-1, keepdims=True)
+                   ).astype(q_BxTxNxH.dtype))
     return jnp.transpose(jnp.concatenate(outs, axis=2), (0, 2, 1, 3))
   q_BxKxGxTxH = jnp.transpose((q_BxTxNxH * scale).reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
   outs = []
   for a in range(0, t, block):
     e = min(a + block, t)
-    # the G query heads of a KV head stacked along the query axis: 4-D dots [B, K, G*Q, .]
-    q_BxKxGQxH = q_BxKxGxTxH[:, :, :, a:e].reshape(b, kv, g * (e - a), h)
-    s_BxKxGQxE = jnp.einsum('bkqh,bksh->bkqs', q_BxKxGQxH, k_BxKxTxH[:, :, :e],
-                            preferred_element_type=jnp.float32)
-    s_BxKxGxQxE = s_BxKxGQxE.reshape(b, kv, g, e - a, e) + bias_Bx1xTxT[:, :, None, a:e, :e]
-    row_max = jax.lax.stop_gradient(jnp.max(s_BxKxGxQxE, axis=-1, keepdims=True))
-    p_BxKxGxQxE = jnp.exp(s_BxKxGxQxE - row_max)
-    o_BxKxGQxH = jnp.einsum('bkqs,bksh->bkqh',
-                            p_BxKxGxQxE.reshape(b, kv, g * (e - a), e).astype(v_BxTxKxH.dtype),
-                            v_BxKxTxH[:, :, :e], preferred_element_type=jnp.float32)
-    o_BxKxGxQxH = (o_BxKxGQxH.reshape(b, kv, g, e - a, h)
-                   / jnp.sum(p_BxKxGxQxE, axis=-1, keepdims=True))
-    outs.append(o_BxKxGxQxH.astype(q_BxTxNxH.dtype))
+    # the G query heads of a KV head stacked along the query axis: 4-D dots [B, K, G*Tq, .]
+    q_BxKxGTqxH = q_BxKxGxTxH[:, :, :, a:e].reshape(b, kv, g * (e - a), h)
+    s_BxKxGTqxTk = jnp.einsum('bkqh,bksh->bkqs', q_BxKxGTqxH, k_BxKxTxH[:, :, :e],
+                              preferred_element_type=jnp.float32)
+    s_BxKxGxTqxTk = s_BxKxGTqxTk.reshape(b, kv, g, e - a, e) + bias_Bx1xTxT[:, :, None, a:e, :e]
+    row_max = jax.lax.stop_gradient(jnp.max(s_BxKxGxTqxTk, axis=-1, keepdims=True))
+    p_BxKxGxTqxTk = jnp.exp(s_BxKxGxTqxTk - row_max)
+    o_BxKxGTqxH = jnp.einsum('bkqs,bksh->bkqh',
+                             p_BxKxGxTqxTk.reshape(b, kv, g * (e - a), e).astype(v_BxTxKxH.dtype),
+                             v_BxKxTxH[:, :, :e], preferred_element_type=jnp.float32)
+    o_BxKxGxTqxH = (o_BxKxGTqxH.reshape(b, kv, g, e - a, h)
+                    / jnp.sum(p_BxKxGxTqxTk, axis=-1, keepdims=True))
+    outs.append(o_BxKxGxTqxH.astype(q_BxTxNxH.dtype))
   o_BxKxGxTxH = jnp.concatenate(outs, axis=3)
   return jnp.transpose(o_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
 
@@ -162,7 +163,8 @@ def _query_blocks(t: int, block: int) -> list:
 
 
 def _block_scores(q_BxNxTxH, k_BxNxTxH, bias_Bx1xTxT, a: int, e: int) -> Array:
-  """Scores of query block [a, e) against keys [0, e), masked by the additive bias: [B, N, Q, E]."""
+  """Scores of query block [a, e) against keys [0, e), masked by the additive bias:
+  [B, N, Tq, Tk]."""
   return jnp.einsum('bnqh,bnsh->bnqs', q_BxNxTxH[:, :, a:e], k_BxNxTxH[:, :, :e],
                     preferred_element_type=jnp.float32) + bias_Bx1xTxT[:, :, a:e, :e]
 
@@ -176,14 +178,14 @@ def _saved_core(q_BxNxTxH, k_BxNxTxH, v_BxNxTxH, bias_Bx1xTxT, block: int) -> Ar
 def _saved_core_fwd(q, k, v, bias, block):
   outs, lses = [], []
   for a, e in _query_blocks(q.shape[2], block):
-    s_BxNxQxE = _block_scores(q, k, bias, a, e)
-    m_BxNxQx1 = jnp.max(s_BxNxQxE, axis=-1, keepdims=True)
-    p_BxNxQxE = jnp.exp(s_BxNxQxE - m_BxNxQx1)
-    l_BxNxQx1 = jnp.sum(p_BxNxQxE, axis=-1, keepdims=True)
-    o_BxNxQxH = jnp.einsum('bnqs,bnsh->bnqh', p_BxNxQxE.astype(v.dtype), v[:, :, :e],
-                           preferred_element_type=jnp.float32) / l_BxNxQx1
-    outs.append(o_BxNxQxH.astype(q.dtype))
-    lses.append(m_BxNxQx1 + jnp.log(l_BxNxQx1))
+    s_BxNxTqxTk = _block_scores(q, k, bias, a, e)
+    m_BxNxTqx1 = jnp.max(s_BxNxTqxTk, axis=-1, keepdims=True)
+    p_BxNxTqxTk = jnp.exp(s_BxNxTqxTk - m_BxNxTqx1)
+    l_BxNxTqx1 = jnp.sum(p_BxNxTqxTk, axis=-1, keepdims=True)
+    o_BxNxTqxH = jnp.einsum('bnqs,bnsh->bnqh', p_BxNxTqxTk.astype(v.dtype), v[:, :, :e],
+                            preferred_element_type=jnp.float32) / l_BxNxTqx1
+    outs.append(o_BxNxTqxH.astype(q.dtype))
+    lses.append(m_BxNxTqx1 + jnp.log(l_BxNxTqx1))
   o_BxNxTxH = checkpoint_name(jnp.concatenate(outs, axis=2), ATTENTION_SAVED_NAMES[0])
   lse_BxNxTx1 = checkpoint_name(jnp.concatenate(lses, axis=2), ATTENTION_SAVED_NAMES[1])
   # and q, k, v heads-major: kept, the backward reruns neither RoPE nor the transposes
@@ -200,16 +202,16 @@ def _saved_core_bwd(block, res, do_BxNxTxH):
   delta_BxNxTx1 = jnp.sum(do_BxNxTxH.astype(f32) * o.astype(f32), axis=-1, keepdims=True)
   dqs, dks, dvs = [], [], []
   for a, e in _query_blocks(t, block):
-    p_BxNxQxE = jnp.exp(_block_scores(q, k, bias, a, e) - lse[:, :, a:e])
-    do_BxNxQxH = do_BxNxTxH[:, :, a:e]
-    dvs.append(jnp.einsum('bnqs,bnqh->bnsh', p_BxNxQxE.astype(do_BxNxQxH.dtype), do_BxNxQxH,
+    p_BxNxTqxTk = jnp.exp(_block_scores(q, k, bias, a, e) - lse[:, :, a:e])
+    do_BxNxTqxH = do_BxNxTxH[:, :, a:e]
+    dvs.append(jnp.einsum('bnqs,bnqh->bnsh', p_BxNxTqxTk.astype(do_BxNxTqxH.dtype), do_BxNxTqxH,
                           preferred_element_type=f32))
-    dp_BxNxQxE = jnp.einsum('bnqh,bnsh->bnqs', do_BxNxQxH, v[:, :, :e].astype(do_BxNxQxH.dtype),
-                            preferred_element_type=f32)
-    ds_BxNxQxE = p_BxNxQxE * (dp_BxNxQxE - delta_BxNxTx1[:, :, a:e])
-    dqs.append(jnp.einsum('bnqs,bnsh->bnqh', ds_BxNxQxE.astype(k.dtype), k[:, :, :e],
+    dp_BxNxTqxTk = jnp.einsum('bnqh,bnsh->bnqs', do_BxNxTqxH, v[:, :, :e].astype(do_BxNxTqxH.dtype),
+                              preferred_element_type=f32)
+    ds_BxNxTqxTk = p_BxNxTqxTk * (dp_BxNxTqxTk - delta_BxNxTx1[:, :, a:e])
+    dqs.append(jnp.einsum('bnqs,bnsh->bnqh', ds_BxNxTqxTk.astype(k.dtype), k[:, :, :e],
                           preferred_element_type=f32).astype(q.dtype))
-    dks.append(jnp.einsum('bnqs,bnqh->bnsh', ds_BxNxQxE.astype(q.dtype), q[:, :, a:e],
+    dks.append(jnp.einsum('bnqs,bnqh->bnsh', ds_BxNxTqxTk.astype(q.dtype), q[:, :, a:e],
                           preferred_element_type=f32))
 
   def keys_sum(parts):  # block row [a, e)'s key gradients cover keys [0, e): pad to T, add
@@ -222,13 +224,13 @@ _saved_core.defvjp(_saved_core_fwd, _saved_core_bwd)
 
 
 # -- the Pallas kernels: splash (TPU) and the Triton flash kernel (GPU) ----------------------
-def kernel_attention(impl: str, q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxV: Array,
+def kernel_attention(impl: str, q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxHv: Array,
                      segment_ids_BxT: Array, scale: float, block_q: int = 512,
                      block_kv: int = 512) -> Array:
   """softmax(q k^T * scale) v, causal within each document (segment), by the kernel of
-  `impl` ('splash' or 'triton'), per shard of the mesh in context: [B, T, N, V].
+  `impl` ('splash' or 'triton'), per shard of the mesh in context: [B, T, N, Hv].
 
-  GQA: query head n uses kv head n // (N / K). The value width V may differ from the
+  GQA: query head n uses kv head n // (N / K). The value width Hv may differ from the
   query / key width H (MLA): splash takes it as it is; the Triton kernel wants one
   width, so v is zero-padded to H there and the output's extra columns sliced off.
   Pallas interpret mode (exact, slow) off the kernel's backend. Shapes the kernel
@@ -248,17 +250,17 @@ def kernel_attention(impl: str, q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxV: A
     local = functools.partial(_triton_local, scale=scale, interpret=interpret)
   else:
     raise ValueError(f'no attention kernel {impl!r}')
-  return _per_shard(local, q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, segment_ids_BxT)
+  return _per_shard(local, q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, segment_ids_BxT)
 
 
-def _per_shard(fn, q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT):
+def _per_shard(fn, q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, seg_BxT):
   """fn(q, k, v, seg) on each device's shard in jax.shard_map over the mesh in context:
   rows over the mesh axes of the 'batch' rule, heads over those of 'act_heads' (q and
   k / v alike, so a shard holds whole GQA groups), each only where it divides the
   array; whatever does not divide stays whole on every device. fn itself outside a mesh."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not flax_spmd.get_logical_axis_rules():
-    return fn(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT)
+    return fn(q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, seg_BxT)
 
   def axes(logical: str, *sizes: int):
     spec = sharding.logical_spec((logical,))[0]
@@ -271,10 +273,10 @@ def _per_shard(fn, q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT):
   heads = axes('act_heads', q_BxTxNxH.shape[2], k_BxTxKxH.shape[2])
   qkv = P(rows, None, heads, None)
   return jax.shard_map(fn, mesh=mesh, in_specs=(qkv, qkv, qkv, P(rows, None)), out_specs=qkv,
-                       check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT)
+                       check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, seg_BxT)
 
 
-def _splash_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT, *, scale, block_q, block_kv,
+def _splash_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, seg_BxT, *, scale, block_q, block_kv,
                   interpret):
   """One shard through the Pallas TPU splash kernel (make_splash_mha: causal mask, segment
   ids, vmapped over rows). Its multi-head form takes K <= N kv heads and maps query head
@@ -296,28 +298,28 @@ def _splash_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT, *, scale, block_q, b
   heads_major = lambda x: jnp.transpose(x, (0, 2, 1, 3))
   q_BxNxTxH = heads_major((q_BxTxNxH * scale).astype(q_BxTxNxH.dtype))
   k_BxKxTxH = heads_major(k_BxTxKxH.astype(q_BxTxNxH.dtype))
-  v_BxKxTxV = heads_major(v_BxTxKxV.astype(q_BxTxNxH.dtype))
-  return heads_major(_saved_kernel(_splash_rows, kernel, q_BxNxTxH, k_BxKxTxH, v_BxKxTxV,
+  v_BxKxTxHv = heads_major(v_BxTxKxHv.astype(q_BxTxNxH.dtype))
+  return heads_major(_saved_kernel(_splash_rows, kernel, q_BxNxTxH, k_BxKxTxH, v_BxKxTxHv,
                                    seg_BxT))
 
 
-def _splash_rows(kernel, q_BxNxTxH, k_BxKxTxH, v_BxKxTxV, seg_BxT):
+def _splash_rows(kernel, q_BxNxTxH, k_BxKxTxH, v_BxKxTxHv, seg_BxT):
   """The splash kernel (one sequence at a time) vmapped over rows."""
   # Deferred: as in _splash_local.
   import jax.experimental.pallas.ops.tpu.splash_attention as splash
   return jax.vmap(lambda q, k, v, seg: kernel(q, k, v, splash.SegmentIds(q=seg, kv=seg)))(
-      q_BxNxTxH, k_BxKxTxH, v_BxKxTxV, seg_BxT)
+      q_BxNxTxH, k_BxKxTxH, v_BxKxTxHv, seg_BxT)
 
 
-def _triton_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, seg_BxT, *, scale, interpret):
+def _triton_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, seg_BxT, *, scale, interpret):
   """One shard through the Pallas GPU flash kernel (`mha`: causal, segment ids, its own
   Triton backward; residuals named for remat by _saved_kernel). It takes one head count
   and one head width for q, k and v: GQA's kv heads are repeated (a [B, T, N, H] copy, no
   scores) and v is zero-padded to H. Its forward blocks shrink with the head width
   (config_lib.TRITON_BLOCKS), so that MLA's 192-wide heads fit a GPU's shared memory."""
-  n, kv, v_width = q_BxTxNxH.shape[2], k_BxTxKxH.shape[2], v_BxTxKxV.shape[3]
+  n, kv, v_width = q_BxTxNxH.shape[2], k_BxTxKxH.shape[2], v_BxTxKxHv.shape[3]
   dt = q_BxTxNxH.dtype
-  k, v = k_BxTxKxH.astype(dt), v_BxTxKxV.astype(dt)
+  k, v = k_BxTxKxH.astype(dt), v_BxTxKxHv.astype(dt)
   if kv != n:
     k, v = jnp.repeat(k, n // kv, axis=2), jnp.repeat(v, n // kv, axis=2)
   pad = q_BxTxNxH.shape[3] - v_width

@@ -17,11 +17,11 @@ from flax import nnx
 Array = jax.Array
 
 
-def write_cache(cache_BxSxKxH: Array, new_BxQxKxH: Array, index_B: Array) -> Array:
+def write_cache(cache_BxSxKxH: Array, new_BxTxKxH: Array, index_B: Array) -> Array:
   """Writes each row's new entries at that row's own offset."""
   def one(c, n, i):
     return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), i, axis=0)
-  return jax.vmap(one)(cache_BxSxKxH, new_BxQxKxH, index_B)
+  return jax.vmap(one)(cache_BxSxKxH, new_BxTxKxH, index_B)
 
 
 # -- decoding: few-token steps through a KV cache ------------------------------------------
@@ -94,15 +94,15 @@ def _padded_rows(m: int) -> int:
   return m if m <= 4 else -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
-def decode_dot(x_NxI: Array, w_OxI: Array) -> Array:
+def decode_dot(x_BTxI: Array, w_OxI: Array) -> Array:
   """x @ w_OxI.T for a decode step of M = batch x window rows, by the rule above.
 
   Accumulates in float32; returns x's dtype.
   """
-  m, out_dtype = x_NxI.shape[0], x_NxI.dtype
+  m, out_dtype = x_BTxI.shape[0], x_BTxI.dtype
   f32 = jnp.float32
   if w_OxI.dtype == jnp.bfloat16 or jax.default_backend() != 'cpu':
-    x = x_NxI.astype(w_OxI.dtype)
+    x = x_BTxI.astype(w_OxI.dtype)
     pad = m == 1 and w_OxI.dtype == jnp.bfloat16 and jax.default_backend() == 'cpu'
     if pad:
       x = jnp.concatenate([x, jnp.zeros_like(x)], 0)
@@ -110,18 +110,18 @@ def decode_dot(x_NxI: Array, w_OxI: Array) -> Array:
     return (y[:1] if pad else y).astype(out_dtype)
   w_OxI = w_OxI.astype(out_dtype)
   if m == 1:  # a GEMV; its [O, 1] -> [1, O] transpose is a bitcast
-    return jax.lax.dot_general(x_NxI, w_OxI, _CONTRACT_1_1, preferred_element_type=f32
+    return jax.lax.dot_general(x_BTxI, w_OxI, _CONTRACT_1_1, preferred_element_type=f32
                                ).astype(out_dtype)
   if m <= TALL_ROWS:  # verify / MTP windows, up to batch 8-16
     # The barrier keeps the [O, M] product in that layout: without it XLA:CPU's layout
     # assignment makes the transpose free by laying the dot's output out as [M, O],
     # which is the slow GEMM again (1.5-3x at 2-8 rows).
     mp = _padded_rows(m)
-    x = x_NxI if mp == m else jnp.pad(x_NxI, ((0, mp - m), (0, 0)))
-    y_OxN = jax.lax.optimization_barrier(
+    x = x_BTxI if mp == m else jnp.pad(x_BTxI, ((0, mp - m), (0, 0)))
+    y_OxBT = jax.lax.optimization_barrier(
         jax.lax.dot_general(w_OxI, x, _CONTRACT_1_1, preferred_element_type=f32))
-    return y_OxN[:, :m].T.astype(out_dtype)
-  return jax.lax.dot_general(x_NxI, w_OxI, _CONTRACT_1_1,
+    return y_OxBT[:, :m].T.astype(out_dtype)
+  return jax.lax.dot_general(x_BTxI, w_OxI, _CONTRACT_1_1,
                              preferred_element_type=f32).astype(out_dtype)
 
 
@@ -147,17 +147,17 @@ def tall_attention(enabled: bool):
     _TALL_ATTENTION.reset(token)
 
 
-def few_query_dot(a_XxQxC, b_XxRxC, out_dtype):
+def few_query_dot(a_BKxGTxI, b_BKxOxI, out_dtype):
   """[X, Q, R] = a b^T per leading index x, contracting C; Q few rows (decode_dot's rule)."""
-  q = a_XxQxC.shape[1]
+  q = a_BKxGTxI.shape[1]
   if not _TALL_ATTENTION.get() or q == 1 or q > TALL_ROWS or jax.default_backend() != 'cpu':
-    return jnp.einsum('xqc,xrc->xqr', a_XxQxC, b_XxRxC,
+    return jnp.einsum('xqc,xrc->xqr', a_BKxGTxI, b_BKxOxI,
                       preferred_element_type=jnp.float32).astype(out_dtype)
   qp = _padded_rows(q)
-  a = a_XxQxC if qp == q else jnp.pad(a_XxQxC, ((0, 0), (0, qp - q), (0, 0)))
-  y_XxRxQ = jax.lax.optimization_barrier(
-      jnp.einsum('xrc,xqc->xrq', b_XxRxC, a, preferred_element_type=jnp.float32))
-  return y_XxRxQ[:, :, :q].transpose(0, 2, 1).astype(out_dtype)
+  a = a_BKxGTxI if qp == q else jnp.pad(a_BKxGTxI, ((0, 0), (0, qp - q), (0, 0)))
+  y_BKxOxGT = jax.lax.optimization_barrier(
+      jnp.einsum('xrc,xqc->xrq', b_BKxOxI, a, preferred_element_type=jnp.float32))
+  return y_BKxOxGT[:, :, :q].transpose(0, 2, 1).astype(out_dtype)
 
 
 def write_heads_major(cache_BKx, new_BxKx, index_B, axis):

@@ -39,17 +39,17 @@ def rms_norm(d: int, cfg, rngs: nnx.Rngs) -> nnx.RMSNorm:
                  scale_init=_init(nnx.initializers.ones, ('norm',)), rngs=rngs)
 
 
-def rms_normalize_autodiff(x_NxD: Array, scale_D: Array, eps: float, dtype) -> Array:
+def rms_normalize_autodiff(x_BTxD: Array, scale_D: Array, eps: float, dtype) -> Array:
   """nnx.RMSNorm's arithmetic: x * (rsqrt(mean(x^2) + eps) * scale), statistics in float32."""
-  r_Nx1 = jax.lax.rsqrt(jnp.mean(jnp.square(x_NxD.astype(jnp.float32)), -1, keepdims=True) + eps)
-  return jnp.asarray(x_NxD * (r_Nx1 * scale_D), dtype)
+  r_BTx1 = jax.lax.rsqrt(jnp.mean(jnp.square(x_BTxD.astype(jnp.float32)), -1, keepdims=True) + eps)
+  return jnp.asarray(x_BTxD * (r_BTx1 * scale_D), dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def rms_normalize_vjp(x_NxD: Array, scale_D: Array, eps: float, dtype) -> Array:
+def rms_normalize_vjp(x_BTxD: Array, scale_D: Array, eps: float, dtype) -> Array:
   """rms_normalize_autodiff with a closed-form backward (residuals: x and the row rsqrt):
   with x_hat = r x and u = scale * dy, dx = r (u - x_hat mean(x_hat u)), dscale = sum(dy x_hat)."""
-  return rms_normalize_autodiff(x_NxD, scale_D, eps, dtype)
+  return rms_normalize_autodiff(x_BTxD, scale_D, eps, dtype)
 
 
 def _rms_vjp_fwd(x, scale, eps, dtype):
@@ -64,10 +64,11 @@ def _rms_vjp_bwd(eps, dtype, res, dy):
   dy, scale32 = dy.astype(jnp.float32), scale.astype(jnp.float32)
   # mean(x_hat * scale * dy) as (x_hat dy) . scale / d, a matrix-vector product: the scale
   # broadcast to [N, d] then never feeds a reduction (XLA:CPU materialised it there)
-  xdy_NxD = (x_hat * dy).reshape(-1, d)
-  c = (jnp.dot(xdy_NxD, scale32, precision=jax.lax.Precision.HIGHEST) / d).reshape(x.shape[:-1] + (1,))
+  xdy_BTxD = (x_hat * dy).reshape(-1, d)
+  c = (jnp.dot(xdy_BTxD, scale32, precision=jax.lax.Precision.HIGHEST) / d).reshape(
+      x.shape[:-1] + (1,))
   dx = r * (dy * scale32 - x_hat * c)
-  return dx.astype(x.dtype), jnp.sum(xdy_NxD, 0).astype(scale.dtype)
+  return dx.astype(x.dtype), jnp.sum(xdy_BTxD, 0).astype(scale.dtype)
 
 
 rms_normalize_vjp.defvjp(_rms_vjp_fwd, _rms_vjp_bwd)
@@ -89,7 +90,7 @@ class RMSNorm(nnx.RMSNorm):
     return rms_normalize(x, scale, self.epsilon, self.dtype)
 
 
-def project(x_NxI: Array, kernel, dtype, in_dims: int = 1) -> Array:
+def project(x_BTxI: Array, kernel, dtype, in_dims: int = 1) -> Array:
   """x @ kernel with the kernel's first `in_dims` axes contracted, as one 2-D matmul.
 
   Activations are flattened to [B*T, features] for every projection: XLA:CPU runs a
@@ -100,7 +101,7 @@ def project(x_NxI: Array, kernel, dtype, in_dims: int = 1) -> Array:
   """
   w = kernel[...]
   w_IxO = w.reshape(math.prod(w.shape[:in_dims]), -1)
-  return jnp.dot(x_NxI.astype(dtype), w_IxO.astype(dtype))
+  return jnp.dot(x_BTxI.astype(dtype), w_IxO.astype(dtype))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: tuple = ()) -> Array:
@@ -202,10 +203,10 @@ class Attention(nnx.Module):
     Returns (out_BxTxD, new_cache or None).
     """
     b, t, _ = x_BxTxD.shape
-    x_NxD = x_BxTxD.reshape(b * t, -1)
+    x_BTxD = x_BxTxD.reshape(b * t, -1)
 
     def heads(proj):  # [B*T, N*H] -> [B, T, N, H]
-      out = project(x_NxD, proj.kernel, self.dtype).reshape(b, t, *proj.kernel.shape[1:])
+      out = project(x_BTxD, proj.kernel, self.dtype).reshape(b, t, *proj.kernel.shape[1:])
       return out if proj.bias is None else out + proj.bias[...].astype(out.dtype)
 
     q = self.rope(heads(self.q_proj), positions_BxT)
@@ -226,8 +227,8 @@ class Attention(nnx.Module):
       out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
                                          mask=attn_lib.dense_mask(mask_Bx1xTxS))
     out = constrain(out, ('batch', 'length', 'act_heads', None))
-    o_NxD = project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
-    return o_NxD.reshape(b, t, -1), cache
+    o_BTxD = project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
+    return o_BTxD.reshape(b, t, -1), cache
 
 
   def empty_cache(self, batch: int, slots: int, layout: str) -> tuple:
@@ -297,11 +298,11 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxTxD):
     b, t, _ = x_BxTxD.shape
-    x_NxD = x_BxTxD.reshape(b * t, -1)
-    h_NxF = (jax.nn.silu(project(x_NxD, self.gate_proj.kernel, self.dtype))
-             * project(x_NxD, self.up_proj.kernel, self.dtype))
-    h_NxF = constrain(h_NxF, ('batch', 'act_mlp'))
-    return project(h_NxF, self.down_proj.kernel, self.dtype).reshape(b, t, -1)
+    x_BTxD = x_BxTxD.reshape(b * t, -1)
+    h_BTxF = (jax.nn.silu(project(x_BTxD, self.gate_proj.kernel, self.dtype))
+              * project(x_BTxD, self.up_proj.kernel, self.dtype))
+    h_BTxF = constrain(h_BTxF, ('batch', 'act_mlp'))
+    return project(h_BTxF, self.down_proj.kernel, self.dtype).reshape(b, t, -1)
 
 
   def prepare_decode(self) -> None:
@@ -317,9 +318,9 @@ class MLP(nnx.Module):
     """__call__ for a decode step, with the decode layout's weights (prepare_decode)."""
     b, t, d = x_BxTxD.shape
     f = self.decode_mlp_dim
-    gu_NxF2 = decode_dot(x_BxTxD.reshape(b * t, d), self.gate_up_t[...])
-    h_NxF = jax.nn.silu(gu_NxF2[:, :f]) * gu_NxF2[:, f:]
-    return decode_dot(h_NxF, self.down_t[...]).reshape(b, t, d)
+    gu_BTx2F = decode_dot(x_BxTxD.reshape(b * t, d), self.gate_up_t[...])
+    h_BTxF = jax.nn.silu(gu_BTx2F[:, :f]) * gu_BTx2F[:, f:]
+    return decode_dot(h_BTxF, self.down_t[...]).reshape(b, t, d)
 
 
 class AttentionKind(Protocol):

@@ -54,7 +54,7 @@ def _pad_last(x: Array, width: int) -> Array:
   return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
-def attention_core(q_BxTxNxH, k_BxSxNxH, v_BxSxNxV, mask_Bx1xTxS, scale: float,
+def attention_core(q_BxTxNxH, k_BxSxNxH, v_BxSxNxHv, mask_Bx1xTxS, scale: float,
                    impl: str = 'xla', kernel_blocks: tuple = (512, 512)) -> Array:
   """softmax(q k^T * scale) v by core `impl` (attn_lib.attention_impl), as layers.Attention.
 
@@ -66,14 +66,14 @@ def attention_core(q_BxTxNxH, k_BxSxNxH, v_BxSxNxV, mask_Bx1xTxS, scale: float,
   and sliced off). mask_Bx1xTxS: attn_lib.training_mask's (segment ids for the kernels).
   """
   if impl in attn_lib.SEGMENT_CORES:
-    return attn_lib.kernel_attention(impl, q_BxTxNxH, k_BxSxNxH, v_BxSxNxV, mask_Bx1xTxS,
+    return attn_lib.kernel_attention(impl, q_BxTxNxH, k_BxSxNxH, v_BxSxNxHv, mask_Bx1xTxS,
                                      scale, *kernel_blocks)
-  width = max(q_BxTxNxH.shape[-1], v_BxSxNxV.shape[-1])
+  width = max(q_BxTxNxH.shape[-1], v_BxSxNxHv.shape[-1])
   out = jax.nn.dot_product_attention(
       _pad_last(q_BxTxNxH, width), _pad_last(k_BxSxNxH, width).astype(q_BxTxNxH.dtype),
-      _pad_last(v_BxSxNxV, width).astype(q_BxTxNxH.dtype), mask=attn_lib.dense_mask(mask_Bx1xTxS),
-      scale=scale)
-  return out[..., :v_BxSxNxV.shape[-1]]
+      _pad_last(v_BxSxNxHv, width).astype(q_BxTxNxH.dtype),
+      mask=attn_lib.dense_mask(mask_Bx1xTxS), scale=scale)
+  return out[..., :v_BxSxNxHv.shape[-1]]
 
 
 class MLAttention(nnx.Module):
@@ -134,12 +134,12 @@ class MLAttention(nnx.Module):
     kv = 2 * d * (kvr + dr) + 2 * kvr * n * (dn + dv)
     return float(q + kv + 2 * n * dv * d), float(2 * n * (dn + dr) * keys + 2 * n * dv * keys)
 
-  def _latent(self, kv_a_NxC: Array, positions_BxT: Array) -> Array:
+  def _latent(self, kv_a_BTxC: Array, positions_BxT: Array) -> Array:
     """[kv_a_layernorm(c_kv) ; RoPE(k_r)] per token, [B, T, kvr + dr]: what the cache holds."""
     _, _, kvr, _, dr, _ = self.dims
     b, t = positions_BxT.shape
-    c_kv = self.kv_a_layernorm(kv_a_NxC[:, :kvr]).reshape(b, t, kvr)
-    k_rope = layers.apply_rope(kv_a_NxC[:, kvr:].reshape(b, t, 1, dr), positions_BxT,
+    c_kv = self.kv_a_layernorm(kv_a_BTxC[:, :kvr]).reshape(b, t, kvr)
+    k_rope = layers.apply_rope(kv_a_BTxC[:, kvr:].reshape(b, t, 1, dr), positions_BxT,
                                self.rope_theta)
     return jnp.concatenate([c_kv, k_rope[:, :, 0].astype(c_kv.dtype)], axis=-1)
 
@@ -159,39 +159,40 @@ class MLAttention(nnx.Module):
     """
     n, qr, kvr, dn, dr, dv = self.dims
     b, t, _ = x_BxTxD.shape
-    x_NxD = x_BxTxD.reshape(b * t, -1)
+    x_BTxD = x_BxTxD.reshape(b * t, -1)
     if qr:
-      c_q = self.q_a_layernorm(layers.project(x_NxD, self.q_a_proj.kernel, self.dtype))
+      c_q = self.q_a_layernorm(layers.project(x_BTxD, self.q_a_proj.kernel, self.dtype))
       q = layers.project(c_q, self.q_b_proj.kernel, self.dtype)
     else:
-      q = layers.project(x_NxD, self.q_proj.kernel, self.dtype)
-    q_BxTxNxQ = q.reshape(b, t, n, dn + dr)
-    q_rope = layers.apply_rope(q_BxTxNxQ[..., dn:], positions_BxT, self.rope_theta)
+      q = layers.project(x_BTxD, self.q_proj.kernel, self.dtype)
+    q_BxTxNxH = q.reshape(b, t, n, dn + dr)
+    q_rope = layers.apply_rope(q_BxTxNxH[..., dn:], positions_BxT, self.rope_theta)
     latent_BxTxC = self._latent(
-        layers.project(x_NxD, self.kv_a_proj_with_mqa.kernel, self.dtype), positions_BxT)
+        layers.project(x_BTxD, self.kv_a_proj_with_mqa.kernel, self.dtype), positions_BxT)
     scale = 1.0 / math.sqrt(dn + dr)
     if cache is not None:
       latent_BxSxC = decode_ops.write_cache(cache[0], latent_BxTxC, cache_index_B)
       w_kvb = self.kv_b_proj.kernel[...].astype(self.dtype)  # [kvr, n, dn + dv]
-      q_lat = jnp.einsum('btnh,rnh->btnr', q_BxTxNxQ[..., :dn], w_kvb[..., :dn])
+      q_lat = jnp.einsum('btnh,rnh->btnr', q_BxTxNxH[..., :dn], w_kvb[..., :dn])
       lat = latent_attention(q_lat, q_rope, latent_BxSxC, mask_Bx1xTxS, scale)
       out = jnp.einsum('btnr,rnv->btnv', lat, w_kvb[..., dn:])
-      o_NxD = layers.project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
-      return o_NxD.reshape(b, t, -1), (latent_BxSxC,)
-    q_BxTxNxQ = jnp.concatenate([q_BxTxNxQ[..., :dn], q_rope], axis=-1)
-    c_kv_NxR = latent_BxTxC[..., :kvr].reshape(b * t, kvr)
-    k_rope_BxTx1xR = latent_BxTxC[:, :, None, kvr:]
-    kv_BxTxNxK = layers.project(c_kv_NxR, self.kv_b_proj.kernel, self.dtype).reshape(
+      o_BTxD = layers.project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
+      return o_BTxD.reshape(b, t, -1), (latent_BxSxC,)
+    q_BxTxNxH = jnp.concatenate([q_BxTxNxH[..., :dn], q_rope], axis=-1)
+    c_kv_BTxR = latent_BxTxC[..., :kvr].reshape(b * t, kvr)
+    k_rope_BxTx1xHr = latent_BxTxC[:, :, None, kvr:]
+    # [B, T, N, dn + dv]: each head's no-RoPE key, then its value
+    kv = layers.project(c_kv_BTxR, self.kv_b_proj.kernel, self.dtype).reshape(
         b, t, n, dn + dv)
-    k_BxTxNxQ = jnp.concatenate(
-        [kv_BxTxNxK[..., :dn], jnp.broadcast_to(k_rope_BxTx1xR, (b, t, n, dr))], axis=-1)
-    v_BxTxNxV = kv_BxTxNxK[..., dn:]
-    q_BxTxNxQ = constrain(q_BxTxNxQ, ('batch', 'length', 'act_heads', None))
-    out = attention_core(q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV, mask_Bx1xTxS, scale, self.impl,
+    k_BxTxNxH = jnp.concatenate(
+        [kv[..., :dn], jnp.broadcast_to(k_rope_BxTx1xHr, (b, t, n, dr))], axis=-1)
+    v_BxTxNxHv = kv[..., dn:]
+    q_BxTxNxH = constrain(q_BxTxNxH, ('batch', 'length', 'act_heads', None))
+    out = attention_core(q_BxTxNxH, k_BxTxNxH, v_BxTxNxHv, mask_Bx1xTxS, scale, self.impl,
                          self.kernel_blocks)
     out = constrain(out, ('batch', 'length', 'act_heads', None))
-    o_NxD = layers.project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
-    return o_NxD.reshape(b, t, -1), None
+    o_BTxD = layers.project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
+    return o_BTxD.reshape(b, t, -1), None
 
   # -- the decode layout (decode_ops.DecodeWeight) and its few-token step ------------------------
   def prepare_decode(self, absorb_output: bool | None = None) -> None:
@@ -235,13 +236,13 @@ class MLAttention(nnx.Module):
     a = decode_ops.decode_dot(x_BxTxD.reshape(b * t, d), self.in_t[...])
     nq = qr or n * (dn + dr)
     q = decode_ops.decode_dot(self.q_a_layernorm(a[:, :qr]), self.q_b_t[...]) if qr else a[:, :nq]
-    q_BxTxNxQ = q.reshape(b, t, n, dn + dr)
+    q_BxTxNxH = q.reshape(b, t, n, dn + dr)
     latent = self._latent(a[:, nq:], positions_BxT)
     # One "KV head" ([B, 1, T, C] new entries): the writer of the heads-major caches,
     # one in-place update per row for few rows.
     latent_BxSxC = decode_ops.write_heads_major(cache[0], latent[:, None], cache_index_B, axis=1)
-    q_lat = _head_dot(q_BxTxNxQ[..., :dn], self.kb_t[...])
-    q_rope = layers.apply_rope(q_BxTxNxQ[..., dn:], positions_BxT, self.rope_theta)
+    q_lat = _head_dot(q_BxTxNxH[..., :dn], self.kb_t[...])
+    q_rope = layers.apply_rope(q_BxTxNxH[..., dn:], positions_BxT, self.rope_theta)
     lat = latent_attention(q_lat, q_rope, latent_BxSxC, mask_Bx1xTxS, 1.0 / math.sqrt(dn + dr))
     if self.absorb_output:
       out = decode_ops.decode_dot(lat.reshape(b * t, n * kvr), self.vo_t[...])
@@ -258,7 +259,7 @@ def _head_dot(x_BxTxNxI: Array, w_NxOxI: Array) -> Array:
                     preferred_element_type=jnp.float32).astype(x_BxTxNxI.dtype)
 
 
-def latent_attention(q_lat_BxTxNxR: Array, q_rope_BxTxNxE: Array, latent_BxSxC: Array,
+def latent_attention(q_lat_BxTxNxR: Array, q_rope_BxTxNxHr: Array, latent_BxSxC: Array,
                      mask_Bx1xTxS: Array, scale: float) -> Array:
   """The absorbed-latent attention core: [B, T, N, kvr] latent outputs sum_s p_n,s c_kv_s.
 
@@ -270,9 +271,10 @@ def latent_attention(q_lat_BxTxNxR: Array, q_rope_BxTxNxE: Array, latent_BxSxC: 
   """
   b, t, n, r = q_lat_BxTxNxR.shape
   dt = q_lat_BxTxNxR.dtype
-  q_BxQxC = jnp.concatenate([q_lat_BxTxNxR, q_rope_BxTxNxE.astype(dt)], -1).reshape(b, t * n, -1)
+  q_BxTNxC = jnp.concatenate([q_lat_BxTxNxR, q_rope_BxTxNxHr.astype(dt)], -1).reshape(
+      b, t * n, -1)
   latent = latent_BxSxC.astype(dt)
-  scores = jnp.einsum('bqc,bsc->bqs', q_BxQxC, latent,
+  scores = jnp.einsum('bqc,bsc->bqs', q_BxTNxC, latent,
                       preferred_element_type=jnp.float32) * scale
   s = scores.shape[-1]
   mask = jnp.broadcast_to(mask_Bx1xTxS[:, 0, :, None, :], (b, t, n, s)).reshape(b, t * n, s)

@@ -11,7 +11,7 @@ Auxiliary-loss-free balancing: b is a non-trainable `RoutingBias` variable (not 
 nnx.Param, so neither the gradient nor the optimizer ever sees it), updated once per
 train step by `update_bias`: b_i += gamma * sign(mean load - load_i), load_i = tokens
 routed to expert i in the step. A small sequence-wise balance loss (eqs. 17-20),
-  L_bal = alpha * sum_i f_i P_i,  f_i = E / (K T) * #{t : i in top-k(t)},
+  L_bal = alpha * sum_i f_i P_i,  f_i = E / (Ek T) * #{t : i in top-k(t)},
   P_i = mean_t s_i,t / sum_j s_j,t            (per sequence, then averaged),
 is added to the training loss by loss.py.
 
@@ -22,27 +22,27 @@ a token picks its top-k experts only inside its `topk_group` best groups. With
 n_group = 1 (the default) this is plain top-k. Like the bias, the group choice only
 selects: the gates stay the normalised affinities of the chosen experts.
 
-Dispatch is dropless and sort-based: the N*K (token, expert) pairs are sorted by expert,
+Dispatch is dropless and sort-based: the BT Ek (token, expert) pairs are sorted by expert,
 and each expert's contiguous group is multiplied by its weights in a grouped matmul, in
 one of three forms (`model.moe.dispatch`):
   'ragged'  `jax.lax.ragged_dot`: the grouped-GEMM primitive that GPU / TPU lower to a
             kernel. On XLA:CPU (jax 0.10.2) it lowers to a masked dense product: x is
-            broadcast to [E, M, D] and every expert multiplies every row, E times the
-            active FLOPs (measured: M 2048, D 128, F 96: 16 ms at E = 8, 299 ms at
+            broadcast to [E, BTEk, D] and every expert multiplies every row, E times the
+            active FLOPs (measured: 2048 rows, D 128, F 96: 16 ms at E = 8, 299 ms at
             E = 32, against 0.9 ms for one dense dot of the same rows). On TPU its
             gradient for the weights is expanded into a dense product over every expert.
-  'blocks'  each expert's group padded to a multiple of a block of B rows, so that every
+  'blocks'  each expert's group padded to a multiple of a block of Jr rows, so that every
             block belongs to one expert: one batched matmul of the blocks with their
             experts' (gathered) weights. It costs the active FLOPs plus at most
-            E (B - 1) padding rows, and gathers one weight copy per block.
+            E (Jr - 1) padding rows, and gathers one weight copy per block.
   'gmm'     the TPU grouped-matmul kernel (Pallas megablox `gmm`, its weight gradient
             `tgmm`): only the grouped rows are computed, forward and backward.
   'auto'    'blocks' on CPU, 'gmm' on TPU (training), 'ragged' on GPU (the default).
 
 Under a mesh the dispatch runs per device (expert_parallel_swiglu, in jax.shard_map), the
-experts split over the expert mesh axes (P devices of an expert group, E / P experts each).
+experts split over the expert mesh axes (X devices of an expert group, Ed = E / X experts each).
 `model.moe.exchange` picks how rows reach their experts:
-  'all_to_all' (the default) each device sorts its own N K rows by expert and sends each
+  'all_to_all' (the default) each device sorts its own BT Ek rows by expert and sends each
             row once to the device holding its expert by `jax.lax.ragged_all_to_all`
             (model/moe_exchange.py; on CPU, which cannot run that collective, an exact
             emulation moving the same rows); that device multiplies what it receives in
@@ -53,11 +53,11 @@ experts split over the expert mesh axes (P devices of an expert group, E / P exp
             routed to its own experts, and reduce-scatters the gated outputs back.
 No expert's weights leave the devices that hold them except along their FSDP axes. Both
 exchanges are exact (dropless), forward and gradients, with or without a mesh
-(tests/test_moe.py). Sorting and the gather / scatter are O(N K log(N K)) and O(N K D).
+(tests/test_moe.py). Sorting and the gather / scatter are O(BT Ek log(BT Ek)) and O(BT Ek D).
 Padding positions are routed (and counted in the load) like any token. Under
 remat='block' the grouped products' outputs are saved (EXPERT_SAVED_NAME) where their
 rows are the rows computed: without a mesh, and under the all-to-all exchange with a
-capacity factor; the worst-case buffers (all_gather, dropless all_to_all: P N K rows)
+capacity factor; the worst-case buffers (all_gather, dropless all_to_all: X BT Ek rows)
 are recomputed instead, as saving them would hold P times the rows.
 
 Every MoE call leaves its statistics on the module as nnx.Intermediate variables
@@ -66,8 +66,8 @@ functions (and out of its scans, model.scan_layers), and `collect` pops them aft
 forward pass.
 
 Decoding (`prepare_decode` / `decode`, as layers.MLP): the same routing (`route`), the
-shared experts through layers.MLP's decode path, and for a few tokens (N K <= E) each
-token's K experts' weights gathered and applied directly (gathered_swiglu), no sort;
+shared experts through layers.MLP's decode path, and for a few tokens (BT Ek <= E) each
+token's Ek experts' weights gathered and applied directly (gathered_swiglu), no sort;
 more rows (a prefill) take the dispatch above. No statistics are left in decoding.
 """
 from __future__ import annotations
@@ -116,29 +116,29 @@ class Experts(nnx.Module):
     self.down_proj = nnx.Param(_init(('expert', 'mlp', 'embed'))(rngs.params(), (e, f, d)))
 
 
-def route(scores_NxE: Array, bias_E: Array, k: int, scaling: float, n_group: int = 1,
+def route(scores_BTxE: Array, bias_E: Array, k: int, scaling: float, n_group: int = 1,
           topk_group: int = 1) -> tuple[Array, Array]:
-  """(expert ids [N, K], gates [N, K]): top-k of scores + bias inside each token's best
+  """(expert ids [BT, Ek], gates [BT, Ek]): top-k of scores + bias inside each token's best
   `topk_group` of `n_group` expert groups (all experts when n_group == 1), gates from
   the scores alone."""
-  sel_NxE = scores_NxE + bias_E
+  sel_BTxE = scores_BTxE + bias_E
   if n_group > 1:
-    n, e = sel_NxE.shape
-    grouped_NxGxEg = sel_NxE.reshape(n, n_group, e // n_group)
-    group_NxG = jnp.sum(jax.lax.top_k(grouped_NxGxEg, min(2, e // n_group))[0], axis=-1)
-    _, best_groups = jax.lax.top_k(group_NxG, topk_group)
-    keep_NxG = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], best_groups].set(True)
-    keep_NxE = jnp.repeat(keep_NxG, e // n_group, axis=1)
-    sel_NxE = jnp.where(keep_NxE, sel_NxE, -jnp.inf)
-  _, idx_NxK = jax.lax.top_k(sel_NxE, k)
-  s_NxK = jnp.take_along_axis(scores_NxE, idx_NxK, axis=-1)
-  return idx_NxK, scaling * s_NxK / jnp.sum(s_NxK, axis=-1, keepdims=True)
+    n, e = sel_BTxE.shape
+    grouped_BTxGexEg = sel_BTxE.reshape(n, n_group, e // n_group)
+    group_BTxGe = jnp.sum(jax.lax.top_k(grouped_BTxGexEg, min(2, e // n_group))[0], axis=-1)
+    _, best_groups = jax.lax.top_k(group_BTxGe, topk_group)
+    keep_BTxGe = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], best_groups].set(True)
+    keep_BTxE = jnp.repeat(keep_BTxGe, e // n_group, axis=1)
+    sel_BTxE = jnp.where(keep_BTxE, sel_BTxE, -jnp.inf)
+  _, idx_BTxEk = jax.lax.top_k(sel_BTxE, k)
+  s_BTxEk = jnp.take_along_axis(scores_BTxE, idx_BTxEk, axis=-1)
+  return idx_BTxEk, scaling * s_BTxEk / jnp.sum(s_BTxEk, axis=-1, keepdims=True)
 
 
-def balance_loss(scores_BxTxE: Array, idx_BxTxK: Array) -> Array:
+def balance_loss(scores_BxTxE: Array, idx_BxTxEk: Array) -> Array:
   """sum_i f_i P_i per sequence, averaged over the batch (without alpha)."""
-  e, k, t = scores_BxTxE.shape[-1], idx_BxTxK.shape[-1], scores_BxTxE.shape[1]
-  hits_BxE = jax.nn.one_hot(idx_BxTxK, e, dtype=jnp.float32).sum(axis=(1, 2))
+  e, k, t = scores_BxTxE.shape[-1], idx_BxTxEk.shape[-1], scores_BxTxE.shape[1]
+  hits_BxE = jax.nn.one_hot(idx_BxTxEk, e, dtype=jnp.float32).sum(axis=(1, 2))
   f_BxE = hits_BxE * e / (k * t)
   p_BxE = jnp.mean(scores_BxTxE / jnp.sum(scores_BxTxE, -1, keepdims=True), axis=1)
   return jnp.mean(jnp.sum(f_BxE * p_BxE, axis=-1))
@@ -165,26 +165,26 @@ def resolve_dispatch(dispatch: str, per_device: bool = True, backward: bool = Tr
 
 
 def block_rows(m: int, num_experts: int) -> int:
-  """Rows per block for M sorted rows over E experts: a power of two near M / (2E), so
-  that the padding (at most E (B - 1) rows) stays about half of M or less, in [8, 128]."""
+  """Rows per block (Jr) for m sorted rows over E experts: a power of two near m / (2E), so
+  that the padding (at most E (Jr - 1) rows) stays about half of m or less, in [8, 128]."""
   target = max(1, m // (2 * num_experts))
   return int(min(128, max(8, 1 << (target.bit_length() - 1))))
 
 
 def block_layout(sizes_E: Array, m: int, block: int) -> tuple[Array, Array, int]:
-  """(slot [M]: each sorted row's row in the padded buffer, expert of each block [J], J):
+  """(slot [m]: each sorted row's row in the padded buffer, expert of each block [J], J):
   expert e's rows start at a multiple of `block`. J = ceil(M / B) + min(E, M) bounds the
   blocks any split of M rows into E groups can need."""
   e = sizes_E.shape[0]
   padded_E = (sizes_E + block - 1) // block * block
   end_pad_E = jnp.cumsum(padded_E)
   start_pad_E, start_E = end_pad_E - padded_E, jnp.cumsum(sizes_E) - sizes_E
-  rows_NK = jnp.arange(m)
-  expert_NK = jnp.searchsorted(jnp.cumsum(sizes_E), rows_NK, side='right')
-  slot_NK = start_pad_E[expert_NK] + rows_NK - start_E[expert_NK]
+  rows_BTEk = jnp.arange(m)
+  expert_BTEk = jnp.searchsorted(jnp.cumsum(sizes_E), rows_BTEk, side='right')
+  slot_BTEk = start_pad_E[expert_BTEk] + rows_BTEk - start_E[expert_BTEk]
   n_blocks = -(-m // block) + min(e, m)
   block_expert_J = jnp.searchsorted(end_pad_E, jnp.arange(n_blocks) * block, side='right')
-  return slot_NK, jnp.minimum(block_expert_J, e - 1), n_blocks
+  return slot_BTEk, jnp.minimum(block_expert_J, e - 1), n_blocks
 
 
 def _common_tile(a: int, b: int) -> int | None:
@@ -193,28 +193,28 @@ def _common_tile(a: int, b: int) -> int | None:
   return next((t for t in (512, 256, 128) if a % t == 0 and b % t == 0), None)
 
 
-def _gmm(a_NKxI: Array, w_GxIxO: Array, sizes_G: Array, interpret: bool = False) -> Array:
+def _gmm(a_BTEkxI: Array, w_ExIxO: Array, sizes_E: Array, interpret: bool = False) -> Array:
   """The TPU grouped-matmul kernel (Pallas megablox): only the G groups' rows are
   computed, and its gradient for the weights is a grouped product too (`tgmm`). The
   kernel leaves rows past sum(sizes) unwritten, in its output and in its input's
   gradient: both are masked to zero here."""
   # Deferred: the Pallas TPU kernels load only where this form is chosen.
   from jax.experimental.pallas.ops.tpu.megablox import gmm
-  m, i = a_NKxI.shape
+  m, i = a_BTEkxI.shape
   tm = 128 if m >= 128 else max(8, 1 << (m - 1).bit_length())
   pad = -m % tm
-  valid = (jnp.arange(m + pad) < jnp.sum(sizes_G))[:, None]
-  a = jnp.where(valid, jnp.pad(a_NKxI, ((0, pad), (0, 0))), 0)
-  t = _common_tile(i, w_GxIxO.shape[2])
+  valid = (jnp.arange(m + pad) < jnp.sum(sizes_E))[:, None]
+  a = jnp.where(valid, jnp.pad(a_BTEkxI, ((0, pad), (0, 0))), 0)
+  t = _common_tile(i, w_ExIxO.shape[2])
   tiling = (tm, t, t)  # the backward pass multiplies by the transpose with the same tiles
-  out = gmm(a, w_GxIxO, sizes_G.astype(jnp.int32), a_NKxI.dtype, tiling, None, None, False,
+  out = gmm(a, w_ExIxO, sizes_E.astype(jnp.int32), a_BTEkxI.dtype, tiling, None, None, False,
             interpret)
   return jnp.where(valid, out, 0)[:m]
 
 
-def grouped_products(xs_NKxD: Array, sizes_E: Array, ws, form: str,
+def grouped_products(xs_BTEkxD: Array, sizes_E: Array, ws, form: str,
                      interpret: bool = False, save: bool = True) -> Array:
-  """[M, D]: the SwiGLU of rows sorted by expert, expert e taking the sizes_E[e] rows after
+  """[rows, D]: the SwiGLU of rows sorted by expert, expert e taking the sizes_E[e] rows after
   the groups before it; rows past sum(sizes_E) come out zero. `ws`: the gate, up and down
   kernels [E, D, F], [E, D, F], [E, F, D]; `form`: 'ragged', 'blocks' or 'gmm'. `save`:
   name the products EXPERT_SAVED_NAME (kept under remat='block'); off where M is a
@@ -227,37 +227,37 @@ def grouped_products(xs_NKxD: Array, sizes_E: Array, ws, form: str,
     else:
       mm = lambda a, w: _gmm(a, w, sizes_E, interpret)  # noqa: E731
     name = lambda a: checkpoint_name(a, EXPERT_SAVED_NAME) if save else a  # noqa: E731
-    h_NKxF = jax.nn.silu(name(mm(xs_NKxD, ws[0]))) * name(mm(xs_NKxD, ws[1]))
-    return name(mm(h_NKxF, ws[2]))
-  m, d = xs_NKxD.shape
+    h_BTEkxF = jax.nn.silu(name(mm(xs_BTEkxD, ws[0]))) * name(mm(xs_BTEkxD, ws[1]))
+    return name(mm(h_BTEkxF, ws[2]))
+  m, d = xs_BTEkxD.shape
   e = sizes_E.shape[0]
   rest = m - jnp.sum(sizes_E)  # rows of no group: a last block group, zeroed below
   sizes = jnp.concatenate([sizes_E, rest[None]])
   block = block_rows(m, e)
-  slot_NK, expert_J, n_blocks = block_layout(sizes, m, block)
+  slot_BTEk, expert_J, n_blocks = block_layout(sizes, m, block)
   expert_J = jnp.minimum(expert_J, e - 1)
-  x_JxBxD = jnp.zeros((n_blocks * block, d), xs_NKxD.dtype).at[slot_NK].set(xs_NKxD).reshape(
+  x_JxJrxD = jnp.zeros((n_blocks * block, d), xs_BTEkxD.dtype).at[slot_BTEk].set(xs_BTEkxD).reshape(
       n_blocks, block, d)
   mm = lambda a, w: (checkpoint_name if save else lambda y, _: y)(  # noqa: E731
       jnp.einsum('jbi,jio->jbo', a, w[expert_J]), EXPERT_SAVED_NAME)
-  h_JxBxF = jax.nn.silu(mm(x_JxBxD, ws[0])) * mm(x_JxBxD, ws[1])
-  y_NKxD = mm(h_JxBxF, ws[2]).reshape(n_blocks * block, d)[slot_NK]
-  return jnp.where((jnp.arange(m) < m - rest)[:, None], y_NKxD, 0)
+  h_JxJrxF = jax.nn.silu(mm(x_JxJrxD, ws[0])) * mm(x_JxJrxD, ws[1])
+  y_BTEkxD = mm(h_JxJrxF, ws[2]).reshape(n_blocks * block, d)[slot_BTEk]
+  return jnp.where((jnp.arange(m) < m - rest)[:, None], y_BTEkxD, 0)
 
 
-def grouped_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, num_experts: int,
+def grouped_swiglu(x_BTxD: Array, idx_BTxEk: Array, experts: Experts, num_experts: int,
                    dtype, dispatch: str = 'auto', backward: bool = True) -> Array:
-  """[N, K, D]: expert idx[n, j]'s SwiGLU of token n, by sort + a grouped matmul
+  """[BT, Ek, D]: expert idx[n, j]'s SwiGLU of token n, by sort + a grouped matmul
   (`backward`: it is differentiated, resolve_dispatch)."""
-  n, k = idx_NxK.shape
-  flat_NK = idx_NxK.reshape(-1)
-  order_NK = jnp.argsort(flat_NK, stable=True)
-  xs_NKxD = x_NxD[order_NK // k].astype(dtype)
-  sizes_E = jnp.bincount(flat_NK, length=num_experts).astype(jnp.int32)
+  n, k = idx_BTxEk.shape
+  flat_BTEk = idx_BTxEk.reshape(-1)
+  order_BTEk = jnp.argsort(flat_BTEk, stable=True)
+  xs_BTEkxD = x_BTxD[order_BTEk // k].astype(dtype)
+  sizes_E = jnp.bincount(flat_BTEk, length=num_experts).astype(jnp.int32)
   ws = [w[...].astype(dtype) for w in (experts.gate_proj, experts.up_proj, experts.down_proj)]
   form = resolve_dispatch(dispatch, jax.sharding.get_abstract_mesh().empty, backward)
-  y_NKxD = grouped_products(xs_NKxD, sizes_E, ws, form)
-  return jnp.zeros_like(y_NKxD).at[order_NK].set(y_NKxD).reshape(n, k, -1)
+  y_BTEkxD = grouped_products(xs_BTEkxD, sizes_E, ws, form)
+  return jnp.zeros_like(y_BTEkxD).at[order_BTEk].set(y_BTEkxD).reshape(n, k, -1)
 
 
 # -- expert parallelism -------------------------------------------------------------------------
@@ -281,7 +281,7 @@ def expert_layout() -> dict | None:
   return ax
 
 
-def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
+def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxEk: Array, gates_BxTxEk: Array,
                            experts: Experts, dtype, dispatch: str, ax: dict,
                            exchange: str = 'all_to_all',
                            capacity_factor: float = 0.0) -> tuple[Array, Array]:
@@ -296,14 +296,14 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
   Rows are dropped only with a capacity factor (moe_exchange.buffer_rows).
 
   exchange 'all_gather': the tokens of the devices that share its expert-axis coordinates
-  are all-gathered over the expert axes; each device sorts all P N K rows, multiplies
+  are all-gathered over the expert axes; each device sorts all X BT Ek rows, multiplies
   those routed to its own experts (the kernel skips the rest) and the gated outputs are
   reduce-scattered back. Exact; its bytes and sort grow with P.
 
   Either way the device's experts' weights are all-gathered over their model-dim (FSDP)
   axes and the outputs summed over the expert-MLP axes.
   """
-  k = idx_BxTxK.shape[-1]
+  k = idx_BxTxEk.shape[-1]
   expert_axes, mlp_axes = ax['expert'], ax['mlp']
   batch_spec = ax['batch'] or None
   act = P(batch_spec, ax['length'] or None, None)
@@ -322,54 +322,54 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
                        for a in (x, idx, gates))
     e_local = ws[0].shape[0]
     first = jax.lax.axis_index(expert_axes) * e_local if expert_axes else 0
-    local_NK = idx.reshape(-1) - first
-    mine_NK = (local_NK >= 0) & (local_NK < e_local)
-    key_NK = jnp.where(mine_NK, local_NK, e_local)  # other devices' rows sort last
-    order_NK = jnp.argsort(key_NK, stable=True)
-    sizes_E = jnp.bincount(key_NK, length=e_local + 1)[:e_local].astype(jnp.int32)
-    token_NK = order_NK // k  # the token of each sorted row
-    # P N K rows, the other devices' (past the groups) not computed: not kept under remat
-    y_NKxD = grouped_products(x[token_NK].astype(dtype), sizes_E, ws, form, save=False)
-    g_NK = jnp.where(mine_NK, gates.reshape(-1), 0)[order_NK]
+    local_BTEk = idx.reshape(-1) - first
+    mine_BTEk = (local_BTEk >= 0) & (local_BTEk < e_local)
+    key_BTEk = jnp.where(mine_BTEk, local_BTEk, e_local)  # other devices' rows sort last
+    order_BTEk = jnp.argsort(key_BTEk, stable=True)
+    sizes_Ed = jnp.bincount(key_BTEk, length=e_local + 1)[:e_local].astype(jnp.int32)
+    token_BTEk = order_BTEk // k  # the token of each sorted row
+    # X BT Ek rows, the other devices' (past the groups) not computed: not kept under remat
+    y_BTEkxD = grouped_products(x[token_BTEk].astype(dtype), sizes_Ed, ws, form, save=False)
+    g_BTEk = jnp.where(mine_BTEk, gates.reshape(-1), 0)[order_BTEk]
     # Each token's gated sum over its rows here, added straight from the sorted rows (no
-    # [N, K, D] unsort, no K-wide product); float32 sums, as a matmul accumulates.
-    y_NxD = jnp.zeros((x.shape[0], x.shape[1]), jnp.float32).at[token_NK].add(
-        y_NKxD.astype(jnp.float32) * g_NK[:, None]).astype(dtype)
+    # [BT, Ek, D] unsort, no Ek-wide product); float32 sums, as a matmul accumulates.
+    y_BTxD = jnp.zeros((x.shape[0], x.shape[1]), jnp.float32).at[token_BTEk].add(
+        y_BTEkxD.astype(jnp.float32) * g_BTEk[:, None]).astype(dtype)
     if expert_axes:  # each token's own rows back, summed over the devices of its experts
-      y_NxD = jax.lax.psum_scatter(y_NxD, expert_axes, scatter_dimension=0, tiled=True)
-    return y_NxD, jnp.zeros((), jnp.int32)
+      y_BTxD = jax.lax.psum_scatter(y_BTxD, expert_axes, scatter_dimension=0, tiled=True)
+    return y_BTxD, jnp.zeros((), jnp.int32)
 
   def exchanged(x, idx, gates, ws):
     n, d = x.shape
     e_local = ws[0].shape[0]
-    flat_NK = idx.reshape(-1)
-    order_NK = jnp.argsort(flat_NK, stable=True)  # by expert, so by destination device
-    token_NK = order_NK // k
-    xs_NKxD = x[token_NK].astype(dtype)
-    counts_PxL = jnp.bincount(flat_NK, length=n_dev * e_local).astype(jnp.int32).reshape(
+    flat_BTEk = idx.reshape(-1)
+    order_BTEk = jnp.argsort(flat_BTEk, stable=True)  # by expert, so by destination device
+    token_BTEk = order_BTEk // k
+    xs_BTEkxD = x[token_BTEk].astype(dtype)
+    counts_XxEd = jnp.bincount(flat_BTEk, length=n_dev * e_local).astype(jnp.int32).reshape(
         n_dev, e_local)
-    all_counts_QxPxL = jax.lax.all_gather(counts_PxL, expert_axes)
+    all_counts_XsxXxEd = jax.lax.all_gather(counts_XxEd, expert_axes)
     me = jax.lax.axis_index(expert_axes)
     rows = moe_exchange.buffer_rows(n, k, n_dev, e_local, capacity_factor)
-    p = moe_exchange.plan(counts_PxL, all_counts_QxPxL, me, rows)
-    recv_RxD = moe_exchange.ragged_exchange(
-        xs_NKxD, jnp.zeros((rows, d), dtype), p['input_offsets'], p['send_sizes'],
+    p = moe_exchange.plan(counts_XxEd, all_counts_XsxXxEd, me, rows)
+    recv_YxD = moe_exchange.ragged_exchange(
+        xs_BTEkxD, jnp.zeros((rows, d), dtype), p['input_offsets'], p['send_sizes'],
         p['output_offsets'], p['recv_sizes'], expert_axes, impl)
-    key_R = moe_exchange.received_experts(p, all_counts_QxPxL[:, me], rows)
-    order_R = jnp.argsort(key_R, stable=True)
-    sizes_L = jnp.bincount(key_R, length=e_local + 1)[:e_local].astype(jnp.int32)
-    # kept under remat only where a capacity factor bounds the buffer (dropless: P N K rows)
-    y_sorted_RxD = grouped_products(recv_RxD[order_R], sizes_L, ws, form,
+    key_Y = moe_exchange.received_experts(p, all_counts_XsxXxEd[:, me], rows)
+    order_Y = jnp.argsort(key_Y, stable=True)
+    sizes_Ed = jnp.bincount(key_Y, length=e_local + 1)[:e_local].astype(jnp.int32)
+    # kept under remat only where a capacity factor bounds the buffer (dropless: X BT Ek rows)
+    y_sorted_YxD = grouped_products(recv_YxD[order_Y], sizes_Ed, ws, form,
                                     save=capacity_factor > 0)
-    y_RxD = jnp.zeros_like(y_sorted_RxD).at[order_R].set(y_sorted_RxD)
+    y_YxD = jnp.zeros_like(y_sorted_YxD).at[order_Y].set(y_sorted_YxD)
     # The reverse exchange: each received slice back to its sender, where it came from.
-    back_NKxD = moe_exchange.ragged_exchange(
-        y_RxD, jnp.zeros((n * k, d), dtype), p['recv_offsets'], p['recv_sizes'],
+    back_BTEkxD = moe_exchange.ragged_exchange(
+        y_YxD, jnp.zeros((n * k, d), dtype), p['recv_offsets'], p['recv_sizes'],
         p['sender_offsets'], p['send_sizes'], expert_axes, impl)
-    g_NK = gates.reshape(-1)[order_NK]
-    y_NxD = jnp.zeros((n, d), jnp.float32).at[token_NK].add(
-        back_NKxD.astype(jnp.float32) * g_NK[:, None]).astype(dtype)
-    return y_NxD, p['dropped']
+    g_BTEk = gates.reshape(-1)[order_BTEk]
+    y_BTxD = jnp.zeros((n, d), jnp.float32).at[token_BTEk].add(
+        back_BTEkxD.astype(jnp.float32) * g_BTEk[:, None]).astype(dtype)
+    return y_BTxD, p['dropped']
 
   def local(x, idx, gates, wg, wu, wd):
     b, t, d = x.shape
@@ -379,31 +379,31 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxK: Array, gates_BxTxK: Array,
       wd = jax.lax.all_gather(wd, ax['embed'], axis=2, tiled=True)
     ws = [w.astype(dtype) for w in (wg, wu, wd)]
     run = exchanged if exchange == 'all_to_all' and expert_axes else gathered
-    y_NxD, dropped = run(x, idx, gates, ws)
+    y_BTxD, dropped = run(x, idx, gates, ws)
     if mlp_axes:  # the down projection's partial sums over the expert-MLP shards
-      y_NxD = jax.lax.psum(y_NxD, mlp_axes)
-    return y_NxD.reshape(b, t, d), dropped.reshape(1)
+      y_BTxD = jax.lax.psum(y_BTxD, mlp_axes)
+    return y_BTxD.reshape(b, t, d), dropped.reshape(1)
 
   run = jax.shard_map(local, in_specs=(act, act, act, w_in, w_in, w_out),
                       out_specs=(act, P(batch_spec)), check_vma=False)
-  y, dropped_D = run(x_BxTxD, idx_BxTxK, gates_BxTxK, experts.gate_proj[...],
-                     experts.up_proj[...], experts.down_proj[...])
-  return y, jnp.sum(dropped_D)
+  y, dropped_per_shard = run(x_BxTxD, idx_BxTxEk, gates_BxTxEk, experts.gate_proj[...],
+                             experts.up_proj[...], experts.down_proj[...])
+  return y, jnp.sum(dropped_per_shard)
 
 
-def gathered_swiglu(x_NxD: Array, idx_NxK: Array, experts: Experts, dtype) -> Array:
-  """[N, K, D] as grouped_swiglu, by gathering each token's K experts' weights.
+def gathered_swiglu(x_BTxD: Array, idx_BTxEk: Array, experts: Experts, dtype) -> Array:
+  """[BT, Ek, D] as grouped_swiglu, by gathering each token's Ek experts' weights.
 
-  The decode form for a few tokens (N K <= E, MoE.decode): it reads only the chosen
+  The decode form for a few tokens (BT Ek <= E, MoE.decode): it reads only the chosen
   experts' weights, as many as grouped_swiglu's block form gathers at least, without its
   sort, padding and scatter."""
-  x_NxD = x_NxD.astype(dtype)
-  wg, wu, wd = (w[...][idx_NxK].astype(dtype)  # [N, K, in, out]
+  x_BTxD = x_BTxD.astype(dtype)
+  wg, wu, wd = (w[...][idx_BTxEk].astype(dtype)  # [BT, Ek, in, out]
                 for w in (experts.gate_proj, experts.up_proj, experts.down_proj))
   f32 = jnp.float32
-  h_NxKxF = (jax.nn.silu(jnp.einsum('nd,nkdf->nkf', x_NxD, wg, preferred_element_type=f32))
-             * jnp.einsum('nd,nkdf->nkf', x_NxD, wu, preferred_element_type=f32))
-  return jnp.einsum('nkf,nkfd->nkd', h_NxKxF.astype(dtype), wd,
+  h_BTxEkxF = (jax.nn.silu(jnp.einsum('nd,nkdf->nkf', x_BTxD, wg, preferred_element_type=f32))
+               * jnp.einsum('nd,nkdf->nkf', x_BTxD, wu, preferred_element_type=f32))
+  return jnp.einsum('nkf,nkfd->nkd', h_BTxEkxF.astype(dtype), wd,
                     preferred_element_type=f32).astype(dtype)
 
 
@@ -437,31 +437,31 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BxTxD: Array) -> Array:
     b, t, d = x_BxTxD.shape
-    x_NxD = x_BxTxD.reshape(b * t, d)
-    logits_NxE = jnp.dot(x_NxD.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))
-    scores_NxE = jax.nn.sigmoid(logits_NxE)
+    x_BTxD = x_BxTxD.reshape(b * t, d)
+    logits_BTxE = jnp.dot(x_BTxD.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))
+    scores_BTxE = jax.nn.sigmoid(logits_BTxE)
     bias_E = jax.lax.stop_gradient(self.gate.e_score_correction_bias[...])
-    idx_NxK, gates_NxK = route(scores_NxE, bias_E, self.top_k, self.scaling, self.n_group,
-                               self.topk_group)
+    idx_BTxEk, gates_BTxEk = route(scores_BTxE, bias_E, self.top_k, self.scaling, self.n_group,
+                                   self.topk_group)
     ax = expert_layout()
     if ax is None:
-      y_NxKxD = grouped_swiglu(x_NxD, idx_NxK, self.experts, self.num_experts, self.dtype,
-                               self.dispatch)
-      y_NxD = jnp.einsum('nk,nkd->nd', gates_NxK.astype(self.dtype), y_NxKxD)
+      y_BTxEkxD = grouped_swiglu(x_BTxD, idx_BTxEk, self.experts, self.num_experts, self.dtype,
+                                 self.dispatch)
+      y_BTxD = jnp.einsum('nk,nkd->nd', gates_BTxEk.astype(self.dtype), y_BTxEkxD)
     else:
       y_BxTxD, dropped = expert_parallel_swiglu(
-          x_BxTxD, idx_NxK.reshape(b, t, -1), gates_NxK.reshape(b, t, -1), self.experts,
+          x_BxTxD, idx_BTxEk.reshape(b, t, -1), gates_BTxEk.reshape(b, t, -1), self.experts,
           self.dtype, self.dispatch, ax, self.exchange, self.capacity_factor)
-      y_NxD = y_BxTxD.reshape(b * t, d)
+      y_BTxD = y_BxTxD.reshape(b * t, d)
       if self.capacity_factor > 0:  # rows past the receive buffers, this layer, all devices
         self.dropped = nnx.Intermediate(dropped.astype(jnp.float32))
     if self.shared_experts is not None:
-      y_NxD = y_NxD + self.shared_experts(x_BxTxD).reshape(b * t, d)
+      y_BTxD = y_BTxD + self.shared_experts(x_BxTxD).reshape(b * t, d)
     self.expert_load = nnx.Intermediate(
-        jnp.bincount(idx_NxK.reshape(-1), length=self.num_experts).astype(jnp.float32))
+        jnp.bincount(idx_BTxEk.reshape(-1), length=self.num_experts).astype(jnp.float32))
     self.balance = nnx.Intermediate(balance_loss(
-        scores_NxE.reshape(b, t, -1), idx_NxK.reshape(b, t, -1)))
-    return constrain(y_NxD.reshape(b, t, d).astype(x_BxTxD.dtype),
+        scores_BTxE.reshape(b, t, -1), idx_BTxEk.reshape(b, t, -1)))
+    return constrain(y_BTxD.reshape(b, t, d).astype(x_BxTxD.dtype),
                      ('batch', 'length', 'act_embed'))
 
   def prepare_decode(self) -> None:
@@ -480,20 +480,20 @@ class MoE(nnx.Module):
     weights (gathered_swiglu), more (a prefill) go through grouped_swiglu's dispatch.
     """
     b, t, d = x_BxTxD.shape
-    x_NxD = x_BxTxD.reshape(b * t, d)
-    scores_NxE = jax.nn.sigmoid(
-        decode_ops.decode_dot(x_NxD.astype(jnp.float32), self.gate_t[...]))
-    idx_NxK, gates_NxK = route(scores_NxE, self.gate.e_score_correction_bias[...], self.top_k,
-                               self.scaling, self.n_group, self.topk_group)
+    x_BTxD = x_BxTxD.reshape(b * t, d)
+    scores_BTxE = jax.nn.sigmoid(
+        decode_ops.decode_dot(x_BTxD.astype(jnp.float32), self.gate_t[...]))
+    idx_BTxEk, gates_BTxEk = route(scores_BTxE, self.gate.e_score_correction_bias[...], self.top_k,
+                                   self.scaling, self.n_group, self.topk_group)
     if b * t * self.top_k <= self.num_experts:
-      y_NxKxD = gathered_swiglu(x_NxD, idx_NxK, self.experts, self.dtype)
+      y_BTxEkxD = gathered_swiglu(x_BTxD, idx_BTxEk, self.experts, self.dtype)
     else:
-      y_NxKxD = grouped_swiglu(x_NxD, idx_NxK, self.experts, self.num_experts, self.dtype,
-                               self.dispatch, backward=False)
-    y_NxD = jnp.einsum('nk,nkd->nd', gates_NxK.astype(self.dtype), y_NxKxD)
+      y_BTxEkxD = grouped_swiglu(x_BTxD, idx_BTxEk, self.experts, self.num_experts, self.dtype,
+                                 self.dispatch, backward=False)
+    y_BTxD = jnp.einsum('nk,nkd->nd', gates_BTxEk.astype(self.dtype), y_BTxEkxD)
     if self.shared_experts is not None:
-      y_NxD = y_NxD + self.shared_experts.decode(x_BxTxD).reshape(b * t, d)
-    return y_NxD.reshape(b, t, d).astype(x_BxTxD.dtype)
+      y_BTxD = y_BTxD + self.shared_experts.decode(x_BxTxD).reshape(b * t, d)
+    return y_BTxD.reshape(b, t, d).astype(x_BxTxD.dtype)
 
 
 def moe_modules(model: nnx.Module) -> list[MoE]:

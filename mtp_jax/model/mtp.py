@@ -100,7 +100,7 @@ class ModelArgs:
     return cls(**values)
 
   def target_offsets(self) -> tuple:
-    """(1, o_1, ..., o_D): how far ahead each head predicts, the main head first."""
+    """(1, o_1, ..., o_M): how far ahead each head predicts, the main head first."""
     return (1,) + (tuple(self.mtp_target_offsets) or tuple(range(2, self.mtp_depth + 2)))
 
   def mtp_head(self) -> type:
@@ -167,8 +167,8 @@ def shift_left(x_BxT: Array, k: int, fill=0) -> Array:
 def vocab_logits(norm, h_BxTxD: Array, w_DxV: Array) -> Array:
   """float32 logits [B, T, V] of norm(h) @ w as one 2-D matmul (see layers.project)."""
   b, t, d = h_BxTxD.shape
-  x_NxD = norm(h_BxTxD).reshape(b * t, d)
-  return jnp.dot(x_NxD, w_DxV.astype(x_NxD.dtype),
+  x_BTxD = norm(h_BxTxD).reshape(b * t, d)
+  return jnp.dot(x_BTxD, w_DxV.astype(x_BTxD.dtype),
                  preferred_element_type=jnp.float32).reshape(b, t, -1)
 
 
@@ -451,13 +451,13 @@ class MTPModel(nnx.Module):
     """Emb rows in the activations' dtype (gathering first: the table may be bfloat16)."""
     return jnp.take(self.embed.embedding[...], tokens_BxT, axis=0).astype(self.args.dtype)
 
-  def decode_logits(self, h_NxD: Array, k: int = 0) -> Array:
+  def decode_logits(self, h_BTxD: Array, k: int = 0) -> Array:
     """logits(h, k) for a few rows [N, d] (decode_ops.decode_dot's rule), float32.
 
     The tied head is the embedding table itself, already [V, d] (O x I)."""
     norm = self.norm if k == 0 else self.mtp_module(k).shared_head.norm
     w_VxD = self.embed.embedding[...] if self.args.tie_embeddings else self.head_t[...]
-    return decode_ops.decode_dot(norm(h_NxD), w_VxD).astype(jnp.float32)
+    return decode_ops.decode_dot(norm(h_BTxD), w_VxD).astype(jnp.float32)
 
   def decode_trunk(self, tokens_BxT, positions_BxT, mask, caches, cache_index_B, layout):
     """h^0 of new tokens through the trunk's per-layer caches; (h, new caches)."""

@@ -218,10 +218,10 @@ def _head_sums(model: MTPModel, hiddens: list, targets_M1xBxT, mask_M1xBxT, chun
   return loss_M1, correct_M1, pred_M1xBxT
 
 
-def cross_entropy_autodiff(logits_NxV: Array, targets_N: Array) -> tuple[Array, Array]:
+def cross_entropy_autodiff(logits_BTxV: Array, targets_BT: Array) -> tuple[Array, Array]:
   """(-log softmax(logits)[target], argmax) over the last axis: optax's loss, autodiff."""
-  return (optax.softmax_cross_entropy_with_integer_labels(logits_NxV, targets_N),
-          jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32))
+  return (optax.softmax_cross_entropy_with_integer_labels(logits_BTxV, targets_BT),
+          jnp.argmax(logits_BTxV, axis=-1).astype(jnp.int32))
 
 
 # The cross-entropy _head_sums_batched runs (custom VJPs were measured no faster).
