@@ -124,9 +124,9 @@ def loop_fn(prog, form, steps):
   fn = FORMS[form]
 
   @jax.jit
-  def run(logits_SxBxV, keys_B, sampling):
+  def run(logit_sets, keys_B, sampling):  # logit_sets [n, B, V]: step i reads set i mod n
     def body(i, acc_B):
-      logits = logits_SxBxV[i % logits_SxBxV.shape[0]] + 1e-9 * acc_B[:, None]  # a carry dep
+      logits = logit_sets[i % logit_sets.shape[0]] + 1e-9 * acc_B[:, None]  # a carry dep
       return acc_B + fn(prog, logits, keys_B, i, sampling)
     return jax.lax.fori_loop(0, steps, body, jnp.zeros(keys_B.shape, jnp.int32))
   return run
