@@ -198,6 +198,35 @@ def test_private_name_check_sees_both_forms(tmp_path):
                                 '5: c..._w']
 
 
+def _own_package_imports(path, package) -> list[int]:
+  """Lines of `path` that import from `package` (its own package) by the package's name,
+  which goes through the package's __init__."""
+  tree = ast.parse(pathlib.Path(path).read_text(encoding='utf-8'))
+  return [n.lineno for n in ast.walk(tree)
+          if isinstance(n, ast.ImportFrom) and n.module == package]
+
+
+def test_modules_import_their_siblings_by_module_path():
+  """Inside a sub-package, `import mtp_jax.pkg.mod as mod`, never `from mtp_jax.pkg import
+  mod`: the second form runs through the package's __init__, which re-exports from its
+  modules, so a module would import itself in a circle."""
+  found = {}
+  for mod, path in MODULES.items():
+    package = mod.rsplit('.', 1)[0]
+    if not path.endswith('__init__.py') and package != 'mtp_jax' and package in MODULES:
+      lines = _own_package_imports(path, package)
+      if lines:
+        found[mod] = lines
+  assert not found, f'modules importing their own package by name: {found}'
+
+
+def test_own_package_check_sees_the_form(tmp_path):
+  src = tmp_path / 'm.py'
+  src.write_text('import mtp_jax.research.stats as stats\nfrom mtp_jax.research import tables\n'
+                 'from mtp_jax.research.results import load_results\n')
+  assert _own_package_imports(src, 'mtp_jax.research') == [2]
+
+
 def test_no_test_file_imports_another():
   """Shared code lives in helpers.py (or conftest.py's fixtures), never in a test module."""
   tests = os.path.join(REPO, 'tests')

@@ -8,12 +8,13 @@ import json
 import os
 import sys
 
+import mtp_jax.research.design as design_lib
+import mtp_jax.research.heldout as heldout
+import mtp_jax.research.sweep as research
+import mtp_jax.research.tables as tables
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import induction
 from mtp_jax.errors import RequestError
-from mtp_jax.research import design as design_lib
-from mtp_jax.research import heldout, tables
-from mtp_jax.research import sweep as research
 from mtp_jax.research.tables import ABLATION, CONFIGS, INDUCTION, NAMES, SIZED_BUDGETS
 
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from mtp_jax.research import results as results_lib
-from mtp_jax.research import stats
+import mtp_jax.research.results as results_lib
+import mtp_jax.research.stats as stats
 
 TARGET_MDE = 0.05  # bits per byte
 ALPHA, POWER = 0.05, 0.8

@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import mtp_jax.research.results as results_lib
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import train_state
 from mtp_jax.data import induction, pipeline, tokenizers
 from mtp_jax.errors import RequestError
-from mtp_jax.research import results as results_lib
 from mtp_jax.research.heldout import HeldoutRule, heldout_documents, pack_rows, prompts_from
 from mtp_jax.research.stats import batch_bpb_se
 from mtp_jax.runtime import sharding

@@ -11,9 +11,9 @@ import os
 
 import numpy as np
 
+import mtp_jax.research.results as results_lib
+import mtp_jax.research.stats as stats
 from mtp_jax import config_files
-from mtp_jax.research import results as results_lib
-from mtp_jax.research import stats
 
 # The checkout this package is installed from (pip install -e .): configs/ lives there.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
