@@ -23,6 +23,7 @@ from mtp_jax.commands import aot_compile
 from mtp_jax.errors import RequestError
 from mtp_jax.runtime import sharding
 from mtp_jax.train import aot
+from mtp_jax.train.aot.devices import no_jax_cache
 
 TOPOLOGY = 'v5e-8'
 
@@ -309,7 +310,7 @@ def test_splash_kernel_calls_are_counted_from_their_shapes(report):
   shard = NamedSharding(mesh, P('data'))
   qkv = jax.ShapeDtypeStruct((8, h, t, d), jnp.bfloat16, sharding=shard)
   seg = jax.ShapeDtypeStruct((8, t), jnp.int32, sharding=shard)
-  with aot.traced_for('tpu'):
+  with aot.traced_for('tpu'), no_jax_cache():  # a CPU-side cache cannot hold a TPU program
     compiled = jax.jit(jax.grad(attention, argnums=(0, 1, 2))).lower(qkv, qkv, qkv,
                                                                      seg).compile()
   stats = aot.analyze_hlo(aot.hlo_text(compiled), 8)
@@ -378,7 +379,6 @@ def test_no_jax_cache_turns_off_a_cache_already_in_use(tmp_path):
   """JAX settles once per process whether its cache is used; the AOT tool must still bypass
   a cache an earlier training run switched on, and leave it working afterwards."""
   from mtp_jax.runtime import compile_cache
-  from mtp_jax.train.aot.devices import no_jax_cache
 
   was = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir,
          jax.config.jax_persistent_cache_min_compile_time_secs,
