@@ -14,7 +14,7 @@ PACKAGE = os.path.join(REPO, 'mtp_jax')
 # below it, never one above; groups on one level (a tuple) do not import each other.
 GROUPS = (
     ('mtp_jax', 'mtp_jax.errors', 'mtp_jax.exports', 'mtp_jax.config_lib',
-     'mtp_jax.config_files'),
+     'mtp_jax.config_files', 'mtp_jax.storage'),
     (('mtp_jax.runtime',), ('mtp_jax.data',)),
     (('mtp_jax.model',), ('mtp_jax.checkpoint',)),
     ('mtp_jax.train_state',),

@@ -6,8 +6,10 @@ gives for the same mistake; those checks stay, for callers of the library.
 """
 from __future__ import annotations
 
+import json
 import os
 
+from mtp_jax import storage
 from mtp_jax.errors import ConfigError, RequestError
 
 HF_PREFIX = 'hf:'
@@ -23,16 +25,49 @@ def train_paths(config, workdir: str, init_from: str | None) -> None:
     _init_from(init_from.strip())
   _data_path(config.data)
   _tokenizer_files(config.data)
+  for name in ('checkpoint_dir', 'compilation_cache_dir'):
+    _reachable(f'train.{name}', config.train[name])
 
 
 def read_workdir(workdir: str) -> None:
-  """A trained workdir to read (decode, eval, export): it exists and holds checkpoints/."""
+  """A trained workdir to read (decode, eval, export, self-distill): it exists and its
+  checkpoints are where its config.json's train.checkpoint_dir says (default: checkpoints/
+  inside it). A URL is only checked for the package its scheme needs: whether it holds
+  checkpoints is the reader's first question."""
   if not os.path.exists(workdir):
     raise RequestError(f'--workdir {workdir!r} does not exist')
   if not os.path.isdir(workdir):
     raise RequestError(f'--workdir {workdir!r} is not a directory')
-  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
-    raise RequestError(f'--workdir {workdir!r} has no checkpoints/ directory (train it first)')
+  named = _named_checkpoint_dir(workdir)
+  if not named:
+    if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+      raise RequestError(f'--workdir {workdir!r} has no checkpoints/ directory (train it first)')
+    return
+  if storage.is_url(named):
+    _reachable(f'--workdir {workdir!r}: its checkpoints at', named, RequestError)
+    return
+  path = os.path.abspath(os.path.expanduser(named))
+  if not os.path.isdir(path):
+    raise RequestError(f'--workdir {workdir!r} has no checkpoints in {path} (its '
+                       'train.checkpoint_dir; train it first)')
+
+
+def _named_checkpoint_dir(workdir: str) -> str:
+  """train.checkpoint_dir of the workdir's config.json ('' when unset or unreadable: the
+  checkpoint reader falls back to checkpoints/ the same way)."""
+  try:
+    with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+      named = json.load(f).get('train', {}).get('checkpoint_dir', '')
+  except (OSError, ValueError, AttributeError):
+    return ''
+  return named if isinstance(named, str) else ''
+
+
+def _reachable(what: str, path: str, error=ConfigError) -> None:
+  """`error` naming the package to install when `path` is a URL no installed package serves."""
+  install = storage.missing_backend(path) if isinstance(path, str) else None
+  if install:
+    raise error(f'{what} {path!r} needs {install}')
 
 
 def readable_file(path: str, flag: str) -> None:

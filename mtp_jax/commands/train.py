@@ -40,6 +40,11 @@ def parser() -> cli.ArgumentParser:
                  help='CPU devices of this process. auto: 2 on a single-process CPU job '
                  'whose config is valid with 2 (data parallel, both cores busy), else 1; '
                  'an explicit XLA_FLAGS device count wins')
+  p.add_argument('--check_storage', action='store_true',
+                 help='only check that this host can write, read back and delete a small '
+                 'file in train.checkpoint_dir (and a URL train.compilation_cache_dir), '
+                 'print one line and exit: 0 when it can, 2 when not (the pod launcher runs '
+                 'it on every worker before starting)')
   p.add_argument('--host_malloc', default='auto',
                  help='keep: the C allocator keeps the buffers XLA:CPU frees for reuse (no '
                  'page faults per step); system: leave it; auto: keep for a CPU job on '
@@ -64,6 +69,9 @@ def main(argv=None) -> int:
     preflight.train_paths(config, workdir, args.init_from)
   except (cli.ConfigError, cli.RequestError) as e:
     return cli.report_expected(e)
+  if args.check_storage:
+    import mtp_jax.commands.storage_check as storage_check  # pylint: disable=g-import-not-at-top
+    return storage_check.check(config, workdir)
   # Standard library only: the allocator is set before JAX starts its first thread.
   from mtp_jax.runtime import host_memory  # pylint: disable=g-import-not-at-top
   try:

@@ -11,6 +11,8 @@ import os
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from mtp_jax import storage
+
 # train.compilation_cache_dir's default; $JAX_COMPILATION_CACHE_DIR, when set, replaces it.
 DEFAULT_DIR = '~/.cache/mtp_jax/jax_cache'
 
@@ -23,8 +25,9 @@ def enable(directory: str, notify=None) -> str | None:
   """Points JAX's cache at `directory` (a local path, ~ expanded, or a URL such as gs://...);
   '' turns it off. Returns the directory in use, or None.
 
-  A local directory that cannot be created is reported through notify and the run goes on
-  without a cache (it only saves time).
+  A local directory that cannot be created, or a URL whose scheme needs a package that is
+  not installed (gs:// without gcsfs), is reported in one line through notify and the run
+  goes on without a cache (it only saves time).
   """
   if not directory:
     jax.config.update('jax_enable_compilation_cache', False)
@@ -32,6 +35,13 @@ def enable(directory: str, notify=None) -> str | None:
   if directory == DEFAULT_DIR and os.environ.get('JAX_COMPILATION_CACHE_DIR'):
     directory = os.environ['JAX_COMPILATION_CACHE_DIR']  # the user's own choice for JAX
   path = directory if is_url(directory) else os.path.abspath(os.path.expanduser(directory))
+  install = storage.missing_backend(path)
+  if install:
+    if notify is not None:
+      notify(f'WARNING: train.compilation_cache_dir {directory!r} needs {install}; '
+             'compiling without a persistent cache')
+    jax.config.update('jax_enable_compilation_cache', False)
+    return None
   if not is_url(path):
     try:
       os.makedirs(path, exist_ok=True)
