@@ -124,14 +124,18 @@ def test_launch_tpu_pod_dry_run_prints_detached_pinned_commands():
   assert len(installs) >= 2  # every slice
   for c in installs:
     assert f'jax=={jax_pin}' in c and f'libtpu=={libtpu_pin}' in c, c
-  starts = [c for c in commands if 'scripts/train.py' in c]
+  starts = [c for c in commands if 'scripts/train.py --distributed=on' in c.replace('\\', '')]
+  checks = [c for c in commands if '--check_storage' in c]
+  assert {c.split()[6] for c in checks} == {'my-v5p-64-0', 'my-v5p-64-1'}
   assert {s.split()[6] for s in starts} == {'my-v5p-64-0', 'my-v5p-64-1'}
   for c in starts:
     assert '--worker=all' in c and 'nohup\\ setsid' in c and '~/mtp_jax_train.log' in c, c
     assert 'gs://bucket/pod' in c
   # The watch: a stopped job is started again (the dry run shows one such restart).
-  restart = lines.index('the job stopped before its last step (preempted?): starting it again')
-  assert any('scripts/train.py' in c for c in lines[restart:])
+  restart = next(i for i, line in enumerate(lines)
+                 if line.startswith('the job stopped before its last step'))
+  assert 'recreating my-v5p-64 (queued resource SUSPENDED)' in lines[restart:]
+  assert any('--distributed=on' in c for c in lines[restart:])
   bad = subprocess.run(['bash', script, 'tpu', 'zone', '--bogus', '--', '--config', 'x'],
                        capture_output=True, text=True, timeout=60, cwd=REPO)
   assert bad.returncode == 2 and 'error: unknown option --bogus' in bad.stderr

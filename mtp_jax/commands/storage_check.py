@@ -7,6 +7,7 @@ file is written under the location, read back and deleted. JAX is not imported.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -53,6 +54,8 @@ def check(config, workdir: str) -> int:
   directory that exists, nothing created) and a URL compilation cache from this host. One
   line on stdout when reachable (0), one `error:` line on stderr when not (2)."""
   host = socket.gethostname()
+  for name in ('gcsfs', 'fsspec'):  # each retry would print a traceback before our line
+    logging.getLogger(name).setLevel(logging.CRITICAL)
   named = config.train.checkpoint_dir or os.path.join(workdir, 'checkpoints')
   places = [('train.checkpoint_dir', named)]
   if storage.is_url(config.train.compilation_cache_dir):
