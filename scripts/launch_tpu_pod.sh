@@ -306,7 +306,8 @@ while true; do
     stop_all || true
     exit 1
   fi
-  summary=$(sort <<< "$states" | uniq -c | awk '{c = $1; $1 = ""; sub(/^ /, ""); printf "%s%s x%s", sep, $0, c; sep = ", "}')
+  summary=$(sort <<< "$states" | uniq -c \
+    | awk '{c = $1; $1 = ""; sub(/^ /, ""); printf "%s%s x%s", sep, $0, c; sep = ", "}')
   if [ $((SECONDS - ${STARTED_AT:-0})) -ge "$STABLE_SECONDS" ]; then restarts=0; fi
   if [ "$restarts" -ge "$MAX_RESTARTS" ]; then
     echo "error: the job stopped again ($summary) after $restarts restarts" \
