@@ -17,6 +17,7 @@ import pytest
 from etils import epath
 
 from helpers import REPO
+from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import storage
 from mtp_jax.commands import decode, evaluate, export, preflight, self_distill
 from mtp_jax.commands import train as train_cmd
@@ -111,6 +112,13 @@ def test_gs_without_gcsfs_is_one_line_naming_the_extra(tiny_run, tmp_path, monke
   assert decode.main(['--workdir', workdir, '--prompt', 'x']) == 2
   assert capsys.readouterr().err.strip() == (
       f"error: --workdir {workdir!r}: its checkpoints at 'gs://bucket/run' {extra}")
+  # The library's own readers and writer, for callers that skip the command lines.
+  for make in (ckpt_lib.CheckpointReader, ckpt_lib.Checkpointer):
+    with pytest.raises(ckpt_lib.CheckpointError) as e:
+      make('gs://bucket/run')
+    assert str(e.value) == f"checkpoints at 'gs://bucket/run' {extra.replace('needs', 'need')}"
+  with pytest.raises(ckpt_lib.CheckpointError, match='need the gcs extra'):
+    ckpt_lib.load_workdir(workdir)
   # The trainer's flags, before JAX starts; nothing is created.
   config = os.path.join(REPO, 'configs', 'tiny.py')
   for field in ('checkpoint_dir', 'compilation_cache_dir'):

@@ -28,6 +28,7 @@ from mtp_jax.checkpoint.store import (
   isdir,
   listdir,
   location,
+  needs_package,
   short,
 )
 from mtp_jax.data import tokenizers
@@ -81,6 +82,7 @@ class CheckpointReader:
 
   def __init__(self, directory: str, notify=warn):
     self.directory = location(directory)  # a URL (train.checkpoint_dir) as it is
+    needs_package(self.directory)
     self.notify = notify
 
   def steps(self) -> list[int]:
@@ -260,6 +262,7 @@ def _reader_of(workdir: str, notify=warn) -> CheckpointReader:
   if not os.path.isdir(workdir):
     raise RequestError(f'--workdir {workdir!r} is not a directory')
   directory = checkpoint_dir_of(workdir)
+  needs_package(directory)
   if not isdir(directory):
     where = ('no checkpoints/ directory' if directory == os.path.join(
         os.path.abspath(workdir), 'checkpoints') else f'no checkpoints in {directory}')

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from mtp_jax import storage
 from mtp_jax.checkpoint.integrity import verify
 from mtp_jax.errors import ConfigError
 
@@ -119,6 +120,14 @@ def location(path: str) -> str:
   return str(path) if is_url(path) else os.path.abspath(os.path.expanduser(path))
 
 
+def needs_package(path: str) -> None:
+  """CheckpointError naming what to install when `path` is a URL no installed package serves
+  (gs:// without gcsfs), before orbax fails on it with a long traceback."""
+  install = storage.missing_backend(path)
+  if install:
+    raise CheckpointError(f'checkpoints at {path!r} need {install}')
+
+
 def isdir(path: str) -> bool:
   if not is_url(path):
     return os.path.isdir(path)
@@ -164,6 +173,7 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = location(directory)  # a URL (gs://...) reaches orbax untouched
+    needs_package(self.directory)
     # Reported once by the trainer; orbax deletes them (cleanup_tmp_directories).
     self.incomplete = sorted(n for n in listdir(self.directory) if TMP_MARKER in n)
     self._options = ocp.CheckpointManagerOptions(
