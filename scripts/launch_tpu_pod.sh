@@ -53,7 +53,7 @@ QR_POLL=${MTP_QUEUED_POLL_SECONDS:-60}  # how often the queued-resource wait ask
 STABLE_SECONDS=3600  # a job up this long before it stopped resets the restart count
 
 usage() {
-  sed -n '2,44p' "$0" >&2
+  sed -n '2,41p' "$0" >&2
   exit 2
 }
 
@@ -205,8 +205,9 @@ check_storage() {  # every worker writes, reads back and deletes a file where ch
 
 start() {  # starts the trainer on every worker of every slice; false if an ssh failed
   local s ok=0 inner job
-  # The subshell writes its pid and the wrapper's, then becomes the trainer (exec).
-  inner="cd ~/$REMOTE_DIR || exit 1; (printf '%s\\n%s\\n' \$BASHPID \$\$ > $PID_FILE; \
+  # The subshell writes its pid and the wrapper's, then becomes the trainer (exec); the
+  # wrapper records its status (or cd's, or the shell's 127 when python3 is missing).
+  inner="cd ~/$REMOTE_DIR && (printf '%s\\n%s\\n' \$BASHPID \$\$ > $PID_FILE; \
 exec python3 scripts/train.py --distributed=on$FLAGS); echo \$? > $EXIT_FILE"
   job="$REAP_CMD; rm -f $EXIT_FILE $STOP_FILE $PID_FILE; nohup setsid bash -c \
 $(printf '%q' "$inner") >> $LOG 2>&1 < /dev/null &"

@@ -18,7 +18,8 @@ SCRIPT = os.path.join(REPO, 'scripts', 'launch_tpu_pod.sh')
 
 # Stands in for scripts/train.py on a worker: records its flags, runs until ~/finish exists
 # (then prints the final block's first line), exits 0 on SIGTERM as the trainer does after
-# saving. --check_storage fails on a worker whose home holds no_bucket.
+# saving, exits 2 at once where the home holds bad_input. --check_storage fails on a worker
+# whose home holds no_bucket.
 FAKE_TRAINER = '''
 import json, os, signal, sys, time
 home = os.path.expanduser('~')
@@ -32,6 +33,9 @@ if '--check_storage' in sys.argv:
 with open(os.path.join(home, 'argv.jsonl'), 'a') as f:
   f.write(json.dumps(sys.argv[1:]) + '\\n')
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+if os.path.exists(os.path.join(home, 'bad_input')):
+  print('error: data.path does not exist', file=sys.stderr)
+  sys.exit(2)
 print('training', flush=True)
 while not os.path.exists(os.path.join(home, 'finish')):
   time.sleep(0.05)
@@ -165,6 +169,18 @@ def test_watch_ends_when_the_run_finishes(pod):
     proc.kill()
   assert proc.returncode == 0, (out, err)
   assert 'the run finished' in out and len(_starts(home)) == 1
+
+
+def test_watch_does_not_restart_a_trainer_that_refused_its_input(pod):
+  env, root = pod
+  _slice(root, 'pod', workers=1)
+  home = root / 'slices' / 'pod' / 'w0'
+  (home / 'bad_input').touch()
+  proc = _launch(env, '--watch', '1', '--backoff', '0', '--', *FLAGS)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      'error: the trainer refused its input or its checkpoints (exit 2): not restarting')
+  assert len(_starts(home)) == 1
 
 
 def test_stop_reaches_every_slice_it_can_and_names_the_one_it_cannot(pod):
