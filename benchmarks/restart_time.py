@@ -3,9 +3,11 @@
   python benchmarks/restart_time.py --rounds 3
   python benchmarks/restart_time.py --rounds 3 --out benchmarks/results/restart_time.json
 
-Each round gives scripts/train.py a fresh train.compilation_cache_dir and runs the same
-one-step command twice, each time in a new workdir: the first start compiles and fills the
-cache, the rerun reads it (what a preempted job rerun does). Both starts of a round run
+Each round gives scripts/train.py a fresh train.compilation_cache_dir and runs the command
+twice, each time in a new workdir: the first start (train.steps=1) compiles and fills the
+cache; the rerun asks for more steps (--rerun_steps, as "resume with more steps" does) and
+reads a copy of the cache in another directory (a cache moved or pre-warmed elsewhere).
+Both starts of a round run
 back to back, so they see the same background load. Per start it records the wall time
 from launch to the 'Compiled the train step' line (the step runs right after it), the
 trainer's own compile figure, the wall time of the whole run (which adds the final eval
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,7 +36,9 @@ NOTE = ('Each round pairs a first start (empty cache) with a rerun reading it, b
 def parse(argv):
   p = common.parser(NAME, __doc__)
   p.add_argument('--rounds', type=int, default=3, help='rounds of (first start, rerun)')
-  p.add_argument('--config', default='configs/tiny.py', help='the config trained for one step')
+  p.add_argument('--config', default='configs/tiny.py', help='the config trained')
+  p.add_argument('--rerun_steps', type=int, default=3,
+                 help='train.steps of the rerun (the first start trains 1 step)')
   args = p.parse_args(argv)
   if args.rounds < 1:
     p.error('--rounds must be >= 1')
@@ -42,10 +47,10 @@ def parse(argv):
   return args
 
 
-def start(config: str, workdir: str, cache: str, smoke: bool) -> dict:
+def start(config: str, workdir: str, cache: str, smoke: bool, steps: int = 1) -> dict:
   """One training start; seconds to the compiled step and to the end of the run."""
   cmd = [sys.executable, os.path.join(common.REPO, 'scripts', 'train.py'), '--config',
-         os.path.join(common.REPO, config), '--workdir', workdir, '--config.train.steps=1',
+         os.path.join(common.REPO, config), '--workdir', workdir, f'--config.train.steps={steps}',
          '--config.train.eval_every=0', '--config.train.checkpoint_every=0',
          '--config.train.eval_batches=1',
          f'--config.train.compilation_cache_dir={cache}']
@@ -79,8 +84,11 @@ def main(argv=None) -> int:
     for i in range(args.rounds):
       cache = os.path.join(tmp, f'cache{i}')
       os.makedirs(cache)
-      pair = {v: start(args.config, os.path.join(tmp, f'run{i}_{v}'), cache, args.smoke)
-              for v in ('first', 'rerun')}
+      pair = {'first': start(args.config, os.path.join(tmp, f'run{i}_first'), cache, args.smoke)}
+      copy = os.path.join(tmp, f'elsewhere{i}', 'cache')
+      shutil.copytree(cache, copy)
+      pair['rerun'] = start(args.config, os.path.join(tmp, f'run{i}_rerun'), copy, args.smoke,
+                            args.rerun_steps)
       rounds.append(pair)
       print(json.dumps({'round': i, **pair}), file=sys.stderr, flush=True)
   summary = {
@@ -91,7 +99,8 @@ def main(argv=None) -> int:
       'rerun_wrote_no_entry': all(r['rerun']['cache_entries'] == r['first']['cache_entries']
                                   for r in rounds)}
   print(json.dumps(summary, indent=1))
-  common.write(run, {'config': args.config, 'rounds': rounds, 'summary': summary})
+  common.write(run, {'config': args.config, 'rerun_steps': args.rerun_steps, 'rounds': rounds,
+                     'summary': summary})
   return 0
 
 

@@ -221,6 +221,16 @@ def base_config() -> ml_collections.ConfigDict:
   # Where checkpoints go: '' is WORKDIR/checkpoints; a URL (gs://bucket/run) passes to orbax
   # as it is. The workdir (lock, metrics, TensorBoard, config.json) stays local.
   t.checkpoint_dir = ''
+  # Staying alive (mtp_jax/train/watchdog.py, mtp_jax/train/tiers.py): the watchdog dumps every
+  # thread's stack when no step finished for hang_factor x the median step or hang_seconds
+  # (0: that rule off) and, with hang_exit, exits 124 for a supervisor to restart. Every
+  # local_checkpoint_every steps (0: off) a checkpoint also goes to local_checkpoint_dir
+  # ('': WORKDIR/local_checkpoints), this host's disk; a restart resumes from the newest tier.
+  t.hang_factor = 0.0
+  t.hang_seconds = 1800.0
+  t.hang_exit = False
+  t.local_checkpoint_every = 0
+  t.local_checkpoint_dir = ''
 
   mesh = c.mesh = ml_collections.ConfigDict()
   mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); one -1 takes the remaining devices
@@ -523,7 +533,11 @@ def _validate_train(config) -> None:
            'train.max_consecutive_skips must be a positive integer, '
            f'got {t.max_consecutive_skips!r}')
   profile_window(config)  # ConfigError on a malformed or unusable train.profile_steps
-  for name in ('compilation_cache_dir', 'checkpoint_dir'):
+  _require(t.hang_factor >= 0 and t.hang_seconds >= 0 and t.local_checkpoint_every >= 0,
+           'train.hang_factor, hang_seconds and local_checkpoint_every must be >= 0')
+  _require('://' not in str(t.local_checkpoint_dir), 'train.local_checkpoint_dir is a path on this '
+           f'host\'s disk, not a URL: {t.local_checkpoint_dir!r}')
+  for name in ('compilation_cache_dir', 'checkpoint_dir', 'local_checkpoint_dir'):
     _require(isinstance(t[name], str), f'train.{name} must be a path or URL string, '
              f'got {t[name]!r}')
 

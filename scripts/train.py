@@ -4,7 +4,13 @@ The same command as `mtp-train` (mtp_jax/commands/train.py); `--help` lists the 
 """
 import sys
 
-from mtp_jax.commands.train import main
+from mtp_jax.runtime import signals
+
+# First, before the heavy imports: a SIGTERM / SIGINT from here on ends the start-up with
+# one line (mtp_jax/runtime/signals.py).
+signals.install_for_process()
+
+from mtp_jax.commands.train import main  # noqa: E402
 
 if __name__ == '__main__':
   sys.exit(main())

@@ -18,7 +18,8 @@ from mtp_jax import config_lib, errors
 from mtp_jax.checkpoint import store as ckpt_store
 from mtp_jax.config_lib import ConfigError
 from mtp_jax.data import pipeline
-from mtp_jax.train import resilience, steps, train_and_evaluate
+from mtp_jax.runtime import signals
+from mtp_jax.train import steps, train_and_evaluate
 
 
 def _train(workdir, *flags, env=None):
@@ -29,8 +30,10 @@ def _train(workdir, *flags, env=None):
 
 
 def test_profile_window_and_compilation_cache(stdlib_data_dir, tmp_path):
-  """profile_steps=2:4 leaves an xplane trace under WORKDIR/profile; a second start of the same
-  config finds every program it compiles in the cache (nothing new is written to it)."""
+  """profile_steps=2:4 leaves an xplane trace under WORKDIR/profile; a second start with a
+  longer train.steps, its cache moved to another directory, finds every program it compiles
+  in the cache (nothing new is written to it): the schedule is an input of the train step,
+  and the key holds no path."""
   cache = tmp_path / 'cache'
   env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu',
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
@@ -45,11 +48,13 @@ def test_profile_window_and_compilation_cache(stdlib_data_dir, tmp_path):
   assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
   assert 'Wrote a profiler trace of steps 2..3' in first.stderr
   entries = sorted(os.listdir(cache))
-  assert entries  # the train step, init and eval programs
-  second = _train(tmp_path / 'b', *flags, env=env)
+  assert any(e.startswith('jit_train_step-') for e in entries)  # also init and eval programs
+  moved = tmp_path / 'moved_cache'
+  os.rename(cache, moved)
+  flags = [f.replace(str(cache), str(moved)).replace('steps=4', 'steps=7') for f in flags]
+  second = _train(tmp_path / 'b', '--config.train.profile_steps=2:4', *flags, env=env)
   assert second.returncode == 0, second.stderr[-3000:]
-  assert sorted(os.listdir(cache)) == entries  # every compile was a cache hit
-  assert not (tmp_path / 'b' / 'profile').exists()
+  assert sorted(os.listdir(moved)) == entries  # every compile was a cache hit
 
 
 @pytest.mark.parametrize('text,words', [
@@ -217,7 +222,7 @@ def test_sigterm_while_starting_is_one_line_and_leaves_nothing(devices, stdlib_d
   config.data.seq_len, config.data.batch_size = 32, 2
   config.train.steps, config.train.progress = 2, False
   before = signal.getsignal(signal.SIGTERM)
-  with pytest.raises(resilience.StartupInterrupted) as e:
+  with pytest.raises(signals.StartupInterrupted) as e:
     train_and_evaluate(config, str(tmp_path / 'new'), devices=devices[:1])
   assert errors.exit_code_of(e.value) == 143
   assert errors.one_line(e.value).startswith('SIGTERM received while the run was starting')

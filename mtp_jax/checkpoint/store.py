@@ -166,6 +166,7 @@ class Restored:
   step: int
   broken: list  # [(step, reason)] newer checkpoints that failed to load, newest first
   moved_to: str | None  # where the broken ones were moved
+  directory: str | None = None  # the checkpoint directory (tier) it came from
 
 
 class Checkpointer:
@@ -259,7 +260,7 @@ class Checkpointer:
         broken.append((step, short(e)))
         continue
       moved = self._quarantine([s for s, _ in broken]) if broken else None
-      return Restored(state, meta, step, broken, moved)
+      return Restored(state, meta, step, broken, moved, self.directory)
     raise CheckpointError(
         f'no checkpoint in {self.directory} can be restored: '
         + '; '.join(f'step {s}: {r}' for s, r in broken)
@@ -311,6 +312,71 @@ class Checkpointer:
         if self._holds_policy:
           self._holds_policy = False
           _release_draining_policy()
+
+
+class TieredCheckpointer:
+  """Two tiers: the persistent checkpoints (`checkpoint_dir`, every checkpoint_every steps)
+  and frequent emergency saves on this host's local disk (`save(..., local=True)`), so a
+  preemption loses at most local_checkpoint_every steps. A step saved to the persistent
+  tier is not saved locally again; the local tier keeps its newest `local_keep` steps.
+  Restoring takes the newest good step of either tier. Everything else (`directory`,
+  `incomplete`, `wait`, ...) is the persistent tier's, plus the local one's where it matters.
+  """
+
+  def __init__(self, persistent: Checkpointer, local: Checkpointer):
+    self.persistent, self.local = persistent, local
+    self.directory = persistent.directory
+    self.incomplete = persistent.incomplete + [f'{local.directory}/{n}' for n in local.incomplete]
+    self.manager = persistent.manager
+
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def all_steps(self) -> list[int]:
+    return sorted(set(self.persistent.all_steps()) | set(self.local.all_steps()))
+
+  def read_meta(self, step: int | None = None) -> dict:
+    step = self.latest_step() if step is None else step
+    tier = self.persistent if step in self.persistent.all_steps() else self.local
+    return tier.read_meta(step)
+
+  def save(self, step: int, state, data_iter=None, meta: dict | None = None,
+           force: bool = False, local: bool = False) -> bool:
+    return (self.local if local else self.persistent).save(step, state, data_iter, meta, force)
+
+  def restore_latest_good(self, abstract_state, data_iter=None, check_meta=None) -> Restored | None:
+    """The newest good step across both tiers (the persistent one on a tie)."""
+    tiers = [(c.latest_step(), -i, c) for i, c in enumerate((self.persistent, self.local))
+             if c.latest_step() is not None]
+    best, last, errors = None, None, []
+    for newest, _, tier in sorted(tiers, key=lambda t: t[:2], reverse=True):
+      if best is not None and best[0].step >= newest:
+        break  # nothing in this tier is newer than what was restored
+      try:
+        last = (tier.restore_latest_good(abstract_state, data_iter, check_meta), tier)
+      except CheckpointError as e:
+        errors.append(str(e))
+        continue
+      if best is None or last[0].step > best[0].step:
+        best = last
+    if best is None:
+      if errors:
+        raise CheckpointError(' '.join(errors))
+      return None
+    if last is not best and data_iter is not None:  # the iterator holds the later restore's
+      best[1].restore(best[0].step, abstract_state, data_iter)
+    return best[0]
+
+  def wait(self):
+    self.persistent.wait()
+    self.local.wait()
+
+  def close(self):
+    try:
+      self.persistent.close()
+    finally:
+      self.local.close()
 
 
 def listdir(path: str) -> list[str]:

@@ -1,17 +1,20 @@
 """Trains an MTP model: `mtp-train --config configs/stdlib_mtp.py [--workdir DIR]`.
 
 Rerunning with the same --workdir resumes from its latest good checkpoint; SIGTERM or
-Ctrl-C saves at the end of the current step and exits 0. Exit 2: bad input (config,
+Ctrl-C saves at the end of the current step and exits 0 (before the first step: one line,
+exit 143 / 130, nothing kept); SIGUSR1 prints every thread's stack. Exit 2: bad input (config,
 data, workdir, disk), with a one-line `error: ...`; exit 1: training stopped on a
 non-finite loss.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import mtp_jax.commands.preflight as preflight
 from mtp_jax import cli
+from mtp_jax.runtime import signals
 
 
 def parser() -> cli.ArgumentParser:
@@ -36,6 +39,13 @@ def parser() -> cli.ArgumentParser:
   p.add_argument('--coordinator_address', metavar='HOST:PORT', help='address of process 0')
   p.add_argument('--num_processes', type=int, help='processes in the job')
   p.add_argument('--process_id', type=int, help='this process, 0 .. num_processes - 1')
+  p.add_argument('--distributed_init_timeout', type=int, default=300, metavar='SECONDS',
+                 help='how long process 0 waits for every process to join the job')
+  p.add_argument('--distributed_heartbeat_timeout', type=int, default=100, metavar='SECONDS',
+                 help='a process without a heartbeat for this long counts as dead and the '
+                 'job stops (raise it for long pauses, lower it to notice a lost host sooner)')
+  p.add_argument('--distributed_shutdown_timeout', type=int, default=300, metavar='SECONDS',
+                 help='how long a finishing process waits for the others at exit')
   p.add_argument('--cpu_devices', default='auto',
                  help='CPU devices of this process. auto: 2 on a single-process CPU job '
                  'whose config is valid with 2 (data parallel, both cores busy), else 1; '
@@ -58,6 +68,18 @@ def _fail(what: str, e: BaseException) -> int:
 
 
 def main(argv=None) -> int:
+  # SIGTERM / SIGINT until the first step: one line, exit 143 / 130 (runtime/signals.py).
+  startup = signals.install_for_process()  # scripts/train.py installed it before its imports
+  signals.install_stack_dump()  # kill -USR1 <pid>: every thread's stack to stderr
+  try:
+    return _main(argv, startup)
+  except signals.StartupInterrupted as e:
+    return cli.report_expected(e)
+  finally:
+    startup.uninstall()
+
+
+def _main(argv, startup: signals.StartupSignals) -> int:
   args, overrides = cli.parse_with_config(parser(), argv)
   try:
     config = cli.load_config(args.config, overrides)
@@ -72,6 +94,7 @@ def main(argv=None) -> int:
   if args.check_storage:
     import mtp_jax.commands.storage_check as storage_check  # pylint: disable=g-import-not-at-top
     return storage_check.check(config, workdir)
+  startup.check()
   # Standard library only: the allocator is set before JAX starts its first thread.
   from mtp_jax.runtime import host_memory  # pylint: disable=g-import-not-at-top
   try:
@@ -88,8 +111,18 @@ def main(argv=None) -> int:
         args.num_processes)
   except ValueError as e:
     return _fail('bad flag', e)
-  distributed.initialize(args.distributed, args.coordinator_address, args.num_processes,
-                         args.process_id, cpu_devices)
+  startup.check()
+  timeouts = {'initialization_timeout': args.distributed_init_timeout,
+              'heartbeat_timeout_seconds': args.distributed_heartbeat_timeout,
+              'shutdown_timeout_seconds': args.distributed_shutdown_timeout}
+  try:
+    joined = distributed.initialize(args.distributed, args.coordinator_address,
+                                    args.num_processes, args.process_id, cpu_devices, timeouts)
+  except ValueError as e:
+    return _fail('bad flag', e)
+  if joined:
+    startup.release(signal.SIGTERM)  # JAX's preemption service owns it in a multi-process job
+  startup.check()
   try:
     loop.train_and_evaluate(config, workdir, init_from=args.init_from,
                              new_data=args.new_data)

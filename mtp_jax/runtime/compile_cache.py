@@ -2,7 +2,15 @@
 
 A restart of the same config (a preempted job rerun, a resumed run) then loads its compiled
 programs from the cache instead of compiling them again. The key covers the program, the
-devices and the JAX / XLA versions, so a changed config or an upgrade simply misses.
+devices and the JAX / XLA versions, so a changed config or an upgrade simply misses; the
+schedule's settings (train.steps, warmup_steps, lr, min_lr_ratio) are inputs of the train
+step rather than constants in it, so changing them hits.
+
+The key also covers XLA's compile options, and by default JAX writes the cache's own path
+into them (the GPU per-fusion autotuning cache it keeps under the cache directory), so a
+cache moved, copied or pre-warmed elsewhere would never hit. `enable` turns that extra cache
+off: the key then holds no path, and a copied cache hits. What a GPU loses is the
+autotuning results of programs that miss; a program that hits carries its own.
 """
 from __future__ import annotations
 
@@ -52,6 +60,7 @@ def enable(directory: str, notify=None) -> str | None:
       jax.config.update('jax_enable_compilation_cache', False)
       return None
   jax.config.update('jax_enable_compilation_cache', True)
+  jax.config.update('jax_persistent_cache_enable_xla_caches', 'none')  # no path in the key
   if jax.config.jax_compilation_cache_dir != path:
     jax.config.update('jax_compilation_cache_dir', path)
     compilation_cache.reset_cache()  # the next compile opens the cache at the new path

@@ -88,16 +88,27 @@ def resolve_cpu_devices(value, config=None, mode: str = 'auto',
   return AUTO_CPU_DEVICES
 
 
+# jax.distributed.initialize's own defaults (seconds): how long to wait for every process
+# to join, after how long without a heartbeat a process counts as dead, and how long a
+# finishing process waits for the others.
+TIMEOUTS = {'initialization_timeout': 300, 'heartbeat_timeout_seconds': 100,
+            'shutdown_timeout_seconds': 300}
+
+
 def initialize(mode: str = 'auto', coordinator_address: str | None = None,
                num_processes: int | None = None, process_id: int | None = None,
-               cpu_devices: int | None = None) -> bool:
+               cpu_devices: int | None = None, timeouts: dict | None = None) -> bool:
   """Joins the job's other processes if there are any; True when it did.
 
   mode: 'auto' joins when a coordinator is given or a managed cluster is detected,
   'on' always calls jax.distributed.initialize (auto-detection, e.g. TPU pods),
   'off' never does. cpu_devices: local CPU devices of this process (tests, CPU jobs).
+  timeouts: some of TIMEOUTS' keys, in seconds (the rest keep JAX's defaults).
   Must run before the first JAX computation.
   """
+  timeouts = {**TIMEOUTS, **(timeouts or {})}
+  if any(int(v) < 1 for v in timeouts.values()):
+    raise ValueError(f'distributed timeouts must be positive seconds, got {timeouts}')
   if mode not in MODES:
     raise ValueError(f'distributed mode must be one of {MODES}, got {mode!r}')
   if cpu_devices:  # an int: resolve_cpu_devices turns --cpu_devices auto into one (or None)
@@ -114,10 +125,10 @@ def initialize(mode: str = 'auto', coordinator_address: str | None = None,
     if missing and not managed_cluster():
       raise ValueError(f'a multi-process job needs {", ".join(missing)} '
                        '(flags, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)')
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
     return True
   if mode == 'on' or managed_cluster():
-    jax.distributed.initialize()
+    jax.distributed.initialize(**timeouts)
     return True
   return False
 

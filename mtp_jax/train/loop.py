@@ -18,18 +18,21 @@ from jax.experimental import multihost_utils
 
 import mtp_jax.train.evaluation as evaluation
 import mtp_jax.train.flops as flops_lib
+import mtp_jax.train.goodput as goodput_lib
 import mtp_jax.train.loss as loss_lib
 import mtp_jax.train.metrics as metrics_lib
 import mtp_jax.train.resilience as resilience
 import mtp_jax.train.steps as steps
+import mtp_jax.train.watchdog as watchdog_lib
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib, train_state
+from mtp_jax.checkpoint.store import TieredCheckpointer
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import pipeline, tokenizers
 from mtp_jax.interop import hf
 from mtp_jax.model import moe
 from mtp_jax.model import mtp as model_lib
-from mtp_jax.runtime import compile_cache, profiling, sharding
+from mtp_jax.runtime import compile_cache, profiling, sharding, signals
 from mtp_jax.train.metrics import metric_key
 from mtp_jax.train_state import InitFrom
 
@@ -79,7 +82,9 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
   metrics. config.json is written with each checkpoint: it always describes the newest one.
   """
   workdir = os.path.abspath(workdir)
-  startup = resilience.StartupSignals().install()  # until the loop's PreemptionGuard
+  # SIGTERM / SIGINT before the first step end the start-up at its next safe point: the
+  # command line's recorder (installed before its imports), else one from here on.
+  startup = signals.for_process() or signals.StartupSignals().install()
   try:
     return _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data,
                   startup)
@@ -88,7 +93,9 @@ def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | 
 
 
 def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data, startup):
-  """train_and_evaluate's body; `startup` is uninstalled once the loop's guard is up."""
+  """train_and_evaluate's body; `startup.check()` marks its safe points."""
+  ledger = goodput_lib.Ledger()  # every second from here goes to one bucket
+  startup.check()
   devices = jax.devices() if devices is None else devices
   init_from = InitFrom.parse(init_from)  # parsed once; the typed value goes everywhere below
   hf_dir = init_from.path if init_from is not None and init_from.kind == 'hf' else None
@@ -103,6 +110,7 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
   is_main = jax.process_index() == 0
   progress = metrics_lib.Progress(config.train.steps, enabled=config.train.progress and is_main)
   notify = _Notifier(progress, is_main)
+  startup.check()
   # Before anything compiles: a rerun of this config loads its programs from the cache.
   compile_cache.enable(config.train.compilation_cache_dir, notify)
   before = resilience.workdir_entries(workdir)
@@ -111,14 +119,21 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
 
   def undo_failed_start():  # before the first checkpoint: the run leaves nothing behind
     if is_main:
-      resilience.remove_failed_start(workdir, created, before, checkpoints_dir)
+      resilience.remove_failed_start(workdir, created, before, [checkpoints_dir, local_dir])
     lock.release()
 
   config_dict = json.loads(config.to_json_best_effort())
   # train.checkpoint_dir: a URL (gs://...) goes to orbax untouched; the workdir stays local.
   checkpoints_dir = (ckpt_lib.location(config.train.checkpoint_dir)
                      if config.train.checkpoint_dir else os.path.join(workdir, 'checkpoints'))
+  local_dir = os.path.abspath(os.path.expanduser(
+      config.train.local_checkpoint_dir or os.path.join(workdir, 'local_checkpoints')))
   try:  # fail before compiling anything, and before writing anything
+    startup.check()
+    if config.train.local_checkpoint_every and jax.process_count() > 1:
+      raise config_lib.ConfigError(
+          'train.local_checkpoint_every: the local checkpoint tier is for single-process jobs '
+          '(each host of a multi-process job would hold only its own shards); set it to 0')
     data_changes = _check_resumable(config, config_dict,
                                     ckpt_lib.CheckpointReader(checkpoints_dir), init_from,
                                     workdir, new_data)
@@ -133,13 +148,18 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
     # Only under the lock: the writer's start-up removes incomplete saves.
     checkpointer = ckpt_lib.Checkpointer(checkpoints_dir, max_to_keep=config.train.max_to_keep,
                                          async_save=config.train.async_checkpoint)
+    if config.train.local_checkpoint_every:  # the emergency tier on this host's disk
+      checkpointer = TieredCheckpointer(checkpointer, ckpt_lib.Checkpointer(
+          local_dir, max_to_keep=2, async_save=config.train.async_checkpoint))
     if checkpointer.incomplete:
       notify(f'Ignoring incomplete checkpoint save(s) left by an interrupted run: '
              f'{", ".join(checkpointer.incomplete)} (removed).')
     if is_main:  # the only writer of metrics.jsonl
       metrics_lib.repair_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+    startup.check()
     run = _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from,
-                 data_changes, workdir)
+                 data_changes, workdir, ledger)
+    startup.check()
   except BaseException:
     if checkpointer is not None:
       checkpointer.close()
@@ -150,7 +170,7 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
   if run.start_step >= config.train.steps:
     notify(f'Nothing to do: the checkpoint in {workdir} is at the final step {run.start_step}.')
   end_step = config.train.steps if stop_after is None else min(stop_after, config.train.steps)
-  startup.uninstall()  # the loop installs its PreemptionGuard first thing
+  run.startup = startup  # checked once more just before the first step
   try:
     out = run.loop(end_step, batch_hook)  # shuts down (checkpoint writes included) first
   except BaseException:
@@ -158,6 +178,7 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
     raise
   lock.release()
   if run.last_saved == config.train.steps:
+    notify(ledger.summary())
     notify(metrics_lib.final_block(workdir, run.last_saved, run.last_saved,
                                    run.suggested_prompt(tokenizer)))
   return out
@@ -179,15 +200,19 @@ class _Notifier:
 
 
 def _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from,
-           data_changes, workdir) -> _Run:
+           data_changes, workdir, ledger) -> _Run:
   """The run's state on the mesh: resumed, or loaded from --init_from, or fresh."""
+  ledger.lap('other')
   ts, state = steps.setup(config, devices)
+  ledger.lap('compile')  # the initialiser's program, and the state built with it
   data_iter = pipeline.make_train_iter(config, process_index=jax.process_index(),
                                        process_count=jax.process_count())
   run = _Run(config, config_dict, ts, state, data_iter, checkpointer, notify)
   run.new_data = bool(data_changes)
   run.workdir = workdir
+  run.ledger = ledger
   run.resume(init_from)
+  ledger.lap('restore')
   if data_changes:
     notify(f'--new_data: step {run.start_step}\'s model and optimizer continue on '
            + '; '.join(data_changes) + ' (its data iterator starts at the beginning).')
@@ -276,6 +301,8 @@ class _Run:
     self.decode_prompts = []
     self.workdir = os.path.dirname(checkpointer.directory)  # _start sets the real one
     self.new_data = False  # resume on another data stream: the iterator is not restored
+    self.startup = None  # signals.StartupSignals of the start-up, until the first step
+    self.ledger = goodput_lib.Ledger()  # _start gives the run's own
 
   def _check_meta(self, meta):
     ckpt_lib.check_compatible(meta.get('config', {}), self.config_dict,
@@ -293,8 +320,13 @@ class _Run:
                                        for s, r in restored.broken)
                + f'. Moved to {restored.moved_to}; restoring step {self.start_step} instead.')
       self.window.load(meta.get('window'))
+      lost = self.ledger.resume(meta.get('goodput'), goodput_lib.read_side_file(self.workdir))
+      if lost > 0:
+        notify(f'{lost:.1f} s of the previous attempt came after step {self.start_step} and '
+               'will be done again (perf/job_time/lost).')
       self.monitor.skipped_total = int(meta.get('skipped_total', 0))
-      notify(f'Resumed from {self.checkpointer.directory} at step {self.start_step}.'
+      notify(f'Resumed from {restored.directory or self.checkpointer.directory} at step '
+             f'{self.start_step}.'
              + (' (--init_from ignored: the run has checkpoints of its own.)'
                 if init_from is not None else ''))
       self.last_saved = self.start_step
@@ -312,11 +344,13 @@ class _Run:
       self.eval_batches = list(pipeline.make_eval_batches(
           config, num_batches=config.train.eval_batches, process_index=jax.process_index(),
           process_count=jax.process_count()))
+    self.ledger.lap('train')
     out = evaluation.evaluate(ts, self.state, self.eval_batches, self.token_bytes)
     if self.decode_prompts:  # every process decodes the same prompts alike; process 0 writes
       decoder = evaluation.local_decoder(ts.graphdef, self.state, ts.mesh)
       out.update(evaluation.decode_metrics(decoder, self.decode_prompts,
                                            config.train.eval_decode_tokens))
+    self.ledger.lap('eval')
     self.writer.write(step, out)
     self.progress.message(metrics_lib.eval_line(step, out))
     return out
@@ -328,15 +362,21 @@ class _Run:
         process_count=jax.process_count())
     return evaluation.suggested_prompt(tokenizer, batches)
 
-  def save(self, step: int):
+  def save(self, step: int, local: bool = False):
+    """A checkpoint of `step`: persistent, or (local) in the emergency tier."""
+    self.ledger.lap('train')
     meta = {'step': int(step), 'config': self.config_dict, 'window': self.window.to_json(),
-            'skipped_total': self.monitor.skipped_total,
+            'skipped_total': self.monitor.skipped_total, 'goodput': self.ledger.job(),
             **ckpt_lib.integrity_meta(self.state, self.data_iter)}
     if self.init_desc:
       meta['init_from'] = self.init_desc
-    self.checkpointer.save(step, self.state, self.data_iter, meta, force=True)
+    kw = {'local': True} if local else {}
+    self.checkpointer.save(step, self.state, self.data_iter, meta, force=True, **kw)
     self.last_saved = step
-    if jax.process_index() == 0:  # the record of the newest checkpoint's config, whole or old
+    if jax.process_index() == 0:
+      goodput_lib.write_side_file(self.workdir, meta['goodput'])
+    self.ledger.lap('save')
+    if jax.process_index() == 0 and not local:  # the newest checkpoint's config, whole or old
       path = os.path.join(self.workdir, 'config.json')
       with open(path + '.tmp', 'w') as f:
         f.write(self.config.to_json_best_effort(indent=2))
@@ -370,11 +410,29 @@ class _Run:
     out['perf/tokens_per_sec'] = done * tokens_per_step / max(elapsed, 1e-9)
     out['perf/step_time'] = elapsed / done
     out.update(self.mfu.metrics(out['perf/tokens_per_sec']))
+    times = goodput_lib.host_step_times(out['perf/step_time'])  # every process, same steps
+    if len(times) > 1:
+      out.update(goodput_lib.spread(times))
+      straggler = goodput_lib.straggler_line(step, times)
+      if straggler:
+        self.notify(straggler)
+    self.ledger.lap('train')
+    out.update(self.ledger.metrics())
+    if jax.process_index() == 0:
+      goodput_lib.write_side_file(self.workdir, self.ledger.job())
     self.writer.write(step, out)
     if window.steps:
       self.progress.update(step, out['train/loss'], out['perf/tokens_per_sec'])
     window.reset()
     self.last = out
+
+  def _before_first_step(self, guard: resilience.PreemptionGuard):
+    """A signal that came during start-up (before or after the guard took over) ends the
+    run here, untrained, as one at any earlier safe point does."""
+    if self.startup is not None:
+      self.startup.check()
+    if guard.requested and guard.signum is not None:
+      raise signals.StartupInterrupted(guard.signum)
 
   def loop(self, end_step: int, batch_hook=None) -> dict:
     """Steps until end_step (or a preemption signal), then the final eval and save."""
@@ -389,20 +447,28 @@ class _Run:
         config_lib.profile_window(config),
         os.path.join(self.workdir, 'profile'),
         all_processes=config.train.profile_all_processes, notify=notify)
+    t = config.train
+    dog = watchdog_lib.StepWatchdog(t.hang_factor, t.hang_seconds, t.hang_exit).start()
+    ledger = self.ledger
     try:
       guard.install()
       window.start = time.time()  # perf/: the first window starts at the first step, not at setup
       while step < end_step:
+        ledger.lap('train')
         batch = next(self.data_iter)
         if batch_hook is not None:
           batch = batch_hook(step + 1, batch)
         with sharding.use_mesh(ts.mesh, ts.rules):
           gbatch = sharding.host_batch_to_global(batch, ts.mesh)
+          ledger.lap('input')
           if compiled is None:  # ahead of time, so compilation is not counted as training
             t0 = time.time()
             compiled = ts.train_step.lower(self.state, gbatch).compile()
+            ledger.lap('compile')
             window.excluded += time.time() - t0  # tokens/s and MFU measure training only
             self.progress.message(f'Compiled the train step in {time.time() - t0:.1f} s.')
+          if step == self.start_step:
+            self._before_first_step(guard)
           profiler.before_step(step + 1)  # after compiling: the trace holds steps only
           self.state, m = compiled(self.state, gbatch)
         step += 1
@@ -414,19 +480,27 @@ class _Run:
         want_eval = config.train.eval_every and step % config.train.eval_every == 0
         want_ckpt = config.train.checkpoint_every and step % config.train.checkpoint_every == 0
         want_log = step % config.train.log_every == 0  # perf/: a window ends at a completed step
-        if want_eval or want_ckpt or stop or want_log or step == end_step:
+        want_local = (t.local_checkpoint_every and step % t.local_checkpoint_every == 0
+                      and not want_ckpt)
+        if want_eval or want_ckpt or want_local or stop or want_log or step == end_step:
           self.log(*pending)  # a checkpoint never holds a state whose loss was not checked
           pending = None
+        dog.beat(step)
         t0 = time.time()
+        dog.pause()  # an eval or a save is not a stalled step
         if want_eval and step != config.train.steps and not stop:
           self.last.update(self.evaluate(step))
         if (want_ckpt or stop) and step != end_step:
           self.save(step)
+        elif want_local and step != end_step:
+          self.save(step, local=True)
+        dog.resume()
         window.excluded += time.time() - t0
         if stop:
           notify(f'Preempted ({guard.signal_name}) at step {step}: saved a checkpoint; '
                  'rerun the same command to resume.')
           break
+      dog.stop()
       if pending is not None:
         self.log(*pending)
       # The final eval comes before the final save: a kill in between redoes both.
@@ -435,11 +509,13 @@ class _Run:
       if self.last_saved != step:
         self.save(step)
       self.checkpointer.wait()  # a failed last save is an error, not a silent loss
+      ledger.lap('save')
     except BaseException as e:
       error = e
       raise
     finally:  # every closer runs; a failure surfaces unless another error is already on its way
       guard.uninstall()
+      dog.stop()
       resilience.close_all(error, notify, profiler.stop, self.checkpointer.close, self.writer.close,
                            self.progress.close, getattr(self.data_iter, 'close', None))
     return self.last

@@ -113,13 +113,13 @@ def curriculum_phase(config) -> tuple[int, int]:
   return int(config_lib.optional(config, 'model.mtp.curriculum_phase_steps', 0)), k_max
 
 
-def active_depths(config, step) -> Array:
+def active_depths(config, step, total_steps=None) -> Array:
   """The number a(s) of active MTP depths at step s (depths 1..a(s) are active).
 
   Aynetdinov & Akbik 2025, k(s) heads counting the main one, k_max = M + 1:
     forward  k(s) = min(k_max, floor(s / P) + 1)    a(s) = k(s) - 1
     reverse  k(s) = max(1, k_max - floor(s / P))
-  none: a(s) = M.
+  none: a(s) = M. total_steps: train.steps as a traced value (default: the config's).
   """
   mtp_depth = config.model.mtp.depth
   kind = config_lib.optional(config, 'model.mtp.curriculum', 'none')
@@ -130,7 +130,8 @@ def active_depths(config, step) -> Array:
   if phase_steps:
     phase = step // phase_steps
   else:
-    phase = (step * k_max) // max(int(config.train.steps), 1)
+    total = config.train.steps if total_steps is None else total_steps
+    phase = (step * k_max) // jnp.maximum(jnp.asarray(total, jnp.int32), 1)
   if kind == 'forward':
     heads = jnp.minimum(k_max, phase + 1)
   else:
@@ -138,9 +139,9 @@ def active_depths(config, step) -> Array:
   return (heads - 1).astype(jnp.int32)
 
 
-def depth_weights(config, step) -> Array:
+def depth_weights(config, step, total_steps=None) -> Array:
   """[M+1] weights: 1 for the main loss, then w_k (explicit, or lambda / M), times 1 for
-  an active depth of the curriculum and 0 for an inactive one."""
+  an active depth of the curriculum and 0 for an inactive one (total_steps: active_depths')."""
   mtp_depth = config.model.mtp.depth
   if mtp_depth == 0:
     return jnp.ones((1,), jnp.float32)
@@ -148,7 +149,7 @@ def depth_weights(config, step) -> Array:
     w = jnp.asarray(config.model.mtp.weights, jnp.float32)
   else:
     w = jnp.full((mtp_depth,), lambda_at(config, step) / mtp_depth, jnp.float32)
-  active = jnp.arange(1, mtp_depth + 1) <= active_depths(config, step)
+  active = jnp.arange(1, mtp_depth + 1) <= active_depths(config, step, total_steps)
   return jnp.concatenate([jnp.ones((1,), jnp.float32), jnp.where(active, w, 0.0)])
 
 

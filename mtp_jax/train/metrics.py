@@ -73,14 +73,16 @@ class MetricWriter:
       return
     os.makedirs(workdir, exist_ok=True)
     self._file = open(os.path.join(workdir, 'metrics.jsonl'), 'a', buffering=1)
-    if tensorboard:
-      # Deferred: tensorboardX pulls in protobuf; only a writing process needs it.
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+    # The event file is made by the first write: a run with nothing to log adds none.
+    self._tb_dir = os.path.join(workdir, 'tensorboard') if tensorboard else None
 
   def write(self, step: int, metrics: dict):
     if not self.enabled:
       return
+    if self._tb is None and self._tb_dir is not None:
+      # Deferred: tensorboardX pulls in protobuf; only a writing process needs it.
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self._tb = SummaryWriter(self._tb_dir)
     row = {'step': int(step)}
     row.update({k: _to_py(v) for k, v in sorted(metrics.items())})
     self._file.write(json.dumps(row) + '\n')

@@ -108,8 +108,11 @@ def workdir_entries(workdir: str) -> set[str] | None:
     return None
 
 
-def _has_checkpoint(workdir: str, directory: str | None = None) -> bool:
-  """A finished (renamed) checkpoint step exists: the run can resume from it."""
+def _has_checkpoint(workdir: str, directory: str | list | None = None) -> bool:
+  """A finished (renamed) checkpoint step exists in `directory` (or any of a list of them,
+  the checkpoint tiers): the run can resume from it."""
+  if isinstance(directory, (list, tuple)):
+    return any(_has_checkpoint(workdir, d) for d in directory)
   directory = directory or os.path.join(workdir, 'checkpoints')
   try:
     return any(n.isdigit() and ckpt_store.isdir(f'{directory.rstrip("/")}/{n}')
@@ -127,7 +130,7 @@ def existing_parent(path: str) -> str:
 
 
 def remove_failed_start(workdir: str, created: str | None, before: set[str] | None,
-                        checkpoints_dir: str | None = None) -> None:
+                        checkpoints_dir: str | list | None = None) -> None:
   """Undoes what a run that failed before its first checkpoint wrote.
 
   created (check_workdir's result): the workdir and the parents this run made are removed
@@ -257,36 +260,6 @@ def checkpoint_bytes_estimate(abstract_state) -> int:
 
 
 # -- preemption --------------------------------------------------------------------------
-class StartupInterrupted(RuntimeError):
-  """SIGTERM while a run was starting, before its first step: nothing to save."""
-  exit_code = 143  # 128 + SIGTERM, what a shell reports for a terminated process
-
-
-class StartupSignals:
-  """SIGTERM from the start of a run until PreemptionGuard takes over: StartupInterrupted in
-  the main thread (at its next Python instruction, so after a compile under way), which the
-  trainer's start-up handlers turn into an undone start and one `error:` line."""
-
-  def __init__(self):
-    self._previous = None
-
-  def install(self) -> StartupSignals:
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    return self
-
-  def uninstall(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self.uninstall()  # a second SIGTERM terminates at once
-    raise StartupInterrupted('SIGTERM received while the run was starting, before its first '
-                             'step: nothing was saved; the same command starts it again')
-
-
 class PreemptionGuard:
   """Turns SIGTERM / SIGINT into 'save at the end of this step and exit 0'.
 
@@ -300,6 +273,7 @@ class PreemptionGuard:
   def __init__(self, notify=print):
     self.notify = notify
     self.signal_name: str | None = None
+    self.signum: int | None = None
     self._previous = {}
     self._multihost = False
 
@@ -332,7 +306,7 @@ class PreemptionGuard:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         raise KeyboardInterrupt
       return  # a repeated SIGTERM: the save is already on its way
-    self.signal_name = name
+    self.signal_name, self.signum = name, signum
     self.notify(f'{name} received: finishing this step, then saving a checkpoint and exiting '
                 '(press Ctrl-C again to abort without saving).')
     if self._multihost:

@@ -22,6 +22,7 @@ from mtp_jax import config_lib, train_state
 from mtp_jax.data import tokenizers
 from mtp_jax.model import moe
 from mtp_jax.runtime import sharding
+from mtp_jax.train_state.optimizer import lr_at, schedule_inputs
 
 
 @dataclasses.dataclass
@@ -43,17 +44,20 @@ def _split_micro(x, accum: int):
   return x.reshape((b // accum, accum) + x.shape[1:]).swapaxes(0, 1)
 
 
-def train_step(config, graphdef, state, batch):
+def train_step(config, graphdef, state, batch, schedule=None):
   """One optimizer step: accumulated gradients of the weighted multi-depth loss.
 
-  A non-finite loss or gradient norm returns the input state unchanged (metric `skipped`).
+  schedule: train_state.schedule_inputs(config) as arrays, inputs of the program rather
+  than constants in it (None: the config's, compiled in). A non-finite loss or gradient
+  norm returns the input state unchanged (metric `skipped`).
   """
+  schedule = schedule_inputs(config) if schedule is None else schedule
   old_state = jax.tree.map(lambda x: x, state)  # nnx.merge aliases `state`'s variables
   model, optimizer = nnx.merge(graphdef, state)
   mtp_depth = config.model.mtp.depth
   step = optimizer.step[...]
-  weights = loss_lib.depth_weights(config, step)
-  active = loss_lib.active_depths(config, step)
+  weights = loss_lib.depth_weights(config, step, schedule['steps'])
+  active = loss_lib.active_depths(config, step, schedule['steps'])
   offsets = config_lib.target_offsets(config)
   # Normalisers from the whole batch: microbatch gradients then sum to the big-batch one.
   counts = loss_lib.valid_counts(batch['segment_ids'], mtp_depth, offsets)
@@ -82,14 +86,14 @@ def train_step(config, graphdef, state, batch):
                                                         jax.tree.map(lambda x: x[0], micro)))
     ((loss, sums), grads), _ = jax.lax.scan(body, zeros, micro)
   grad_norm = optax.tree.norm(grads)
-  optimizer.update(model, grads)
+  optimizer.update(model, grads, schedule=schedule)
   if 'moe_load' in sums:  # aux-loss-free balancing: the routing bias, outside the gradient
     sums.update(moe.update_bias(model, sums['moe_load'],
                                 config_lib.optional(config, 'model.moe.bias_update_rate', 0.0)))
   new_state = nnx.state((model, optimizer))  # after every update of this step
   if config_lib.optional(config, 'model.mtp.curriculum', 'none') != 'none':
     new_state = hold_inactive_depths(old_state, new_state, active)
-  metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': train_state.lr_schedule(config)(step),
+  metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr_at(step, schedule),
              'lambda': weights[1:].sum() if mtp_depth else jnp.zeros(()),
              'active_depths': active, **sums}
   return resilience.keep_finite_update(old_state, new_state, metrics)
@@ -135,6 +139,27 @@ def eval_step(config, graphdef, state, batch, token_bytes_V):
   return sums
 
 
+class ScheduledStep:
+  """The jitted train step called as (state, batch): the schedule's values
+  (schedule_inputs) go in as arguments, so the compiled program holds none of them.
+  `.lower(state, batch).compile()` gives a program called the same way."""
+
+  def __init__(self, fn, schedule: dict):
+    self.fn, self.schedule = fn, schedule
+
+  def __call__(self, state, batch):
+    return self.fn(state, batch, self.schedule)
+
+  def lower(self, state, batch) -> ScheduledStep:
+    return ScheduledStep(self.fn.lower(state, batch, self.schedule), self.schedule)
+
+  def compile(self) -> ScheduledStep:
+    return ScheduledStep(self.fn.compile(), self.schedule)
+
+  def __getattr__(self, name):  # memory_analysis, cost_analysis, as_text, ...
+    return getattr(self.fn, name)
+
+
 def setup(config, devices=None) -> tuple[TrainSetup, Any]:
   """Validates, builds the mesh and the sharded state, and jits the steps."""
   devices = jax.devices() if devices is None else devices
@@ -148,11 +173,13 @@ def setup(config, devices=None) -> tuple[TrainSetup, Any]:
   rep = sharding.replicated(mesh)
   batch_shardings = {'tokens': batch_sh, 'segment_ids': batch_sh, 'positions': batch_sh}
   step_fn = jax.jit(functools.partial(train_step, config, graphdef),
-                    in_shardings=(shardings, batch_shardings),
+                    in_shardings=(shardings, batch_shardings, rep),
                     out_shardings=(shardings, rep), donate_argnums=0)
+  schedule = jax.device_put(schedule_inputs(config), rep)
   eval_fn = jax.jit(functools.partial(eval_step, config, graphdef),
                     in_shardings=(shardings, batch_shardings, rep), out_shardings=rep)
-  return TrainSetup(config, mesh, rules, graphdef, shardings, abstract, step_fn, eval_fn), state
+  return TrainSetup(config, mesh, rules, graphdef, shardings, abstract,
+                    ScheduledStep(step_fn, schedule), eval_fn), state
 
 
 def run_step(ts: TrainSetup, state, batch):

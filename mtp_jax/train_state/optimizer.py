@@ -2,26 +2,78 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from mtp_jax import config_lib
 
 
+def schedule_inputs(config) -> dict:
+  """The schedule's settings as arrays the compiled train step takes at run time.
+
+  train.steps, warmup_steps, lr and min_lr_ratio are inputs of the program, not constants
+  in it: a rerun that changes only them (the common "resume with more steps") loads the
+  compiled step from the persistent compilation cache.
+  """
+  t = config.train
+  return {'steps': np.int32(t.steps), 'warmup_steps': np.int32(t.warmup_steps),
+          'lr': np.float32(t.lr), 'min_lr_ratio': np.float32(t.min_lr_ratio)}
+
+
+def lr_at(count, inputs: dict):
+  """Linear warmup from 0 to lr over min(warmup_steps, steps - 1) steps, then cosine decay
+  to lr * min_lr_ratio at `steps` (held there after); `inputs` as schedule_inputs gives."""
+  count = jnp.asarray(count, jnp.int32)
+  steps = jnp.asarray(inputs['steps'], jnp.int32)
+  warmup = jnp.minimum(jnp.asarray(inputs['warmup_steps'], jnp.int32),
+                       jnp.maximum(steps - 1, 0))
+  decay = jnp.maximum(steps, warmup + 1) - warmup
+  peak = jnp.asarray(inputs['lr'], jnp.float32)
+  end = peak * jnp.asarray(inputs['min_lr_ratio'], jnp.float32)
+  ramp = peak * count.astype(jnp.float32) / jnp.maximum(warmup, 1).astype(jnp.float32)
+  done = jnp.clip(count - warmup, 0, decay).astype(jnp.float32) / decay.astype(jnp.float32)
+  cosine = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * done))
+  return jnp.where(count < warmup, ramp, cosine)
+
+
 def lr_schedule(config) -> optax.Schedule:
   """Linear warmup to train.lr, then cosine decay to train.lr * train.min_lr_ratio."""
-  t = config.train
-  warmup = min(t.warmup_steps, max(t.steps - 1, 0))
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
-      decay_steps=max(t.steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)
+  inputs = schedule_inputs(config)
+  return lambda count: lr_at(count, inputs)
+
+
+def _scale_by_runtime_lr(config) -> optax.GradientTransformationExtraArgs:
+  """optax.scale_by_learning_rate(lr_schedule(config)) whose schedule settings may come
+  with each update (`schedule=` schedule_inputs of the step); same state (the count)."""
+  default = schedule_inputs(config)
+
+  def init_fn(params):
+    del params
+    return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None, *, schedule=None, **extra):
+    del params, extra
+    step_size = -lr_at(state.count, default if schedule is None else schedule)
+    updates = jax.tree.map(lambda g: jnp.asarray(step_size, g.dtype) * g, updates)
+    return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def build_optimizer(config) -> optax.GradientTransformation:
-  """AdamW with warmup + cosine, global-norm clipping; no decay on norms (1-D params)."""
+  """AdamW with warmup + cosine, global-norm clipping; no decay on norms (1-D params).
+
+  optax.adamw's own chain, with the learning rate read from the update's `schedule`
+  argument when given (schedule_inputs), so the schedule is not compiled in.
+  """
   t = config.train
-  adamw = optax.adamw(lr_schedule(config), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
-                      mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+  adamw = optax.chain(
+      optax.scale_by_adam(b1=t.b1, b2=t.b2),
+      optax.add_decayed_weights(t.weight_decay,
+                                lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),
+      _scale_by_runtime_lr(config))
   if t.grad_clip > 0:
     return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw)
   return adamw
