@@ -6,6 +6,8 @@ multi-host start-up, the compilation cache, host memory and profiling.
 - distributed.py: `jax.distributed` start-up (managed clusters, fake CPU devices).
 - compile_cache.py, host_memory.py, profiling.py: the persistent compilation cache, the
   host allocator chosen before JAX starts, and step-range profiles.
+- signals.py: SIGTERM / SIGINT during start-up, recorded before JAX is imported; SIGUSR1
+  stack dumps.
 
 Public names load lazily: `host_memory` is set up before JAX is imported, so importing it
 must not import `sharding` through this file.

@@ -7,6 +7,8 @@ FLOP counts, the failure policies, and ahead-of-time compiles for a slice (aot/)
 - evaluation.py: teacher-forced and decoding evaluation of a workdir.
 - metrics.py, flops.py, resilience.py: log lines and writers, FLOPs per token, workdir
   locks, preemption and non-finite steps.
+- watchdog.py, goodput.py: the step-time watchdog (stack dumps of a stalled run), and where
+  a run's time went across restarts, with each host's step time.
 
 Public names load lazily, so `from mtp_jax.train import metrics` (plots read it without
 JAX) does not import the loop.

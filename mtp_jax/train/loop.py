@@ -311,6 +311,7 @@ class _Run:
   def resume(self, init_from: InitFrom | None):
     """The latest good checkpoint of this run, else --init_from's trunk, else a fresh start."""
     notify = self.notify
+    meta = {}
     if self.checkpointer.all_steps():
       restored = self.checkpointer.restore_latest_good(
           self.ts.abstract_state, None if self.new_data else self.data_iter, self._check_meta)
@@ -320,10 +321,6 @@ class _Run:
                                        for s, r in restored.broken)
                + f'. Moved to {restored.moved_to}; restoring step {self.start_step} instead.')
       self.window.load(meta.get('window'))
-      lost = self.ledger.resume(meta.get('goodput'), goodput_lib.read_side_file(self.workdir))
-      if lost > 0:
-        notify(f'{lost:.1f} s of the previous attempt came after step {self.start_step} and '
-               'will be done again (perf/job_time/lost).')
       self.monitor.skipped_total = int(meta.get('skipped_total', 0))
       notify(f'Resumed from {restored.directory or self.checkpointer.directory} at step '
              f'{self.start_step}.'
@@ -336,6 +333,11 @@ class _Run:
     elif init_from is not None:
       self.state, self.init_desc = ckpt_lib.init_from(
           init_from.path, self.config, self.config_dict, self.state, self.ts.abstract_state, notify)
+    # Goodput: what an earlier attempt did after this checkpoint (or without one) is redone.
+    lost = self.ledger.resume(meta.get('goodput'), goodput_lib.read_side_file(self.workdir))
+    if lost > 0:
+      notify(f'{lost:.1f} s of an earlier attempt came after step {self.start_step} and are '
+             'done again (perf/job_time/lost).')
 
   def evaluate(self, step: int) -> dict:
     """Teacher-forced eval (and decoding, when configured), written to the log."""
@@ -376,7 +378,7 @@ class _Run:
     if jax.process_index() == 0:
       goodput_lib.write_side_file(self.workdir, meta['goodput'])
     self.ledger.lap('save')
-    if jax.process_index() == 0 and not local:  # the newest checkpoint's config, whole or old
+    if jax.process_index() == 0:  # the record of the newest checkpoint's config, whole or old
       path = os.path.join(self.workdir, 'config.json')
       with open(path + '.tmp', 'w') as f:
         f.write(self.config.to_json_best_effort(indent=2))
@@ -452,6 +454,7 @@ class _Run:
     ledger = self.ledger
     try:
       guard.install()
+      ledger.lap('other')
       window.start = time.time()  # perf/: the first window starts at the first step, not at setup
       while step < end_step:
         ledger.lap('train')
