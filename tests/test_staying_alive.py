@@ -85,7 +85,7 @@ def _assert_start_ended(code, err, workdir, sig):
   name = signal.Signals(sig).name
   assert code == 128 + sig, err[-3000:]
   assert lines[-1].startswith(f'error: {name} received while the run was starting'), err[-3000:]
-  assert 'Traceback' not in err and 'Compiled the train step' not in err, err[-3000:]
+  assert 'Traceback' not in err and 'Preempted' not in err, err[-3000:]  # no step trained
   assert not os.path.exists(workdir), os.listdir(workdir)
 
 
@@ -238,7 +238,10 @@ def test_a_kill_between_tiers_resumes_from_the_local_one(stdlib_data_dir, tmp_pa
   err = capfd.readouterr().err
   assert f'Resumed from {workdir / "local_checkpoints"} at step 3.' in err, err[-2000:]
   assert 'time over' in err  # the goodput summary before the final block
-  assert log_rows(workdir) == log_rows(reference)  # rows 1-3 before the kill, 4-6 after
+  rows, ref_rows = log_rows(workdir), log_rows(reference)  # rows 1-3 before the kill, 4-6 after
+  diffs = [(r['step'], k, r.get(k), q.get(k)) for r, q in zip(rows, ref_rows)
+           for k in sorted(set(r) | set(q)) if r.get(k) != q.get(k)]
+  assert len(rows) == len(ref_rows) and not diffs, diffs[:8]
   for a, b in zip(final_params(workdir / 'checkpoints'), final_params(reference / 'checkpoints'),
                   strict=True):
     np.testing.assert_array_equal(a, b)
