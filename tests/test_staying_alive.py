@@ -199,7 +199,6 @@ _KILLED_RUN = """
 import os, signal, sys
 sys.path.insert(0, os.path.join({repo!r}, 'tests'))
 import jax
-jax.config.update('jax_num_cpu_devices', 1)
 from helpers import load_config
 from mtp_jax.train import train_and_evaluate
 c = load_config('tiny')
@@ -211,7 +210,7 @@ def kill(step, batch):
   if step == 4:  # local step 3 is on disk (saves are synchronous), persistent step 4 is not
     os.kill(os.getpid(), signal.SIGKILL)
   return batch
-train_and_evaluate(c, {workdir!r}, batch_hook=kill)
+train_and_evaluate(c, {workdir!r}, devices=jax.devices()[:1], batch_hook=kill)
 """
 
 
@@ -227,9 +226,10 @@ def test_a_kill_between_tiers_resumes_from_the_local_one(stdlib_data_dir, tmp_pa
   workdir = tmp_path / 'killed'
   script = _KILLED_RUN.format(repo=REPO, data=stdlib_data_dir, fields=fields,
                               workdir=str(workdir))
+  # The same CPU client as this process's (8 devices, one used): XLA:CPU's thread split, and
+  # with it the last bits of a reduction, follows the client's device count.
   proc = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
-                        cwd=REPO, env=dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu'),
-                        timeout=600)
+                        cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), timeout=600)
   assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
   assert not [n for n in os.listdir(workdir / 'checkpoints') if n.isdigit()]
   assert '3' in os.listdir(workdir / 'local_checkpoints')
