@@ -35,6 +35,7 @@ from mtp_jax.data import tokenizers
 from mtp_jax.decode import decoder as decode
 from mtp_jax.decode import generate
 from mtp_jax.decode import sampling as sampling_lib
+from mtp_jax.decode import tree as tree_lib
 from mtp_jax.model import decode_ops
 from mtp_jax.model.mtp import ModelArgs, MTPModel, shift_left
 
@@ -716,3 +717,124 @@ def _instructions(hlo: str) -> str:
   first = re.search(r'^(%|ENTRY )', hlo, re.M)
   body = hlo[first.start():] if first else hlo
   return re.sub(r',? metadata=\{[^{}]*\}', '', body)
+
+
+# -- tree drafting (decode/tree.py) --------------------------------------------------------------
+def test_tree_specs():
+  """Shapes and node lists parse to the same BFS trees; bad trees are refused, one line."""
+  t = tree_lib.parse_tree('3,2,1')
+  assert (t.size, t.depth, str(t)) == (15, 3, '3,2,1')
+  assert t == tree_lib.parse_tree((3, 2, 1)) == tree_lib.parse_tree(str(t))
+  e = tree_lib.parse_tree('0.0;0;1;0.0.0;0.1')  # any order: sorted breadth-first
+  assert e.paths == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0)) and str(e) == '0;1;0.0;0.1;0.0.0'
+  np.testing.assert_array_equal(e.parents, [-1, 0, 0, 1, 1, 3])
+  np.testing.assert_array_equal(e.children[1], [3, 4])
+  assert e.ancestors[5].tolist() == [True, True, False, True, False, True]
+  assert [e.below(k) for k in (1, 2, 3)] == [0, 2, 4]
+  for bad, message in [('3,0', 'must be in [1'), ('0;0.0.1', 'no parent'), ('a,b', 'rank paths'),
+                       ('8,8', 'at most 63'), ('', 'empty'), ('0;0', 'twice')]:
+    with pytest.raises(cli.RequestError, match=re.escape(message)):
+      tree_lib.parse_tree(bad)
+  with pytest.raises(cli.RequestError, match='sequential MTP'):
+    decode.Decoder(build(byte_config(2, 'parallel')), tree='2,1')
+
+
+def check_tree_drafts(model, prompts, result):
+  """Every recorded rank-0 node == the argmax of an uncached forward of the MTP chain
+  over [committed prefix ; the node's ancestors], across rejections."""
+  tree = result.tree
+  seqs, queries, want, depths = [], [], [], []
+  for it in range(result.steps):
+    for row, n in enumerate(result.history_length[it]):
+      if n < 0:
+        continue
+      full = list(prompts[row]) + list(result.tokens[row])
+      nodes = result.history_drafts[it, row]
+      for i in range(1, tree.size + 1):
+        if tree.paths[i - 1][-1]:
+          continue
+        anc, p = [], tree.parents[i]
+        while p > 0:
+          anc.insert(0, int(nodes[p - 1]))
+          p = tree.parents[p]
+        seqs.append(full[:n] + anc)
+        queries.append(n - 2)
+        want.append(nodes[i - 1])
+        depths.append(tree.depths[i])
+  got = uncached_argmax(model, seqs, queries)
+  np.testing.assert_array_equal(got[np.arange(len(seqs)), depths], np.array(want))
+  return len(seqs)
+
+
+@pytest.mark.parametrize('spec,layout', [('1,1,1', 'heads_major'), ('3,2,1', 'heads_major'),
+                                         ('0;1;2;0.0;0.1;1.0;0.0.0', 'bskh')])
+def test_tree_lossless_greedy(models, spec, layout):
+  """Tree drafting, greedy: == AR token for token on ragged batches; the nodes == the
+  uncached chain's; a one-candidate tree is the chain itself (same drafts, same counts);
+  wider trees accept more per verify step."""
+  model = models['trained']
+  dec = decode.Decoder(model, tree=spec, cache_layout=layout)
+  chain = decode.Decoder(model, cache_layout=layout)
+  prompts = word_prompts(8, seed=3)
+  ar = chain.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
+  sp = dec.generate(prompts, MAX_NEW, eos_id=None, record=True)
+  ch = chain.generate(prompts, MAX_NEW, eos_id=None)
+  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
+    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
+  check_stats(sp, MAX_NEW)
+  assert check_tree_drafts(model, prompts, sp) > 50
+  st = sp.stats()
+  assert st['verify_rows_per_iteration'] == sp.tree.size + 1 and st['tree'] == str(sp.tree)
+  if spec == '1,1,1':
+    np.testing.assert_array_equal(sp.accepted, ch.accepted)
+    assert st['flops_per_iteration'] == ch.stats()['flops_per_iteration']
+  else:
+    assert st['mean_accepted_length'] > ch.stats()['mean_accepted_length'], (st, ch.stats())
+    assert st['flops_per_iteration']['flops'] > ch.stats()['flops_per_iteration']['flops']
+
+
+def test_tree_eos_and_max_new(models):
+  """Rows of a tree decoder stop at EOS or their own max_new_tokens inside a block."""
+  dec = decode.Decoder(models['trained'], tree='3,2,1')
+  prompts = word_prompts(8, seed=5)
+  max_new = [5, 7, 9, 11, 13, 17, 19, 23]
+  eos = byte_ids('j')[0]
+  ar = dec.generate(prompts, max_new, num_drafts=0, eos_id=eos)
+  sp = dec.generate(prompts, max_new, eos_id=eos, pad_to=(1, MAX_NEW))
+  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
+    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
+  check_stats(sp, max_new)
+  assert sp.dropped.sum() > 0
+  with pytest.raises(cli.RequestError, match='num_drafts must be 0'):
+    dec.generate(prompts, 4, num_drafts=2)
+
+
+@pytest.mark.slow  # ~40 s on a loaded 2-core box (+ the MLA + MoE model's training, shared)
+def test_tree_mla_moe_lossless_greedy(mla_moe_model):
+  """MLA + MoE trunk and MTP blocks: tree greedy == AR greedy, nodes == uncached chain's."""
+  dec = decode.Decoder(mla_moe_model, tree='2,2')
+  prompts = word_prompts(8, seed=0)
+  ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
+  sp = dec.generate(prompts, MAX_NEW, eos_id=None, record=True)
+  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
+    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
+  check_stats(sp, MAX_NEW)
+  assert sp.accepted.sum(0)[-1] > 0
+  assert check_tree_drafts(mla_moe_model, prompts, sp) > 50
+
+
+@pytest.mark.parametrize('draft_argmax', [False, True], ids=['sampled-nodes', 'ranked-nodes'])
+def test_tree_lossless_sampling(small_vocab_models, draft_argmax):
+  """Chi-square: the first 4 tokens sampled with a 2,2,1 tree (recursive rejection over
+  each node's candidates) follow plain sampling's exact joint law."""
+  model = small_vocab_models(0.15)
+  dec = decode.Decoder(model, tree='2,2,1')
+  sampling = sampling_lib.Sampling(jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0))
+  exact, _ = exact_joint(model, sampling)
+  spec = dec.generate([SAMPLE_PROMPT] * N_SAMPLES, 4, eos_id=None, seed=1, temperature=1.0,
+                      draft_argmax=draft_argmax)
+  spec_x = np.stack(spec.tokens)
+  assert spec_x.shape == (N_SAMPLES, 4)
+  acc = spec.stats()['acceptance_per_depth']
+  assert 0.05 < acc[0] < 0.95 and acc[1] > 0.002, acc
+  assert chi2_pvalue(spec_x, exact) > 1e-3

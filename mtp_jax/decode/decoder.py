@@ -49,6 +49,7 @@ import numpy as np
 from flax import nnx
 
 import mtp_jax.decode.sampling as sampling_lib
+import mtp_jax.decode.tree as tree_lib
 from mtp_jax.decode.sampling import PAD_ID, Sampling, row_keys, take_rows
 from mtp_jax.errors import RequestError
 from mtp_jax.model import decode_ops
@@ -82,13 +83,14 @@ class Program:
   adaptive: bool = False  # confidence-adaptive draft length (verify_widths buckets)
   tall_attention: bool = True  # Decoder(tall_attention=...): decode_ops.tall_attention
   bitwise_thresholds: bool = True  # Decoder(bitwise_thresholds=...): Sampling.bitwise
+  tree: tree_lib.Tree | None = None  # tree drafting (tree.py); num_drafts = its depth
 
   @property
   def verify_widths(self) -> tuple:
     """Static verify-window widths: powers of two below A + 1, then A + 1; adaptive
     iterations verify the narrowest one that holds every active row's proposals."""
     if not self.adaptive:
-      return (self.num_drafts + 1,)
+      return (self.tree.size + 1 if self.tree else self.num_drafts + 1,)
     return tuple(w for w in (1, 2, 4, 8) if w < self.num_drafts + 1) + (self.num_drafts + 1,)
 
   @property
@@ -97,7 +99,8 @@ class Program:
 
   @property
   def cache_len(self) -> int:
-    return self.offset + self.prompt_len + self.max_new + self.num_drafts
+    room = self.num_drafts + 1 + self.tree.size if self.tree else self.num_drafts
+    return self.offset + self.prompt_len + self.max_new + room
 
   @property
   def buffer_len(self) -> int:
@@ -253,11 +256,11 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
   # u = t_1..t_P (prompt[1:] then x), then room for drafts.
   u = jnp.concatenate([prompts_BxP[:, 1:], jnp.zeros((b, max(dn, 1)), jnp.int32)], 1)
   u = u.at[jnp.arange(b), prompt_len_B - 1].set(x)
-  drafts, probs, conf, hidden, mtp_cache = _mtp_pass(
+  drafts, probs, conf, hidden, mtp_cache = (tree_lib.mtp_pass if prog.tree else _mtp_pass)(
       prog, model, h0, zero_B, u, prompt_len_B - 1, hidden, mtp_cache, sampling,
       row_keys(pkeys, 1))
   if prog.greedy:
-    probs = jnp.zeros((b, dn, 0))
+    probs = jnp.zeros(drafts.shape + (0,))
   nb = prog.max_new if prog.record else 0
   return DecodeState(
       tokens=tokens, length=prompt_len_B + 1, prompt_len=prompt_len_B, max_new=max_new_B,
@@ -266,7 +269,7 @@ def _prefill(prog, model, prompts_BxP, prompt_len_B, max_new_B, eos, sampling, k
       draft_probs=probs.astype(jnp.float32), keys=keys_B,
       step=jnp.zeros((), jnp.int32), verify_steps=zero_B, committed=zero_B,
       accepted=jnp.zeros((b, dn + 1), jnp.int32), dropped=zero_B, verify_rows=zero_B,
-      history_drafts=jnp.zeros((nb, b, dn), jnp.int32),
+      history_drafts=jnp.zeros((nb,) + drafts.shape, jnp.int32),
       history_length=jnp.zeros((nb, b), jnp.int32))
 
 
@@ -274,9 +277,15 @@ def _iteration(prog, model, st: DecodeState, eos, sampling, threshold) -> Decode
   dn = prog.num_drafts
   keys = row_keys(st.keys, st.step + 1)
   start = st.length - 1
-  (h0, logits, main_cache), width = _verify(prog, model, st, start)
-  a, cand = sampling_lib.accept(prog.greedy, logits, st.drafts, st.draft_probs, sampling,
-                                row_keys(keys, 0), st.proposed if prog.adaptive else None)
+  if prog.tree:  # h0 along the accepted path; its main-cache entries moved into place
+    h0, main_cache, a, cand = tree_lib.verify(
+        prog, model, take_rows(st.tokens, start), st.drafts, st.draft_probs, start,
+        st.main_cache, sampling, row_keys(keys, 0))
+    width = prog.tree.size + 1
+  else:
+    (h0, logits, main_cache), width = _verify(prog, model, st, start)
+    a, cand = sampling_lib.accept(prog.greedy, logits, st.drafts, st.draft_probs, sampling,
+                                  row_keys(keys, 0), st.proposed if prog.adaptive else None)
 
   # Stop inside the block at EOS or max_new_tokens.
   j = jnp.arange(dn + 1)
@@ -289,7 +298,7 @@ def _iteration(prog, model, st: DecodeState, eos, sampling, threshold) -> Decode
   tokens = _write_rows(st.tokens, jnp.where(j < m[:, None], cand, PAD_ID), st.length)
 
   u = jnp.concatenate([cand, jnp.zeros((cand.shape[0], max(dn - 1, 0)), jnp.int32)], 1)
-  drafts, probs, conf, hidden, mtp_cache = _mtp_pass(
+  drafts, probs, conf, hidden, mtp_cache = (tree_lib.mtp_pass if prog.tree else _mtp_pass)(
       prog, model, h0, start, u, a, st.hidden, st.mtp_cache, sampling, row_keys(keys, 1))
   if prog.greedy:
     probs = st.draft_probs
@@ -352,6 +361,8 @@ class DecodeResult:
   seconds: float = 0.0  # wall time of the compiled call (compilation excluded)
   history_drafts: np.ndarray | None = None  # record: [iterations, B, A]
   history_length: np.ndarray | None = None  # record: [iterations, B], -1 once done
+  tree: tree_lib.Tree | None = None  # the tree drafted (history_drafts then holds its nodes)
+  flops_per_iteration: dict | None = None  # tree.flops_per_iteration
 
   @property
   def new_tokens(self) -> int:
@@ -376,6 +387,8 @@ class DecodeResult:
                                       if self.verify_rows is not None else None),
         'seconds': self.seconds,
         'tokens_per_sec': self.new_tokens / self.seconds if self.seconds else None,
+        'tree': None if self.tree is None else str(self.tree),
+        'flops_per_iteration': self.flops_per_iteration,
     }
 
 
@@ -388,7 +401,7 @@ class Decoder:
 
   def __init__(self, model: MTPModel, *, weight_dtype: str = 'float32',
                cache_layout: str | None = None, tall_attention: bool = True,
-               bitwise_thresholds: bool = True):
+               bitwise_thresholds: bool = True, tree=None):
     """weight_dtype 'bfloat16': the weight matrices (ndim >= 2: projections, embedding)
     stored in bfloat16 for decoding, half the bytes a step reads; products accumulate
     in float32, norms, activations and KV caches stay in the model's dtype.
@@ -396,6 +409,7 @@ class Decoder:
     tall_attention / bitwise_thresholds: the faster forms of the few-query attention
     products on CPU (decode_ops.tall_attention) and of the top-k / top-p thresholds
     (Sampling.bitwise); False compiles the earlier forms, for comparing the two.
+    tree: draft a static tree instead of a chain (tree.parse_tree: `3,2,1` or `0;1;0.0`).
     """
     if weight_dtype not in WEIGHT_DTYPES:
       raise RequestError(f'weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}')
@@ -403,6 +417,7 @@ class Decoder:
     if layout not in decode_ops.CACHE_LAYOUTS:
       raise RequestError(f'cache_layout must be one of {decode_ops.CACHE_LAYOUTS}, got {layout!r}')
     self.args = model.args
+    self.tree = None if tree is None else tree_lib.check_tree(model.args, tree)
     self.weight_dtype, self.layout = weight_dtype, layout
     self.tall_attention, self.bitwise_thresholds = bool(tall_attention), bool(bitwise_thresholds)
     # The decode layout (decode_ops.DecodeWeight): the decode path's matrices transposed and
@@ -423,7 +438,11 @@ class Decoder:
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
               record: bool = False, draft_threshold: float = 0.0) -> Program:
     drafting = self.args.drafting_depths()
-    num_drafts = drafting if num_drafts is None else num_drafts
+    tree = self.tree if num_drafts is None or num_drafts else None
+    if tree and num_drafts not in (None, tree.depth) or tree and draft_threshold > 0:
+      raise RequestError(f'a tree decoder drafts its tree ({tree}): num_drafts must be 0 '
+                         f'(autoregressive) or its depth {tree.depth}, draft_threshold 0')
+    num_drafts = (tree.depth if tree else drafting) if num_drafts is None else num_drafts
     if drafting < self.args.mtp_depth:  # leap targets: only the adjacent prefix drafts
       if not 0 <= num_drafts <= drafting:
         raise RequestError(
@@ -441,7 +460,7 @@ class Decoder:
                    top_p=not greedy and top_p < 1.0, layout=self.layout,
                    weights=self.weight_dtype, adaptive=draft_threshold > 0 and num_drafts > 0,
                    tall_attention=self.tall_attention,
-                   bitwise_thresholds=self.bitwise_thresholds)
+                   bitwise_thresholds=self.bitwise_thresholds, tree=tree)
 
   def _inputs(self, prog, prompts, max_new, eos_id, temperature, top_k, top_p, seed,
               draft_argmax=False, draft_threshold=0.0):
@@ -516,6 +535,8 @@ class Decoder:
     return DecodeResult(
         tokens=[h['tokens'][i, h['prompt_len'][i]:h['length'][i]] for i in range(len(prompts))],
         num_drafts=prog.num_drafts, steps=steps, verify_steps=h['verify_steps'],
+        tree=prog.tree, flops_per_iteration=tree_lib.flops_per_iteration(
+            self.args, prog.tree, prog.num_drafts),
         committed=h['committed'], accepted=h['accepted'], dropped=h['dropped'],
         verify_rows=h['verify_rows'], seconds=seconds,
         history_drafts=h['history_drafts'][:steps] if record else None,
@@ -580,4 +601,5 @@ def _merge_results(parts) -> DecodeResult:
       accepted=np.concatenate([r.accepted[:n] for r, n in parts]),
       dropped=np.concatenate([r.dropped[:n] for r, n in parts]),
       verify_rows=np.concatenate([r.verify_rows[:n] for r, n in parts]),
-      seconds=sum(r.seconds for r, _ in parts))
+      seconds=sum(r.seconds for r, _ in parts), tree=r0.tree,
+      flops_per_iteration=r0.flops_per_iteration)

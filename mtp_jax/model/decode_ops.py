@@ -47,6 +47,14 @@ def empty_cache(cfg, batch: int, slots: int, layout: str):
   return empty_kv(batch, slots, cfg.n_kv_heads, cfg.head_dim, cfg.dtype, layout)
 
 
+def cache_slot_axes(cache: tuple, layout: str) -> tuple:
+  """The slot axis of each array of one block's cache: GQA 'heads_major' k [B*K, S, H] and
+  v [B*K, H, S], 'bskh' k, v [B, S, K, H], MLA's latent [B, S, C] in either layout."""
+  if len(cache) == 1:
+    return (1,)
+  return (1, 2) if layout == 'heads_major' else (1, 1)
+
+
 def empty_kv(batch: int, slots: int, k: int, h: int, dtype, layout: str) -> tuple:
   if layout == 'bskh':
     return (jnp.zeros((batch, slots, k, h), dtype),) * 2
@@ -161,7 +169,8 @@ def few_query_dot(a_BKxGTxI, b_BKxOxI, out_dtype):
 
 
 def write_heads_major(cache_BKx, new_BxKx, index_B, axis):
-  """Row b's T new entries go to slots index_B[b].. along `axis` (1 or 2) of its K heads."""
+  """Row b's T new entries go to slots index_B[b].. along `axis` (1 or 2) of its K heads
+  (any cache [B*K, ...]: new_BxKx is [B, K, ...] with T at axis + 1)."""
   b, kv = new_BxKx.shape[:2]
   new_BxKx = new_BxKx.astype(cache_BKx.dtype)
   if b > WRITE_LOOP_ROWS:
@@ -171,7 +180,7 @@ def write_heads_major(cache_BKx, new_BxKx, index_B, axis):
     return cache.reshape(cache_BKx.shape)
   zero = jnp.zeros((), jnp.int32)  # few rows: one in-place update each, no scatter
   for row in range(b):
-    start = [jnp.int32(row * kv), zero, zero]
+    start = [jnp.int32(row * kv)] + [zero] * (cache_BKx.ndim - 1)
     start[axis] = index_B[row]
     cache_BKx = jax.lax.dynamic_update_slice(cache_BKx, new_BxKx[row], start)
   return cache_BKx
