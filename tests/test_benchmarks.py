@@ -113,6 +113,15 @@ def test_decode_speed(tmp_path):
   assert {'ar_ms_per_step', 'drafts_1'} <= set(probe)
 
 
+def test_tree_decode(tmp_path):
+  r = smoke('tree_decode', tmp_path)
+  rows = {row['variant']: row for row in r['results']}
+  assert set(rows) == {'ar', 'chain', '2,1'}
+  assert rows['2,1']['identical_to_ar'] is True and rows['chain']['identical_to_ar'] is True
+  assert rows['2,1']['verify_rows_per_iteration'] == 5 and rows['2,1']['speedup_over_chain'] > 0
+  assert rows['2,1']['flops_per_iteration']['flops'] > rows['chain']['flops_per_iteration']['flops']
+
+
 def test_peer_generate(tmp_path):
   r = smoke('peer_generate', tmp_path)
   assert r['greedy_identical'] is True
@@ -188,7 +197,8 @@ def test_every_script_has_a_smoke_test():
   assert tested == set(SCRIPTS)
 
 
-REQUIRED = {'decode_speed': ['--workdir', 'runs/x'], 'vs_maxtext': ['--peer', __file__]}
+REQUIRED = {'decode_speed': ['--workdir', 'runs/x'], 'tree_decode': ['--workdir', 'runs/x'],
+            'vs_maxtext': ['--peer', __file__]}
 
 
 @pytest.mark.parametrize('name', SCRIPTS)

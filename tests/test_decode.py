@@ -592,6 +592,8 @@ def test_cli_bad_input_exits_2(trained, depth0_workdir, tmp_path, capsys):
        'does not exist'),
       (base + ['--prompt', 'abc', '--prompts_file', str(blank)], 'exactly one of'),
       (['--workdir', workdir, '--prompt', 'abc', '--mode', 'fast'], '--mode'),
+      (base + ['--prompt', 'abc', '--tree', '3,0'], 'candidates per depth must be'),
+      (base + ['--prompt', 'abc', '--tree', '1,1,1,1,1,1,1,1,1'], 'exceeds the 8 drafts'),
   ]
   script = _script()
   compiled = len(decode._COMPILED)
@@ -620,6 +622,20 @@ def test_cli_compare_json(trained, capsys):
   assert out['mean_accepted_length'] > 1.5
   assert out['spec_outputs'] == out['ar_outputs']
   assert out['spec_outputs'][0].startswith('r ')  # 'pq' -> 'pqr ' in the word language
+
+
+def test_cli_tree_compare_json(trained, capsys):
+  """--tree with --mode compare: AR, the chain and the tree on one prompt, the tree's
+  tau, speed-ups and extra FLOPs per verify step in the summary."""
+  code = _script().main(['--workdir', trained[1], '--prompt', 'abc hij pq', '--max_new_tokens',
+                         str(MAX_NEW), '--mode', 'compare', '--tree', '2,2,1', '--json'])
+  assert code == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out['tree'] == '2,2,1' and out['tree_nodes'] == 9
+  assert out['identical'] is True and out['tree_outputs_identical'] is True
+  assert out['tree_mean_accepted_length'] >= out['mean_accepted_length'] - 0.5, out
+  assert out['tree_speedup'] > 0 and out['tree_vs_chain_speedup'] > 0
+  assert out['tree_extra_flops_per_step'] > 0 and out['tree_flops_vs_chain'] > 1
 
 
 def test_cli_exit_code_in_a_fresh_process(depth0_workdir):

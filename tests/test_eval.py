@@ -74,6 +74,11 @@ def test_json_keys_and_ranges(report):
   assert r['eval/decode_tau'] <= 1 + sum(accept) + 1e-9  # less only where max_new cut a block
   assert r['eval/decode_speedup'] > 0 and r['eval/decode_ar_tokens_per_sec'] > 0
   assert r['eval/decode_identical'] is True
+  # tree drafting beside the chain (the default tree for M = 2: 3,2)
+  assert r['eval/decode_tree'] == '3,2' and r['eval/decode_tree_identical'] is True
+  tree_accept = [r[f'eval/decode_tree_accept_mtp_{k}'] for k in range(1, DEPTH + 1)]
+  assert all(0 <= b <= a <= 1 for a, b in zip(tree_accept, tree_accept[1:])), tree_accept
+  assert r['eval/decode_tree_tau'] <= 1 + sum(tree_accept) + 1e-9
 
 
 def test_matches_the_trainers_eval_line(report, tiny_run):
@@ -106,6 +111,7 @@ def test_table_of_an_earlier_step(tiny_run, capsys):
   tau = _eval_rows(tiny_run[0])[20]['eval/decode_tau']
   assert f'tau (mean accepted length) {tau:.3f}' in text
   assert 'speedup' in text and 'identical True' in text
+  assert 'tree 3,2: tau ' in text and 'acceptance per tree depth' in text
 
 
 @pytest.fixture(scope='module')
@@ -153,6 +159,8 @@ def test_bad_input_exits_2_before_compiling(tiny_run, tmp_path, capsys):
       (['--workdir', workdir, '--prompt_len', '60', '--max_new_tokens', '16'], 'exceeds'),
       (['--workdir', workdir, '--num_prompts', '100000'], 'too few'),
       (['--workdir', workdir, '--eval_batches', 'x'], 'invalid int'),
+      (['--workdir', workdir, '--tree', '3,0'], 'candidates per depth must be'),
+      (['--workdir', workdir, '--tree', '1,1,1,1,1,1,1,1,1'], 'exceeds the 8 drafts'),
       (['--json'], '--workdir'),
   ]
   compiled = len(decode._COMPILED)  # pylint: disable=protected-access

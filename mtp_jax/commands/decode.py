@@ -2,7 +2,7 @@
 
   mtp-decode --workdir DIR (--prompt TEXT | --prompts_file FILE)
       [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--batch_size B]
-      [--mode {spec,ar,compare}] [--json]
+      [--mode {spec,ar,compare}] [--tree SHAPE] [--json]
 
 Parses flags and calls mtp_jax.decode.generate.decode_workdir. Bad input exits
 with code 2 and a one-line error, before anything is compiled. Each prompt is printed
@@ -37,10 +37,15 @@ def parse(argv):
   p.add_argument('--max_len', type=int, default=0,
                  help='positions per row, prompt + new tokens (0: the training seq_len)')
   p.add_argument('--num_drafts', type=int, default=0, help='MTP depths to draft with (0: all)')
+  p.add_argument('--tree', help='draft a tree: candidates per depth (3,2,1) or nodes as rank '
+                 'paths (0;1;0.0); compare runs AR, the chain and the tree')
   return p.parse_args(argv)
 
 
 RULE = '-' * 40
+TREE_KEYS = ('tree', 'tree_mean_accepted_length', 'tree_tokens_per_sec', 'tree_speedup',
+             'tree_vs_chain_speedup', 'tree_outputs_identical', 'tree_extra_flops_per_step',
+             'tree_flops_vs_chain')
 
 
 def show(prompt: str, text: str, styled: bool) -> str:
@@ -67,7 +72,7 @@ def main(argv=None) -> int:
         args.workdir, prompts, mode=args.mode, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         batch_size=args.batch_size, seed=args.seed, max_len=args.max_len,
-        num_drafts=args.num_drafts)
+        num_drafts=args.num_drafts, tree=args.tree)
   except Exception as e:  # pylint: disable=broad-except
     return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
   if args.json:
@@ -79,6 +84,7 @@ def main(argv=None) -> int:
     print(show(prompt, text, styled))
   keys = ('new_tokens', 'verify_steps', 'mean_accepted_length', 'tokens_per_sec',
           'ar_tokens_per_sec', 'spec_tokens_per_sec', 'speedup', 'identical')
+  keys += TREE_KEYS
   summary = {k: out[k] for k in keys if k in out}
   print(' '.join(f'{k}={v:.3g}' if isinstance(v, float) else f'{k}={v}'
                  for k, v in summary.items()), file=sys.stderr)

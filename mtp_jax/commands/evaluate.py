@@ -1,14 +1,17 @@
 """Evaluates a trained checkpoint: teacher-forced per-depth figures and free-running decoding.
 
   mtp-eval --workdir DIR [--split validation] [--step N] [--eval_batches N]
-      [--num_prompts N] [--prompt_len N] [--max_new_tokens N] [--batch_size N] [--json]
+      [--num_prompts N] [--prompt_len N] [--max_new_tokens N] [--batch_size N]
+      [--tree SHAPE] [--json]
 
 Restores the checkpoint (default: the latest) with its saved config and tokenizer and
 reports (a) per depth: validation loss, accuracy, agreement with the main model and
 bits per byte, as the trainer's eval lines; (b) greedy decoding of held-out prompts:
 tau, acceptance per depth, AR-vs-speculative speedup and whether both decoded the
-same tokens. Keys are those of metrics.jsonl (`eval/...`). Unset options take the
-trainer's own eval settings, so a checkpoint's figures repeat its metrics.jsonl line.
+same tokens, for the chain of drafts and for a draft tree (--tree: tau and acceptance
+per tree depth beside the chain's). Keys are those of metrics.jsonl (`eval/...`). Unset
+options take the trainer's own eval settings, so a checkpoint's figures repeat its
+metrics.jsonl line.
 
 Parses flags and calls mtp_jax.train.evaluation.evaluate_workdir. Bad input
 exits with code 2 and a one-line error, before anything is compiled.
@@ -34,6 +37,9 @@ def parse(argv):
   p.add_argument('--max_new_tokens', type=int,
                  help='tokens per prompt (default: train.eval_decode_tokens, within data.seq_len)')
   p.add_argument('--batch_size', type=int, help='prompts decoded together (default: all)')
+  p.add_argument('--tree', default='',
+                 help='also decode with this draft tree, beside the chain (default: 3,2,1 cut '
+                 'to the drafting depths; none: the chain only)')
   p.add_argument('--json', action='store_true', help='print one JSON object')
   return p.parse_args(argv)
 
@@ -52,7 +58,8 @@ def main(argv=None) -> int:
     out = evaluation.evaluate_workdir(
         args.workdir, split=args.split, step=args.step, eval_batches=args.eval_batches,
         num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        tree=None if args.tree == 'none' else args.tree)
   except Exception as e:  # pylint: disable=broad-except
     return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
   print(json.dumps(out) if args.json else evaluation.format_table(out))

@@ -28,7 +28,8 @@ Leap targets (model.mtp.target_offsets): depth k drafts position n-1+k only if i
 t_(i+k+1); the decoder drafts with the leading depths whose offsets are 2, 3, ...
 (ModelArgs.drafting_depths) and refuses more drafts; a leap depth is trained, not used.
 
-Here: the program, its state, the while loop and the host-side `Decoder`. The cached
+Here: the program, its state, the while loop and the host-side `Decoder`; tree drafting's
+windows, acceptance and cache moves are in tree.py. The cached
 block math is the model's own (layers.Block.decode, MTPModel.decode_trunk /
 decode_mtp_step / decode_logits, over the decode weight layout of MTPModel.for_decoding,
 with the few-row matmul rule in decode_ops.decode_dot). The sampling
@@ -278,10 +279,9 @@ def _iteration(prog, model, st: DecodeState, eos, sampling, threshold) -> Decode
   keys = row_keys(st.keys, st.step + 1)
   start = st.length - 1
   if prog.tree:  # h0 along the accepted path; its main-cache entries moved into place
-    h0, main_cache, a, cand = tree_lib.verify(
+    h0, main_cache, a, cand, width = tree_lib.verify(
         prog, model, take_rows(st.tokens, start), st.drafts, st.draft_probs, start,
         st.main_cache, sampling, row_keys(keys, 0))
-    width = prog.tree.size + 1
   else:
     (h0, logits, main_cache), width = _verify(prog, model, st, start)
     a, cand = sampling_lib.accept(prog.greedy, logits, st.drafts, st.draft_probs, sampling,
@@ -438,10 +438,7 @@ class Decoder:
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
               record: bool = False, draft_threshold: float = 0.0) -> Program:
     drafting = self.args.drafting_depths()
-    tree = self.tree if num_drafts is None or num_drafts else None
-    if tree and num_drafts not in (None, tree.depth) or tree and draft_threshold > 0:
-      raise RequestError(f'a tree decoder drafts its tree ({tree}): num_drafts must be 0 '
-                         f'(autoregressive) or its depth {tree.depth}, draft_threshold 0')
+    tree = tree_lib.program_tree(self.tree, num_drafts, draft_threshold)
     num_drafts = (tree.depth if tree else drafting) if num_drafts is None else num_drafts
     if drafting < self.args.mtp_depth:  # leap targets: only the adjacent prefix drafts
       if not 0 <= num_drafts <= drafting:
@@ -593,13 +590,9 @@ def check_request(prompts, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, 
 def _merge_results(parts) -> DecodeResult:
   """One DecodeResult from batches, keeping only the real (not padding) rows."""
   r0 = parts[0][0]
+  rows = {k: np.concatenate([getattr(r, k)[:n] for r, n in parts]) for k in (
+      'verify_steps', 'committed', 'accepted', 'dropped', 'verify_rows')}
   return DecodeResult(
       tokens=[t for r, n in parts for t in r.tokens[:n]], num_drafts=r0.num_drafts,
-      steps=sum(r.steps for r, _ in parts),
-      verify_steps=np.concatenate([r.verify_steps[:n] for r, n in parts]),
-      committed=np.concatenate([r.committed[:n] for r, n in parts]),
-      accepted=np.concatenate([r.accepted[:n] for r, n in parts]),
-      dropped=np.concatenate([r.dropped[:n] for r, n in parts]),
-      verify_rows=np.concatenate([r.verify_rows[:n] for r, n in parts]),
-      seconds=sum(r.seconds for r, _ in parts), tree=r0.tree,
-      flops_per_iteration=r0.flops_per_iteration)
+      steps=sum(r.steps for r, _ in parts), seconds=sum(r.seconds for r, _ in parts),
+      tree=r0.tree, flops_per_iteration=r0.flops_per_iteration, **rows)

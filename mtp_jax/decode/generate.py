@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 
+import mtp_jax.decode.tree as tree_lib
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import train_state
 from mtp_jax.data import tokenizers
@@ -55,11 +56,13 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
 def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_tokens: int = 128,
                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                    batch_size: int = 1, seed: int = 0, max_len: int = 0,
-                   num_drafts: int = 0) -> dict:
+                   num_drafts: int = 0, tree: str | None = None) -> dict:
   """What scripts/decode.py does: checks everything, restores, decodes, reports.
 
   mode: spec | ar | compare (both, on the same prompts). max_len: cache positions per
   row (0: the training sequence length). num_drafts: 0 = every MTP depth.
+  tree: draft this tree (tree.parse_tree) in spec mode; compare then runs AR, the chain
+  and the tree side by side and reports the tree's figures under `tree_...`.
   """
   if mode not in ('spec', 'ar', 'compare'):
     raise RequestError(f'--mode must be spec, ar or compare, got {mode!r}')
@@ -68,6 +71,8 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   if max_len < 0 or num_drafts < 0:
     raise RequestError('--max_len and --num_drafts must be >= 0')
   check_request([[0]], max_new_tokens, temperature, top_k, top_p)
+  if tree is not None:
+    tree = tree_lib.parse_tree(tree)
   config, step = ckpt_lib.load_workdir(workdir)
   mtp_depth = int(config.model.mtp.depth)
   if mode != 'ar' and mtp_depth == 0:
@@ -86,6 +91,9 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   decoder = Decoder(model)
   modes = ['ar', 'spec'] if mode == 'compare' else [mode]
   drafts = {'ar': 0, 'spec': num_drafts or mtp_depth}
+  tree_decoder = None if tree is None or mode == 'ar' else Decoder(model, tree=tree)
+  if tree_decoder and mode == 'spec':
+    decoder, drafts['spec'] = tree_decoder, tree_decoder.tree.depth
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id,
             seed=seed, pad_to=(max(map(len, ids)), max_new_tokens))
   results = {m: decoder.generate_batched(ids, max_new_tokens, batch_size=batch_size,
@@ -107,6 +115,31 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
     same = all(np.array_equal(a, b) for a, b in zip(results['ar'].tokens, results['spec'].tokens))
     out['identical'] = same if temperature == 0 else None  # sampled outputs differ by design
     out['speedup'] = results['ar'].seconds / max(results['spec'].seconds, 1e-12)
+  if tree_decoder:
+    out.update(_tree_figures(tree_decoder, ids, max_new_tokens, batch_size, kw, mode, results))
+  return out
+
+
+def _tree_figures(decoder, ids, max_new_tokens, batch_size, kw, mode, results) -> dict:
+  """The tree's decode summary: its FLOPs per verify step beside the chain's of the same
+  depth; compare: its own run, tau, speed-up over AR and over the chain."""
+  tree = decoder.tree
+  chain = tree_lib.flops_per_iteration(decoder.args, None, tree.depth)['flops']
+  flops = tree_lib.flops_per_iteration(decoder.args, tree, tree.depth)['flops']
+  out = {'tree': str(tree), 'tree_nodes': tree.size, 'tree_flops_per_step': flops,
+         'tree_extra_flops_per_step': flops - chain,
+         'tree_flops_vs_chain': flops / chain}
+  if mode != 'compare':
+    return out
+  r = decoder.generate_batched(ids, max_new_tokens, batch_size=batch_size, warm_up=True, **kw)
+  st = r.stats()
+  same = all(np.array_equal(a, b) for a, b in zip(results['ar'].tokens, r.tokens))
+  out.update({'tree_outputs_identical': same if kw['temperature'] == 0 else None,
+              'tree_tokens_per_sec': st['tokens_per_sec'], 'tree_seconds': st['seconds'],
+              'tree_mean_accepted_length': st['mean_accepted_length'],
+              'tree_acceptance_per_depth': st['acceptance_per_depth'],
+              'tree_speedup': results['ar'].seconds / max(r.seconds, 1e-12),
+              'tree_vs_chain_speedup': results['spec'].seconds / max(r.seconds, 1e-12)})
   return out
 
 
@@ -126,6 +159,8 @@ def token_sources(result: DecodeResult) -> list[np.ndarray]:
   """
   if result.history_length is None:
     raise ValueError('token_sources needs a DecodeResult of generate(..., record=True)')
+  if result.tree is not None:
+    raise ValueError("token_sources reads a chain's drafts; a tree decoder records its nodes")
   out = []
   for row, toks in enumerate(result.tokens):
     src = np.zeros(len(toks), np.int32)

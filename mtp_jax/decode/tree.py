@@ -187,7 +187,7 @@ def verify(prog, model, x_B, drafts_BxN, q_BxNxV, start_B, caches, sampling, key
   """One main-model pass over [x ; every node], the accepted path, its cache entries moved.
 
   Returns (h^0 along the path [B, A+1, d] (true up to a), main caches, a [B], candidates
-  [B, A+1]: the a accepted drafts, the bonus, then PAD_ID).
+  [B, A+1]: the a accepted drafts, the bonus, then PAD_ID; the rows verified, N + 1).
   """
   tree = prog.tree
   tokens = jnp.concatenate([x_B[:, None], drafts_BxN], 1)
@@ -198,7 +198,7 @@ def verify(prog, model, x_B, drafts_BxN, q_BxNxV, start_B, caches, sampling, key
   a, path, cand = accept(prog.greedy, tree, logits, tokens, q_BxNxV, sampling, keys_B)
   caches = move_slots(caches, prog.layout, path + (start_B + prog.offset)[:, None],
                       start_B + prog.offset)
-  return jnp.take_along_axis(h0, path[..., None], 1), caches, a, cand
+  return jnp.take_along_axis(h0, path[..., None], 1), caches, a, cand, w
 
 
 def accept(greedy: bool, tree: Tree, logits_BxWxV, tokens_BxW, q_BxNxV, sampling, keys_B):
@@ -341,6 +341,21 @@ def check_tree(args, spec) -> Tree:
   if args.drafting_depths() < args.mtp_depth and tree.depth > args.drafting_depths():
     raise RequestError(f'tree depth {tree.depth}: only the first {args.drafting_depths()} '
                        'depth(s) draft (model.mtp.target_offsets)')
+  return tree
+
+
+def default_tree(depths: int) -> str:
+  """The tree mtp-eval scores beside the chain: 3,2,1 cut to `depths`, then 1s."""
+  return ','.join(map(str, ((3, 2, 1) + (1,) * max(0, depths - 3))[:depths]))
+
+
+def program_tree(tree: Tree | None, num_drafts, draft_threshold) -> Tree | None:
+  """The tree a Decoder's program drafts: none for autoregressive decoding (num_drafts 0)."""
+  if tree is None or num_drafts == 0:
+    return None
+  if num_drafts not in (None, tree.depth) or draft_threshold > 0:
+    raise RequestError(f'a tree decoder drafts its tree ({tree}): num_drafts must be 0 '
+                       f'(autoregressive) or its depth {tree.depth}, draft_threshold 0')
   return tree
 
 

@@ -5,6 +5,8 @@ same `eval/...` keys: `evaluate`'s loss, accuracy, agreement and bits per byte
 per depth, plus the decoder's (docs/design.md §5) on fixed validation prompts:
   eval/decode_tau               mean accepted length, committed tokens / verify steps
   eval/decode_accept_mtp_<k>    P(the first k drafts of a verify step are accepted)
+  eval/decode_tree_tau, eval/decode_tree_accept_mtp_<k>: the same for tree drafting
+                                (scripts/eval.py --tree; eval/decode_tree names the tree)
 Decoding here is greedy and never stops at EOS (every row generates the same number
 of tokens), so with the same parameters, prompts and batch the figures are the same
 bit for bit: a resumed run logs what an uninterrupted one does, and scripts/eval.py
@@ -28,7 +30,9 @@ from mtp_jax import config_lib
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import tokenizers, user_data
 from mtp_jax.decode import Decoder
+from mtp_jax.decode import tree as tree_lib
 from mtp_jax.errors import ConfigError, RequestError
+from mtp_jax.model.mtp import ModelArgs
 from mtp_jax.runtime import sharding
 from mtp_jax.train.metrics import TAU_KEY, depth_name, metric_key
 
@@ -145,7 +149,7 @@ def _identity(tree):
   return tree
 
 
-def local_decoder(graphdef, state, mesh) -> Decoder:
+def local_decoder(graphdef, state, mesh, tree=None) -> Decoder:
   """A Decoder of a train state's model, each parameter whole on this process's first device.
 
   With several processes a parameter is sharded over devices this process cannot
@@ -156,17 +160,19 @@ def local_decoder(graphdef, state, mesh) -> Decoder:
   if not all(x.is_fully_addressable for x in jax.tree.leaves(params)):
     params = jax.jit(_identity, out_shardings=sharding.replicated(mesh))(params)
     params = jax.tree.map(lambda x: x.addressable_data(0), params)
-  return Decoder(nnx.merge(gdef, params))
+  return Decoder(nnx.merge(gdef, params), tree=tree)
 
 
 def decode_metrics(decoder: Decoder, prompts: Sequence[Sequence[int]],
-                   max_new_tokens: int, *, batch_size: int = 0, compare: bool = False) -> dict:
+                   max_new_tokens: int, *, batch_size: int = 0, compare: bool = False,
+                   tree_decoder: Decoder | None = None) -> dict:
   """eval/decode_... figures of greedy speculative decoding with every MTP depth.
 
   All prompts form one batch unless batch_size says otherwise (the trainer uses one).
   compare: also decode autoregressively, after one untimed run of each program, and
   add the speedup, tokens/s of both and `identical` (spec tokens == AR tokens). A
   model without MTP modules decodes autoregressively only (compare) or not at all.
+  tree_decoder: also decode with its tree, beside the chain (eval/decode_tree_...).
   """
   drafting = decoder.args.drafting_depths()  # every depth that can draft (not leap ones)
   kw = dict(batch_size=batch_size or len(prompts), warm_up=compare, eos_id=None,
@@ -189,6 +195,18 @@ def decode_metrics(decoder: Decoder, prompts: Sequence[Sequence[int]],
       out['eval/decode_speedup'] = ar.seconds / max(sp.seconds, 1e-12)
       out['eval/decode_identical'] = all(np.array_equal(a, s)
                                          for a, s in zip(ar.tokens, sp.tokens))
+  if tree_decoder is not None and drafting:
+    tr = tree_decoder.generate_batched(prompts, max_new_tokens, **kw)
+    st = tr.stats()
+    out['eval/decode_tree'] = st['tree']
+    out[metric_key('eval', 'decode_tree_tau')] = st['mean_accepted_length']
+    for k, a in enumerate(st['acceptance_per_depth'], 1):
+      out[metric_key('eval', 'decode_tree_accept', k)] = a
+    if compare:
+      out['eval/decode_tree_tokens_per_sec'] = tr.new_tokens / max(tr.seconds, 1e-12)
+      out['eval/decode_tree_speedup'] = results[0].seconds / max(tr.seconds, 1e-12)
+      out['eval/decode_tree_identical'] = all(np.array_equal(a, s) for a, s in
+                                              zip(results[0].tokens, tr.tokens))
   return out
 
 
@@ -215,17 +233,21 @@ def _mesh_for(config, num_devices: int):
 def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: int | None = None,
                      num_prompts: int | None = None, prompt_len: int | None = None,
                      max_new_tokens: int | None = None, batch_size: int | None = None,
-                     step: int | None = None, devices=None) -> dict:
+                     step: int | None = None, devices=None, tree: str | None = '') -> dict:
   """What scripts/eval.py does: checks, restores, evaluates, decodes; one flat dict.
 
   None picks the trainer's own setting: data.eval_split, train.eval_batches,
   train.eval_decode_prompts (8 when off) and train.eval_decode_tokens, prompts of
   data.seq_len // 2 tokens, one batch of every prompt. num_prompts 0: no decoding.
+  tree: also decode with this draft tree ('' : tree.default_tree of the model's drafting
+  depths; None: the chain only).
   RequestError / ConfigError for bad input, before anything compiles.
   """
   # Deferred: the data pipeline imports tensorflow_datasets (seconds).
   from mtp_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   _check_options(split, eval_batches, num_prompts, prompt_len, max_new_tokens, batch_size, step)
+  if tree:  # the tree itself; what the model can draft is checked once its config is read
+    tree_lib.parse_tree(tree)
   explicit = step is not None
   config, step = ckpt_lib.load_workdir(workdir, step)
   devices = jax.local_devices() if devices is None else devices
@@ -246,6 +268,8 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
                        f'exceeds the training sequence length data.seq_len ({d.seq_len})')
   _mesh_for(config, len(devices))
   config_lib.validate(config, len(devices))
+  if tree:
+    tree_lib.check_tree(ModelArgs.from_config(config, tokenizers.model_vocab_size(config)), tree)
   data_checks.validate_data(config, 1)  # the split exists and is readable
   tokenizer = tokenizers.get_tokenizer(d)
   prompts = validation_prompts(config, tokenizer, num_prompts, prompt_len) if num_prompts else []
@@ -268,8 +292,12 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
     out['decode_note'] = ('model.mtp.depth = 0: no MTP modules to draft with; '
                           'plain autoregressive decoding only')
   decoder = local_decoder(ts.graphdef, state, ts.mesh)
+  tree_decoder = None
+  if tree is not None and decoder.args.drafting_depths() and decoder.args.mtp_head().chained:
+    tree_decoder = local_decoder(ts.graphdef, state, ts.mesh,
+                                 tree or tree_lib.default_tree(decoder.args.drafting_depths()))
   out.update(decode_metrics(decoder, prompts, max_new_tokens, batch_size=batch_size or 0,
-                            compare=True))
+                            compare=True, tree_decoder=tree_decoder))
   return out
 
 
@@ -296,10 +324,20 @@ def format_table(r: dict) -> str:
                        for k in range(1, mtp_depth + 1))
     lines.append(f'tau (mean accepted length) {r[TAU_KEY]:.3f} of at most {mtp_depth + 1}; '
                  f'acceptance per depth {accept}')
+  if 'eval/decode_tree' in r:
+    accept = '  '.join(f"{r[metric_key('eval', 'decode_tree_accept', k)]:.3f}"
+                       for k in range(1, len(r['eval/decode_tree'].split(',')) + 1)
+                       if metric_key('eval', 'decode_tree_accept', k) in r)
+    lines.append(f"tree {r['eval/decode_tree']}: tau {r['eval/decode_tree_tau']:.3f}; "
+                 f'acceptance per tree depth {accept}')
   if 'eval/decode_ar_tokens_per_sec' in r:
     text = f"AR {r['eval/decode_ar_tokens_per_sec']:.1f} tok/s"
     if 'eval/decode_speedup' in r:
       text += (f"   spec {r['eval/decode_spec_tokens_per_sec']:.1f} tok/s   speedup "
                f"{r['eval/decode_speedup']:.2f}x   identical {r['eval/decode_identical']}")
+    if 'eval/decode_tree_speedup' in r:
+      text += (f"\ntree {r['eval/decode_tree_tokens_per_sec']:.1f} tok/s   speedup "
+               f"{r['eval/decode_tree_speedup']:.2f}x   identical "
+               f"{r['eval/decode_tree_identical']}")
     lines.append(text)
   return '\n'.join(lines)
