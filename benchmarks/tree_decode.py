@@ -52,6 +52,10 @@ def main(argv=None) -> int:
   # pylint: enable=import-outside-toplevel
 
   run = common.start(args, NAME, argv)
+  run.note = ('Batch 1. AR, the chain of every drafting depth and each tree alternate per '
+              'prompt in one process, so load hits all alike; the fastest of --repeats runs '
+              'counts. flops_per_iteration: matmul FLOPs of the weights in one verify step '
+              '(attention over the cache left out).')
   if args.smoke:
     import decode_speed  # pylint: disable=import-outside-toplevel
     config, step = decode_speed.smoke_config(), 0

@@ -593,7 +593,8 @@ def test_cli_bad_input_exits_2(trained, depth0_workdir, tmp_path, capsys):
       (base + ['--prompt', 'abc', '--prompts_file', str(blank)], 'exactly one of'),
       (['--workdir', workdir, '--prompt', 'abc', '--mode', 'fast'], '--mode'),
       (base + ['--prompt', 'abc', '--tree', '3,0'], 'candidates per depth must be'),
-      (base + ['--prompt', 'abc', '--tree', '1,1,1,1,1,1,1,1,1'], 'exceeds the 8 drafts'),
+      (base + ['--prompt', 'abc', '--max_new_tokens', '8', '--tree', '1,1,1,1,1,1,1,1,1'],
+       'exceeds the 8 drafts'),
   ]
   script = _script()
   compiled = len(decode._COMPILED)
