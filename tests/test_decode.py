@@ -632,7 +632,7 @@ def test_cli_tree_compare_json(trained, capsys):
                          str(MAX_NEW), '--mode', 'compare', '--tree', '2,2,1', '--json'])
   assert code == 0
   out = json.loads(capsys.readouterr().out)
-  assert out['tree'] == '2,2,1' and out['tree_nodes'] == 9
+  assert out['tree'] == '2,2,1' and out['tree_nodes'] == 10
   assert out['identical'] is True and out['tree_outputs_identical'] is True
   assert out['tree_mean_accepted_length'] >= out['mean_accepted_length'] - 0.5, out
   assert out['tree_speedup'] > 0 and out['tree_vs_chain_speedup'] > 0
