@@ -119,9 +119,11 @@ def test_sized_variants_and_budgets():
     assert (c.model.mtp.depth, c.model.mtp.kind, c.model.mtp.curriculum) == (depth, kind, cur)
     assert c.train.min_lr_ratio == 0.1 and c.model.d_model == base.model.d_model
   runs = ablation_lib.sized_runs(960)
-  assert runs[0] == ('d0', 'tokens', 960) and len(runs) == 11
+  assert runs[0] == ('d0', 'tokens', 960) and len(runs) == 13
   flops = {v: n for v, b, n in runs if b == 'flops'}
   assert flops['d3'] == flops['d3f'] == flops['d3r'] < flops['d1'] < 960  # same compiled shapes
+  # TOP adds one [d, V] unembedding and no block: cheaper than a sequential module
+  assert flops['d1'] < flops['t1'] < 960
   with pytest.raises(ValueError, match='unknown argument'):
     tables.ABLATION.get_config('d3f')  # the curricula exist in the sized sweep only
 

@@ -148,6 +148,25 @@ def names_estimate(args, research) -> dict:
           'command': f'mtp-ablation --groups names --seeds {",".join(map(str, range(seeds)))}'}
 
 
+def main_head_command(seeds: int, steps: int, out: str, workdir: str) -> str:
+  """The command that runs the main-head arms' seeds 0..seeds-1, skipping every finished one."""
+  return (f'mtp-ablation --groups sized --variants {",".join(design_lib.MAIN_HEAD_ARMS)} '
+          f'--seeds {",".join(str(s) for s in range(seeds))} --sized_steps {steps} '
+          f'--out {out} --workdir {workdir}')
+
+
+def main_head(args, step_s=None, eval_s=None) -> dict:
+  """The seeds the main-head question needs at the committed sweep's spread of its arms
+  (design_lib.main_head_design) and the command that adds them to the committed runs."""
+  spread = design_lib.committed_spread(args.spread_from, ABLATION.BASELINE,
+                                       design_lib.MAIN_HEAD_ARMS)
+  out = design_lib.main_head_design(
+      spread, step_seconds=step_s, eval_seconds=eval_s,
+      runs_for=lambda n: sized_runs(n, args.smoke, design_lib.MAIN_HEAD_ARMS))
+  out['command'] = main_head_command(out['seeds'], spread['steps'], args.out, args.workdir)
+  return out
+
+
 def make_design(args) -> dict:
   """--design: the committed spread, step times measured briefly, the chosen design."""
   spread = design_lib.committed_spread(args.spread_from, ABLATION.BASELINE)
@@ -169,6 +188,8 @@ def make_design(args) -> dict:
     step_s[v], eval_s[v] = measured[key]
   design = design_lib.choose(spread, lambda n: sized_runs(n, args.smoke), step_s, eval_s,
                              budget_hours=args.budget_hours)
+  design['families'] = design_lib.FAMILIES
+  design['main_head'] = main_head(args, step_s, eval_s)
   design['names'] = names_estimate(args, research)
   design['load_average'] = {'before': list(load), 'after': list(os.getloadavg())}
   design['command'] = (f'mtp-ablation --groups sized --seeds '
@@ -194,6 +215,7 @@ def run(args) -> int:
           f"{nm['steps']} steps, estimated {nm['wall_seconds'] / 3600:.2f} h (seconds per step "
           + ', '.join(f'{v} {t:.3f}' for v, t in nm['step_seconds'].items())
           + f").\nRun: {nm['command']}")
+    print(design_lib.describe_main_head(design['main_head']))
     return 0
   if not args.no_run:
     runs = make_runs(args)
