@@ -15,12 +15,17 @@ import mtp_jax.research.tables as tables
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import induction
 from mtp_jax.errors import RequestError
-from mtp_jax.research.tables import ABLATION, CONFIGS, INDUCTION, NAMES, SIZED_BUDGETS
+from mtp_jax.research.tables import ABLATION, BPE_NAMES, CONFIGS, INDUCTION, NAMES, SIZED_BUDGETS
 
 
 def group_variants(args, group: str) -> list[str]:
+  """The group's variants that --variants keeps; bpe_names: each at every size,
+  `<variant>@<size>`."""
   allv = list(ABLATION.SIZED_VARIANTS if group == 'sized' else CONFIGS[group].VARIANTS)
-  return [v for v in allv if not args.variants or v in args.variants]
+  keep = [v for v in allv if not args.variants or v in args.variants]
+  if group == 'bpe_names':
+    return [f'{v}@{size}' for size in BPE_NAMES.SIZES for v in keep]
+  return keep
 
 
 def sized_runs(steps: int, smoke: bool = False, variants=None) -> list[tuple[str, str, int]]:
@@ -79,7 +84,7 @@ def make_runs(args):
       mod = CONFIGS[group]
       base = mod.get_config(mod.BASELINE + opt)
       for v in group_variants(args, group):
-        c = mod.get_config(v + opt)
+        c = mod.get_config(v.split('@')[0] + opt)
         c.seed = seed
         c.data.shuffle_seed = seed
         if args.data_dir:
@@ -89,6 +94,14 @@ def make_runs(args):
           runs.append(research.Run('lm', v, seed, c, eval_at={
               'equal_flops': equal, 'equal_tokens': int(c.train.steps)},
               save_every=4 if args.smoke else 50))
+        elif group == 'bpe_names':  # as names, one trunk size per variant@size
+          v_name, size = v.split('@')
+          c = BPE_NAMES.get_config(f'{v_name},{size}{opt}')
+          c.seed, c.data.shuffle_seed = seed, seed
+          every = BPE_NAMES.SMOKE_EVAL_EVERY if args.smoke else BPE_NAMES.EVAL_EVERY
+          runs.append(research.Run('bpe_names', v, seed, c, kind='induction', eval_every=every,
+                                   log_every=every, task=BPE_NAMES.SMOKE_TASK if args.smoke
+                                   else BPE_NAMES.TASK, save_every=4 if args.smoke else 100))
         elif group == 'names':  # every variant the same steps; equal FLOPs from the curves
           every = NAMES.SMOKE_EVAL_EVERY if args.smoke else NAMES.EVAL_EVERY
           runs.append(research.Run('names', v, seed, c, kind='induction', eval_every=every,
@@ -116,7 +129,7 @@ def make_sweep(args, runs):
         num_prompts=2 if args.smoke else 16, prompt_len=16 if args.smoke else 64,
         new_tokens=8 if args.smoke else 64, heldout_rule=rule,
         temperatures=args.temperatures)
-  for group in ('induction', 'names'):
+  for group in ('induction', 'names', 'bpe_names'):
     ind = [r for r in runs if r.group == group]
     if ind:
       mod = CONFIGS[group]

@@ -15,11 +15,12 @@ import mtp_jax.research.design as design_lib
 import mtp_jax.research.results as results_lib
 import mtp_jax.research.stats as stats
 from mtp_jax import config_files
+from mtp_jax.data import induction
 
 # The checkout this package is installed from (pip install -e .): configs/ lives there.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-GROUPS = ('lm', 'induction', 'sized', 'names')
+GROUPS = ('lm', 'induction', 'sized', 'names', 'bpe_names')
 DEFAULT_GROUPS = ('lm', 'induction')
 SIZED_BUDGETS = {'tokens': 'equal_tokens', 'flops': 'equal_flops'}  # variant suffix -> budget
 BUDGETS = {'equal_flops': 'equal training FLOPs', 'equal_tokens': 'equal training tokens'}
@@ -34,7 +35,8 @@ def load_config_module(name: str):
 ABLATION = load_config_module('ablation')
 INDUCTION = load_config_module('induction')
 NAMES = load_config_module('induction_names')
-CONFIGS = {'lm': ABLATION, 'induction': INDUCTION, 'names': NAMES}
+BPE_NAMES = load_config_module('induction_bpe')
+CONFIGS = {'lm': ABLATION, 'induction': INDUCTION, 'names': NAMES, 'bpe_names': BPE_NAMES}
 
 
 def lm_metrics(r: dict, budget: str) -> dict:
@@ -174,6 +176,13 @@ def tabulate(out_dir: str, seeds=None) -> dict:
            if seeds is None or r['seed'] in seeds]
   if names:
     summary['names'] = tabulate_names(names)
+  bpe = [r for r in results_lib.load_results(out_dir, 'bpe_names')
+         if seeds is None or r['seed'] in seeds]
+  if bpe:
+    task = dict(bpe[0]['task'])
+    kind = task.pop('kind')
+    chance = induction.make_task(128, kind, **task).chance()
+    summary['bpe_names'] = tabulate_names(bpe, BPE_NAMES, chance)
   return summary
 
 
@@ -278,15 +287,25 @@ def _at_step(curve: list[dict], step: int) -> float:
   return [p for p in curve if p['step'] <= step][-1]['copy_acc']
 
 
-def tabulate_names(runs: list[dict]) -> dict:
-  """Name-story induction: per variant the curve's landmarks, equal steps and equal FLOPs
-  against M = 0, paired by seed (same task batches and trunk initialisation)."""
+def _size_of(variant: str) -> str:
+  """The size suffix of a sized-model variant ('n2@1m' -> '@1m'; '' without one)."""
+  return variant[variant.index('@'):] if '@' in variant else ''
+
+
+def tabulate_names(runs: list[dict], mod=None, chance: float | None = None) -> dict:
+  """Name-story induction (configs/induction_names.py, or `mod`): per variant the curve's
+  landmarks, equal steps and equal FLOPs against M = 0 of the same size, paired by seed
+  (same task batches and trunk initialisation). Holm's correction runs over each size's
+  tests."""
+  mod = NAMES if mod is None else mod
   by = {}
   for r in runs:
     by.setdefault(r['variant'], {})[r['seed']] = r
-  base = by.get(NAMES.BASELINE, {})
+  sizes = list(getattr(mod, 'SIZES', {'': None}))
+  order = [v + (f'@{s}' if s else '') for s in sizes for v in mod.VARIANTS]
   table = {}
-  for v in [v for v in NAMES.VARIANTS if v in by]:
+  for v in [v for v in order if v in by]:
+    base = by.get(mod.BASELINE + _size_of(v), {})
     per = {}
     for seed, r in by[v].items():
       curve = [p for p in r['curve'] if 'copy_acc' in p]
@@ -305,25 +324,27 @@ def tabulate_names(runs: list[dict]) -> dict:
                 'mtp_kind': next(iter(by[v].values()))['mtp_kind'],
                 'seeds': sorted(by[v]), 'metrics': aggregate(per)}
   tests = {}
-  if NAMES.BASELINE in table:
-    b = table[NAMES.BASELINE]['metrics']['copy_acc_final']['per_seed']
-    for v in table:
-      if v == NAMES.BASELINE:
-        continue
-      m = table[v]['metrics']
-      for name, metric in (('equal steps', 'copy_acc_final'),
-                           ('equal FLOPs', 'copy_acc_equal_flops'),
-                           ('half the steps', 'copy_acc_half')):
-        other = b if metric != 'copy_acc_half' else \
-            table[NAMES.BASELINE]['metrics']['copy_acc_half']['per_seed']
-        t = paired_test(m[metric]['per_seed'], other) if metric in m else None
-        if t is not None:
-          tests[f'{v} - d0 copy accuracy, {name}'] = t
-  for name, adj in zip(tests, stats.holm([t['p'] for t in tests.values()])):
-    tests[name].update(p_holm=adj, family='name-story induction against d0',
-                       family_size=len(tests))
+  for v in table:
+    ref = mod.BASELINE + _size_of(v)
+    if v == ref or ref not in table:
+      continue
+    m, b = table[v]['metrics'], table[ref]['metrics']
+    for name, metric in (('equal steps', 'copy_acc_final'),
+                         ('equal FLOPs', 'copy_acc_equal_flops'),
+                         ('half the steps', 'copy_acc_half')):
+      other = b['copy_acc_half' if metric == 'copy_acc_half' else 'copy_acc_final']['per_seed']
+      t = paired_test(m[metric]['per_seed'], other) if metric in m else None
+      if t is not None:
+        tests[f'{v} - {ref} copy accuracy, {name}'] = {**t, 'size': _size_of(v)}
+  for size in sorted({t['size'] for t in tests.values()}):
+    names = [n for n, t in tests.items() if t['size'] == size]
+    family = 'name-story induction against d0' + (f', {size[1:]}' if size else '')
+    for name, adj in zip(names, stats.holm([tests[n]['p'] for n in names])):
+      tests[name].update(p_holm=adj, family=family, family_size=len(names))
+      del tests[name]['size']
   task = next(iter(runs))['task']
-  return {'table': table, 'tests': tests, 'task': task, 'chance': NAMES.CHANCE}
+  return {'table': table, 'tests': tests, 'task': task,
+          'chance': mod.CHANCE if chance is None else chance}
 
 
 def _pm(m: dict, fmt: str = '{:.3f}') -> str:
@@ -415,6 +436,8 @@ def markdown(summary: dict) -> str:
     out += [''] + markdown_sized(summary['sized'])
   if summary.get('names'):
     out += [''] + markdown_names(summary['names'])
+  if summary.get('bpe_names'):
+    out += [''] + markdown_names(summary['bpe_names'], BPE_TITLE)
   return '\n'.join(out)
 
 
@@ -486,10 +509,15 @@ def markdown_sized(sized: dict) -> list[str]:
   return out
 
 
-def markdown_names(names: dict) -> list[str]:
+NAMES_TITLE = ('Induction on stories with random names', 'a name')
+BPE_TITLE = ('Induction as Gloeckle et al. ran it: trained on ordinary names, tested on random '
+             'two-token names of the run\'s own BPE', 'a test name')
+
+
+def markdown_names(names: dict, title=NAMES_TITLE) -> list[str]:
   table = names['table']
-  out = [f'**Induction on stories with random names** (copy accuracy = main-head top-1 '
-         f'accuracy on the second token of a name at its second mention; chance '
+  out = [f'**{title[0]}** (copy accuracy = main-head top-1 '
+         f'accuracy on the second token of {title[1]} at its second mention; chance '
          f'{names["chance"]:.3f}; mean ± std over seeds)', '',
          '| variant | steps | after 1/4 of the steps | after 1/2 | at the end (equal steps) | '
          'at equal FLOPs | steps to 50 % | at the end, each seed |',
