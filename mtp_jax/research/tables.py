@@ -1,8 +1,10 @@
 """The ablation sweep's tables: the per-run JSON of each group (OUT/lm.json, induction.json,
-sized.json, names.json) aggregated over seeds, with Welch and paired tests, as
-OUT/summary.json and the markdown of OUT/summary.md.
+sized.json, names.json, bpe_names.json) aggregated over seeds, with Welch and paired tests
+and Holm's correction within each family of tests, as OUT/summary.json and the markdown of
+OUT/summary.md.
 
-Numpy and scipy only: `mtp-ablation --no_run` tabulates without starting JAX.
+Numpy and scipy (and sentencepiece for the bpe_names group's chance level): `mtp-ablation
+--no_run` tabulates without starting JAX.
 """
 from __future__ import annotations
 
