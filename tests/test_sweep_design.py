@@ -233,11 +233,18 @@ def test_design_command_measures_prints_and_saves(tmp_path, capsys):
                  '--temperatures', '0', '--budget_hours', '0.5']) == 0
   text = capsys.readouterr().out
   d = json.load(open(os.path.join(out, 'design.json')))
-  assert d['seeds'] >= 5 and d['steps'] >= 960 and d['runs_per_seed'] == 11
+  assert d['seeds'] >= 5 and d['steps'] >= 960 and d['runs_per_seed'] == 13
   assert all(d['step_seconds'][v] > 0 for v in tables.ABLATION.SIZED_VARIANTS)
   assert d['step_seconds']['d3f'] == d['step_seconds']['d3']  # measured once per shape
   assert f"--sized_steps {d['steps']}" in text and 'Minimum detectable paired effect' in text
   assert d['names']['wall_seconds'] > 0 and 'mtp-ablation --groups names' in text
+  # the main-head arms: seeds to the target at the committed spread, the command that adds
+  # them, and the families of tests the tables will correct within
+  mh = d['main_head']
+  assert mh['mde_at_seeds'] <= design_lib.TARGET_MDE < mh['mde_committed']
+  assert mh['seeds_at_upper_sd'] >= mh['seeds'] and mh['wall_seconds_to_add'] > 0
+  assert mh['command'] in text and '--variants d0,d1,d3,d3r,t1' in mh['command']
+  assert set(d['families']) == set(design_lib.FAMILIES)
   args = A.parse(['--groups', 'sized', '--out', out])
   assert ablation_lib.sized_steps(args) == d['steps']
   assert A.main(['--groups', 'sized', '--out', str(tmp_path / 'none'), '--seeds', '0']) == 2
