@@ -10,8 +10,10 @@ DECAY_MIN_LR_RATIO x the peak learning rate over each run's own length, so each 
 (equal tokens, equal training FLOPs) is its own run. SIZED_VARIANTS: `d0` (next-token
 only), `d1` and `d3` (DeepSeek-V3 sequential modules, M = 1 and 3), `d3f` and `d3r`
 (M = 3 under the forward and reverse depth curriculum, model.mtp.curriculum, phases of a
-quarter of the run) and `d3p` (M = 3 parallel heads on h^0, Gloeckle et al. 2024). The
-design (seeds, steps) comes from mtp_jax/research/design.py.
+quarter of the run), `d3p` (M = 3 parallel heads on h^0, Gloeckle et al. 2024) and `t1`
+(token order prediction, Zuhri et al. 2025: one ranking head on h^0, window
+model.mtp.top_window). The design (seeds, steps, the families of tests) comes from
+mtp_jax/research/design.py.
 
 Without `,decay` (the `lm` group): a linear warmup of WARMUP steps, then a constant
 learning rate, STEPS steps for every variant in VARIANTS. The state of such a run at step
@@ -31,7 +33,8 @@ BASELINE = 'd0'
 # The sized sweep's variants: (model.mtp.depth, model.mtp.kind, model.mtp.curriculum).
 SIZED_VARIANTS = {'d0': (0, 'sequential', 'none'), 'd1': (1, 'sequential', 'none'),
                   'd3': (3, 'sequential', 'none'), 'd3f': (3, 'sequential', 'forward'),
-                  'd3r': (3, 'sequential', 'reverse'), 'd3p': (3, 'parallel', 'none')}
+                  'd3r': (3, 'sequential', 'reverse'), 'd3p': (3, 'parallel', 'none'),
+                  't1': (1, 'top', 'none')}
 DECAY_MIN_LR_RATIO = 0.1  # ',decay': cosine to this fraction of train.lr at the run's end
 STEPS, WARMUP = 320, 20
 SMOKE_STEPS, SMOKE_WARMUP = 12, 2

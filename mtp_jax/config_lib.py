@@ -112,7 +112,12 @@ def base_config() -> ml_collections.ConfigDict:
 
   mtp = m.mtp = ml_collections.ConfigDict()
   mtp.depth = 1  # M, number of MTP depths (0: plain next-token model)
-  mtp.kind = 'sequential'  # sequential (DeepSeek-V3) | parallel (independent heads)
+  # sequential (DeepSeek-V3) | parallel (independent heads) | top (token order prediction,
+  # Zuhri et al. 2025: one extra unembedding on the trunk's normed h^0, trained with a
+  # ListNet ranking loss towards how soon each token next appears within top_window tokens;
+  # depth 1 only, weight lambda; it cannot draft)
+  mtp.kind = 'sequential'
+  mtp.top_window = 16  # top: W, how many upcoming tokens the ranking target looks at
   # lambda(step), w_k = lambda / M. lambda_schedule 'step': piecewise constant, lambda_values
   # has one more entry than lambda_boundaries (the steps where it moves to the next value);
   # 'linear' / 'cosine': lambda_values[j] is the value at step lambda_boundaries[j] (as many
@@ -284,7 +289,7 @@ ATTENTION_FACTS = {  # model.attention, model.mtp.block_attention
 }
 ATTENTION_KINDS = tuple(ATTENTION_FACTS)
 MLP_KINDS = ('dense', 'moe')  # model.mlp, model.mtp.block_mlp
-MTP_KINDS = ('sequential', 'parallel')  # model.mtp.kind
+MTP_KINDS = ('sequential', 'parallel', 'top')  # model.mtp.kind
 MOE_DISPATCHES = ('auto', 'ragged', 'blocks', 'gmm')  # model.moe.dispatch (moe.DISPATCHES)
 MOE_EXCHANGES = ('all_to_all', 'all_gather')  # model.moe.exchange (moe_exchange.EXCHANGES)
 
@@ -482,6 +487,8 @@ def _validate_mtp(config) -> None:
            f'({d.seq_len - 1}): depth k predicts t_(i+k+1) inside the sequence')
   _require(mtp.kind in MTP_KINDS,
            f'model.mtp.kind must be {_either(MTP_KINDS)}, got {mtp.kind!r}')
+  if mtp.kind == 'top':
+    _validate_top(config)
   _validate_mtp_schedules(config)
   for name in ('detach_trunk', 'stop_gradient', 'freeze_trunk'):
     _require(isinstance(mtp[name], bool),
@@ -494,6 +501,25 @@ def _validate_mtp(config) -> None:
     _require(len(mtp.weights) == mtp.depth,
              f'model.mtp.weights has {len(mtp.weights)} entries but model.mtp.depth is {mtp.depth}')
     _require(all(w >= 0 for w in mtp.weights), f'model.mtp.weights must be >= 0, got {mtp.weights}')
+
+
+def _validate_top(config) -> None:
+  """model.mtp.kind 'top': one ranking head, so depth 1 (or 0), data targets, no leaps."""
+  mtp = config.model.mtp
+  window = optional(config, 'model.mtp.top_window', 16)
+  _require(mtp.depth in (0, 1), f"model.mtp.kind 'top' is one token-order head: "
+           f'model.mtp.depth must be 1 (or 0), got {mtp.depth!r}')
+  _require(isinstance(window, int) and not isinstance(window, bool) and window >= 1,
+           f'model.mtp.top_window must be a positive integer, got {window!r}')
+  _require(not tuple(mtp.target_offsets),
+           "model.mtp.target_offsets do not apply to model.mtp.kind 'top' (its target is "
+           'the order of the next top_window tokens): leave them ()')
+  _require(config.loss.mtp_targets == 'data',
+           f"loss.mtp_targets={config.loss.mtp_targets!r} needs a next-token MTP head; "
+           "model.mtp.kind 'top' ranks the data's upcoming tokens: use 'data'")
+  _require(not mtp.stop_gradient and not optional(config, 'model.mtp.freeze_trunk', False),
+           "model.mtp.kind 'top' is an auxiliary loss on the trunk: model.mtp.stop_gradient "
+           'and model.mtp.freeze_trunk would leave it nothing to train but its own head')
 
 
 def _validate_loss(config) -> None:

@@ -152,6 +152,20 @@ def test_statistics():
   assert se == pytest.approx(0.1 / 20 / np.log(2), rel=0.15)
 
 
+def test_holm_adjusts_a_hand_computed_family():
+  """Holm (1979) on p = (0.01, 0.04, 0.03, 0.005), by hand: sorted 0.005, 0.01, 0.03, 0.04
+  times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04; running maximum 0.02, 0.03, 0.06, 0.06; back in
+  the input order 0.03, 0.06, 0.06, 0.02."""
+  assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+  assert stats.holm([0.5, 0.9]) == [1.0, 1.0]  # capped at 1
+  assert stats.holm([0.2]) == [0.2] and stats.holm([]) == []
+  # never below the raw p, and monotone in it
+  ps = [0.001, 0.3, 0.02, 0.02, 0.7]
+  adj = stats.holm(ps)
+  assert all(a >= p for a, p in zip(adj, ps))
+  assert [a for _, a in sorted(zip(ps, adj))] == sorted(adj)
+
+
 def _per_run_metric(r, budget, metric):
   """The figure straight from a run's JSON, not through the script's lm_metrics."""
   ev = r['evals'][budget]

@@ -105,24 +105,29 @@ def test_layer_flops_are_each_kind_s_own_count():
 
 @pytest.mark.parametrize('kind', config_lib.MTP_KINDS)
 def test_a_head_kind_carries_its_facts(kind):
-  args = _args(tiny_model_config(2, kind))
+  depth = 1 if kind == 'top' else 2  # TOP is one ranking head
+  args = _args(tiny_model_config(depth, kind))
   head = args.mtp_head()
   assert head is mtp.MTP_KINDS[kind]
   model = mtp.MTPModel(args, rngs=nnx.Rngs(0))
   assert all(type(m) is head for m in model.mtp)
-  # FLOPs outside the block: sequential's eh_proj 2d -> d, nothing for parallel heads
-  assert head.flops_per_token(args) == {'sequential': 2 * 64 * 32, 'parallel': 0}[kind]
-  assert flops.flops_per_token(args, 16).mtp_eh_proj == 2 * head.flops_per_token(args)
-  # drafts: a chained head reruns its last module (recursive drafts), a parallel one cannot
+  # FLOPs outside the block: sequential's eh_proj 2d -> d, nothing for parallel or TOP heads
+  assert head.flops_per_token(args) == {'sequential': 2 * 64 * 32, 'parallel': 0, 'top': 0}[kind]
+  assert flops.flops_per_token(args, 16).mtp_eh_proj == depth * head.flops_per_token(args)
+  assert (flops.flops_per_token(args, 16).mtp_block > 0) == head.has_block
+  # drafts: a chained head reruns its last module (recursive drafts), a parallel one cannot,
+  # a TOP head ranks tokens and drafts none
   assert head.max_drafts(0) == 0
-  assert head.max_drafts(2) == (mtp.MAX_DRAFTS if head.chained else 2)
+  assert head.max_drafts(depth) == {'sequential': mtp.MAX_DRAFTS, 'parallel': depth,
+                                    'top': 0}[kind]
+  assert args.drafting_depths() == (0 if kind == 'top' else depth)
   decoder = Decoder(model)
-  decoder.program(1, 4, 4, num_drafts=head.max_drafts(2))
+  decoder.program(1, 4, 4, num_drafts=head.max_drafts(depth))
   with pytest.raises(RequestError, match='num_drafts must be in'):
-    decoder.program(1, 4, 4, num_drafts=head.max_drafts(2) + 1)
+    decoder.program(1, 4, 4, num_drafts=head.max_drafts(depth) + 1)
 
 
-@pytest.mark.parametrize('kind', config_lib.MTP_KINDS)
+@pytest.mark.parametrize('kind', [k for k in config_lib.MTP_KINDS if mtp.MTP_KINDS[k].has_block])
 def test_chained_says_whether_a_depth_reads_the_one_before(kind):
   """h^2 moves when depth 1's block changes iff the head is chained; h^1 reads tokens
   (t_(i+1)) iff chained too."""

@@ -119,9 +119,11 @@ def test_sized_variants_and_budgets():
     assert (c.model.mtp.depth, c.model.mtp.kind, c.model.mtp.curriculum) == (depth, kind, cur)
     assert c.train.min_lr_ratio == 0.1 and c.model.d_model == base.model.d_model
   runs = ablation_lib.sized_runs(960)
-  assert runs[0] == ('d0', 'tokens', 960) and len(runs) == 11
+  assert runs[0] == ('d0', 'tokens', 960) and len(runs) == 13
   flops = {v: n for v, b, n in runs if b == 'flops'}
   assert flops['d3'] == flops['d3f'] == flops['d3r'] < flops['d1'] < 960  # same compiled shapes
+  # TOP adds one [d, V] unembedding and no block: cheaper than a sequential module
+  assert flops['d1'] < flops['t1'] < 960
   with pytest.raises(ValueError, match='unknown argument'):
     tables.ABLATION.get_config('d3f')  # the curricula exist in the sized sweep only
 
@@ -161,21 +163,21 @@ def test_name_stories_score_the_second_token_at_the_second_mention():
 
 
 def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_path):
-  """Tiny sized (d0, d3f) and names (d0, p2) runs, 2 seeds: a sized run stopped after its
+  """Tiny sized (d0, d3r) and names (d0, p2) runs, 2 seeds: a sized run stopped after its
   checkpoint resumes to the uninterrupted result; the tables carry the minimum detectable
   effect; the names table reads equal steps and equal FLOPs off the curves."""
   out, work = str(tmp_path / 'out'), str(tmp_path / 'work')
   args = A.parse(['--smoke', '--seeds', '0,1', '--groups', 'sized,names', '--variants',
-                  'd0,d3f,p2', '--temperatures', '0', '--out', out, '--workdir', work,
+                  'd0,d3r,p2', '--temperatures', '0', '--out', out, '--workdir', work,
                   '--data_dir', stdlib_data_dir])
   runs = ablation_lib.make_runs(args)
   names = [(r.group, r.variant, r.seed) for r in runs]
-  assert names[:3] == [('sized', 'd0@tokens', 0), ('sized', 'd3f@tokens', 0),
-                       ('sized', 'd3f@flops', 0)]
+  assert names[:3] == [('sized', 'd0@tokens', 0), ('sized', 'd3r@tokens', 0),
+                       ('sized', 'd3r@flops', 0)]
   assert ('names', 'p2', 1) in names and all(r.steps == tables.NAMES.SMOKE_STEPS
                                              for r in runs if r.group == 'names')
   sweep = ablation_lib.make_sweep(args, runs)
-  last = [r for r in runs if r.group == 'sized' and r.steps > r.save_every][-1]  # d3f@tokens, s1
+  last = [r for r in runs if r.group == 'sized' and r.steps > r.save_every][-1]  # d3r@tokens, s1
   story = [r for r in runs if r.group == 'names'][-1]  # p2, seed 1
   for r in runs:
     if r is not last and r is not story:
@@ -202,10 +204,13 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
   assert len(resumed['evals'][budget]['heldout']['bpb']) == 4  # every depth, curriculum or not
   summary = tables.tabulate(out, {0, 1})
   tok = summary['sized']['equal_tokens']
-  assert set(tok['table']) == {'d0', 'd3f'} and tok['table']['d3f']['curriculum'] == 'forward'
-  assert 'd3f - d0 stdlib_bpb' in tok['tests'] and tok['mde']['stdlib_bpb']['n'] == 2
-  assert summary['sized']['equal_flops']['table']['d3f']['metrics']['steps']['mean'] < \
-      tok['table']['d3f']['metrics']['steps']['mean']
+  assert set(tok['table']) == {'d0', 'd3r'} and tok['table']['d3r']['curriculum'] == 'reverse'
+  # a main-head arm (design_lib.MAIN_HEAD_ARMS): its tests carry Holm's p, the MDE pools it
+  t = tok['tests']['d3r - d0 stdlib_bpb']
+  assert t['family'] == 'main head against d0' and t['family_size'] == 2 and t['p_holm'] >= t['p']
+  assert tok['mde']['stdlib_bpb']['n'] == 2 and tok['mde']['stdlib_bpb']['arms'] == ['d3r']
+  assert summary['sized']['equal_flops']['table']['d3r']['metrics']['steps']['mean'] < \
+      tok['table']['d3r']['metrics']['steps']['mean']
   nm = summary['names']
   assert set(nm['table']) == {'d0', 'p2'}
   p2 = nm['table']['p2']['metrics']
@@ -228,11 +233,18 @@ def test_design_command_measures_prints_and_saves(tmp_path, capsys):
                  '--temperatures', '0', '--budget_hours', '0.5']) == 0
   text = capsys.readouterr().out
   d = json.load(open(os.path.join(out, 'design.json')))
-  assert d['seeds'] >= 5 and d['steps'] >= 960 and d['runs_per_seed'] == 11
+  assert d['seeds'] >= 5 and d['steps'] >= 960 and d['runs_per_seed'] == 13
   assert all(d['step_seconds'][v] > 0 for v in tables.ABLATION.SIZED_VARIANTS)
   assert d['step_seconds']['d3f'] == d['step_seconds']['d3']  # measured once per shape
   assert f"--sized_steps {d['steps']}" in text and 'Minimum detectable paired effect' in text
   assert d['names']['wall_seconds'] > 0 and 'mtp-ablation --groups names' in text
+  # the main-head arms: seeds to the target at the committed spread, the command that adds
+  # them, and the families of tests the tables will correct within
+  mh = d['main_head']
+  assert mh['mde_at_seeds'] <= design_lib.TARGET_MDE < mh['mde_committed']
+  assert mh['seeds_at_upper_sd'] >= mh['seeds'] and mh['wall_seconds_to_add'] > 0
+  assert mh['command'] in text and '--variants d0,d1,d3,d3r,t1' in mh['command']
+  assert set(d['families']) == set(design_lib.FAMILIES)
   args = A.parse(['--groups', 'sized', '--out', out])
   assert ablation_lib.sized_steps(args) == d['steps']
   assert A.main(['--groups', 'sized', '--out', str(tmp_path / 'none'), '--seeds', '0']) == 2

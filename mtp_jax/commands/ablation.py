@@ -14,7 +14,7 @@ Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
   speculative decoding of held-out prompts, greedy and sampled at T = 1 and T = 0.7.
 - `induction`: configs/induction.py's M = 0 / 1 / 3 at equal training FLOPs; accuracy
   on the second occurrence of a repeated random span vs training steps.
-- `sized`: configs/ablation.py's `,decay` variants d0 / d1 / d3 / d3f / d3r / d3p with a
+- `sized`: configs/ablation.py's `,decay` variants d0 / d1 / d3 / d3f / d3r / d3p / t1 with a
   learning rate decayed over each run, so every budget is its own run (`<variant>@tokens`
   at the design's steps, `<variant>@flops` at its equal-FLOP steps; d0@tokens is both);
   the seeds and steps come from `--design` (mtp_jax/research/design.py), which sizes the
@@ -23,6 +23,9 @@ Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
 - `names`: configs/induction_names.py's M = 0 / parallel n = 2 / sequential M = 1 on
   stories with random names (Gloeckle et al. 2024 section 4.1): accuracy on the second
   token of a name at its second mention vs steps, at equal steps and equal FLOPs.
+- `bpe_names`: configs/induction_bpe.py's M = 0 / n = 2 / sequential M = 1 at each trunk
+  size (`<variant>@<size>`), trained on stories with ordinary names and tested on random
+  names of two tokens of the task's own trained BPE, as Gloeckle et al. ran it.
 
 Each run writes OUT/<group>/<variant>_s<seed>.json when it finishes; a run whose JSON
 exists is skipped, an interrupted one resumes from its last checkpoint in WORKDIR. The
@@ -34,7 +37,15 @@ import os
 import sys
 
 from mtp_jax import cli
-from mtp_jax.research.tables import ABLATION, DEFAULT_GROUPS, GROUPS, INDUCTION, NAMES, REPO
+from mtp_jax.research.tables import (
+  ABLATION,
+  BPE_NAMES,
+  DEFAULT_GROUPS,
+  GROUPS,
+  INDUCTION,
+  NAMES,
+  REPO,
+)
 
 
 def parse(argv):
@@ -83,7 +94,7 @@ def parse(argv):
     p.error(f'unknown group(s) {bad}; choose from {", ".join(GROUPS)}')
   args.variants = args.variants.split(',') if args.variants else []
   known = set(ABLATION.VARIANTS) | set(INDUCTION.VARIANTS) | set(ABLATION.SIZED_VARIANTS) \
-      | set(NAMES.VARIANTS)
+      | set(NAMES.VARIANTS) | set(BPE_NAMES.VARIANTS)
   bad = [v for v in args.variants if v not in known]
   if bad:
     p.error(f'unknown variant(s) {bad}; choose from {", ".join(sorted(known))}')

@@ -20,6 +20,9 @@ every machine, and a resumed run sees exactly the batches an uninterrupted one d
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -205,10 +208,159 @@ class NameStoryTask:
     return self.rows(np.random.default_rng([seed, 2**31]), n)
 
 
+# -- Gloeckle et al. 2024 section 4.1 as run there: ordinary names to train on, random
+# two-token names of the run's own trained tokenizer to test on ---------------------------
+ORDINARY_NAMES = (
+    'Tom', 'Lily', 'Ben', 'Sue', 'Max', 'Anna', 'Sam', 'Mia', 'Jack', 'Lucy', 'Tim', 'Emma',
+    'Jake', 'Sara', 'Leo', 'Zoe', 'Bob', 'Amy', 'Dan', 'Kate', 'Joe', 'Ella', 'Nick', 'Rose',
+    'Finn', 'Ivy', 'Paul', 'Jane', 'Mark', 'Lisa', 'Noah', 'Grace')
+
+
+def word_story(sentences: Sequence[str], names: Sequence[str]) -> tuple[list[str], list[int]]:
+  """(words, indices of the scored words: each name at its second mention) of a story
+  whose {A} / {B} slots take names[0] / names[1]. Punctuation is its own word, so a name is
+  always a whole whitespace-separated word and its tokens never merge with a neighbour's."""
+  words, seen, scored = [], [0, 0], []
+  for sentence in sentences:
+    for w in sentence.replace('.', ' .').replace(',', ' ,').split():
+      slot = {'{A}': 0, '{B}': 1}.get(w)
+      if slot is None:
+        words.append(w)
+        continue
+      seen[slot] += 1
+      if seen[slot] == 2:
+        scored.append(len(words))
+      words.append(names[slot])
+  return words, scored
+
+
+# Every word of the templates: no test name may be one ('Then', 'Later').
+TEMPLATE_WORDS = frozenset(w for t in INTRO + BODY for w in
+                           t.replace('.', ' ').replace(',', ' ').split() if '{' not in w)
+
+
+@functools.lru_cache(maxsize=4)
+def story_tokenizer(vocab_size: int, corpus_stories: int, seed: int):
+  """(SentencePiece BPE trained on `corpus_stories` ordinary-name stories, the sorted
+  names of exactly two of its tokens that are no ordinary name and no template word): the same for the same
+  arguments on every machine (sentencepiece's trainer is deterministic on one thread)."""
+  rng = np.random.default_rng([seed, 2**30])
+  texts = [''.join(' ' + w for w in _pick_story(rng, ORDINARY_NAMES, 2, 4)[0])
+           for _ in range(corpus_stories)]
+  tok = tokenizers.SentencePieceTokenizer(
+      tokenizers.train_sentencepiece(texts, vocab_size=vocab_size, num_threads=1))
+  pieces = [tok.decode([i]) for i in range(tok.vocab_size)]
+  firsts = [i for i, p in enumerate(pieces) if re.fullmatch(' [A-Z][a-z]*', p)]
+  seconds = [i for i, p in enumerate(pieces) if re.fullmatch('[a-z]+', p)]
+  names = sorted({pieces[a][1:] + pieces[b] for a in firsts for b in seconds
+                  if tok.encode(' ' + pieces[a][1:] + pieces[b]) == [a, b]}
+                 - set(ORDINARY_NAMES) - TEMPLATE_WORDS)
+  return tok, tuple(names)
+
+
+def _pick_story(rng, pool: Sequence[str], body_min: int, body_max: int):
+  """(words, scored word indices) of one story with two distinct names from `pool`."""
+  a, b = rng.choice(len(pool), 2, replace=False)
+  sentences = [INTRO[int(rng.integers(len(INTRO)))]] + [
+      BODY[int(i)] for i in rng.integers(0, len(BODY), int(rng.integers(body_min, body_max + 1)))]
+  return word_story(sentences, (pool[int(a)], pool[int(b)]))
+
+
+@dataclasses.dataclass(frozen=True)
+class BPENameStoryTask:
+  """Induction as Gloeckle et al. 2024 (section 4.1) ran it, on template stories: the model
+  trains on stories whose characters have ordinary names (ORDINARY_NAMES) and is tested
+  on stories whose names are random names of exactly two tokens of the run's own trained
+  tokenizer (story_tokenizer: a SentencePiece BPE of `vocab_size` pieces trained on
+  ordinary-name stories). The score: the main head's top-1 accuracy on the second token
+  of a name at its second mention; given the name's first token, only a look back at its
+  first mention tells the second. `copy_mask` marks those targets (in training rows too,
+  where an ordinary name has a second token).
+
+  Tokens of a story are its words' tokens, each word with a leading space (so a name is
+  the same tokens at every mention): what the whole text encodes to, as the tokenizer
+  splits at whitespace.
+  """
+  seq_len: int = 128
+  vocab_size: int = 512
+  corpus_stories: int = 4000
+  tokenizer_seed: int = 0
+  body_min: int = 2
+  body_max: int = 4
+  kind: str = 'bpe_names'
+
+  def __post_init__(self):
+    if not 1 <= self.body_min <= self.body_max:
+      raise ValueError(f'need 1 <= body_min <= body_max, got {self.body_min}, {self.body_max}')
+    if self.seq_len < 32:
+      raise ValueError(f'seq_len {self.seq_len} cannot hold a story opening (need >= 32)')
+
+  @property
+  def tokenizer(self):
+    return story_tokenizer(self.vocab_size, self.corpus_stories, self.tokenizer_seed)[0]
+
+  @property
+  def test_names(self) -> tuple:
+    return story_tokenizer(self.vocab_size, self.corpus_stories, self.tokenizer_seed)[1]
+
+  def chance(self) -> float:
+    """1 / the number of distinct second tokens among the test names: the accuracy of a
+    uniform guess among them (a model that knows nothing of the first mention)."""
+    tok = self.tokenizer
+    return 1 / len({tok.encode(' ' + n)[1] for n in self.test_names})
+
+  def encode_story(self, words: Sequence[str], scored: Sequence[int]):
+    """(token ids, positions of the scored tokens: the second token of each scored name)."""
+    tok, ids, marks = self.tokenizer, [], []
+    for j, w in enumerate(words):
+      piece = tok.encode(' ' + w)
+      if j in scored and len(piece) >= 2:
+        marks.append(len(ids) + 1)
+      ids += piece
+    return ids, marks
+
+  def rows(self, rng: np.random.Generator, n: int, test: bool) -> dict[str, np.ndarray]:
+    """{tokens, segment_ids, positions, copy_mask}, each [n, T]: stories packed as
+    documents, the last one cut at seq_len; test: random two-token names."""
+    pool = self.test_names if test else ORDINARY_NAMES
+    if len(pool) < 2:
+      raise ValueError(f'a BPE of {self.vocab_size} pieces trained on {self.corpus_stories} '
+                       'stories has no names of two tokens: raise vocab_size')
+    t = self.seq_len
+    out = {k: np.zeros((n, t), np.int32) for k in ('tokens', 'segment_ids', 'positions')}
+    mask = np.zeros((n, t), bool)
+    for r in range(n):
+      i, seg = 0, 1
+      while i < t:
+        ids, marks = self.encode_story(*_pick_story(rng, pool, self.body_min, self.body_max))
+        m = min(len(ids), t - i)
+        out['tokens'][r, i:i + m] = ids[:m]
+        out['segment_ids'][r, i:i + m] = seg
+        out['positions'][r, i:i + m] = np.arange(m)
+        for c in marks:
+          if c < m:
+            mask[r, i + c] = True
+        i, seg = i + m, seg + 1
+    out['copy_mask'] = mask
+    return out
+
+  def batch(self, seed: int, step: int, batch_size: int) -> dict[str, np.ndarray]:
+    """Training batch `step` of run `seed`: ordinary-name stories."""
+    return self.rows(np.random.default_rng([seed, step]), batch_size, test=False)
+
+  def eval_batch(self, n: int, seed: int = 12345) -> dict[str, np.ndarray]:
+    """The fixed test set: n rows of random-name stories, from a seed no training run uses."""
+    return self.rows(np.random.default_rng([seed, 2**31]), n, test=True)
+
+
 def make_task(seq_len: int, kind: str = 'spans', **fields):
-  """The task of a sweep run's `task` fields: 'spans' (InductionTask) or 'names'."""
+  """The task of a sweep run's `task` fields: 'spans' (InductionTask), 'names'
+  (NameStoryTask) or 'bpe_names' (BPENameStoryTask)."""
   if kind == 'names':
     return NameStoryTask(seq_len=seq_len, **fields)
+  if kind == 'bpe_names':
+    return BPENameStoryTask(seq_len=seq_len, **fields)
   if kind != 'spans':
-    raise ValueError(f"induction task kind must be 'spans' or 'names', got {kind!r}")
+    raise ValueError(f"induction task kind must be 'spans', 'names' or 'bpe_names', "
+                     f'got {kind!r}')
   return InductionTask(seq_len=seq_len, **fields)

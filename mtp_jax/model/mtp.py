@@ -6,6 +6,8 @@ Sequential (DeepSeek-V3) depth k at position i:
   P^k    = OutHead(shared_head.norm(h^k_i))     distribution of t_{i+k+1}
 Parallel heads (ablation): h^k = block_k(h^0), no token input, no chain.
 `Emb` and `OutHead` are shared by every depth.
+Token order prediction (TOP, Zuhri et al. 2025): no block; one extra unembedding
+U_top [d, V] scores every token on the trunk's normed h^0 (train/loss.py's top_sums).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class ModelArgs:
   detach_trunk: bool = False
   stop_gradient: bool = False  # MTP losses reach neither h^0 nor Emb nor OutHead (config_lib)
   mtp_target_offsets: tuple = ()  # o_1..o_M: depth k predicts t_(i+o_k); () = k + 1
+  top_window: int = 16  # mtp_kind 'top': W, the upcoming tokens its ranking target orders
   remat: str = 'none'  # none | block | full (see remat_policy); never changes parameters
   scan_layers: bool = False  # lax.scan over trunk blocks and MTP depths; never changes parameters
   # Block kinds (config_lib documents each field): attention gqa | mla, mlp dense | moe.
@@ -100,7 +103,10 @@ class ModelArgs:
     return cls(**values)
 
   def target_offsets(self) -> tuple:
-    """(1, o_1, ..., o_M): how far ahead each head predicts, the main head first."""
+    """(1, o_1, ..., o_M): how far ahead each head predicts, the main head first. A TOP
+    head's ranking starts at the next token: offset 1 (it cannot draft)."""
+    if self.mtp_kind == 'top':
+      return (1,) * (self.mtp_depth + 1)
     return (1,) + (tuple(self.mtp_target_offsets) or tuple(range(2, self.mtp_depth + 2)))
 
   def mtp_head(self) -> type:
@@ -126,6 +132,7 @@ _MOE_FIELDS = ('n_routed_experts', 'n_shared_experts', 'num_experts_per_tok',
 _CONFIG_PATHS = {
     'mtp_depth': 'mtp.depth', 'mtp_kind': 'mtp.kind', 'detach_trunk': 'mtp.detach_trunk',
     'stop_gradient': 'mtp.stop_gradient', 'mtp_target_offsets': 'mtp.target_offsets',
+    'top_window': 'mtp.top_window',
     'mtp_block_attention': 'mtp.block_attention',
     'mtp_block_mlp': 'mtp.block_mlp', 'moe_dispatch': 'moe.dispatch',
     'moe_exchange': 'moe.exchange', 'moe_capacity_factor': 'moe.capacity_factor',
@@ -270,6 +277,7 @@ class SequentialMTP(nnx.Module):
 
   chained: ClassVar[bool] = True  # depth k reads h^{k-1} and the token t_(i+k)
   hf_layer: ClassVar[bool] = True  # DeepSeek-V3's MTP layer: the HF layouts hold it
+  has_block: ClassVar[bool] = True  # a transformer block of its own (FLOPs: mtp_block)
 
   @staticmethod
   def max_drafts(depths: int) -> int:
@@ -321,6 +329,7 @@ class ParallelHead(nnx.Module):
 
   chained: ClassVar[bool] = False  # every depth reads h^0 only
   hf_layer: ClassVar[bool] = False
+  has_block: ClassVar[bool] = True
 
   @staticmethod
   def max_drafts(depths: int) -> int:
@@ -346,13 +355,49 @@ class ParallelHead(nnx.Module):
     self.block.prepare_decode(layout)
 
 
+class TokenOrderHead(nnx.Module):
+  """TOP (Zuhri et al. 2025): one extra unembedding U_top [d, V] on the trunk's h^0 after
+  the final norm; no block, no token input. Its scores rank the vocabulary by how soon each
+  token next appears (train/loss.py: top_targets, top_sums); it predicts no single token,
+  so it cannot draft."""
+
+  chained: ClassVar[bool] = False
+  hf_layer: ClassVar[bool] = False
+  has_block: ClassVar[bool] = False
+
+  @staticmethod
+  def max_drafts(depths: int) -> int:
+    del depths
+    return 0
+
+  @staticmethod
+  def flops_per_token(cfg) -> float:
+    """Nothing outside OutHead's count: U_top is one more [d, V] product, which flops.py
+    counts with the vocab projections (one per depth)."""
+    del cfg
+    return 0.0
+
+  def __init__(self, args: ModelArgs, rngs: nnx.Rngs):
+    init = nnx.with_partitioning(nnx.initializers.normal(args.init_std), ('embed', 'vocab'))
+    self.unembed = nnx.Param(init(rngs.params(), (args.d_model, args.vocab_size), args.dtype))
+
+  def block_input(self, h_prev_BxTxD: Array, tokens_BxT, embed, decode: bool = False) -> Array:
+    """The head's input: the trunk's h^0 itself (the caller passes h^0)."""
+    del tokens_BxT, embed, decode
+    return h_prev_BxTxD
+
+  def prepare_decode(self, layout: str) -> None:
+    del layout  # never drafts: nothing to lay out
+
+
 # The kinds by their config names: model.attention / model.mtp.block_attention,
 # model.mlp / model.mtp.block_mlp, model.mtp.kind. config_lib validates the same names
 # (tests/test_config.py holds the two equal).
 ATTENTION_KINDS: dict[str, type[layers.AttentionKind]] = {
     'gqa': layers.Attention, 'mla': mla.MLAttention}
 MLP_KINDS: dict[str, type[layers.MLPKind]] = {'dense': layers.MLP, 'moe': moe.MoE}
-MTP_KINDS: dict[str, type] = {'sequential': SequentialMTP, 'parallel': ParallelHead}
+MTP_KINDS: dict[str, type] = {'sequential': SequentialMTP, 'parallel': ParallelHead,
+                              'top': TokenOrderHead}
 
 
 class MTPModel(nnx.Module):
@@ -500,6 +545,9 @@ class MTPModel(nnx.Module):
     for k in range(1, self.args.mtp_depth + 1):
       module = self.mtp[k - 1]
       x = module.block_input(h, shift_left(tokens_BxT, offsets[k] - 1), self.mtp_embed)
+      if not module.has_block:  # TOP: its head reads h^0 itself
+        hiddens.append(x)
+        continue
       hk = run_blocks([module.block], x, positions_BxT, mask, self.args.remat)
       hiddens.append(hk)
       h = hk if chained else h

@@ -15,12 +15,17 @@ import mtp_jax.research.tables as tables
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import induction
 from mtp_jax.errors import RequestError
-from mtp_jax.research.tables import ABLATION, CONFIGS, INDUCTION, NAMES, SIZED_BUDGETS
+from mtp_jax.research.tables import ABLATION, BPE_NAMES, CONFIGS, INDUCTION, NAMES, SIZED_BUDGETS
 
 
 def group_variants(args, group: str) -> list[str]:
+  """The group's variants that --variants keeps; bpe_names: each at every size,
+  `<variant>@<size>`."""
   allv = list(ABLATION.SIZED_VARIANTS if group == 'sized' else CONFIGS[group].VARIANTS)
-  return [v for v in allv if not args.variants or v in args.variants]
+  keep = [v for v in allv if not args.variants or v in args.variants]
+  if group == 'bpe_names':
+    return [f'{v}@{size}' for size in BPE_NAMES.SIZES for v in keep]
+  return keep
 
 
 def sized_runs(steps: int, smoke: bool = False, variants=None) -> list[tuple[str, str, int]]:
@@ -79,7 +84,7 @@ def make_runs(args):
       mod = CONFIGS[group]
       base = mod.get_config(mod.BASELINE + opt)
       for v in group_variants(args, group):
-        c = mod.get_config(v + opt)
+        c = mod.get_config(v.split('@')[0] + opt)
         c.seed = seed
         c.data.shuffle_seed = seed
         if args.data_dir:
@@ -89,6 +94,14 @@ def make_runs(args):
           runs.append(research.Run('lm', v, seed, c, eval_at={
               'equal_flops': equal, 'equal_tokens': int(c.train.steps)},
               save_every=4 if args.smoke else 50))
+        elif group == 'bpe_names':  # as names, one trunk size per variant@size
+          v_name, size = v.split('@')
+          c = BPE_NAMES.get_config(f'{v_name},{size}{opt}')
+          c.seed, c.data.shuffle_seed = seed, seed
+          every = BPE_NAMES.SMOKE_EVAL_EVERY if args.smoke else BPE_NAMES.EVAL_EVERY
+          runs.append(research.Run('bpe_names', v, seed, c, kind='induction', eval_every=every,
+                                   log_every=every, task=BPE_NAMES.SMOKE_TASK if args.smoke
+                                   else BPE_NAMES.TASK, save_every=4 if args.smoke else 100))
         elif group == 'names':  # every variant the same steps; equal FLOPs from the curves
           every = NAMES.SMOKE_EVAL_EVERY if args.smoke else NAMES.EVAL_EVERY
           runs.append(research.Run('names', v, seed, c, kind='induction', eval_every=every,
@@ -116,7 +129,7 @@ def make_sweep(args, runs):
         num_prompts=2 if args.smoke else 16, prompt_len=16 if args.smoke else 64,
         new_tokens=8 if args.smoke else 64, heldout_rule=rule,
         temperatures=args.temperatures)
-  for group in ('induction', 'names'):
+  for group in ('induction', 'names', 'bpe_names'):
     ind = [r for r in runs if r.group == group]
     if ind:
       mod = CONFIGS[group]
@@ -148,6 +161,25 @@ def names_estimate(args, research) -> dict:
           'command': f'mtp-ablation --groups names --seeds {",".join(map(str, range(seeds)))}'}
 
 
+def main_head_command(seeds: int, steps: int, out: str, workdir: str) -> str:
+  """The command that runs the main-head arms' seeds 0..seeds-1, skipping every finished one."""
+  return (f'mtp-ablation --groups sized --variants {",".join(design_lib.MAIN_HEAD_ARMS)} '
+          f'--seeds {",".join(str(s) for s in range(seeds))} --sized_steps {steps} '
+          f'--out {out} --workdir {workdir}')
+
+
+def main_head(args, step_s=None, eval_s=None) -> dict:
+  """The seeds the main-head question needs at the committed sweep's spread of its arms
+  (design_lib.main_head_design) and the command that adds them to the committed runs."""
+  spread = design_lib.committed_spread(args.spread_from, ABLATION.BASELINE,
+                                       design_lib.MAIN_HEAD_ARMS)
+  out = design_lib.main_head_design(
+      spread, step_seconds=step_s, eval_seconds=eval_s,
+      runs_for=lambda n: sized_runs(n, args.smoke, design_lib.MAIN_HEAD_ARMS))
+  out['command'] = main_head_command(out['seeds'], spread['steps'], args.out, args.workdir)
+  return out
+
+
 def make_design(args) -> dict:
   """--design: the committed spread, step times measured briefly, the chosen design."""
   spread = design_lib.committed_spread(args.spread_from, ABLATION.BASELINE)
@@ -169,6 +201,8 @@ def make_design(args) -> dict:
     step_s[v], eval_s[v] = measured[key]
   design = design_lib.choose(spread, lambda n: sized_runs(n, args.smoke), step_s, eval_s,
                              budget_hours=args.budget_hours)
+  design['families'] = design_lib.FAMILIES
+  design['main_head'] = main_head(args, step_s, eval_s)
   design['names'] = names_estimate(args, research)
   design['load_average'] = {'before': list(load), 'after': list(os.getloadavg())}
   design['command'] = (f'mtp-ablation --groups sized --seeds '
@@ -194,6 +228,7 @@ def run(args) -> int:
           f"{nm['steps']} steps, estimated {nm['wall_seconds'] / 3600:.2f} h (seconds per step "
           + ', '.join(f'{v} {t:.3f}' for v, t in nm['step_seconds'].items())
           + f").\nRun: {nm['command']}")
+    print(design_lib.describe_main_head(design['main_head']))
     return 0
   if not args.no_run:
     runs = make_runs(args)

@@ -28,8 +28,26 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from scipy import stats as scipy_stats
+
 import mtp_jax.research.results as results_lib
 import mtp_jax.research.stats as stats
+
+# The families of paired tests of the sized sweep, declared before its runs: the tables
+# apply Holm's correction within each family at each budget, over the family's tests whose
+# two arms both have runs. A test is (variant, reference, metric); `mtp-ablation --design`
+# writes them into OUT/design.json, which the tables then read.
+MAIN_HEAD_METRICS = ('stdlib_bpb', 'heldout_bpb')
+FAMILIES = {
+    'main head against d0': [(v, 'd0', m) for v in ('d1', 'd3', 'd3f', 'd3r', 'd3p', 't1')
+                             for m in MAIN_HEAD_METRICS],
+    'curriculum against static d3': [(v, 'd3', m) for v in ('d3f', 'd3r')
+                                     for m in MAIN_HEAD_METRICS + ('tau_T0', 'tau_T1')],
+    'TOP against d1': [('t1', 'd1', m) for m in MAIN_HEAD_METRICS],
+}
+# The arms of the main-head question: the seeds added to the committed sweep run these at
+# equal tokens (and equal FLOPs), until the minimum detectable effect is TARGET_MDE.
+MAIN_HEAD_ARMS = ('d0', 'd1', 'd3', 'd3r', 't1')
 
 TARGET_MDE = 0.05  # bits per byte
 ALPHA, POWER = 0.05, 0.8
@@ -58,9 +76,10 @@ def committed_evals(out_dir: str) -> tuple[str, dict]:
   return group, out
 
 
-def committed_spread(out_dir: str, baseline: str = 'd0') -> dict:
+def committed_spread(out_dir: str, baseline: str = 'd0', variants=None) -> dict:
   """The paired spread of a committed sweep, per budget: pooled sd, its dof, each
-  comparison's sd, plus the sweep's seeds and tokens per run."""
+  comparison's sd, plus the sweep's seeds and tokens per run; `variants`: pool only
+  these variants' comparisons (default: every variant)."""
   group, by = committed_evals(out_dir)
   base = {s: r for (v, _, s), r in by.items() if v == baseline}
   if not base:
@@ -70,7 +89,7 @@ def committed_spread(out_dir: str, baseline: str = 'd0') -> dict:
          'tokens_per_step': int(any_base['tokens_per_step']),
          'tokens_per_run': int(any_base['steps']) * int(any_base['tokens_per_step']),
          'budgets': {}}
-  variants = sorted({v for v, _, _ in by if v != baseline})
+  variants = sorted({v for v, _, _ in by if v != baseline and (variants is None or v in variants)})
   budgets = sorted({b for _, b, _ in by})
   for budget in budgets:
     groups, each = [], {}
@@ -135,6 +154,54 @@ def choose(spread: dict, runs_for: Callable[[int], list], step_seconds: dict,
       'step_seconds': dict(step_seconds), 'eval_seconds': dict(eval_seconds)}
 
 
+def main_head_design(spread: dict, arms=MAIN_HEAD_ARMS, target: float = TARGET_MDE,
+                     step_seconds: dict | None = None, eval_seconds: dict | None = None,
+                     runs_for: Callable[[int], list] | None = None) -> dict:
+  """The seeds the main-head question needs: the arms' equal-token paired spread against
+  the baseline (`spread`: committed_spread over these arms; pooled per corpus, the larger
+  of the two), and the fewest seeds whose
+  minimum detectable paired effect is <= `target`
+  - at that spread (alpha ALPHA, power POWER: the stated criterion);
+  - at the spread's one-sided 95 % upper confidence bound (chi-square, its dof): the seeds
+    that still reach the target if the spread was estimated low;
+  - at alpha / m (Holm's first step, m = the arms' tests against the baseline in the
+    declared main-head family): the seeds that reach it family-wise.
+  With step_seconds / eval_seconds per arm and runs_for(steps) (one seed's runs of these
+  arms, ablation.sized_runs): the wall time of the seeds still to run."""
+  tok = spread['budgets']['equal_tokens']
+  # the larger corpus's pooled sd (each comparison has the same seeds: the root mean square)
+  per_corpus = {c: math.sqrt(sum(v ** 2 for k, v in tok['comparisons'].items()
+                                 if k.endswith(' ' + c))
+                             / max(1, sum(k.endswith(' ' + c) for k in tok['comparisons'])))
+                for c in CORPORA}
+  sd, dof = max(per_corpus.values()), tok['dof'] // len(CORPORA)
+  upper = sd * math.sqrt(dof / scipy_stats.chi2.ppf(0.05, dof)) if dof else math.inf
+  family = [t for t in FAMILIES['main head against d0'] if t[0] in arms]
+  n = stats.seeds_for_effect(target, sd, ALPHA, POWER)
+  out = {'arms': list(arms), 'target_mde': target, 'alpha': ALPHA, 'power': POWER,
+         'committed_seeds': list(spread['seeds']), 'tokens_per_run': spread['tokens_per_run'],
+         'pooled_sd_per_corpus': per_corpus, 'pooled_sd': sd, 'dof': dof,
+         'pooled_sd_upper95': upper,
+         'comparisons': tok['comparisons'],
+         'mde_committed': stats.min_detectable_effect(sd, len(spread['seeds']), ALPHA, POWER),
+         'seeds': n, 'mde_at_seeds': stats.min_detectable_effect(sd, n, ALPHA, POWER),
+         'seeds_at_upper_sd': stats.seeds_for_effect(target, upper, ALPHA, POWER),
+         'family_size': len(family),
+         'seeds_familywise': stats.seeds_for_effect(target, sd, ALPHA / max(len(family), 1),
+                                                    POWER)}
+  if step_seconds and runs_for is not None:
+    per = per_seed_seconds(runs_for(spread['steps']), step_seconds, eval_seconds)
+    new_arm = [a for a in arms if a not in {c.split(' - ')[0] for c in tok['comparisons']}
+               and a != 'd0']
+    out['per_seed_seconds'] = per
+    out['wall_seconds_to_add'] = (  # the committed arms need seeds n_committed..n-1 only
+        max(0, n - len(spread['seeds'])) * per
+        + len(spread['seeds']) * per_seed_seconds(
+            [r for r in runs_for(spread['steps']) if r[0] in new_arm], step_seconds,
+            eval_seconds))
+  return out
+
+
 def describe(design: dict) -> str:
   """The design as the lines the command prints."""
   sp = design['spread']
@@ -161,3 +228,19 @@ def describe(design: dict) -> str:
       + '; per evaluation: ' + ', '.join(
           f'{v} {s:.1f}' for v, s in design['eval_seconds'].items()) + '.']
   return '\n'.join(lines)
+
+
+def describe_main_head(d: dict) -> str:
+  """main_head_design's result as the lines the command prints."""
+  wall = (f", about {d['wall_seconds_to_add'] / 3600:.1f} h of runs to add"
+          if 'wall_seconds_to_add' in d else '')
+  return '\n'.join([
+      f"Main-head question ({', '.join(d['arms'])}, equal tokens): paired sd "
+      f"{d['pooled_sd']:.4f} against {d['arms'][0]} (the larger corpus, {d['dof']} dof; 95 % "
+      f"upper bound {d['pooled_sd_upper95']:.4f}); minimum detectable effect "
+      f"{d['mde_committed']:.3f} at the committed {len(d['committed_seeds'])} seeds.",
+      f"Minimum detectable effect <= {d['target_mde']}: {d['seeds']} seeds "
+      f"({d['mde_at_seeds']:.4f}){wall}; {d['seeds_at_upper_sd']} if the spread is at its "
+      f"upper bound; {d['seeds_familywise']} at alpha / {d['family_size']} (Holm's first "
+      'step over the family).',
+      f"Run: {d['command']}"])

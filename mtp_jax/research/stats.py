@@ -1,4 +1,5 @@
-"""The statistics of a multi-seed sweep: means, Welch and paired t-tests, standard errors."""
+"""The statistics of a multi-seed sweep: means, Welch and paired t-tests, standard errors,
+Holm's family-wise correction, power."""
 from __future__ import annotations
 
 import math
@@ -98,3 +99,19 @@ def pooled_sd(groups: Sequence[Sequence[float]]) -> tuple[float, int]:
       ss += float(((a - a.mean()) ** 2).sum())
       dof += len(a) - 1
   return (math.sqrt(ss / dof) if dof else 0.0), dof
+
+
+def holm(ps: Sequence[float]) -> list[float]:
+  """Holm's step-down adjusted p-values of one family of m tests, in the input order.
+
+  Sorted ascending p_(1) <= ... <= p_(m): adjusted p_(j) = max over i <= j of
+  min(1, (m - i + 1) p_(i)). Rejecting where the adjusted p < alpha holds the family-wise
+  error rate at alpha whatever the dependence between the tests (Holm 1979).
+  """
+  m = len(ps)
+  order = sorted(range(m), key=lambda i: ps[i])
+  out, running = [0.0] * m, 0.0
+  for rank, i in enumerate(order):
+    running = max(running, min(1.0, (m - rank) * float(ps[i])))
+    out[i] = running
+  return out

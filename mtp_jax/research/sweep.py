@@ -33,7 +33,7 @@ from flax import nnx
 
 import mtp_jax.research.results as results_lib
 from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import train_state
+from mtp_jax import config_lib, train_state
 from mtp_jax.data import induction, pipeline, tokenizers
 from mtp_jax.errors import RequestError
 from mtp_jax.research.heldout import HeldoutRule, heldout_documents, pack_rows, prompts_from
@@ -204,7 +204,8 @@ class Sweep:
   def saved(self, run: Run) -> dict | None:
     """The run's finished result in the output folder, or None."""
     saved = results_lib.find_result(self.out_dir, run.group, run.variant, run.seed)
-    if saved is not None and saved.get('config') != _config_dict(_resolved(run.config)):
+    if saved is not None and not same_config(saved.get('config'),
+                                             _config_dict(_resolved(run.config))):
       raise RequestError(f'{self.result_path(run)} holds {run.name} of another config; '
                        'move the file away to rerun')
     return saved
@@ -311,6 +312,27 @@ def _resolved(config):
 
 def _config_dict(config) -> dict:
   return json.loads(config.to_json_best_effort())
+
+
+def same_config(saved: dict | None, now: dict) -> bool:
+  """Whether a run saved with config `saved` is the run `now` describes: equal, except that
+  a field added to the config after the run was saved may be missing from `saved` when
+  `now` holds its default (config_lib.base_config's value), as config_lib.optional reads
+  an older config."""
+  return _same(saved, now, _config_dict(config_lib.base_config()))
+
+
+def _same(saved, now, default) -> bool:
+  if not isinstance(saved, dict) or not isinstance(now, dict):
+    return saved == now
+  default = default if isinstance(default, dict) else {}
+  for key, value in now.items():
+    if key in saved:
+      if not _same(saved[key], value, default.get(key)):
+        return False
+    elif key not in default or default[key] != value:
+      return False
+  return all(key in now for key in saved)
 
 
 load_results = results_lib.load_results

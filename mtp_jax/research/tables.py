@@ -1,8 +1,10 @@
 """The ablation sweep's tables: the per-run JSON of each group (OUT/lm.json, induction.json,
-sized.json, names.json) aggregated over seeds, with Welch and paired tests, as
-OUT/summary.json and the markdown of OUT/summary.md.
+sized.json, names.json, bpe_names.json) aggregated over seeds, with Welch and paired tests
+and Holm's correction within each family of tests, as OUT/summary.json and the markdown of
+OUT/summary.md.
 
-Numpy and scipy only: `mtp-ablation --no_run` tabulates without starting JAX.
+Numpy and scipy (and sentencepiece for the bpe_names group's chance level): `mtp-ablation
+--no_run` tabulates without starting JAX.
 """
 from __future__ import annotations
 
@@ -11,14 +13,16 @@ import os
 
 import numpy as np
 
+import mtp_jax.research.design as design_lib
 import mtp_jax.research.results as results_lib
 import mtp_jax.research.stats as stats
 from mtp_jax import config_files
+from mtp_jax.data import induction
 
 # The checkout this package is installed from (pip install -e .): configs/ lives there.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-GROUPS = ('lm', 'induction', 'sized', 'names')
+GROUPS = ('lm', 'induction', 'sized', 'names', 'bpe_names')
 DEFAULT_GROUPS = ('lm', 'induction')
 SIZED_BUDGETS = {'tokens': 'equal_tokens', 'flops': 'equal_flops'}  # variant suffix -> budget
 BUDGETS = {'equal_flops': 'equal training FLOPs', 'equal_tokens': 'equal training tokens'}
@@ -33,7 +37,8 @@ def load_config_module(name: str):
 ABLATION = load_config_module('ablation')
 INDUCTION = load_config_module('induction')
 NAMES = load_config_module('induction_names')
-CONFIGS = {'lm': ABLATION, 'induction': INDUCTION, 'names': NAMES}
+BPE_NAMES = load_config_module('induction_bpe')
+CONFIGS = {'lm': ABLATION, 'induction': INDUCTION, 'names': NAMES, 'bpe_names': BPE_NAMES}
 
 
 def lm_metrics(r: dict, budget: str) -> dict:
@@ -125,6 +130,7 @@ def tabulate(out_dir: str, seeds=None) -> dict:
         if len(a) >= 2 and len(b) >= 2:
           tests[f'd3 - d3p {metric}'] = {'welch': stats.welch(list(a.values()),
                                                                  list(b.values()))}
+    holm_family(tests, f'lm, {BUDGETS[budget]}')
     summary['tests'][budget] = tests
   ind = [r for r in results_lib.load_results(out_dir, 'induction')
          if seeds is None or r['seed'] in seeds]
@@ -162,15 +168,47 @@ def tabulate(out_dir: str, seeds=None) -> dict:
             f'{v} - d0 copy accuracy at {v}\'s last step (equal steps and tokens)'] = {
                 'welch': stats.welch([a[s] for s in common], [b[s] for s in common]),
                 'paired': stats.paired([a[s] for s in common], [b[s] for s in common])}
+  if summary['tests'].get('induction'):
+    holm_family(summary['tests']['induction'], 'induction')
   sized = [r for r in results_lib.load_results(out_dir, 'sized')
            if seeds is None or r['seed'] in seeds]
   if sized:
-    summary['sized'] = tabulate_sized(sized)
+    summary['sized'] = tabulate_sized(sized, *declared_design(out_dir))
   names = [r for r in results_lib.load_results(out_dir, 'names')
            if seeds is None or r['seed'] in seeds]
   if names:
     summary['names'] = tabulate_names(names)
+  bpe = [r for r in results_lib.load_results(out_dir, 'bpe_names')
+         if seeds is None or r['seed'] in seeds]
+  if bpe:
+    task = dict(bpe[0]['task'])
+    kind = task.pop('kind')
+    chance = induction.make_task(128, kind, **task).chance()
+    summary['bpe_names'] = tabulate_names(bpe, BPE_NAMES, chance)
   return summary
+
+
+def declared_design(out_dir: str) -> tuple[dict, tuple]:
+  """The sized sweep's test families and main-head arms: OUT/design.json's, as
+  `mtp-ablation --design` wrote them before the runs, else design_lib's."""
+  declared = {}
+  path = os.path.join(out_dir, 'design.json')
+  if os.path.isfile(path):
+    with open(path) as f:
+      declared = json.load(f)
+  families = {name: [tuple(t) for t in tests]
+              for name, tests in declared.get('families', design_lib.FAMILIES).items()}
+  return families, tuple(declared.get('main_head', {}).get('arms', design_lib.MAIN_HEAD_ARMS))
+
+
+def holm_family(tests: dict, family: str) -> None:
+  """Holm-adjust one family of tests in place: each gets `holm` {'p', 'family', 'size'},
+  over its paired p where it has one, else its Welch p."""
+  names = list(tests)
+  ps = [tests[n]['paired']['p'] if 'paired' in tests[n] else tests[n]['welch']['p']
+        for n in names]
+  for name, adj in zip(names, stats.holm(ps)):
+    tests[name]['holm'] = {'p': adj, 'family': family, 'size': len(names)}
 
 
 def paired_test(a: dict, b: dict) -> dict | None:
@@ -185,9 +223,14 @@ def paired_test(a: dict, b: dict) -> dict | None:
   return {**out, 'n': len(common), 'sd': sd, 'mde': stats.min_detectable_effect(sd, len(common))}
 
 
-def tabulate_sized(runs: list[dict]) -> dict:
-  """The sized sweep per budget: variant rows (mean ± std), paired tests against d0 (and
-  the curricula against static d3), and the minimum detectable effect of the design."""
+def tabulate_sized(runs: list[dict], families: dict | None = None, arms=None) -> dict:
+  """The sized sweep per budget: variant rows (mean ± std), the paired tests of each
+  declared family (design_lib.FAMILIES, or the design file's) with Holm-adjusted p
+  within the family, and the minimum detectable main-head effect: pooled over the
+  main-head arms' paired differences against d0 (design_lib.MAIN_HEAD_ARMS, or the
+  design file's), at the fewest seeds any of them has."""
+  families = design_lib.FAMILIES if families is None else families
+  arms = design_lib.MAIN_HEAD_ARMS if arms is None else arms
   by = {}
   for r in runs:
     v, suffix = r['variant'].split('@')
@@ -207,28 +250,31 @@ def tabulate_sized(runs: list[dict]) -> dict:
                   'metrics': aggregate({r['seed']: lm_metrics(r, next(iter(r['evals'])))
                                         for r in rs})}
     tests, pooled = {}, {'stdlib_bpb': [], 'heldout_bpb': []}
-    pairs = [(v, ABLATION.BASELINE) for v in table if v != ABLATION.BASELINE]
-    pairs += [(v, 'd3') for v in ('d3f', 'd3r') if v in table and 'd3' in table]
-    for v, ref in pairs:
-      if ref not in table:
-        continue
-      for metric in ('stdlib_bpb', 'heldout_bpb') + (('tau_T0', 'tau_T1') if ref == 'd3'
-                                                     else ()):
-        if metric not in table[v]['metrics'] or metric not in table[ref]['metrics']:
+    for family, members in families.items():
+      names = []
+      for v, ref, metric in members:
+        if v not in table or ref not in table:
           continue
-        t = paired_test(table[v]['metrics'][metric]['per_seed'],
-                        table[ref]['metrics'][metric]['per_seed'])
-        if t is not None:
-          tests[f'{v} - {ref} {metric}'] = t
-          if ref == ABLATION.BASELINE:
-            a, b = table[v]['metrics'][metric]['per_seed'], table[ref]['metrics'][metric]['per_seed']
-            pooled[metric].append([a[s] - b[s] for s in a if s in b])
+        a, b = table[v]['metrics'].get(metric), table[ref]['metrics'].get(metric)
+        t = paired_test(a['per_seed'], b['per_seed']) if a and b else None
+        if t is None:
+          continue
+        name = f'{v} - {ref} {metric}'
+        tests[name] = {**t, 'family': family}
+        names.append(name)
+        if ref == ABLATION.BASELINE and metric in pooled and v in arms:
+          pooled[metric].append([a['per_seed'][s] - b['per_seed'][s]
+                                 for s in a['per_seed'] if s in b['per_seed']])
+      for name, adj in zip(names, stats.holm([tests[n]['p'] for n in names])):
+        tests[name].update(p_holm=adj, family_size=len(names))
     design = {}
     for metric, groups in pooled.items():
       sd, dof = stats.pooled_sd(groups)
       n = min((len(g) for g in groups), default=0)
       if dof:
-        design[metric] = {'pooled_sd': sd, 'dof': dof, 'n': n,
+        design[metric] = {'arms': [v for v in table if v in arms and v != ABLATION.BASELINE],
+                          'pooled_sd': sd, 'dof': dof,
+                          'n': n,
                           'mde': stats.min_detectable_effect(sd, n)}
     out[budget] = {'table': table, 'tests': tests, 'mde': design}
   return out
@@ -243,15 +289,25 @@ def _at_step(curve: list[dict], step: int) -> float:
   return [p for p in curve if p['step'] <= step][-1]['copy_acc']
 
 
-def tabulate_names(runs: list[dict]) -> dict:
-  """Name-story induction: per variant the curve's landmarks, equal steps and equal FLOPs
-  against M = 0, paired by seed (same task batches and trunk initialisation)."""
+def _size_of(variant: str) -> str:
+  """The size suffix of a sized-model variant ('n2@1m' -> '@1m'; '' without one)."""
+  return variant[variant.index('@'):] if '@' in variant else ''
+
+
+def tabulate_names(runs: list[dict], mod=None, chance: float | None = None) -> dict:
+  """Name-story induction (configs/induction_names.py, or `mod`): per variant the curve's
+  landmarks, equal steps and equal FLOPs against M = 0 of the same size, paired by seed
+  (same task batches and trunk initialisation). Holm's correction runs over each size's
+  tests."""
+  mod = NAMES if mod is None else mod
   by = {}
   for r in runs:
     by.setdefault(r['variant'], {})[r['seed']] = r
-  base = by.get(NAMES.BASELINE, {})
+  sizes = list(getattr(mod, 'SIZES', {'': None}))
+  order = [v + (f'@{s}' if s else '') for s in sizes for v in mod.VARIANTS]
   table = {}
-  for v in [v for v in NAMES.VARIANTS if v in by]:
+  for v in [v for v in order if v in by]:
+    base = by.get(mod.BASELINE + _size_of(v), {})
     per = {}
     for seed, r in by[v].items():
       curve = [p for p in r['curve'] if 'copy_acc' in p]
@@ -270,22 +326,27 @@ def tabulate_names(runs: list[dict]) -> dict:
                 'mtp_kind': next(iter(by[v].values()))['mtp_kind'],
                 'seeds': sorted(by[v]), 'metrics': aggregate(per)}
   tests = {}
-  if NAMES.BASELINE in table:
-    b = table[NAMES.BASELINE]['metrics']['copy_acc_final']['per_seed']
-    for v in table:
-      if v == NAMES.BASELINE:
-        continue
-      m = table[v]['metrics']
-      for name, metric in (('equal steps', 'copy_acc_final'),
-                           ('equal FLOPs', 'copy_acc_equal_flops'),
-                           ('half the steps', 'copy_acc_half')):
-        other = b if metric != 'copy_acc_half' else \
-            table[NAMES.BASELINE]['metrics']['copy_acc_half']['per_seed']
-        t = paired_test(m[metric]['per_seed'], other) if metric in m else None
-        if t is not None:
-          tests[f'{v} - d0 copy accuracy, {name}'] = t
+  for v in table:
+    ref = mod.BASELINE + _size_of(v)
+    if v == ref or ref not in table:
+      continue
+    m, b = table[v]['metrics'], table[ref]['metrics']
+    for name, metric in (('equal steps', 'copy_acc_final'),
+                         ('equal FLOPs', 'copy_acc_equal_flops'),
+                         ('half the steps', 'copy_acc_half')):
+      other = b['copy_acc_half' if metric == 'copy_acc_half' else 'copy_acc_final']['per_seed']
+      t = paired_test(m[metric]['per_seed'], other) if metric in m else None
+      if t is not None:
+        tests[f'{v} - {ref} copy accuracy, {name}'] = {**t, 'size': _size_of(v)}
+  for size in sorted({t['size'] for t in tests.values()}):
+    names = [n for n, t in tests.items() if t['size'] == size]
+    family = 'name-story induction against d0' + (f', {size[1:]}' if size else '')
+    for name, adj in zip(names, stats.holm([tests[n]['p'] for n in names])):
+      tests[name].update(p_holm=adj, family=family, family_size=len(names))
+      del tests[name]['size']
   task = next(iter(runs))['task']
-  return {'table': table, 'tests': tests, 'task': task, 'chance': NAMES.CHANCE}
+  return {'table': table, 'tests': tests, 'task': task,
+          'chance': mod.CHANCE if chance is None else chance}
 
 
 def _pm(m: dict, fmt: str = '{:.3f}') -> str:
@@ -348,7 +409,7 @@ def markdown(summary: dict) -> str:
         if 'paired' in t:
           line += (f'; paired t = {t["paired"]["t"]:.2f}, p = {t["paired"]["p"]:.3f}; eval '
                    f'SE of one seed\'s difference {t["eval_se_of_difference"]:.4f}')
-        out.append(line)
+        out.append(line + _holm_note(t))
     out.append('')
   ind = summary['induction']
   if ind:
@@ -372,20 +433,42 @@ def markdown(summary: dict) -> str:
       line = f'- {name}: {w["diff"]:+.3f}, Welch t = {w["t"]:.2f}, p = {w["p"]:.3f}'
       if 'paired' in t:
         line += f'; paired t = {t["paired"]["t"]:.2f}, p = {t["paired"]["p"]:.3f}'
-      out.append(line)
+      out.append(line + _holm_note(t))
   if summary.get('sized'):
     out += [''] + markdown_sized(summary['sized'])
   if summary.get('names'):
     out += [''] + markdown_names(summary['names'])
+  if summary.get('bpe_names'):
+    out += [''] + markdown_names(summary['bpe_names'], BPE_TITLE)
   return '\n'.join(out)
+
+
+ALPHA = 0.05  # the family-wise level the tables judge Holm-adjusted p against
+
+
+def _verdict(t: dict, fmt: str) -> str:
+  """Significant after Holm's correction within its family, or the interval the effect
+  lies in: a null is a range, not a zero."""
+  lo, hi = (fmt.format(x) for x in t['ci95'])
+  if t['p_holm'] < ALPHA:
+    return 'significant after Holm'
+  return f'not established after Holm: the effect lies between {lo} and {hi} (95 % CI)'
 
 
 def _test_line(name: str, t: dict, fmt: str = '{:+.4f}') -> str:
   ci = (f' (95 % CI {fmt.format(t["ci95"][0])} to {fmt.format(t["ci95"][1])})'
         if 'ci95' in t else '')
-  return (f'- {name}: {fmt.format(t["diff"])}{ci}, paired t = {t["t"]:.2f}, p = {t["p"]:.3f}, '
-          f'n = {t["n"]}; minimum detectable effect {t["mde"]:.3f} (sd of the differences '
-          f'{t["sd"]:.4f})')
+  holm = (f', Holm p = {t["p_holm"]:.3f} (family of {t["family_size"]}); {_verdict(t, fmt)}'
+          if 'p_holm' in t else '')
+  return (f'- {name}: {fmt.format(t["diff"])}{ci}, paired t = {t["t"]:.2f}, p = {t["p"]:.3f}'
+          f'{holm}; n = {t["n"]}, minimum detectable effect {t["mde"]:.3f} (sd of the '
+          f'differences {t["sd"]:.4f})')
+
+
+def _holm_note(t: dict) -> str:
+  """The legacy groups' Holm-adjusted p (holm_family)."""
+  h = t.get('holm')
+  return f'; Holm p = {h["p"]:.3f} (family of {h["size"]})' if h else ''
 
 
 def markdown_sized(sized: dict) -> list[str]:
@@ -415,18 +498,28 @@ def markdown_sized(sized: dict) -> list[str]:
     for metric, d in part['mde'].items():
       out.append(f'Minimum detectable paired effect on {metric} (alpha 0.05, power 0.8, '
                  f'n = {d["n"]}): {d["mde"]:.3f} bits per byte (pooled sd of the paired '
-                 f'differences against d0: {d["pooled_sd"]:.4f}, {d["dof"]} dof).')
-    if part['tests']:
-      out += ['', 'Paired differences (negative bpb = better than the reference):', '']
-      out += [_test_line(name, t) for name, t in part['tests'].items()]
+                 f'differences of {", ".join(d["arms"])} against d0: {d["pooled_sd"]:.4f}, '
+                 f'{d["dof"]} dof).')
+    families = {}
+    for name, t in part['tests'].items():
+      families.setdefault(t.get('family', ''), []).append(name)
+    for family, names in families.items():
+      out += ['', f'Paired differences, family "{family}" (Holm\'s correction over its '
+              f'{len(names)} tests; negative bpb = better than the reference):', '']
+      out += [_test_line(name, part['tests'][name]) for name in names]
     out.append('')
   return out
 
 
-def markdown_names(names: dict) -> list[str]:
+NAMES_TITLE = ('Induction on stories with random names', 'a name')
+BPE_TITLE = ('Induction as Gloeckle et al. ran it: trained on ordinary names, tested on random '
+             'two-token names of the run\'s own BPE', 'a test name')
+
+
+def markdown_names(names: dict, title=NAMES_TITLE) -> list[str]:
   table = names['table']
-  out = [f'**Induction on stories with random names** (copy accuracy = main-head top-1 '
-         f'accuracy on the second token of a name at its second mention; chance '
+  out = [f'**{title[0]}** (copy accuracy = main-head top-1 '
+         f'accuracy on the second token of {title[1]} at its second mention; chance '
          f'{names["chance"]:.3f}; mean ± std over seeds)', '',
          '| variant | steps | after 1/4 of the steps | after 1/2 | at the end (equal steps) | '
          'at equal FLOPs | steps to 50 % | at the end, each seed |',

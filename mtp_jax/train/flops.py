@@ -30,8 +30,8 @@ class FlopsPerToken:
   trunk_matmul: float  # L blocks: q, k, v, o projections and the SwiGLU MLP
   trunk_attention: float  # L blocks: scores (q k^T) and weighted values
   mtp_eh_proj: float  # M depths: the head's own layers (sequential: eh_proj, 2d -> d)
-  mtp_block: float  # M depths: their block's projections, MLP and attention
-  vocab: float  # (M + 1) OutHead projections: the main head and one per depth
+  mtp_block: float  # M depths: their block's projections, MLP and attention (TOP: none)
+  vocab: float  # (M + 1) [d, V] projections: the main head and one per depth (TOP: U_top)
 
   @property
   def forward(self) -> float:
@@ -68,12 +68,13 @@ def flops_per_token(args, seq_len: int, causal: bool = True) -> FlopsPerToken:
   """FLOPs per token of `args` (a model.ModelArgs) on sequences of seq_len tokens."""
   per_layer = [layer_flops(args, i, seq_len, causal) for i in range(args.n_layers + 1)]
   mtp_depth = args.mtp_depth
-  eh = args.mtp_head().flops_per_token(args)
+  head = args.mtp_head()
+  eh = head.flops_per_token(args)
   return FlopsPerToken(
       trunk_matmul=sum(p for p, _ in per_layer[:-1]),
       trunk_attention=sum(a for _, a in per_layer[:-1]),
       mtp_eh_proj=float(mtp_depth * eh),
-      mtp_block=mtp_depth * sum(per_layer[-1]),
+      mtp_block=mtp_depth * sum(per_layer[-1]) if head.has_block else 0.0,
       vocab=float((mtp_depth + 1) * 2 * args.d_model * args.vocab_size))
 
 

@@ -219,6 +219,44 @@ def _head_sums(model: MTPModel, hiddens: list, targets_M1xBxT, mask_M1xBxT, chun
   return loss_M1, correct_M1, pred_M1xBxT
 
 
+def top_targets(tokens_BxT: Array, segment_ids_BxT: Array, window: int, vocab_size: int) -> Array:
+  """[B, T, V] token-order targets (Zuhri et al. 2025): at position i, token v scores
+  W - d + 1 where d in 1..W is the distance to v's first occurrence among t_(i+1)..t_(i+W)
+  in t_i's document (the next token scores W), and -inf where v does not occur there.
+
+  Built from the farthest offset to the nearest, so a token seen twice keeps its nearest
+  occurrence's score.
+  """
+  score_BxTxV = jnp.zeros(tokens_BxT.shape + (vocab_size,), jnp.float32)
+  for d in range(window, 0, -1):
+    hit = jax.nn.one_hot(shift_left(tokens_BxT, d), vocab_size, dtype=jnp.bool_)
+    hit = hit & valid_mask(segment_ids_BxT, 0, (d,))[..., None]
+    score_BxTxV = jnp.where(hit, float(window - d + 1), score_BxTxV)
+  return jnp.where(score_BxTxV > 0, score_BxTxV, -jnp.inf)
+
+
+def top_sums(model: MTPModel, h0_BxTxD: Array, tokens_BxT: Array, segment_ids_BxT: Array,
+             mask_BxT: Array):
+  """The TOP head's (ListNet loss summed over valid positions, number of positions whose
+  top-ranked token is t_(i+1), argmax [B, T]).
+
+  ListNet (Cao et al. 2007) with the target's softmax as the reference distribution:
+  -sum_v softmax(top_targets)_v log softmax(U_top^T norm(h^0))_v per position. Tokens
+  absent from the window get probability 0. The whole [B, T, V] block at once (no
+  loss_chunk): the form for the small vocabularies it is swept at.
+  """
+  args = model.args
+  logits_BxTxV = vocab_logits(model.head_norm(0), h0_BxTxD, model.mtp[0].unembed[...])
+  target_BxTxV = top_targets(tokens_BxT, segment_ids_BxT, args.top_window, args.vocab_size)
+  # a masked position may have no token in its window (all -inf): give it a finite row
+  p_BxTxV = jax.nn.softmax(jnp.where(mask_BxT[..., None], target_BxTxV, 0.0), axis=-1)
+  nll_BxT = optax.softmax_cross_entropy(logits_BxTxV, p_BxTxV)
+  pred_BxT = jnp.argmax(logits_BxTxV, axis=-1).astype(jnp.int32)
+  mf = mask_BxT.astype(jnp.float32)
+  nxt = targets(tokens_BxT, 0)
+  return jnp.sum(nll_BxT * mf), jnp.sum((pred_BxT == nxt) * mf), pred_BxT
+
+
 def cross_entropy_autodiff(logits_BTxV: Array, targets_BT: Array) -> tuple[Array, Array]:
   """(-log softmax(logits)[target], argmax) over the last axis: optax's loss, autodiff."""
   return (optax.softmax_cross_entropy_with_integer_labels(logits_BTxV, targets_BT),
@@ -281,7 +319,14 @@ def loss_and_metrics(model: MTPModel, batch: dict, weights_M1: Array, counts_M1:
   offsets = model.args.target_offsets()
   mask_M1xBxT = jnp.stack([valid_mask(seg, k, offsets) for k in range(num)])
   targets_M1xBxT = jnp.stack([targets(tokens, k, offsets) for k in range(num)])
-  if num == 1 or (mtp_targets == 'data' and not model.args.stop_gradient):
+  if num > 1 and model.args.mtp_kind == 'top':  # the main head, then the ranking head
+    loss_0, correct_0, pred_0 = _head_sums(model, hiddens[:1], targets_M1xBxT[:1],
+                                           mask_M1xBxT[:1], chunk)
+    loss_t, correct_t, pred_t = top_sums(model, hiddens[1], tokens, seg, mask_M1xBxT[1])
+    loss_M1 = jnp.concatenate([loss_0, loss_t[None]])
+    correct_M1 = jnp.concatenate([correct_0, correct_t[None].astype(correct_0.dtype)])
+    pred_M1xBxT = jnp.concatenate([pred_0, pred_t[None]])
+  elif num == 1 or (mtp_targets == 'data' and not model.args.stop_gradient):
     loss_M1, correct_M1, pred_M1xBxT = _head_sums(model, hiddens, targets_M1xBxT, mask_M1xBxT, chunk)
   else:  # depth 0 first: its argmax gives the 'self' targets; OutHead differs under stop_gradient
     loss_0, correct_0, pred_0 = _head_sums(model, hiddens[:1], targets_M1xBxT[:1],

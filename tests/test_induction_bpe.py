@@ -1,0 +1,79 @@
+"""Induction as Gloeckle et al. 2024 ran it: ordinary names to train on, random two-token
+names of the task's own BPE to test on (mtp_jax/data/induction.py BPENameStoryTask)."""
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtp_jax import config_lib
+from mtp_jax.data import induction
+from mtp_jax.model import mtp
+from mtp_jax.research import tables
+
+TASK = dict(tables.BPE_NAMES.SMOKE_TASK)
+TASK.pop('kind')
+
+
+@pytest.fixture(scope='module')
+def task():
+  return induction.BPENameStoryTask(seq_len=64, **TASK)
+
+
+def test_test_names_are_two_tokens_of_the_trained_tokenizer_and_no_ordinary_name(task):
+  tok = task.tokenizer
+  assert task.test_names and not set(task.test_names) & set(induction.ORDINARY_NAMES)
+  for name in task.test_names[:200]:
+    ids = tok.encode(' ' + name)
+    assert len(ids) == 2 and tok.decode(ids) == ' ' + name
+  assert 0 < task.chance() < 1
+  again = induction.story_tokenizer.__wrapped__(TASK['vocab_size'], TASK['corpus_stories'],
+                                               TASK['tokenizer_seed'])
+  assert again[1] == task.test_names  # a pure function of its arguments
+
+
+def test_a_story_encodes_word_by_word_as_its_whole_text_does(task):
+  rng = np.random.default_rng(0)
+  for pool in (induction.ORDINARY_NAMES, task.test_names):
+    words, scored = induction._pick_story(rng, pool, 2, 4)  # noqa: SLF001
+    ids, _ = task.encode_story(words, scored)
+    assert ids == task.tokenizer.encode(''.join(' ' + w for w in words))
+
+
+def test_test_rows_mark_the_second_token_of_a_name_seen_before(task):
+  b = task.eval_batch(6)
+  tok, names = task.tokenizer, set(task.test_names)
+  rows, cols = np.nonzero(b['copy_mask'])
+  assert len(rows) > 6
+  for r, c in zip(rows, cols):
+    name = tok.decode(b['tokens'][r, c - 1:c + 1])
+    assert name[0] == ' ' and name[1:] in names
+    doc = b['segment_ids'][r] == b['segment_ids'][r, c]
+    before = b['tokens'][r, :c - 1][doc[:c - 1]]
+    pair = list(b['tokens'][r, c - 1:c + 1])
+    assert any(list(before[i:i + 2]) == pair for i in range(len(before) - 1))  # seen before
+  # training rows: ordinary names only; the same batch for the same (seed, step)
+  t = task.batch(3, 7, 4)
+  words = set()
+  for r in range(4):  # every story but the last of a row, which is cut at seq_len
+    for seg in range(1, t['segment_ids'][r].max()):
+      text = tok.decode(t['tokens'][r][t['segment_ids'][r] == seg])
+      words |= set(text.replace('.', ' ').replace(',', ' ').split())
+  assert {w for w in words if w[0].isupper()} <= set(induction.ORDINARY_NAMES) | \
+      induction.TEMPLATE_WORDS
+  assert not names & words
+  np.testing.assert_array_equal(t['tokens'], task.batch(3, 7, 4)['tokens'])
+
+
+@pytest.mark.parametrize('size', list(tables.BPE_NAMES.SIZES))
+def test_sizes_have_the_stated_non_embedding_parameters(size):
+  c = tables.BPE_NAMES.get_config(f'd0,{size}')
+  config_lib.validate(c)
+  args = mtp.ModelArgs.from_config(c)
+  model = nnx.eval_shape(lambda: mtp.MTPModel(args, rngs=nnx.Rngs(0)))
+  counts = mtp.count_params(model)
+  non_embedding = counts['trunk'] - args.vocab_size * args.d_model
+  want = tables.BPE_NAMES.non_embedding_params(size)
+  assert want <= non_embedding <= 1.01 * want  # plus the norms
+  assert tables.BPE_NAMES.non_embedding_params('1m') >= 1_000_000
+  for v, (depth, kind) in tables.BPE_NAMES.VARIANTS.items():
+    cv = tables.BPE_NAMES.get_config(f'{v},{size}')
+    assert (cv.model.mtp.depth, cv.model.mtp.kind) == (depth, kind)
