@@ -1,0 +1,98 @@
+"""A program's step time priced op by op: by the TPU compiler's own cost model where it
+prints one, and where the step goes.
+
+The TPU compiler attaches to most ops it runs the cycles its scheduler's cost model expects
+the op to take (`"estimated_cycles"` in the op's backend config). Here the ops of the
+computations that run as code (hlo.py's `executed`: the entry, loop bodies and conditions)
+are priced one after another in the order the scheduled module runs them, every loop body
+as often as it runs, each by the first rule that applies:
+
+  compiler          the op's estimated cycles over the chip's clock (chips.py)
+  kernel roofline   a kernel call (Pallas splash attention, grouped matmul, Triton; the
+                    compiler prints no cycles for one): kernels.py's FLOPs over the chip's
+                    peak or its HBM bytes over the HBM bandwidth, whichever is longer -- the
+                    kernel at its roofline, so a lower bound on its time
+  ICI               a collective without cycles: the bytes it moves per chip over the
+                    chip's ICI bandwidth
+  roofline          any other op without cycles (scalar ops, in-place updates, copies; every
+                    op on a GPU, whose compiler prints no per-op estimate): the larger of
+                    its FLOPs over the peak and its HBM bytes over the bandwidth
+
+An asynchronous op (a `*-start` with its `*-done`: a copy between memories, an asynchronous
+collective) costs only what the ops scheduled between its start and its done leave
+exposed. Where every op is priced by a roofline (GPU), the sum is a lower bound on the
+step time; with the compiler's cycles it is the compiler's own estimate of a step that
+runs its ops one after another.
+"""
+from __future__ import annotations
+
+import collections
+
+from mtp_jax.train.aot.hlo import COLLECTIVES, HloStats
+
+KERNEL_KINDS = ('splash_attention', 'triton_attention', 'cudnn_attention', 'grouped_matmul')
+TOP_OPS = 15
+# the rules, in the order the report lists them
+BASES = ('compiler', 'kernel roofline', 'ICI', 'roofline')
+
+
+def _time(op, chip) -> tuple:
+  """(seconds of one execution, the rule that priced it)."""
+  clock = chip.clock_hz
+  if op.cycles is not None and clock:
+    return op.cycles / clock, 'compiler'
+  roofline = max(op.flops / chip.peak_flops, op.hbm_bytes / chip.hbm_bandwidth)
+  if op.kind in KERNEL_KINDS or op.kind == 'other' and op.op == 'custom-call':
+    return roofline, 'kernel roofline'
+  if op.kind in COLLECTIVES:
+    if chip.ici_bandwidth:
+      return op.ici_bytes / chip.ici_bandwidth, 'ICI'
+    return 0.0, 'ICI'
+  return roofline, 'roofline'
+
+
+def price_step(stats: HloStats, chip, top: int = TOP_OPS) -> dict:
+  """The step's time by the rules above, per rule and per kind of op, and its costliest
+  ops: [{name, kind, basis, runs, time_s, share, cycles, flops, hbm_bytes, source}]."""
+  per_op = {}  # name -> [op, basis, seconds per step]
+  for ops in stats.executed.values():
+    times = [_time(op, chip) for op in ops]
+    position = {op.name: i for i, op in enumerate(ops)}
+    pending = {}  # an async start's index -> the index of its done
+    for i, op in enumerate(ops):
+      if op.done is not None and op.done in position:
+        pending[i] = position[op.done]
+    in_flight = set(pending)
+    for i, (op, (seconds, basis)) in enumerate(zip(ops, times)):
+      if i in pending:  # exposed: what the ops between start and done do not cover
+        window = sum(times[j][0] for j in range(i + 1, pending[i]) if j not in in_flight)
+        seconds = max(0.0, seconds - window)
+      per_op[op.name] = [op, basis, seconds * op.runs]
+  step = sum(t for _, _, t in per_op.values())
+  by_basis = dict.fromkeys(BASES, 0.0)
+  by_kind = collections.defaultdict(float)
+  with_cycles = without = 0
+  for op, basis, t in per_op.values():
+    by_basis[basis] += t
+    by_kind[op.kind] += t
+    if op.op in ('parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'while',
+                 'conditional', 'call') or op.op.endswith('-done'):
+      continue
+    if op.cycles is not None:
+      with_cycles += 1
+    else:
+      without += 1
+  costly = sorted((r for r in per_op.values() if r[2] > 0), key=lambda r: -r[2])[:top]
+  compiler = chip.clock_hz is not None and by_basis['compiler'] > 0
+  return {
+      'step_s': step,
+      'basis': 'compiler' if compiler else 'roofline',
+      'clock_ghz': chip.clock_hz / 1e9 if chip.clock_hz else None,
+      'by_basis': by_basis,
+      'by_kind': dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+      'ops_with_cycles': with_cycles, 'ops_without_cycles': without,
+      'top_ops': [{'name': op.name, 'kind': op.kind, 'basis': basis, 'runs': op.runs,
+                   'time_s': t, 'share': t / step if step else 0.0, 'cycles': op.cycles,
+                   'flops': op.flops, 'hbm_bytes': op.hbm_bytes, 'source': op.source}
+                  for op, basis, t in costly],
+  }
