@@ -406,6 +406,11 @@ def test_the_step_is_priced_from_the_compilers_cycle_estimates():
   bound = aot.price_step(plain, chip)
   assert bound['basis'] == 'roofline' and bound['by_basis']['compiler'] == 0
   assert bound['step_s'] < priced['step_s']
+  # where a GPU module carries the compiler's own time for an op, that prices it
+  timed = PRICED_HLO.replace('"estimated_cycles":"1750"', '"reification_cost":[{"exec_time_us":2.5}]')
+  gpu = aot.price_step(aot.analyze_hlo(timed, 4), aot.parse_topology('h100-1').chip, top=100)
+  y = next(r for r in gpu['top_ops'] if r['name'] == 'y')
+  assert (y['basis'], y['time_s']) == ('compiler', pytest.approx(4 * 2.5e-6))
 
 
 def test_causal_kept_blocks():

@@ -49,6 +49,8 @@ _SLICING = {'dynamic-slice', 'slice', 'gather'}
 # TPU custom calls that only name a buffer or state a fact about indices: no bytes move
 _NO_BYTES_TARGETS = {'AllocateBuffer', 'AssumeGatherIndicesInBound'}
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+# the GPU compiler's per-op estimate, where it fills one in (its reification_cost)
+_GPU_TIME = re.compile(r'"exec_time_us":"?([\d.eE+\-]+)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _MATMUL_OPS = ('convolution', 'dot')
 
@@ -98,6 +100,8 @@ class ExecutedOp:
   ici_bytes: float = 0.0  # bytes one execution moves over ICI (collectives)
   done: str | None = None  # an asynchronous start: the instruction that waits for it
   source: str = ''  # the JAX operation it came from (its op_name metadata)
+  compiler_s: float | None = None  # the GPU compiler's estimate of one execution, in
+  # seconds, where its backend config fills one in (reification_cost.exec_time_us)
 
 
 def _open(text: str) -> bool:
@@ -286,10 +290,12 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
         kind = _fusion_kind(rest, comps)
       cycles = _CYCLES.search(rest)
       source = _OP_NAME.search(rest)
+      gpu_time = _GPU_TIME.search(rest)
       executed.append(ExecutedOp(iname, op, kind, k_bytes,
                                  int(cycles.group(1)) if cycles else None, flops, moved, ici,
                                  done_of.get(iname) if op.endswith('-start') else None,
-                                 source.group(1) if source else ''))
+                                 source.group(1) if source else '',
+                                 float(gpu_time.group(1)) * 1e-6 if gpu_time else None))
   return stats
 
 

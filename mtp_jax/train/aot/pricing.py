@@ -7,7 +7,9 @@ computations that run as code (hlo.py's `executed`: the entry, loop bodies and c
 are priced one after another in the order the scheduled module runs them, every loop body
 as often as it runs, each by the first rule that applies:
 
-  compiler          the op's estimated cycles over the chip's clock (chips.py)
+  compiler          the op's estimated cycles over the chip's clock (chips.py); on a GPU
+                    the compiler's own time for the op where its backend config fills one
+                    in (reification_cost); the deviceless H100 compile leaves it empty
   kernel roofline   a kernel call (Pallas splash attention, grouped matmul, Triton; the
                     compiler prints no cycles for one): kernels.py's FLOPs over the chip's
                     peak or its HBM bytes over the HBM bandwidth, whichever is longer -- the
@@ -15,7 +17,7 @@ as often as it runs, each by the first rule that applies:
   ICI               a collective without cycles: the bytes it moves per chip over the
                     chip's ICI bandwidth
   roofline          any other op without cycles (scalar ops, in-place updates, copies; every
-                    op on a GPU, whose compiler prints no per-op estimate): the larger of
+                    op of a GPU module without estimates): the larger of
                     its FLOPs over the peak and its HBM bytes over the bandwidth
 
 An asynchronous op (a `*-start` with its `*-done`: a copy between memories, an asynchronous
@@ -41,6 +43,8 @@ def _time(op, chip) -> tuple:
   clock = chip.clock_hz
   if op.cycles is not None and clock:
     return op.cycles / clock, 'compiler'
+  if op.compiler_s is not None:
+    return op.compiler_s, 'compiler'
   roofline = max(op.flops / chip.peak_flops, op.hbm_bytes / chip.hbm_bandwidth)
   if op.kind in KERNEL_KINDS or op.kind == 'other' and op.op == 'custom-call':
     return roofline, 'kernel roofline'
@@ -78,12 +82,12 @@ def price_step(stats: HloStats, chip, top: int = TOP_OPS) -> dict:
     if op.op in ('parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'while',
                  'conditional', 'call') or op.op.endswith('-done'):
       continue
-    if op.cycles is not None:
+    if op.cycles is not None or op.compiler_s is not None:
       with_cycles += 1
     else:
       without += 1
   costly = sorted((r for r in per_op.values() if r[2] > 0), key=lambda r: -r[2])[:top]
-  compiler = chip.clock_hz is not None and by_basis['compiler'] > 0
+  compiler = by_basis['compiler'] > 0
   return {
       'step_s': step,
       'basis': 'compiler' if compiler else 'roofline',

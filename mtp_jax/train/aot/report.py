@@ -76,11 +76,15 @@ def priced_lines(priced: dict, name: str) -> list:
   mfu = f' (MFU {priced["mfu"]:.2f})' if name == 'train' and priced.get('mfu') else ''
   parts = ', '.join(f'{_BASIS_WORDS[b]} {t * 1e3:.2f}' for b, t in priced['by_basis'].items()
                     if t)
-  if priced['basis'] == 'compiler':
+  if priced['basis'] == 'compiler' and priced['clock_ghz']:
     head = (f'  step priced by the TPU compiler\'s cost model: {step:.2f} ms{mfu}, its ops one '
             f'after another (estimated_cycles of {priced["ops_with_cycles"]} ops at an '
             f'assumed {priced["clock_ghz"]:.2f} GHz clock; kernel calls, collectives and '
             f'{priced["ops_without_cycles"]} ops without cycles at their roofline)')
+  elif priced['basis'] == 'compiler':
+    head = (f'  step priced by the compiler\'s cost model: {step:.2f} ms{mfu}, its ops one '
+            f'after another ({priced["ops_with_cycles"]} ops by the compiler\'s estimate, '
+            f'{priced["ops_without_cycles"]} at their roofline)')
   else:
     head = (f'  step with each op at its roofline (the compiled module prints no per-op '
             f'estimate; a lower bound): {step:.2f} ms{mfu}')
@@ -89,10 +93,10 @@ def priced_lines(priced: dict, name: str) -> list:
 
 def top_ops_lines(priced: dict) -> list:
   """The costliest ops of the priced step, one line each."""
-  lines = ['  costliest ops:    ms/step  share    runs  kind / priced by / op / JAX source']
+  lines = ['  costliest ops:  ms/step  share     runs  what / priced by / instruction / JAX source']
   for op in priced['top_ops']:
     source = op['source'].split('/')
     source = '/'.join(source[-3:]) if len(source) > 3 else op['source']
-    lines.append(f'    {op["time_s"] * 1e3:21.2f} {100 * op["share"]:5.1f} % {op["runs"]:7.0f}  '
+    lines.append(f'    {op["time_s"] * 1e3:#17.4g} {100 * op["share"]:5.1f} % {op["runs"]:8.0f}  '
                  f'{op["kind"]} / {op["basis"]} / {op["name"]} / {source}')
   return lines
