@@ -413,6 +413,39 @@ def test_the_step_is_priced_from_the_compilers_cycle_estimates():
   assert (y['basis'], y['time_s']) == ('compiler', pytest.approx(4 * 2.5e-6))
 
 
+BRANCHES_HLO = r"""HloModule jit_branches, is_scheduled=true
+
+%cheap (a.1: f32[8,128]) -> f32[8,128] {
+  %a.1 = f32[8,128]{1,0} parameter(0)
+  ROOT %f.1 = f32[8,128]{1,0} fusion(%a.1), kind=kLoop, calls=%neg, backend_config={"window_config":{"estimated_cycles":"1000"}}
+}
+
+%costly (a.2: f32[8,128]) -> f32[8,128] {
+  %a.2 = f32[8,128]{1,0} parameter(0)
+  ROOT %f.2 = f32[8,128]{1,0} fusion(%a.2), kind=kLoop, calls=%neg, backend_config={"window_config":{"estimated_cycles":"3000"}}
+}
+
+%neg (n0: f32[8,128]) -> f32[8,128] {
+  %n0 = f32[8,128]{1,0} parameter(0)
+  ROOT %n1 = f32[8,128]{1,0} negate(%n0)
+}
+
+ENTRY %main (p: s32[], a: f32[8,128]) -> f32[8,128] {
+  %p = s32[] parameter(0)
+  %a = f32[8,128]{1,0} parameter(1)
+  ROOT %c = f32[8,128]{1,0} conditional(%p, %a, %a), branch_computations={%cheap, %costly}
+}
+"""
+
+
+def test_a_conditional_is_priced_at_its_costliest_branch():
+  stats = aot.analyze_hlo(BRANCHES_HLO, 1)
+  assert stats.conditionals == 1
+  priced = aot.price_step(stats, aot.parse_topology('v5p-8').chip)
+  assert priced['step_s'] == pytest.approx(3000 / 1.75e9)
+  assert [r['name'] for r in priced['top_ops']] == ['f.2', 'f.1']  # each branch listed
+
+
 def test_causal_kept_blocks():
   assert aot.causal_kept_fraction(1024, 1024, 512, 512) == 3 / 4
   assert aot.causal_kept_fraction(4096, 4096, 512, 512) == 36 / 64

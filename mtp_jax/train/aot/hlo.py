@@ -83,7 +83,9 @@ class HloStats:
   executed: dict = dataclasses.field(default_factory=dict)  # computation -> [ExecutedOp] in
   # the order the compiled (scheduled) module runs them: the computations run as code (the
   # entry, loop bodies and conditions, called computations), not fusion bodies
-  unpriced_conditionals: int = 0  # conditionals: every branch counted, as if all ran
+  entry: str = ''  # the computation a run of the module starts in
+  conditionals: int = 0  # conditionals (FLOPs and bytes count every branch; the priced
+  # step its costliest)
 
 
 @dataclasses.dataclass
@@ -102,6 +104,8 @@ class ExecutedOp:
   source: str = ''  # the JAX operation it came from (its op_name metadata)
   compiler_s: float | None = None  # the GPU compiler's estimate of one execution, in
   # seconds, where its backend config fills one in (reification_cost.exec_time_us)
+  calls: tuple = ()  # the computations one execution runs as code: ((callee, times), ...)
+  # (a while loop its condition and body, a call its callee, a conditional its branches)
 
 
 def _open(text: str) -> bool:
@@ -198,8 +202,9 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
   control = collections.defaultdict(list)  # the same, through control flow only (no fusion
   # bodies or reducers): the computations whose ops move bytes themselves
   stats = HloStats()
+  runs_code = {}  # instruction -> the computations it runs as code, [(callee, times)]
   for name, body in comps.items():
-    for _, _, op, rest, _ in body:
+    for iname, _, op, rest, _ in body:
       if op == 'while':
         cond = re.search(r'condition=%([\w.\-]+)', rest)
         loop = re.search(r'body=%([\w.\-]+)', rest)
@@ -211,16 +216,20 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
           if target:
             calls[name].append((target.group(1), n or 1))
             control[name].append((target.group(1), n or 1))
+            runs_code.setdefault(iname, []).append((target.group(1), n or 1))
         continue
       flow = op in ('call', 'conditional')  # an async-start's callee is priced as the start
       for _, callee in _CALLS.findall(rest):
         calls[name].append((callee, 1))
         if flow:
           control[name].append((callee, 1))
+          runs_code.setdefault(iname, []).append((callee, 1))
       for group in _BRANCHES.findall(rest):
         for callee in re.findall(r'%([\w.\-]+)', group):
           calls[name].append((callee, 1))
           control[name].append((callee, 1))
+          runs_code.setdefault(iname, []).append((callee, 1))
+  stats.entry = root
   mult = _multiplicities(calls, root)
   runs = _multiplicities(control, root)
   fused = {}  # fusion body -> ([bytes read per parameter or None], bytes written or None)
@@ -273,7 +282,7 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
       stats.hbm_bytes += k_bytes * moved
       stats.hbm_bytes_once += moved
       if op == 'conditional':
-        stats.unpriced_conditionals += 1
+        stats.conditionals += 1
       coll = _collective(op, typ, rest, shapes, comps, collective_of, num_devices)
       ici = 0.0
       if coll:
@@ -295,7 +304,8 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
                                  int(cycles.group(1)) if cycles else None, flops, moved, ici,
                                  done_of.get(iname) if op.endswith('-start') else None,
                                  source.group(1) if source else '',
-                                 float(gpu_time.group(1)) * 1e-6 if gpu_time else None))
+                                 float(gpu_time.group(1)) * 1e-6 if gpu_time else None,
+                                 tuple(runs_code.get(iname, ()))))
   return stats
 
 

@@ -36,10 +36,15 @@ KERNEL_KINDS = ('splash_attention', 'triton_attention', 'cudnn_attention', 'grou
 TOP_OPS = 15
 # the rules, in the order the report lists them
 BASES = ('compiler', 'kernel roofline', 'ICI', 'roofline')
+# ops that take no time of their own (views, tuples; control flow is priced by its bodies)
+_FREE = ('parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'while',
+         'conditional', 'call', 'after-all', 'add-dependency', 'partition-id', 'replica-id')
 
 
 def _time(op, chip) -> tuple:
   """(seconds of one execution, the rule that priced it)."""
+  if op.op in _FREE:
+    return 0.0, 'roofline'
   clock = chip.clock_hz
   if op.cycles is not None and clock:
     return op.cycles / clock, 'compiler'
@@ -57,43 +62,69 @@ def _time(op, chip) -> tuple:
 
 def price_step(stats: HloStats, chip, top: int = TOP_OPS) -> dict:
   """The step's time by the rules above, per rule and per kind of op, and its costliest
-  ops: [{name, kind, basis, runs, time_s, share, cycles, flops, hbm_bytes, source}]."""
+  ops: [{name, kind, basis, runs, time_s, share, cycles, flops, hbm_bytes, source}].
+
+  A computation's time is its ops' times in order; a while loop's its condition and body
+  times its trip count, a call's its callee's, a conditional's its costliest branch's. An
+  asynchronous start whose done is not in its computation (a transfer a loop carries into
+  its next iteration) is charged in full."""
+  memo = {}
   per_op = {}  # name -> [op, basis, seconds per step]
-  for ops in stats.executed.values():
-    times = [_time(op, chip) for op in ops]
+
+  def run(name: str) -> tuple:
+    """(seconds, {basis: seconds}, {kind: seconds}) of one run of a computation."""
+    if name in memo:
+      return memo[name]
+    memo[name] = (0.0, {}, {})  # a computation reached again while it is priced: nothing
+    ops = stats.executed.get(name, [])
+    own = [_time(op, chip) for op in ops]
+    inner = []
+    for op in ops:
+      parts = [(run(callee), n) for callee, n in op.calls]
+      if op.op == 'conditional' and parts:
+        parts = [max(parts, key=lambda p: p[0][0])]
+      inner.append(parts)
     position = {op.name: i for i, op in enumerate(ops)}
-    pending = {}  # an async start's index -> the index of its done
+    done = {i: position[op.done] for i, op in enumerate(ops) if op.done in position}
+    whole = [own[i][0] + sum(r[0] * n for r, n in inner[i]) for i in range(len(ops))]
+    total, by_basis, by_kind = 0.0, collections.defaultdict(float), collections.defaultdict(float)
     for i, op in enumerate(ops):
-      if op.done is not None and op.done in position:
-        pending[i] = position[op.done]
-    in_flight = set(pending)
-    for i, (op, (seconds, basis)) in enumerate(zip(ops, times)):
-      if i in pending:  # exposed: what the ops between start and done do not cover
-        window = sum(times[j][0] for j in range(i + 1, pending[i]) if j not in in_flight)
-        seconds = max(0.0, seconds - window)
-      per_op[op.name] = [op, basis, seconds * op.runs]
-  step = sum(t for _, _, t in per_op.values())
-  by_basis = dict.fromkeys(BASES, 0.0)
-  by_kind = collections.defaultdict(float)
+      seconds, basis = own[i]
+      if i in done:  # exposed: what the ops between its start and its done do not cover
+        hidden = sum(whole[k] for k in range(i + 1, done[i]) if k not in done)
+        seconds = max(0.0, seconds - hidden)
+      total += seconds
+      by_basis[basis] += seconds
+      by_kind[op.kind] += seconds
+      if seconds:
+        per_op[op.name] = [op, basis, seconds * op.runs]
+      for (t, b, k), n in inner[i]:
+        total += t * n
+        for key, v in b.items():
+          by_basis[key] += v * n
+        for key, v in k.items():
+          by_kind[key] += v * n
+    memo[name] = (total, dict(by_basis), dict(by_kind))
+    return memo[name]
+
+  step, basis_s, kind_s = run(stats.entry)
+  by_basis = {b: basis_s.get(b, 0.0) for b in BASES}
   with_cycles = without = 0
-  for op, basis, t in per_op.values():
-    by_basis[basis] += t
-    by_kind[op.kind] += t
-    if op.op in ('parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'while',
-                 'conditional', 'call') or op.op.endswith('-done'):
-      continue
-    if op.cycles is not None or op.compiler_s is not None:
-      with_cycles += 1
-    else:
-      without += 1
-  costly = sorted((r for r in per_op.values() if r[2] > 0), key=lambda r: -r[2])[:top]
-  compiler = by_basis['compiler'] > 0
+  for ops in stats.executed.values():
+    for op in ops:
+      if op.op in _FREE or op.op.endswith('-done') or op.calls:
+        continue
+      if op.cycles is not None or op.compiler_s is not None:
+        with_cycles += 1
+      else:
+        without += 1
+  costly = sorted(per_op.values(), key=lambda r: -r[2])[:top]
   return {
       'step_s': step,
-      'basis': 'compiler' if compiler else 'roofline',
+      'basis': 'compiler' if by_basis['compiler'] > 0 else 'roofline',
       'clock_ghz': chip.clock_hz / 1e9 if chip.clock_hz else None,
       'by_basis': by_basis,
-      'by_kind': dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+      'by_kind': dict(sorted(((k, v) for k, v in kind_s.items() if v), key=lambda kv: -kv[1])),
       'ops_with_cycles': with_cycles, 'ops_without_cycles': without,
       'top_ops': [{'name': op.name, 'kind': op.kind, 'basis': basis, 'runs': op.runs,
                    'time_s': t, 'share': t / step if step else 0.0, 'cycles': op.cycles,

@@ -192,7 +192,7 @@ def _program_report(compiled, lowered_s: float, compile_s: float, num_devices: i
           'hbm_bytes': hlo.hbm_bytes, 'hbm_bytes_once': hlo.hbm_bytes_once,
           'collectives': hlo.collectives, 'kernel_calls': hlo.kernel_calls,
           'kernels': hlo.kernels, 'unknown_trip_counts': hlo.unknown_trip_counts,
-          'conditionals': hlo.unpriced_conditionals, 'priced': pricing.price_step(hlo, chip)}
+          'conditionals': hlo.conditionals, 'priced': pricing.price_step(hlo, chip)}
 
 
 # Compiled results by the lowered program: JAX's persistent compilation cache cannot read a
