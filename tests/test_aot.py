@@ -5,6 +5,7 @@ and its figures are checked against what the shardings and flops.py say, its unr
 twin against it, and a small splash-attention call for the kernel count; the HLO reader
 also reads a synthetic module. Skipped, with the reason, only where libtpu cannot load.
 """
+import json
 import math
 import os
 
@@ -117,12 +118,35 @@ def test_shardings_follow_the_rules(report):
 def test_report_text_and_command_line(report, capsys):
   rep, _ = report
   text = aot.format_report(rep)
-  for word in ('HBM per chip', 'flops.py', 'collectives per step', 'roofline estimate'):
+  for word in ('HBM per chip', 'flops.py', 'collectives per step', 'a lower bound on the step',
+               "priced by the TPU compiler's cost model", 'costliest ops'):
     assert word in text
   # bad input: one line, exit 2, before anything compiles
   assert aot_compile.main(['--config', f'{REPO}/configs/tiny.py', '--topology', 'v9-8']) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith('error: --topology')
+
+
+def test_the_step_is_priced_by_the_compiler_with_a_table_of_its_costliest_ops(report):
+  """The headline step time is the TPU compiler's own cycle estimates summed over the
+  executed ops; the roofline beside it is a lower bound; the JSON names the costliest ops."""
+  rep, _ = report
+  train = rep['train']
+  priced, bound = train['priced'], train['estimate']
+  assert priced['basis'] == 'compiler' and priced['ops_with_cycles'] > 0
+  assert priced['clock_ghz'] == rep['chip']['clock_ghz'] == 1.5  # v5e
+  assert priced['by_basis']['compiler'] > 0.5 * priced['step_s']
+  assert priced['step_s'] == pytest.approx(sum(priced['by_basis'].values()))
+  assert priced['step_s'] >= bound['step_s'] and 0 < priced['mfu'] <= bound['mfu']
+  assert 'lower bound' in bound['bound']
+  table = json.loads(json.dumps(rep))['train']['priced']['top_ops']  # as --json prints it
+  assert len(table) == aot.pricing.TOP_OPS
+  for row in table:
+    assert {'name', 'kind', 'basis', 'runs', 'time_s', 'share', 'source'} <= set(row)
+  times = [row['time_s'] for row in table]
+  assert times == sorted(times, reverse=True) and times[0] > 0
+  assert table[0]['share'] == pytest.approx(times[0] / priced['step_s'])
+  assert sum(row['share'] for row in table) <= 1.0
 
 
 def test_a_rerun_reads_the_figures_back(report, tmp_path):
@@ -258,6 +282,168 @@ def test_the_hlo_reader_keeps_what_follows_a_kernel_call_printed_over_lines():
   io = 2 * 4 + (4 * 256 * 128 * 2 + 2 * 256 * 128 * 2) + 4 * 256 * 128 * (2 + 4)
   reread = 4 * 0.75 * 2 * 256 * (128 + 128) * 2 - 2 * 256 * 128 * 2
   assert stats.kernels['splash_attention']['hbm_bytes'] == io + reread
+
+
+# A scheduled module as the TPU compiler prints it: a loop over 4 stacked layers whose fusion
+# reads its layer's slice of the [4, 8, 128] stack through a nested fusion and carries the
+# compiler's cycle estimate; after it a reduce-scatter (an all-reduce and the slice each
+# chip keeps, fused), an all-reduce, and an asynchronous copy that a fusion hides.
+PRICED_HLO = r"""HloModule jit_priced, is_scheduled=true
+
+%slice_read (p0: f32[4,8,128], p1: s32[]) -> f32[1,8,128] {
+  %p0 = f32[4,8,128]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,8,128]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,8,128}
+}
+
+%layer (q0: f32[4,8,128], q1: s32[], q2: f32[8,128]) -> f32[8,128] {
+  %q0 = f32[4,8,128]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %q2 = f32[8,128]{1,0} parameter(2)
+  %nested = f32[1,8,128]{2,1,0} fusion(%q0, %q1), kind=kLoop, calls=%slice_read
+  %b = f32[8,128]{1,0} bitcast(%nested)
+  ROOT %sum = f32[8,128]{1,0} add(%b, %q2)
+}
+
+%body (p: (s32[], f32[8,128], f32[4,8,128])) -> (s32[], f32[8,128], f32[4,8,128]) {
+  %p = (s32[], f32[8,128]{1,0}, f32[4,8,128]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,128]{1,0} get-tuple-element(%p), index=1
+  %w = f32[4,8,128]{2,1,0} get-tuple-element(%p), index=2
+  %one = s32[] constant(1)
+  %i.next = s32[] add(%i, %one)
+  %y = f32[8,128]{1,0} fusion(%w, %i, %x), kind=kLoop, calls=%layer, metadata={op_name="jit(step)/while/body/add"}, backend_config={"flag_configs":[],"window_config":{"estimated_cycles":"1750","iteration_bounds":["1"]}}
+  ROOT %t = (s32[], f32[8,128]{1,0}, f32[4,8,128]{2,1,0}) tuple(%i.next, %y, %w)
+}
+
+%cond (c: (s32[], f32[8,128], f32[4,8,128])) -> pred[] {
+  %c = (s32[], f32[8,128]{1,0}, f32[4,8,128]{2,1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%ci, %n), direction=LT
+}
+
+%sum_f32 (lhs: f32[], rhs: f32[]) -> f32[] {
+  %lhs = f32[] parameter(0)
+  %rhs = f32[] parameter(1)
+  ROOT %s = f32[] add(%lhs, %rhs)
+}
+
+%all-reduce-scatter.1 (in: f32[64,128]) -> f32[16,128] {
+  %in = f32[64,128]{1,0} parameter(0)
+  %ar.1 = f32[64,128]{1,0} all-reduce(%in), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%sum_f32
+  %pid = u32[] partition-id()
+  %c16 = u32[] constant(16)
+  %off = u32[] multiply(%pid, %c16)
+  %c0 = u32[] constant(0)
+  ROOT %ds.1 = f32[16,128]{1,0} dynamic-slice(%ar.1, %off, %c0), dynamic_slice_sizes={16,128}
+}
+
+%scale (s0: f32[8,128]) -> f32[8,128] {
+  %s0 = f32[8,128]{1,0} parameter(0)
+  ROOT %m = f32[8,128]{1,0} multiply(%s0, %s0)
+}
+
+ENTRY %main (a: f32[8,128], w0: f32[4,8,128], g: f32[64,128]) -> (f32[8,128], f32[16,128], f32[64,128]) {
+  %a = f32[8,128]{1,0} parameter(0)
+  %w0 = f32[4,8,128]{2,1,0} parameter(1)
+  %g = f32[64,128]{1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,128]{1,0}, f32[4,8,128]{2,1,0}) tuple(%zero, %a, %w0)
+  %loop = (s32[], f32[8,128]{1,0}, f32[4,8,128]{2,1,0}) while(%init), condition=%cond, body=%body
+  %h = f32[8,128]{1,0} get-tuple-element(%loop), index=1
+  %rs = f32[16,128]{1,0} fusion(%g), kind=kCustom, calls=%all-reduce-scatter.1
+  %ar = f32[64,128]{1,0} all-reduce(%g), channel_id=2, replica_groups={{0,1,2,3}}, to_apply=%sum_f32
+  %cs = (f32[8,128]{1,0:S(1)}, f32[8,128]{1,0}, u32[]{:S(2)}) copy-start(%h)
+  %e = f32[8,128]{1,0} fusion(%h), kind=kLoop, calls=%scale, backend_config={"window_config":{"estimated_cycles":"3500"}}
+  %cd = f32[8,128]{1,0:S(1)} copy-done(%cs)
+  ROOT %out = (f32[8,128]{1,0}, f32[16,128]{1,0}, f32[64,128]{1,0}) tuple(%e, %rs, %ar)
+}
+"""
+
+
+def test_the_step_is_priced_from_the_compilers_cycle_estimates():
+  """estimated_cycles read from each executed op, a loop body's times its trip count, at
+  the chip's clock; collectives by what they are; a slice of a stack read as the slice."""
+  stats = aot.analyze_hlo(PRICED_HLO, 4)
+  ops = {op.name: op for body in stats.executed.values() for op in body}
+  assert 'ds' not in ops and 'ar.1' not in ops  # fusion bodies are not executed ops
+  assert (ops['y'].cycles, ops['y'].runs, ops['e'].cycles, ops['e'].runs) == (1750, 4, 3500, 1)
+  # the layer fusion reads its [1, 8, 128] slice of the stack (through the nested fusion),
+  # the counter and the carried [8, 128], and writes [8, 128]
+  row = 8 * 128 * 4
+  assert ops['y'].hbm_bytes == row + 4 + row + row
+  # the fused all-reduce + slice is a reduce-scatter of the [64, 128] array: each chip sends
+  # 3/4 of it once; the all-reduce twice that; the one inside the fusion is not another
+  full = 64 * 128 * 4
+  coll = stats.collectives
+  assert coll['reduce-scatter']['count'] == 1 and coll['reduce-scatter']['bytes'] == full
+  assert coll['reduce-scatter']['ici_bytes'] == full * 3 / 4
+  assert coll['all-reduce']['count'] == 1 and coll['all-reduce']['ici_bytes'] == 2 * full * 3 / 4
+  assert ops['rs'].kind == 'reduce-scatter' and ops['y'].kind == 'loop fusion'
+  chip = aot.parse_topology('v5p-8').chip  # 1.75 GHz, ICI 1200 GB/s
+  priced = aot.price_step(stats, chip)
+  assert priced['basis'] == 'compiler'
+  assert priced['by_basis']['compiler'] == pytest.approx((4 * 1750 + 3500) / 1.75e9)
+  assert priced['by_basis']['ICI'] == pytest.approx(full * 3 / 4 * 3 / 1.2e12)
+  # the copy runs under the fusion scheduled between its start and its done: it costs
+  # nothing; started after that fusion, it is exposed
+  names = [r['name'] for r in aot.price_step(stats, chip, top=100)['top_ops']]
+  assert 'e' in names and 'cs' not in names
+  start = '  %cs = (f32[8,128]{1,0:S(1)}, f32[8,128]{1,0}, u32[]{:S(2)}) copy-start(%h)\n'
+  done = '  %cd = f32[8,128]{1,0:S(1)} copy-done(%cs)\n'
+  late = PRICED_HLO.replace(start, '').replace(done, start + done)
+  exposed = aot.price_step(aot.analyze_hlo(late, 4), chip, top=100)['top_ops']
+  assert next(r for r in exposed if r['name'] == 'cs')['time_s'] == pytest.approx(
+      2 * row / chip.hbm_bandwidth)
+  top = priced['top_ops'][0]
+  assert (top['name'], top['basis'], top['runs']) == ('y', 'compiler', 4)
+  assert top['time_s'] == pytest.approx(4 * 1750 / 1.75e9)
+  assert top['source'] == 'jit(step)/while/body/add'
+  # a module without the compiler's estimates (a GPU's) is priced op by op at the roofline
+  plain = aot.analyze_hlo(PRICED_HLO.replace('"estimated_cycles"', '"other"'), 4)
+  bound = aot.price_step(plain, chip)
+  assert bound['basis'] == 'roofline' and bound['by_basis']['compiler'] == 0
+  assert bound['step_s'] < priced['step_s']
+  # where a GPU module carries the compiler's own time for an op, that prices it
+  timed = PRICED_HLO.replace('"estimated_cycles":"1750"', '"reification_cost":[{"exec_time_us":2.5}]')
+  gpu = aot.price_step(aot.analyze_hlo(timed, 4), aot.parse_topology('h100-1').chip, top=100)
+  y = next(r for r in gpu['top_ops'] if r['name'] == 'y')
+  assert (y['basis'], y['time_s']) == ('compiler', pytest.approx(4 * 2.5e-6))
+
+
+BRANCHES_HLO = r"""HloModule jit_branches, is_scheduled=true
+
+%cheap (a.1: f32[8,128]) -> f32[8,128] {
+  %a.1 = f32[8,128]{1,0} parameter(0)
+  ROOT %f.1 = f32[8,128]{1,0} fusion(%a.1), kind=kLoop, calls=%neg, backend_config={"window_config":{"estimated_cycles":"1000"}}
+}
+
+%costly (a.2: f32[8,128]) -> f32[8,128] {
+  %a.2 = f32[8,128]{1,0} parameter(0)
+  ROOT %f.2 = f32[8,128]{1,0} fusion(%a.2), kind=kLoop, calls=%neg, backend_config={"window_config":{"estimated_cycles":"3000"}}
+}
+
+%neg (n0: f32[8,128]) -> f32[8,128] {
+  %n0 = f32[8,128]{1,0} parameter(0)
+  ROOT %n1 = f32[8,128]{1,0} negate(%n0)
+}
+
+ENTRY %main (p: s32[], a: f32[8,128]) -> f32[8,128] {
+  %p = s32[] parameter(0)
+  %a = f32[8,128]{1,0} parameter(1)
+  ROOT %c = f32[8,128]{1,0} conditional(%p, %a, %a), branch_computations={%cheap, %costly}
+}
+"""
+
+
+def test_a_conditional_is_priced_at_its_costliest_branch():
+  stats = aot.analyze_hlo(BRANCHES_HLO, 1)
+  assert stats.conditionals == 1
+  priced = aot.price_step(stats, aot.parse_topology('v5p-8').chip)
+  assert priced['step_s'] == pytest.approx(3000 / 1.75e9)
+  assert [r['name'] for r in priced['top_ops']] == ['f.2', 'f.1']  # each branch listed
 
 
 def test_causal_kept_blocks():

@@ -9,6 +9,12 @@ are binary gigabytes; whether a program fits is the compiler's verdict either wa
 
 `cores` is the TensorCores of one chip; v4 and v5p run both as one device (megacore), so a
 v5p-64 (64 cores) is 32 JAX devices.
+
+`clock_ghz` is the TensorCore clock that turns the TPU compiler's cycle estimates into
+seconds. Google publishes it for no current chip; it is the peak over the matrix units'
+FLOPs per cycle: 4 MXUs per TensorCore, 128 x 128 multiply-adds each (v6e: 256 x 256), so
+v4 275 TFLOP/s / (2 cores x 4 MXUs x 2 x 128^2 FLOPs) = 1.05 GHz, v5e 1.5 GHz, v5p 1.75
+GHz, v6e 1.75 GHz (rounded). It is an assumption the report states beside every figure it prices with it.
 """
 from __future__ import annotations
 
@@ -30,6 +36,11 @@ class Chip:
   # NVLink); None: not published per chip
   cores: int  # TensorCores per chip (TPU) / 1 (GPU)
   platform: str = 'tpu'
+  clock_ghz: float | None = None  # TensorCore clock (derived, see above); None on a GPU
+
+  @property
+  def clock_hz(self) -> float | None:
+    return None if self.clock_ghz is None else self.clock_ghz * 1e9
 
   @property
   def peak_flops(self) -> float:
@@ -46,13 +57,17 @@ class Chip:
 
 CHIPS = {
     # Cloud TPU v4: 275 TFLOP/s (bf16), HBM2 32 GiB at 1200 GB/s; no per-chip ICI figure.
-    'v4': Chip('v4', 'TPU v4', 275.0, 32 * GIB, '32 GiB', 1200.0, None, 2),
+    'v4': Chip('v4', 'TPU v4', 275.0, 32 * GIB, '32 GiB', 1200.0, None, 2,
+               clock_ghz=1.05),
     # v5e: 197 TFLOP/s, HBM2 16 GB at 819 GB/s, ICI 400 GB/s bidirectional per chip.
-    'v5e': Chip('v5e', 'TPU v5 lite', 197.0, 16 * GIB, '16 GB', 819.0, 400.0, 1),
+    'v5e': Chip('v5e', 'TPU v5 lite', 197.0, 16 * GIB, '16 GB', 819.0, 400.0, 1,
+                clock_ghz=1.5),
     # v5p: 459 TFLOP/s, HBM2e 95 GB at 2765 GB/s, ICI 1200 GB/s bidirectional per chip.
-    'v5p': Chip('v5p', 'TPU v5', 459.0, 95 * GIB, '95 GB', 2765.0, 1200.0, 2),
+    'v5p': Chip('v5p', 'TPU v5', 459.0, 95 * GIB, '95 GB', 2765.0, 1200.0, 2,
+                clock_ghz=1.75),
     # v6e (Trillium): 918 TFLOP/s, HBM 32 GB at 1638 GB/s, ICI 800 GB/s bidirectional.
-    'v6e': Chip('v6e', 'TPU v6 lite', 918.0, 32 * GIB, '32 GB', 1638.0, 800.0, 1),
+    'v6e': Chip('v6e', 'TPU v6 lite', 918.0, 32 * GIB, '32 GB', 1638.0, 800.0, 1,
+                clock_ghz=1.75),
     # H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s.
     'h100': Chip('h100', 'NVIDIA H100 80GB HBM3', 989.0, 80 * GB, '80 GB', 3350.0, 900.0, 1,
                  'gpu'),

@@ -19,12 +19,17 @@ config's mesh and sharding rules and reads, per chip:
             insides; its figure is kept beside).
   traffic   all-gather / reduce-scatter / all-reduce / (ragged) all-to-all / collective-permute
             of the compiled HLO with their executions per step and bytes.
-  estimate  a roofline step time (the largest of compute, HBM and ICI time) and the MFU it
-            implies for flops.py's count.
+  priced    the headline step time and MFU: the TPU compiler's own per-op cycle estimates
+            summed over the executed ops (loop bodies times their trip counts) at the chip's
+            clock, kernel calls at their roofline; the costliest ops (pricing.py). On a GPU,
+            whose compiled module prints no per-op estimate, each op at its roofline.
+  estimate  a roofline step time (the largest of compute, HBM and ICI time): a lower bound
+            on the step time, and the MFU it implies for flops.py's count.
 
 The modules: devices (accelerator types and their compile-only devices), hlo (reading a
-compiled module), kernels (kernel calls from their shapes), programs (compiling the steps),
-figures (FLOPs against flops.py, fit, roofline), report (the text).
+compiled module), kernels (kernel calls from their shapes), pricing (the op-by-op step
+time), programs (compiling the steps), figures (FLOPs against flops.py, fit, roofline),
+report (the text).
 """
 from mtp_jax.train.aot.devices import Topology, parse_topology, topology_devices, traced_for
 from mtp_jax.train.aot.figures import (
@@ -35,13 +40,14 @@ from mtp_jax.train.aot.figures import (
                                        check_fits,
                                        expected_compiled_flops,
 )
-from mtp_jax.train.aot.hlo import COLLECTIVES, HloStats, analyze_hlo, read_computations
+from mtp_jax.train.aot.hlo import COLLECTIVES, ExecutedOp, HloStats, analyze_hlo, read_computations
 from mtp_jax.train.aot.kernels import KernelCall, causal_kept_fraction, kernel_call
+from mtp_jax.train.aot.pricing import price_step
 from mtp_jax.train.aot.programs import compile_report, hlo_text, shard_bytes, spec_text
 from mtp_jax.train.aot.report import format_report
 
-__all__ = ['COLLECTIVES', 'GIB', 'PROGRAMS', 'DoesNotFit', 'HloStats', 'KernelCall', 'Topology',
-           'analyze_hlo', 'attention_core_of', 'causal_kept_fraction', 'check_fits',
+__all__ = ['COLLECTIVES', 'GIB', 'PROGRAMS', 'DoesNotFit', 'ExecutedOp', 'HloStats', 'KernelCall',
+           'Topology', 'analyze_hlo', 'attention_core_of', 'causal_kept_fraction', 'check_fits',
            'compile_report', 'expected_compiled_flops', 'format_report', 'hlo_text', 'kernel_call',
-           'parse_topology', 'read_computations', 'shard_bytes', 'spec_text',
+           'parse_topology', 'price_step', 'read_computations', 'shard_bytes', 'spec_text',
            'topology_devices', 'traced_for']

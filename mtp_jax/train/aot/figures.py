@@ -3,10 +3,14 @@
   FLOPs     matmul FLOPs of the compiled HLO and its kernel calls (hlo.py), every loop
             body times its trip count, beside flops.py's model count and the count the
             compiled step should hold (`expected_compiled_flops`).
+  priced    the step time priced op by op (pricing.py): the TPU compiler's own cycle
+            estimates at the chip's clock, kernel calls at their roofline -- the headline
+            step time and MFU -- and the costliest ops.
   estimate  a roofline step time: the largest of compute (those FLOPs over the chip's
             peak), HBM (the HLO's bytes, loop bodies times their trip counts, over the HBM
-            bandwidth) and ICI (collective bytes over the chip's ICI bandwidth) -- a lower
-            bound, not a measurement -- and the MFU it implies for flops.py's count.
+            bandwidth) and ICI (collective bytes over the chip's ICI bandwidth): a lower
+            bound on the step time (every op at its peak, all of them overlapped), and the
+            upper bound on MFU it implies for flops.py's count.
 """
 from __future__ import annotations
 
@@ -63,7 +67,8 @@ def add_figures(report: dict, config, topo: Topology) -> None:
     t_hbm = hbm / chip.hbm_bandwidth
     ici = sum(c['ici_bytes'] for c in prog['collectives'].values())
     t_ici = ici / chip.ici_bandwidth if chip.ici_bandwidth else None
-    prog['estimate'] = {'compute_s': t_compute, 'hbm_s': t_hbm, 'hbm_bytes': hbm,
+    prog['estimate'] = {'bound': 'lower bound on the step time: max(compute, HBM, ICI)',
+                        'compute_s': t_compute, 'hbm_s': t_hbm, 'hbm_bytes': hbm,
                         'ici_s': t_ici, 'ici_bytes': ici,
                         'step_s': max(t_compute, t_hbm, t_ici or 0.0)}
   if train:
@@ -73,9 +78,11 @@ def add_figures(report: dict, config, topo: Topology) -> None:
                                          / report['flops_py']['noncausal_train_per_chip'])
     train['flops_ratio_vs_expected'] = (train['hlo_matmul_flops']
                                         / report['flops_py']['expected_compiled_per_chip'])
-    step = train['estimate']['step_s']
-    train['estimate']['mfu'] = model / chip.peak_flops / step if step else None
-    train['estimate']['tokens_per_s'] = tokens / step if step else None
+    for est in (train['estimate'], train.get('priced')):
+      step = est['step_s'] if est else None
+      if est is not None:
+        est['mfu'] = model / chip.peak_flops / step if step else None
+        est['tokens_per_s'] = tokens / step if step else None
 
 
 def _attention_parts(args, t: int) -> list:

@@ -46,6 +46,13 @@ _NO_BYTES = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', '
              'conditional', 'call', 'after-all', 'add-dependency', 'partition-id', 'replica-id',
              'opt-barrier', 'async-start', 'async-update', 'async-done', 'domain'}
 _SLICING = {'dynamic-slice', 'slice', 'gather'}
+# TPU custom calls that only name a buffer or state a fact about indices: no bytes move
+_NO_BYTES_TARGETS = {'AllocateBuffer', 'AssumeGatherIndicesInBound'}
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+# the GPU compiler's per-op estimate, where it fills one in (its reification_cost)
+_GPU_TIME = re.compile(r'"exec_time_us":"?([\d.eE+\-]+)')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_MATMUL_OPS = ('convolution', 'dot')
 
 
 def _arrays(type_text: str) -> list:
@@ -73,6 +80,32 @@ class HloStats:
   kernel_calls: float = 0.0  # executions of compiled kernels (Mosaic, Triton, cuDNN)
   kernels: dict = dataclasses.field(default_factory=dict)  # kind -> {calls, flops, hbm_bytes,
   # by_name: {name: calls}, causal_assumed: calls whose kept blocks were not read}
+  executed: dict = dataclasses.field(default_factory=dict)  # computation -> [ExecutedOp] in
+  # the order the compiled (scheduled) module runs them: the computations run as code (the
+  # entry, loop bodies and conditions, called computations), not fusion bodies
+  entry: str = ''  # the computation a run of the module starts in
+  conditionals: int = 0  # conditionals (FLOPs and bytes count every branch; the priced
+  # step its costliest)
+
+
+@dataclasses.dataclass
+class ExecutedOp:
+  """One instruction of a computation that runs as code, per execution."""
+  name: str
+  op: str  # the HLO opcode (fusion, copy, all-gather, custom-call, ...)
+  kind: str  # what it does: 'convolution fusion', 'loop fusion', 'reduce-scatter', a kernel's
+  # kind (splash_attention), ...
+  runs: float  # executions per run of the module
+  cycles: int | None  # the TPU compiler's estimated_cycles for one execution, where it prints one
+  flops: float  # matmul FLOPs of one execution (dots, convolutions, kernel calls)
+  hbm_bytes: float  # HBM bytes one execution reads and writes
+  ici_bytes: float = 0.0  # bytes one execution moves over ICI (collectives)
+  done: str | None = None  # an asynchronous start: the instruction that waits for it
+  source: str = ''  # the JAX operation it came from (its op_name metadata)
+  compiler_s: float | None = None  # the GPU compiler's estimate of one execution, in
+  # seconds, where its backend config fills one in (reification_cost.exec_time_us)
+  calls: tuple = ()  # the computations one execution runs as code: ((callee, times), ...)
+  # (a while loop its condition and body, a call its callee, a conditional its branches)
 
 
 def _open(text: str) -> bool:
@@ -169,8 +202,9 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
   control = collections.defaultdict(list)  # the same, through control flow only (no fusion
   # bodies or reducers): the computations whose ops move bytes themselves
   stats = HloStats()
+  runs_code = {}  # instruction -> the computations it runs as code, [(callee, times)]
   for name, body in comps.items():
-    for _, _, op, rest, _ in body:
+    for iname, _, op, rest, _ in body:
       if op == 'while':
         cond = re.search(r'condition=%([\w.\-]+)', rest)
         loop = re.search(r'body=%([\w.\-]+)', rest)
@@ -182,72 +216,167 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
           if target:
             calls[name].append((target.group(1), n or 1))
             control[name].append((target.group(1), n or 1))
+            runs_code.setdefault(iname, []).append((target.group(1), n or 1))
         continue
-      flow = op in ('call', 'conditional', 'async-start')
+      flow = op in ('call', 'conditional')  # an async-start's callee is priced as the start
       for _, callee in _CALLS.findall(rest):
         calls[name].append((callee, 1))
         if flow:
           control[name].append((callee, 1))
+          runs_code.setdefault(iname, []).append((callee, 1))
       for group in _BRANCHES.findall(rest):
         for callee in re.findall(r'%([\w.\-]+)', group):
           calls[name].append((callee, 1))
           control[name].append((callee, 1))
+          runs_code.setdefault(iname, []).append((callee, 1))
+  stats.entry = root
   mult = _multiplicities(calls, root)
   runs = _multiplicities(control, root)
   fused = {}  # fusion body -> ([bytes read per parameter or None], bytes written or None)
+  collective_of = {}  # fusion body -> (collective kind, its instruction's text) or None
 
   for name, body in comps.items():
     k = mult.get(name, 0.0)
     if not k:
       continue
     k_bytes = runs.get(name, 0.0)
-    for _, typ, op, rest, _ in body:
-      moved = 0.0
-      if k_bytes and op not in _NO_BYTES and not op.endswith('-done'):
+    executed = stats.executed.setdefault(name, []) if k_bytes else None
+    done_of = {}
+    if k_bytes:
+      for iname, _, op, rest, _ in body:
+        if op.endswith('-done'):
+          started = _operands(rest)
+          if started:
+            done_of[started[0]] = iname
+    for iname, typ, op, rest, _ in body:
+      moved, flops, kind = 0.0, 0.0, op
+      target = (_TARGET.search(rest) or [None, ''])[1] if op == 'custom-call' else ''
+      if op == 'custom-call':
+        kind = f'custom-call {target}'
+      if (k_bytes and op not in _NO_BYTES and not op.endswith('-done')
+          and target not in _NO_BYTES_TARGETS):
         moved = _op_bytes(op, typ, rest, shapes, comps, fused)
       if op in ('convolution', 'dot'):
-        stats.matmul_flops += k * _matmul_flops(op, typ, rest, shapes)
+        flops = _matmul_flops(op, typ, rest, shapes)
       elif op == 'custom-call' and ('$gemm' in rest or '$matmul' in rest):  # cuBLAS on GPU
-        stats.matmul_flops += k * _gemm_flops(typ, rest, shapes)
+        flops, kind = _gemm_flops(typ, rest, shapes), 'gemm'
       elif op == 'custom-call' and ('tpu_custom_call' in rest or '__cudnn$fmha' in rest
-                                    or 'triton' in (_TARGET.search(rest) or [''])[0]):
+                                    or 'triton' in target):
         call = _kernel(typ, rest, shapes, consts)
         stats.kernel_calls += k
-        stats.matmul_flops += k * call.flops
         stats.kernel_flops += k * call.flops
-        kind = stats.kernels.setdefault(call.kind, {'calls': 0.0, 'flops': 0.0, 'hbm_bytes': 0.0,
-                                                    'by_name': {}, 'causal_assumed': 0.0})
-        kind['calls'] += k
-        kind['flops'] += k * call.flops
-        kind['hbm_bytes'] += k * call.hbm_bytes
-        kind['by_name'][call.name] = kind['by_name'].get(call.name, 0.0) + k
-        kind['causal_assumed'] += k if call.causal_assumed else 0.0
+        flops, kind = call.flops, call.kind
+        entry_k = stats.kernels.setdefault(call.kind, {'calls': 0.0, 'flops': 0.0,
+                                                       'hbm_bytes': 0.0, 'by_name': {},
+                                                       'causal_assumed': 0.0})
+        entry_k['calls'] += k
+        entry_k['flops'] += k * call.flops
+        entry_k['hbm_bytes'] += k * call.hbm_bytes
+        entry_k['by_name'][call.name] = entry_k['by_name'].get(call.name, 0.0) + k
+        entry_k['causal_assumed'] += k if call.causal_assumed else 0.0
         if k_bytes:
           moved = call.hbm_bytes
-      if k_bytes:
-        stats.hbm_bytes += k_bytes * moved
-        stats.hbm_bytes_once += moved
-      base = op[:-len('-start')] if op.endswith('-start') else op
-      if base not in COLLECTIVES or op.endswith('-done'):
+      stats.matmul_flops += k * flops
+      if not k_bytes:  # inside a fusion: its bytes, collectives and cost are the fusion's
         continue
-      arrays = _arrays(typ)
-      if not arrays:
-        continue
-      size = max(_nbytes(d, s) for d, s in arrays)  # a -start tuple holds (operand, result)
-      n = max(_group_size(rest, num_devices), 1)
-      frac = (n - 1) / n
-      ici = {'all-gather': size * frac, 'reduce-scatter': size * (n - 1),
-             'all-reduce': 2 * size * frac, 'all-to-all': size * frac,
-             'ragged-all-to-all': size * frac, 'collective-permute': size}[base]
-      entry_stats = stats.collectives.setdefault(base, {'count': 0.0, 'bytes': 0.0,
-                                                        'ici_bytes': 0.0, 'by_group': {}})
-      entry_stats['count'] += k
-      entry_stats['bytes'] += k * size
-      entry_stats['ici_bytes'] += k * ici
-      group = entry_stats['by_group'].setdefault(str(n), {'count': 0.0, 'bytes': 0.0})
-      group['count'] += k
-      group['bytes'] += k * size
+      stats.hbm_bytes += k_bytes * moved
+      stats.hbm_bytes_once += moved
+      if op == 'conditional':
+        stats.conditionals += 1
+      coll = _collective(op, typ, rest, shapes, comps, collective_of, num_devices)
+      ici = 0.0
+      if coll:
+        kind, full, n, ici = coll
+        entry_c = stats.collectives.setdefault(kind, {'count': 0.0, 'bytes': 0.0,
+                                                      'ici_bytes': 0.0, 'by_group': {}})
+        entry_c['count'] += k_bytes
+        entry_c['bytes'] += k_bytes * full
+        entry_c['ici_bytes'] += k_bytes * ici
+        group = entry_c['by_group'].setdefault(str(n), {'count': 0.0, 'bytes': 0.0})
+        group['count'] += k_bytes
+        group['bytes'] += k_bytes * full
+      elif op == 'fusion':
+        kind = _fusion_kind(rest, comps)
+      cycles = _CYCLES.search(rest)
+      source = _OP_NAME.search(rest)
+      gpu_time = _GPU_TIME.search(rest)
+      executed.append(ExecutedOp(iname, op, kind, k_bytes,
+                                 int(cycles.group(1)) if cycles else None, flops, moved, ici,
+                                 done_of.get(iname) if op.endswith('-start') else None,
+                                 source.group(1) if source else '',
+                                 float(gpu_time.group(1)) * 1e-6 if gpu_time else None,
+                                 tuple(runs_code.get(iname, ()))))
   return stats
+
+
+def _body_ops(comps: dict, callee: str, depth: int = 0) -> list:
+  """(op, type, rest) of a fusion body and the bodies of the fusions nested in it."""
+  out = []
+  for _, typ, op, rest, _ in comps.get(callee, ()):
+    out.append((op, typ, rest))
+    inner = re.search(r'calls=%([\w.\-]+)', rest) if op == 'fusion' else None
+    if inner and depth < 8:
+      out += _body_ops(comps, inner.group(1), depth + 1)
+  return out
+
+
+def _fusion_kind(rest: str, comps: dict) -> str:
+  """A fusion by the work in its body: a matmul, a reduction, a gather, ... or elementwise."""
+  callee = re.search(r'calls=%([\w.\-]+)', rest)
+  ops = {op for op, _, _ in _body_ops(comps, callee.group(1))} if callee else set()
+  for names, kind in ((_MATMUL_OPS, 'convolution fusion'), (('reduce', 'reduce-window'),
+                                                            'reduce fusion'),
+                      (('gather',), 'gather fusion'), (('scatter',), 'scatter fusion'),
+                      (('dynamic-update-slice',), 'update-slice fusion')):
+    if ops.intersection(names):
+      return kind
+  return 'loop fusion'
+
+
+def _collective(op: str, typ: str, rest: str, shapes: dict, comps: dict, cache: dict,
+                num_devices: int):
+  """(kind, bytes of the whole array, devices in a group, ICI bytes per chip) of a collective
+  op, a fusion or async op wrapping one, else None.
+
+  The TPU compiler writes a reduce-scatter as a fusion of an all-reduce and the dynamic
+  slice each chip keeps; the array's bytes are the larger of what goes in and what comes
+  out (an all-gather's result, a reduce-scatter's operand), summed over the arrays a
+  combined collective moves; a ragged all-to-all's are its output buffer's."""
+  base = op[:-len('-start')] if op.endswith('-start') else op
+  inner_rest = rest
+  if base in ('fusion', 'async'):
+    callee = re.search(r'calls=%([\w.\-]+)', rest)
+    if not callee:
+      return None
+    if callee.group(1) not in cache:
+      body = _body_ops(comps, callee.group(1))
+      found = next(((o[:-len('-start')] if o.endswith('-start') else o, r)
+                    for o, _, r in body if (o[:-len('-start')] if o.endswith('-start') else o)
+                    in COLLECTIVES), None)
+      if found and found[0] == 'all-reduce':
+        root = next((o for n, _, o, _, is_root in comps[callee.group(1)] if is_root), '')
+        if root == 'dynamic-slice' or 'scatter' in callee.group(1).lower():
+          found = ('reduce-scatter', found[1])
+      cache[callee.group(1)] = found
+    if cache[callee.group(1)] is None:
+      return None
+    base, inner_rest = cache[callee.group(1)]
+  elif base not in COLLECTIVES or op.endswith('-done'):
+    return None
+  if base == 'ragged-all-to-all':  # (input, output buffer, offsets and sizes)
+    full = float(max((_nbytes(d, s) for d, s in _arrays(typ)), default=0))
+  else:
+    result = float(_type_bytes(typ))
+    operand = float(sum(_type_bytes(shapes.get(o, '')) for o in _operands(rest)))
+    if op.endswith('-start'):  # (operands, results, context): the results are what is left
+      result = max(0.0, result - operand)
+    full = max(result, operand)
+  n = max(_group_size(inner_rest, num_devices), 1)
+  frac = (n - 1) / n
+  ici = {'all-gather': full * frac, 'reduce-scatter': full * frac, 'all-reduce': 2 * full * frac,
+         'all-to-all': full * frac, 'ragged-all-to-all': full * frac,
+         'collective-permute': full}[base]
+  return base, full, n, ici
 
 
 def _multiplicities(calls: dict, root: str) -> dict:
@@ -284,9 +413,7 @@ def _op_bytes(op: str, typ: str, rest: str, shapes: dict, comps: dict, fused: di
   if op == 'fusion':
     callee = re.search(r'calls=%([\w.\-]+)', rest)
     if callee and callee.group(1) in comps:
-      if callee.group(1) not in fused:
-        fused[callee.group(1)] = _fusion_use(comps[callee.group(1)], shapes)
-      reads, written = fused[callee.group(1)]
+      reads, written = _fusion_use_of(callee.group(1), comps, shapes, fused)
       total = 0.0
       for i, o in enumerate(ops):
         full = _type_bytes(shapes.get(o, ''))
@@ -295,9 +422,16 @@ def _op_bytes(op: str, typ: str, rest: str, shapes: dict, comps: dict, fused: di
   return float(out + sum(_type_bytes(shapes.get(o, '')) for o in ops))
 
 
-def _fusion_use(body: list, shapes: dict) -> tuple:
+def _fusion_use_of(callee: str, comps: dict, shapes: dict, fused: dict, depth: int = 0):
+  if callee not in fused:
+    fused[callee] = _fusion_use(comps[callee], shapes, comps, fused, depth)
+  return fused[callee]
+
+
+def _fusion_use(body: list, shapes: dict, comps: dict, fused: dict, depth: int = 0) -> tuple:
   """Per parameter of a fusion body, the bytes it reads (None: all of it), and the bytes
-  the body writes (None: its whole result)."""
+  the body writes (None: its whole result). A parameter handed to a nested fusion reads
+  what that fusion's body reads of it (a slice of a stacked array: the slice)."""
   users = collections.defaultdict(list)
   params, root = {}, None
   for name, typ, op, rest, is_root in body:
@@ -312,7 +446,7 @@ def _fusion_use(body: list, shapes: dict) -> tuple:
 
   def read(name: str, depth: int = 0):
     total = 0.0
-    for user, typ, op, i, _ in users.get(name, ()):
+    for user, typ, op, i, rest in users.get(name, ()):
       if op == 'bitcast' and depth < 8:
         part = read(user, depth + 1)
         if part is None:
@@ -320,6 +454,14 @@ def _fusion_use(body: list, shapes: dict) -> tuple:
         total += part
       elif op in _SLICING and i == 0:
         total += _type_bytes(typ)
+      elif op == 'fusion' and depth < 8:
+        inner = re.search(r'calls=%([\w.\-]+)', rest)
+        if not inner or inner.group(1) not in comps:
+          return None
+        part = _fusion_use_of(inner.group(1), comps, shapes, fused, depth + 1)[0]
+        if i >= len(part) or part[i] is None:
+          return None
+        total += part[i]
       elif op == 'dynamic-update-slice' and i == 0:
         continue  # the buffer updated in place: only the update moves
       else:

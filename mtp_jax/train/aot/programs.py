@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 import mtp_jax.train.aot.figures as figures
+import mtp_jax.train.aot.pricing as pricing
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib, train_state
 from mtp_jax.data import tokenizers
@@ -178,7 +179,7 @@ def hlo_text(compiled) -> str:
 
 
 def _program_report(compiled, lowered_s: float, compile_s: float, num_devices: int,
-                    name: str = '') -> dict:
+                    chip, name: str = '') -> dict:
   text = hlo_text(compiled)
   if _DUMP['dir'] and name:
     os.makedirs(_DUMP['dir'], exist_ok=True)
@@ -190,14 +191,15 @@ def _program_report(compiled, lowered_s: float, compile_s: float, num_devices: i
           'hlo_matmul_flops': hlo.matmul_flops, 'kernel_flops': hlo.kernel_flops,
           'hbm_bytes': hlo.hbm_bytes, 'hbm_bytes_once': hlo.hbm_bytes_once,
           'collectives': hlo.collectives, 'kernel_calls': hlo.kernel_calls,
-          'kernels': hlo.kernels, 'unknown_trip_counts': hlo.unknown_trip_counts}
+          'kernels': hlo.kernels, 'unknown_trip_counts': hlo.unknown_trip_counts,
+          'conditionals': hlo.conditionals, 'priced': pricing.price_step(hlo, chip)}
 
 
 # Compiled results by the lowered program: JAX's persistent compilation cache cannot read a
 # compile-only executable back ("PjRtCompiler must be constructed with a Client"), so the
 # figures themselves are kept, keyed by everything that decides the compiled program.
 _CACHE = {'dir': None}
-_ANALYSIS_VERSION = '4'  # bump when the figures read from a compiled program change
+_ANALYSIS_VERSION = '5'  # bump when the figures read from a compiled program change
 
 
 def _libtpu_version() -> str:
@@ -237,7 +239,7 @@ def _compiled(fn, args, program: str, topo: Topology, num_devices: int, log,
   compiled = _compile(lowered, program, topo, hint)
   compile_s = time.perf_counter() - t1
   log(f'{program}: lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s')
-  rep = _program_report(compiled, lower_s, compile_s, num_devices, program)
+  rep = _program_report(compiled, lower_s, compile_s, num_devices, topo.chip, program)
   if path:
     os.makedirs(_CACHE['dir'], exist_ok=True)
     tmp = f'{path}.{os.getpid()}.tmp'

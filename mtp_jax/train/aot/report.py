@@ -50,12 +50,53 @@ def format_report(report: dict) -> str:
     lines.append('  collectives per step: ' + (', '.join(
         f'{op} {c["count"]:.0f}x {c["bytes"] / 2 ** 20:.1f} MiB' for op, c in sorted(coll.items()))
         or 'none'))
+    priced = prog.get('priced')
+    if priced:
+      lines += priced_lines(priced, name)
     ici = 'n/a' if est['ici_s'] is None else f'{est["ici_s"] * 1e3:.2f} ms'
     hbm_t = (f'{est["hbm_s"] * 1e3:.2f} for {est["hbm_bytes"] / GIB:.1f} GiB'
              if est.get('hbm_bytes') else 'n/a')
-    est_line = (f'  roofline estimate: {est["step_s"] * 1e3:.2f} ms per step (compute '
-                f'{est["compute_s"] * 1e3:.2f}, HBM {hbm_t}, ICI {ici})')
+    est_line = (f'  roofline (a lower bound on the step time): {est["step_s"] * 1e3:.2f} ms '
+                f'(compute {est["compute_s"] * 1e3:.2f}, HBM {hbm_t}, ICI {ici})')
     if name == 'train' and est.get('mfu'):
       est_line += f', MFU <= {est["mfu"]:.2f}'
     lines.append(est_line)
+    if priced and priced['top_ops']:
+      lines += top_ops_lines(priced)
   return '\n'.join(lines)
+
+
+_BASIS_WORDS = {'compiler': 'compiler cycles', 'kernel roofline': 'kernel calls at their roofline',
+                'ICI': 'collectives over ICI', 'roofline': 'other ops at their roofline'}
+
+
+def priced_lines(priced: dict, name: str) -> list:
+  """The headline step time: where it comes from, and its parts."""
+  step = priced['step_s'] * 1e3
+  mfu = f' (MFU {priced["mfu"]:.2f})' if name == 'train' and priced.get('mfu') else ''
+  parts = ', '.join(f'{_BASIS_WORDS[b]} {t * 1e3:.2f}' for b, t in priced['by_basis'].items()
+                    if t)
+  if priced['basis'] == 'compiler' and priced['clock_ghz']:
+    head = (f'  step priced by the TPU compiler\'s cost model: {step:.2f} ms{mfu}, its ops one '
+            f'after another (estimated_cycles of {priced["ops_with_cycles"]} ops at an '
+            f'assumed {priced["clock_ghz"]:.2f} GHz clock; kernel calls, collectives and '
+            f'{priced["ops_without_cycles"]} ops without cycles at their roofline)')
+  elif priced['basis'] == 'compiler':
+    head = (f'  step priced by the compiler\'s cost model: {step:.2f} ms{mfu}, its ops one '
+            f'after another ({priced["ops_with_cycles"]} ops by the compiler\'s estimate, '
+            f'{priced["ops_without_cycles"]} at their roofline)')
+  else:
+    head = (f'  step with each op at its roofline (the compiled module prints no per-op '
+            f'estimate; a lower bound): {step:.2f} ms{mfu}')
+  return [head, f'    ms: {parts}']
+
+
+def top_ops_lines(priced: dict) -> list:
+  """The costliest ops of the priced step, one line each."""
+  lines = ['  costliest ops:  ms/step  share     runs  what / priced by / instruction / JAX source']
+  for op in priced['top_ops']:
+    source = op['source'].split('/')
+    source = '/'.join(source[-3:]) if len(source) > 3 else op['source']
+    lines.append(f'    {op["time_s"] * 1e3:#17.4g} {100 * op["share"]:5.1f} % {op["runs"]:8.0f}  '
+                 f'{op["kind"]} / {op["basis"]} / {op["name"]} / {source}')
+  return lines
