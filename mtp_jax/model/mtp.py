@@ -20,6 +20,7 @@ from flax import nnx
 import mtp_jax.model.attention as attn_lib
 import mtp_jax.model.decode_ops as decode_ops
 import mtp_jax.model.layers as layers
+import mtp_jax.model.matmul as matmul
 import mtp_jax.model.mla as mla
 import mtp_jax.model.moe as moe
 from mtp_jax import config_lib
@@ -168,8 +169,7 @@ def vocab_logits(norm, h_BxTxD: Array, w_DxV: Array) -> Array:
   """float32 logits [B, T, V] of norm(h) @ w as one 2-D matmul (see layers.project)."""
   b, t, d = h_BxTxD.shape
   x_BTxD = norm(h_BxTxD).reshape(b * t, d)
-  return jnp.dot(x_BTxD, w_DxV.astype(x_BTxD.dtype),
-                 preferred_element_type=jnp.float32).reshape(b, t, -1)
+  return matmul.matmul(x_BTxD, w_DxV, x_BTxD.dtype, jnp.float32).reshape(b, t, -1)
 
 
 def remat_policy(name: str):
