@@ -25,6 +25,7 @@ import mtp_jax.model.mla as mla
 import mtp_jax.model.moe as moe
 from mtp_jax import config_lib
 from mtp_jax.errors import ConfigError
+from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array
@@ -91,7 +92,7 @@ class ModelArgs:
     if vocab_size <= 0:
       raise ConfigError('model.vocab_size is 0 (the tokenizer\'s size): resolve it first '
                         '(mtp_jax.data.tokenizers.resolve_vocab_size) or pass vocab_size')
-    values = {'vocab_size': vocab_size, 'dtype': jnp.dtype(config.model.dtype),
+    values = {'vocab_size': vocab_size, 'dtype': peak_lib.compute_dtype(config.model.dtype),
               'rope_scaling': config_lib.rope_scaling_tuple(config)}
     for field in dataclasses.fields(cls):
       if field.name not in values:  # a config saved before a field existed: its default
