@@ -376,7 +376,7 @@ AUTO_ENV = 'MTP_JAX_AUTO_DTYPE'  # float32 | bfloat16: what 'auto' resolves to, 
 RATIO_PROBE = (1024, 3, 3)  # (n, repeats, interleaved rounds)
 
 
-def _ratio_file() -> str:
+def ratio_file() -> str:
   return os.path.join(cache_dir(), 'cpu_bf16_ratio.json')
 
 
@@ -385,7 +385,7 @@ def bf16_speedup() -> dict:
   taken once and cached per machine (the ratio holds under load, unlike either rate)."""
   key = machine_key(jnp.bfloat16).rsplit(' | ', 1)[0]
   try:
-    with open(_ratio_file()) as f:
+    with open(ratio_file()) as f:
       cached = json.load(f).get(key)
   except (OSError, ValueError):
     cached = None
@@ -399,16 +399,16 @@ def bf16_speedup() -> dict:
   record = {'ratio': best['bfloat16'] / best['float32'], 'flops': best, 'n': n,
             'date': _now(), 'load_average': _load(), 'jax': jax.__version__}
   try:
-    with open(_ratio_file()) as f:
+    with open(ratio_file()) as f:
       table = json.load(f)
   except (OSError, ValueError):
     table = {}
   table[key] = record
   os.makedirs(cache_dir(), exist_ok=True)
-  tmp = _ratio_file() + f'.{os.getpid()}.tmp'
+  tmp = ratio_file() + f'.{os.getpid()}.tmp'
   with open(tmp, 'w') as f:
     json.dump(table, f, indent=1)
-  os.replace(tmp, _ratio_file())
+  os.replace(tmp, ratio_file())
   return record
 
 
