@@ -343,8 +343,8 @@ def bench_ab(rounds: int, ab_set: str, smoke: bool = False) -> dict:
         'tokens_per_sec_median': steps[v].tokens / common.median(times[v]),
         'temp_MiB': steps[v].temp_mib, 'first_step': steps[v].first,
         'compute_dtype': steps[v].dtype.name,
-        'mfu_median_over_dtype_peak': steps[v].flops / common.median(times[v]) / peak_lib.cpu_peak(
-            steps[v].dtype)['flops'],
+        'mfu_median_over_dtype_peak': steps[v].flops / common.median(times[v]) / (
+            1e9 if smoke else peak_lib.cpu_peak(steps[v].dtype)['flops']),
         'matmul_flops_by_dot_form': steps[v].dot_forms,
         'first_step_rel_diff': {k: abs(x - steps[base].first[k]) / abs(steps[base].first[k])
                                 for k, x in steps[v].first.items()}} for v in variants}
