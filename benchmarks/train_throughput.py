@@ -316,9 +316,11 @@ AB_SETS = {
 }
 
 
-def bench_ab(rounds: int, ab_set: str, smoke: bool = False) -> dict:
+def bench_ab(rounds: int, ab_set: str, smoke: bool = False, only_models=()) -> dict:
   out = {'ab_set': ab_set, 'models': {}}
   models = AB_SETS[ab_set]
+  if only_models:
+    models = {k: v for k, v in models.items() if k in only_models}
   if smoke:  # the first model only
     models = dict(list(models.items())[:1])
   for name, (build, variants) in models.items():
@@ -505,6 +507,8 @@ def parse(argv):
   p.add_argument('--remat', default='block', help='maxtext section: model.remat')
   p.add_argument('--ab_set', default='attention', choices=tuple(AB_SETS),
                  help='ab section: the variants (AB_SETS)')
+  p.add_argument('--ab_models', default='',
+                 help='ab section: only these models of the set, comma-separated (default: all)')
   p.add_argument('--cpu_devices', default='auto',
                  help="CPU devices per train step (data parallel): auto = the trainer's rule, "
                       'or a number')
@@ -513,6 +517,11 @@ def parse(argv):
                       '--host_malloc (read before JAX starts)')
   args = p.parse_args(argv)
   args.only = [s for s in args.only.split(',') if s]
+  args.ab_models = tuple(m for m in args.ab_models.split(',') if m)
+  known = {m for models in AB_SETS.values() for m in models}
+  if set(args.ab_models) - known:
+    p.error(f'--ab_models must name models of {", ".join(sorted(known))}, '
+            f'got {", ".join(sorted(set(args.ab_models) - known))}')
   bad = [s for s in args.only if s not in SECTIONS]
   if bad or not args.only:
     p.error(f'--only must name some of {", ".join(SECTIONS)}, got {bad or "nothing"}')
@@ -556,7 +565,7 @@ def main(argv=None) -> int:
         'maxtext': lambda: bench_maxtext(r, args.depths, args.remat, smoke),
         'memory': lambda: bench_memory_both_schedulers(smoke),
         'compile': lambda: bench_compile(smoke),
-        'ab': lambda: bench_ab(r, args.ab_set, smoke)}[name]()
+        'ab': lambda: bench_ab(r, args.ab_set, smoke, args.ab_models)}[name]()
     result['sections'][name]['bench_seconds'] = time.time() - t0
     print(name, 'done in', f'{time.time() - t0:.0f} s', file=sys.stderr, flush=True)
   common.write(run, result)
