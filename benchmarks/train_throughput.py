@@ -6,9 +6,10 @@
 Sections (--only, comma-separated; each timed section runs its steps round robin in one
 process, so the background load hits every variant alike):
   mfu       the configs/stdlib_mtp.py train step: steps/s, tokens/s, and MFU = model FLOPs
-            (mtp_jax.train.flops) / step time / the host's peak (mtp_jax.runtime.peak: the
-            best f32 matmul probe ever taken here, cached; this section's own 2048^2
-            probes, taken between its steps, raise it when higher)
+            (mtp_jax.train.flops) / step time / the host's peak in the step's compute dtype
+            (mtp_jax.runtime.peak: the best matmul probe of that dtype ever taken here,
+            cached; this section's own 2048^2 probes, taken between its steps, raise it
+            when higher)
   overhead  step time at M = 1, 2, 3 over M = 0 (same trunk), next to the FLOP ratio
   moe       configs/dsv3_mini.py (MLA + DeepSeekMoE): tokens/s, MFU of the active parameters,
             and the dispatch overhead against a dense control of the same active FLOPs
@@ -22,7 +23,9 @@ process, so the background load hits every variant alike):
             model.scan_layers (persistent compilation cache off)
   ab        --ab_set's variants of one model, each a set of config overrides
             (AB_SETS): ratio = median of per-round t(variant) / t(first variant), with each
-            variant's first-step loss and gradient norm (equal inits: they must agree)
+            variant's first-step loss and gradient norm (equal inits: they must agree), its
+            MFU over its compute dtype's peak and its matmul FLOPs by dot form
+            (aot.hlo.cpu_dot_forms; 'bf16 kernels' is the fast bf16 form)
 
 --cpu_devices and --host_malloc are the trainer's (scripts/train.py) with its defaults, so
 the step timed is the step the trainer runs.
@@ -52,6 +55,7 @@ from mtp_jax.runtime import distributed, sharding  # noqa: E402
 from mtp_jax.runtime import peak as peak_lib  # noqa: E402
 from mtp_jax.train import flops as flops_lib  # noqa: E402
 from mtp_jax.train import steps as steps_lib  # noqa: E402
+from mtp_jax.train.aot.hlo import cpu_dot_forms  # noqa: E402
 
 NAME = 'train_throughput'
 SECTIONS = ('mfu', 'overhead', 'moe', 'maxtext', 'memory', 'compile', 'ab')
@@ -133,6 +137,9 @@ class Step:
     cost = self.compiled.cost_analysis()
     self.xla_flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost).get('flops', 0))
     self.temp_mib = self.compiled.memory_analysis().temp_size_in_bytes / 2**20
+    self.dtype = peak_lib.cpu_dtype(args.dtype)
+    forms = cpu_dot_forms(self.compiled.as_text())
+    self.dot_forms = {k: v / max(sum(forms.values()), 1.0) for k, v in forms.items()}
     self.run()
     # The first step's loss and gradient norm: every variant of a model starts from the same
     # init and batch, so an A/B's variants must agree on them within float tolerance.
@@ -148,12 +155,13 @@ class Step:
 
 
 class Probe:
-  """The f32 n^2 matmul (two distinct operands, as peak.matmul_probe) in this process."""
+  """The n^2 matmul of peak.matmul_probe (two distinct operands; bf16: bf16 x bf16 -> f32) in
+  this process."""
 
-  def __init__(self, n=2048):
+  def __init__(self, n=2048, dtype=jnp.float32):
     self.n, self.flops = n, 2.0 * n ** 3
-    self.fn = jax.jit(jnp.dot)
-    self.a, self.b = jnp.ones((n, n), jnp.float32), jnp.full((n, n), 2.0, jnp.float32)
+    self.fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    self.a, self.b = jnp.ones((n, n), dtype), jnp.full((n, n), 2.0, dtype)
     self.fn(self.a, self.b).block_until_ready()
 
   def run(self, reps=2) -> float:
@@ -182,8 +190,9 @@ def bench_mfu(rounds: int, smoke: bool = False) -> dict:
   config = load_config('stdlib_mtp')
   if smoke:
     shrink(config)
-  peak = _peak(smoke) if smoke else peak_lib.update_cpu_peak()  # probes now; keeps the best
-  step, probe = Step(config), Probe(64 if smoke else 2048)
+  dtype = peak_lib.cpu_dtype(model_args(config).dtype)
+  peak = _peak(smoke) if smoke else peak_lib.update_cpu_peak(dtype)  # probes now; keeps the best
+  step, probe = Step(config), Probe(64 if smoke else 2048, dtype)
   steps, probes = [], []
   for _ in range(rounds):
     probes.append(probe.run())
@@ -191,12 +200,13 @@ def bench_mfu(rounds: int, smoke: bool = False) -> dict:
   best_step, median_step, best_probe = min(steps), common.median(steps), min(probes)
   if not smoke:  # the rounds' probes are probes of this host too: a higher one raises the peak
     load = common.load_average()[0]
-    peak = peak_lib.update_cpu_peak(measured={
+    peak = peak_lib.update_cpu_peak(dtype, measured={
         'flops': probe.flops / best_probe, 'best_by_size': {str(probe.n): probe.flops / best_probe},
         'date': time.strftime('%Y-%m-%dT%H:%M:%S'), 'load_average': [load, load],
         'jax': jax.__version__, 'source': 'train_throughput.py --only mfu rounds'})
   return {
       'config': 'configs/stdlib_mtp.py', 'attention': attn_lib.attention_impl(model_args(config)),
+      'compute_dtype': dtype.name,
       'devices': step.devices, 'peak_gflops': peak['flops'] / 1e9,
       'mfu_best_step_over_peak': step.flops / best_step / peak['flops'],
       'mfu_median_step_over_peak': step.flops / median_step / peak['flops'],
@@ -266,6 +276,13 @@ def _stdlib(**model):
   return c
 
 
+def _d768(**model):
+  """stdlib_mtp widened to d 768 / 12 layers (6 x 128 heads, MLP 2048), batch 4 x 256."""
+  c = _stdlib(d_model=768, n_layers=12, n_heads=6, n_kv_heads=6, mlp_dim=2048, **model)
+  c.data.batch_size = 4
+  return c
+
+
 # --ab_set NAME: {model: (config builder, {variant: overrides})}; an override is a
 # model.* field of the config, or 'devices' (the CPU devices the step trains on).
 AB_SETS = {
@@ -286,6 +303,11 @@ AB_SETS = {
         'maxtext_D3': (lambda **m: maxtext_config(3, **m),
                        {'block': {'remat': 'block'}, 'none': {'remat': 'none'}}),
     },
+    'dtype': {  # model.dtype: float32 against bfloat16 (model/matmul.py's bf16-kernel form)
+        'stdlib_mtp': (_stdlib, {'float32': {'dtype': 'float32'},
+                                 'bfloat16': {'dtype': 'bfloat16'}}),
+        'd768_L12': (_d768, {'float32': {'dtype': 'float32'}, 'bfloat16': {'dtype': 'bfloat16'}}),
+    },
     'devices': {  # one CPU device against two (data parallel, the trainer's auto)
         'stdlib_mtp': (_stdlib, {'one_device': {'devices': 1}, 'two_devices': {'devices': 2}}),
         'maxtext_D3': (lambda **m: maxtext_config(3, **m),
@@ -294,9 +316,11 @@ AB_SETS = {
 }
 
 
-def bench_ab(rounds: int, ab_set: str, smoke: bool = False) -> dict:
+def bench_ab(rounds: int, ab_set: str, smoke: bool = False, only_models=()) -> dict:
   out = {'ab_set': ab_set, 'models': {}}
   models = AB_SETS[ab_set]
+  if only_models:
+    models = {k: v for k, v in models.items() if k in only_models}
   if smoke:  # the first model only
     models = dict(list(models.items())[:1])
   for name, (build, variants) in models.items():
@@ -320,6 +344,10 @@ def bench_ab(rounds: int, ab_set: str, smoke: bool = False) -> dict:
             [t / t0 for t, t0 in zip(times[v], times[base])]),
         'tokens_per_sec_median': steps[v].tokens / common.median(times[v]),
         'temp_MiB': steps[v].temp_mib, 'first_step': steps[v].first,
+        'compute_dtype': steps[v].dtype.name,
+        'mfu_median_over_dtype_peak': steps[v].flops / common.median(times[v]) / (
+            1e9 if smoke else peak_lib.cpu_peak(steps[v].dtype)['flops']),
+        'matmul_flops_by_dot_form': steps[v].dot_forms,
         'first_step_rel_diff': {k: abs(x - steps[base].first[k]) / abs(steps[base].first[k])
                                 for k, x in steps[v].first.items()}} for v in variants}
   return out
@@ -479,6 +507,8 @@ def parse(argv):
   p.add_argument('--remat', default='block', help='maxtext section: model.remat')
   p.add_argument('--ab_set', default='attention', choices=tuple(AB_SETS),
                  help='ab section: the variants (AB_SETS)')
+  p.add_argument('--ab_models', default='',
+                 help='ab section: only these models of the set, comma-separated (default: all)')
   p.add_argument('--cpu_devices', default='auto',
                  help="CPU devices per train step (data parallel): auto = the trainer's rule, "
                       'or a number')
@@ -487,6 +517,11 @@ def parse(argv):
                       '--host_malloc (read before JAX starts)')
   args = p.parse_args(argv)
   args.only = [s for s in args.only.split(',') if s]
+  args.ab_models = tuple(m for m in args.ab_models.split(',') if m)
+  known = {m for models in AB_SETS.values() for m in models}
+  if set(args.ab_models) - known:
+    p.error(f'--ab_models must name models of {", ".join(sorted(known))}, '
+            f'got {", ".join(sorted(set(args.ab_models) - known))}')
   bad = [s for s in args.only if s not in SECTIONS]
   if bad or not args.only:
     p.error(f'--only must name some of {", ".join(SECTIONS)}, got {bad or "nothing"}')
@@ -530,7 +565,7 @@ def main(argv=None) -> int:
         'maxtext': lambda: bench_maxtext(r, args.depths, args.remat, smoke),
         'memory': lambda: bench_memory_both_schedulers(smoke),
         'compile': lambda: bench_compile(smoke),
-        'ab': lambda: bench_ab(r, args.ab_set, smoke)}[name]()
+        'ab': lambda: bench_ab(r, args.ab_set, smoke, args.ab_models)}[name]()
     result['sections'][name]['bench_seconds'] = time.time() - t0
     print(name, 'done in', f'{time.time() - t0:.0f} s', file=sys.stderr, flush=True)
   common.write(run, result)

@@ -65,7 +65,10 @@ def base_config() -> ml_collections.ConfigDict:
   rs.high_freq_factor = 4.0  # llama3: wavelengths < original / this are kept
   rs.original_max_positions = 8192  # llama3: the context length before scaling
   m.tie_embeddings = True  # OutHead = Emb^T (False: a separate output kernel)
-  m.dtype = 'float32'  # compute dtype (params stay float32)
+  # compute dtype (params and optimizer state stay float32): float32 | bfloat16 | float16 |
+  # auto (bfloat16 on a CPU whose bf16 dot runs >= 2x its f32 dot, e.g. with AMX; else
+  # float32: runtime/peak.py compute_dtype)
+  m.dtype = 'auto'
   m.init_std = 0.02  # stddev of the embedding init
   m.remat = 'none'  # rematerialisation per block: none | block (keep matmul outputs) | full (keep block inputs)
   m.scan_layers = False  # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
@@ -442,8 +445,8 @@ def _validate_model(config) -> None:
   _require(m.n_heads % m.n_kv_heads == 0,
            f'model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})')
   _require(m.head_dim % 2 == 0, f'model.head_dim must be even for RoPE, got {m.head_dim}')
-  _require(m.dtype in ('float32', 'bfloat16', 'float16'),
-           f"model.dtype must be float32, bfloat16 or float16, got {m.dtype!r}")
+  _require(m.dtype in ('auto', 'float32', 'bfloat16', 'float16'),
+           f"model.dtype must be auto, float32, bfloat16 or float16, got {m.dtype!r}")
   _require(m.remat in ('none', 'block', 'full'),
            f"model.remat must be none, block or full, got {m.remat!r}")
   _require(m.attention_core in ATTENTION_CORES,

@@ -103,6 +103,17 @@ def test_train_throughput_ab(tmp_path):
       assert v['first_step_rel_diff']['loss'] < 1e-5
 
 
+@pytest.mark.slow
+def test_train_throughput_dtype_ab(tmp_path):
+  r = smoke('train_throughput', tmp_path, '--only', 'ab', '--ab_set', 'dtype')
+  (variants,) = r['sections']['ab']['models'].values()
+  f32, bf16 = variants['float32'], variants['bfloat16']
+  assert (f32['compute_dtype'], bf16['compute_dtype']) == ('float32', 'bfloat16')
+  assert bf16['first_step_rel_diff']['loss'] < 1e-2  # the same init and batch, bf16 rounding
+  assert bf16['matmul_flops_by_dot_form']['bf16 kernels'] > 0.8  # d 32: the norms' share is larger
+  assert 'bf16 kernels' not in f32['matmul_flops_by_dot_form']
+
+
 def test_decode_speed(tmp_path):
   r = smoke('decode_speed', tmp_path)
   row = r['results'][0]

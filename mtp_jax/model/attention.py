@@ -26,6 +26,7 @@ from flax.core import spmd as flax_spmd
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+import mtp_jax.model.matmul as matmul
 from mtp_jax import config_lib
 from mtp_jax.errors import ConfigError
 from mtp_jax.runtime import sharding
@@ -110,6 +111,7 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   # Masked scores get a large finite negative (see MASKED); a row always sees its own
   # position (causal, same document), so no row is all masked.
   bias_Bx1xTxT = jnp.where(mask_Bx1xTxT, 0.0, MASKED).astype(jnp.float32)
+  f32 = jnp.float32
   k_BxKxTxH = jnp.transpose(k_BxTxKxH, (0, 2, 1, 3))
   v_BxKxTxH = jnp.transpose(v_BxTxKxH, (0, 2, 1, 3))
   if g == 1:  # no GQA: 4-D [B, N, ., .] throughout (measured faster on XLA:CPU than the 5-D form)
@@ -120,12 +122,12 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
     outs = []
     for a in range(0, t, block):
       e = min(a + block, t)
-      s_BxNxTqxTk = jnp.einsum('bnqh,bnsh->bnqs', q_BxNxTxH[:, :, a:e], k_BxKxTxH[:, :, :e],
-                               preferred_element_type=jnp.float32) + bias_Bx1xTxT[:, :, a:e, :e]
+      s_BxNxTqxTk = matmul.einsum('bnqh,bnsh->bnqs', q_BxNxTxH[:, :, a:e], k_BxKxTxH[:, :, :e],
+                                  q_BxNxTxH.dtype, f32) + bias_Bx1xTxT[:, :, a:e, :e]
       row_max = jax.lax.stop_gradient(jnp.max(s_BxNxTqxTk, axis=-1, keepdims=True))
       p_BxNxTqxTk = jnp.exp(s_BxNxTqxTk - row_max)
-      o_BxNxTqxH = jnp.einsum('bnqs,bnsh->bnqh', p_BxNxTqxTk.astype(v_BxTxKxH.dtype),
-                              v_BxKxTxH[:, :, :e], preferred_element_type=jnp.float32)
+      o_BxNxTqxH = matmul.einsum('bnqs,bnsh->bnqh', p_BxNxTqxTk.astype(v_BxTxKxH.dtype),
+                                 v_BxKxTxH[:, :, :e], v_BxTxKxH.dtype, f32)
       outs.append((o_BxNxTqxH / jnp.sum(p_BxNxTqxTk, axis=-1, keepdims=True)
                    ).astype(q_BxTxNxH.dtype))
     return jnp.transpose(jnp.concatenate(outs, axis=2), (0, 2, 1, 3))
@@ -135,14 +137,14 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
     e = min(a + block, t)
     # the G query heads of a KV head stacked along the query axis: 4-D dots [B, K, G*Tq, .]
     q_BxKxGTqxH = q_BxKxGxTxH[:, :, :, a:e].reshape(b, kv, g * (e - a), h)
-    s_BxKxGTqxTk = jnp.einsum('bkqh,bksh->bkqs', q_BxKxGTqxH, k_BxKxTxH[:, :, :e],
-                              preferred_element_type=jnp.float32)
+    s_BxKxGTqxTk = matmul.einsum('bkqh,bksh->bkqs', q_BxKxGTqxH, k_BxKxTxH[:, :, :e],
+                                 q_BxKxGTqxH.dtype, f32)
     s_BxKxGxTqxTk = s_BxKxGTqxTk.reshape(b, kv, g, e - a, e) + bias_Bx1xTxT[:, :, None, a:e, :e]
     row_max = jax.lax.stop_gradient(jnp.max(s_BxKxGxTqxTk, axis=-1, keepdims=True))
     p_BxKxGxTqxTk = jnp.exp(s_BxKxGxTqxTk - row_max)
-    o_BxKxGTqxH = jnp.einsum('bkqs,bksh->bkqh',
-                             p_BxKxGxTqxTk.reshape(b, kv, g * (e - a), e).astype(v_BxTxKxH.dtype),
-                             v_BxKxTxH[:, :, :e], preferred_element_type=jnp.float32)
+    o_BxKxGTqxH = matmul.einsum('bkqs,bksh->bkqh',
+                                p_BxKxGxTqxTk.reshape(b, kv, g * (e - a), e).astype(v_BxTxKxH.dtype),
+                                v_BxKxTxH[:, :, :e], v_BxTxKxH.dtype, f32)
     o_BxKxGxTqxH = (o_BxKxGTqxH.reshape(b, kv, g, e - a, h)
                     / jnp.sum(p_BxKxGxTqxTk, axis=-1, keepdims=True))
     outs.append(o_BxKxGxTqxH.astype(q_BxTxNxH.dtype))
@@ -165,8 +167,8 @@ def _query_blocks(t: int, block: int) -> list:
 def _block_scores(q_BxNxTxH, k_BxNxTxH, bias_Bx1xTxT, a: int, e: int) -> Array:
   """Scores of query block [a, e) against keys [0, e), masked by the additive bias:
   [B, N, Tq, Tk]."""
-  return jnp.einsum('bnqh,bnsh->bnqs', q_BxNxTxH[:, :, a:e], k_BxNxTxH[:, :, :e],
-                    preferred_element_type=jnp.float32) + bias_Bx1xTxT[:, :, a:e, :e]
+  return matmul.einsum('bnqh,bnsh->bnqs', q_BxNxTxH[:, :, a:e], k_BxNxTxH[:, :, :e],
+                       q_BxNxTxH.dtype, jnp.float32) + bias_Bx1xTxT[:, :, a:e, :e]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -182,8 +184,8 @@ def _saved_core_fwd(q, k, v, bias, block):
     m_BxNxTqx1 = jnp.max(s_BxNxTqxTk, axis=-1, keepdims=True)
     p_BxNxTqxTk = jnp.exp(s_BxNxTqxTk - m_BxNxTqx1)
     l_BxNxTqx1 = jnp.sum(p_BxNxTqxTk, axis=-1, keepdims=True)
-    o_BxNxTqxH = jnp.einsum('bnqs,bnsh->bnqh', p_BxNxTqxTk.astype(v.dtype), v[:, :, :e],
-                            preferred_element_type=jnp.float32) / l_BxNxTqx1
+    o_BxNxTqxH = matmul.einsum('bnqs,bnsh->bnqh', p_BxNxTqxTk.astype(v.dtype), v[:, :, :e],
+                               v.dtype, jnp.float32) / l_BxNxTqx1
     outs.append(o_BxNxTqxH.astype(q.dtype))
     lses.append(m_BxNxTqx1 + jnp.log(l_BxNxTqx1))
   o_BxNxTxH = checkpoint_name(jnp.concatenate(outs, axis=2), ATTENTION_SAVED_NAMES[0])
@@ -204,15 +206,14 @@ def _saved_core_bwd(block, res, do_BxNxTxH):
   for a, e in _query_blocks(t, block):
     p_BxNxTqxTk = jnp.exp(_block_scores(q, k, bias, a, e) - lse[:, :, a:e])
     do_BxNxTqxH = do_BxNxTxH[:, :, a:e]
-    dvs.append(jnp.einsum('bnqs,bnqh->bnsh', p_BxNxTqxTk.astype(do_BxNxTqxH.dtype), do_BxNxTqxH,
-                          preferred_element_type=f32))
-    dp_BxNxTqxTk = jnp.einsum('bnqh,bnsh->bnqs', do_BxNxTqxH, v[:, :, :e].astype(do_BxNxTqxH.dtype),
-                              preferred_element_type=f32)
+    dt = do_BxNxTqxH.dtype
+    dvs.append(matmul.einsum_lhs_t('bnqs,bnqh->bnsh', p_BxNxTqxTk.astype(dt), do_BxNxTqxH, dt, f32))
+    dp_BxNxTqxTk = matmul.einsum('bnqh,bnsh->bnqs', do_BxNxTqxH, v[:, :, :e].astype(dt), dt, f32)
     ds_BxNxTqxTk = p_BxNxTqxTk * (dp_BxNxTqxTk - delta_BxNxTx1[:, :, a:e])
-    dqs.append(jnp.einsum('bnqs,bnsh->bnqh', ds_BxNxTqxTk.astype(k.dtype), k[:, :, :e],
-                          preferred_element_type=f32).astype(q.dtype))
-    dks.append(jnp.einsum('bnqs,bnqh->bnsh', ds_BxNxTqxTk.astype(q.dtype), q[:, :, a:e],
-                          preferred_element_type=f32))
+    dqs.append(matmul.einsum('bnqs,bnsh->bnqh', ds_BxNxTqxTk.astype(k.dtype), k[:, :, :e],
+                             k.dtype, f32).astype(q.dtype))
+    dks.append(matmul.einsum_lhs_t('bnqs,bnqh->bnsh', ds_BxNxTqxTk.astype(q.dtype), q[:, :, a:e],
+                                   q.dtype, f32))
 
   def keys_sum(parts):  # block row [a, e)'s key gradients cover keys [0, e): pad to T, add
     return sum(jnp.pad(x, ((0, 0), (0, 0), (0, t - x.shape[2]), (0, 0))) for x in parts)

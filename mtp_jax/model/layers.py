@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import mtp_jax.model.attention as attn_lib
+import mtp_jax.model.matmul as matmul
 from mtp_jax.model.attention import MASKED, attention_impl, blocked_causal_attention
 from mtp_jax.model.decode_ops import (
   DecodeWeight,
@@ -97,11 +98,12 @@ def project(x_BTxI: Array, kernel, dtype, in_dims: int = 1) -> Array:
   plain 2-D matmul (and its two backward matmuls) ~1.5x faster than the same einsum
   over [B, T, ...] with two contracting dims in the weight gradient; on GPU/TPU it is
   the same HLO dot. Parameters keep their [in..., out...] shapes (checkpoints and
-  per-axis sharding names unchanged).
+  per-axis sharding names unchanged). The product is matmul.matmul's (bfloat16 on CPU:
+  the bf16-kernel form, forward and backward).
   """
   w = kernel[...]
   w_IxO = w.reshape(math.prod(w.shape[:in_dims]), -1)
-  return jnp.dot(x_BTxI.astype(dtype), w_IxO.astype(dtype))
+  return matmul.matmul(x_BTxI, w_IxO, dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: tuple = ()) -> Array:

@@ -83,6 +83,7 @@ from jax.sharding import PartitionSpec as P
 
 import mtp_jax.model.decode_ops as decode_ops
 import mtp_jax.model.layers as layers
+import mtp_jax.model.matmul as matmul
 import mtp_jax.model.moe_exchange as moe_exchange
 from mtp_jax.runtime.sharding import constrain, logical_spec
 
@@ -239,7 +240,7 @@ def grouped_products(xs_BTEkxD: Array, sizes_E: Array, ws, form: str,
   x_JxJrxD = jnp.zeros((n_blocks * block, d), xs_BTEkxD.dtype).at[slot_BTEk].set(xs_BTEkxD).reshape(
       n_blocks, block, d)
   mm = lambda a, w: (checkpoint_name if save else lambda y, _: y)(  # noqa: E731
-      jnp.einsum('jbi,jio->jbo', a, w[expert_J]), EXPERT_SAVED_NAME)
+      matmul.einsum('jbi,jio->jbo', a, w[expert_J], a.dtype), EXPERT_SAVED_NAME)
   h_JxJrxF = jax.nn.silu(mm(x_JxJrxD, ws[0])) * mm(x_JxJrxD, ws[1])
   y_BTEkxD = mm(h_JxJrxF, ws[2]).reshape(n_blocks * block, d)[slot_BTEk]
   return jnp.where((jnp.arange(m) < m - rest)[:, None], y_BTEkxD, 0)

@@ -22,10 +22,12 @@ from flax import nnx
 import mtp_jax.model.attention as attn_lib
 import mtp_jax.model.decode_ops as decode_ops
 import mtp_jax.model.layers as layers
+import mtp_jax.model.matmul as matmul
 import mtp_jax.model.mla as mla
 import mtp_jax.model.moe as moe
 from mtp_jax import config_lib
 from mtp_jax.errors import ConfigError
+from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array
@@ -93,7 +95,7 @@ class ModelArgs:
     if vocab_size <= 0:
       raise ConfigError('model.vocab_size is 0 (the tokenizer\'s size): resolve it first '
                         '(mtp_jax.data.tokenizers.resolve_vocab_size) or pass vocab_size')
-    values = {'vocab_size': vocab_size, 'dtype': jnp.dtype(config.model.dtype),
+    values = {'vocab_size': vocab_size, 'dtype': peak_lib.compute_dtype(config.model.dtype),
               'rope_scaling': config_lib.rope_scaling_tuple(config)}
     for field in dataclasses.fields(cls):
       if field.name not in values:  # a config saved before a field existed: its default
@@ -175,8 +177,7 @@ def vocab_logits(norm, h_BxTxD: Array, w_DxV: Array) -> Array:
   """float32 logits [B, T, V] of norm(h) @ w as one 2-D matmul (see layers.project)."""
   b, t, d = h_BxTxD.shape
   x_BTxD = norm(h_BxTxD).reshape(b * t, d)
-  return jnp.dot(x_BTxD, w_DxV.astype(x_BTxD.dtype),
-                 preferred_element_type=jnp.float32).reshape(b, t, -1)
+  return matmul.matmul(x_BTxD, w_DxV, x_BTxD.dtype, jnp.float32).reshape(b, t, -1)
 
 
 def remat_policy(name: str):

@@ -1,8 +1,11 @@
 """The peak FLOP/s a run's MFU divides by.
 
 Accelerators: the vendors' per-chip table. CPU: the best matmul probe ever taken on this
-machine, cached on disk (`cpu_peak`), never the probe of the current (possibly loaded)
-moment. `python -m mtp_jax.runtime.peak` probes now and raises the cache if higher.
+machine in the run's compute dtype, cached on disk per dtype (`cpu_peak`), never the probe
+of the current (possibly loaded) moment. A bfloat16 run divides by the bf16 peak (the
+bf16 x bf16 -> f32 dot XLA:CPU runs on its bf16 kernels), a float32 (or float16) run by
+the f32 one, and a run only ever raises its own dtype's peak. `python -m
+mtp_jax.runtime.peak [--dtype bfloat16]` probes now and raises the cache if higher.
 """
 from __future__ import annotations
 
@@ -52,7 +55,15 @@ def table_peak(device_kind: str, dtype) -> float | None:
 
 @functools.cache
 def _probe_fn():
-  return jax.jit(lambda a, b: a @ b)
+  # f32 in, f32 out: a plain f32 dot. bf16 in: the bf16-kernel form (f32 accumulation),
+  # what model.matmul runs a bfloat16 model's products as on CPU.
+  return jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+
+
+def cpu_dtype(dtype) -> jnp.dtype:
+  """The dtype whose CPU peak a run in compute `dtype` divides by: bfloat16 for bfloat16,
+  float32 otherwise (XLA:CPU converts float16 dots to float32)."""
+  return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
 def matmul_probe(device=None, n: int = 2048, dtype=jnp.float32, reps: int = 5) -> float:
@@ -82,6 +93,12 @@ def matmul_probe(device=None, n: int = 2048, dtype=jnp.float32, reps: int = 5) -
 # mtp_jax.runtime.peak`) and a run's own achieved FLOP/s only raise it.
 CACHE_DIR_ENV = 'MTP_JAX_CACHE_DIR'  # default: $XDG_CACHE_HOME/mtp_jax or ~/.cache/mtp_jax
 PEAK_ENV = 'MTP_JAX_CPU_PEAK_FLOPS'  # a number (FLOP/s per process) overrides the cache
+BF16_PEAK_ENV = 'MTP_JAX_CPU_BF16_PEAK_FLOPS'  # the same for bfloat16 runs
+
+
+def peak_env(dtype) -> str:
+  """The variable that overrides the cached CPU peak of compute `dtype`."""
+  return BF16_PEAK_ENV if cpu_dtype(dtype) == jnp.bfloat16 else PEAK_ENV
 PROBE_SIZES = ((2048, 5), (4096, 2))  # (n, repeats) per probe round
 
 
@@ -155,9 +172,10 @@ def update_cpu_peak(dtype=jnp.float32, rounds: int = 3, measured: dict | None = 
 def cpu_peak(dtype=jnp.float32) -> dict:
   """This machine's cached CPU peak ({'flops', 'date', 'load_average', ...}); probes
   (and caches) only the first time, or takes MTP_JAX_CPU_PEAK_FLOPS when set."""
-  if os.environ.get(PEAK_ENV):
-    return {'flops': float(os.environ[PEAK_ENV]), 'date': None, 'load_average': None,
-            'source': PEAK_ENV}
+  env = peak_env(dtype)
+  if os.environ.get(env):
+    return {'flops': float(os.environ[env]), 'date': None, 'load_average': None,
+            'source': env}
   cached = _read_peaks().get(machine_key(dtype))
   return cached if cached is not None else update_cpu_peak(dtype)
 
@@ -189,12 +207,12 @@ def peak_flops(dtype=jnp.float32, devices=None) -> tuple[float, str]:
     per_chip = matmul_probe(jax.local_devices()[0], n=n, dtype=probe_dtype)
     return per_chip * len(devices), f'probe: {kind} {n}^2 matmul x {len(devices)}'
   processes = len({d.process_index for d in devices})
-  # float16/bfloat16 models on CPU: XLA:CPU upcasts, and its f32 matmul is the fast path.
-  peak = cpu_peak(jnp.float32)
-  if peak.get('source') == PEAK_ENV:
-    where = f'{PEAK_ENV}'
+  dt = cpu_dtype(dtype)
+  peak = cpu_peak(dt)
+  if peak.get('source') == peak_env(dt):
+    where = peak['source']
   else:
-    where = (f'cached best cpu f32 matmul probe of {peak["date"]}, load average '
+    where = (f'cached best cpu {dt.name} matmul probe of {peak["date"]}, load average '
              f'{peak["load_average"]}, {_peak_file()}')
   return peak['flops'] * processes, f'{where} x {processes} process(es)'
 
@@ -219,15 +237,17 @@ class Peak:
   note: str = ''  # what changed it in this run, for the console
   loaded: bool = False  # a CPU peak taken under load, never confirmed on a quiet machine
   told: bool = False  # `check` has said once that achieved FLOP/s beat it
+  dtype: str = 'float32'  # CPU: the compute dtype whose cached peak this is (cpu_dtype)
 
   @property
   def flops(self) -> float:
     return self.per_unit * self.units
 
   def line(self) -> str:
-    """'peak: 196.3 GFLOP/s for MFU (best f32 matmul probe here, 2026-12-03 11:40, load 0.9)'."""
+    """'peak: 196.3 GFLOP/s for MFU (best float32 matmul probe here, 2026-12-03 11:40,
+    load 0.9)'."""
     where = {'table': 'data sheet', 'probe': 'matmul probe now',
-             'env': f'${PEAK_ENV}'}.get(self.kind, 'best f32 matmul probe here')
+             'env': f'${peak_env(self.dtype)}'}.get(self.kind, f'best {self.dtype} matmul probe here')
     if self.units > 1:
       unit = 'chip' if self.kind in ('table', 'probe') else 'process'
       where = f'{_fmt_flops(self.per_unit)} per {unit} x {self.units}, {where}'
@@ -245,6 +265,8 @@ class Peak:
   def as_metrics(self) -> dict:
     """perf/peak_* fields for metrics.jsonl (perf/peak_flops is also a TensorBoard scalar)."""
     out = {'perf/peak_flops': float(self.flops), 'perf/peak_source': self.kind}
+    if self.kind in ('cpu cache', 'env'):
+      out['perf/peak_dtype'] = self.dtype
     if self.date:
       out['perf/peak_date'] = self.date
     if self.load_average:
@@ -254,8 +276,8 @@ class Peak:
   def check(self, achieved: float, notify=None, source: str = 'this run') -> float:
     """MFU (<= 1) of `achieved` model FLOP/s of the whole job.
 
-    Achieved FLOP/s above the peak prove the peak low: a CPU cache is raised to them
-    (by process 0), an accelerator's or $MTP_JAX_CPU_PEAK_FLOPS's is only replaced for
+    Achieved FLOP/s above the peak prove the peak low: a CPU cache (this peak's dtype's
+    only) is raised to them (by process 0), an accelerator's or $MTP_JAX_CPU_PEAK_FLOPS's is only replaced for
     this run; `notify` hears of the first raise.
     """
     if achieved <= self.flops:
@@ -263,7 +285,7 @@ class Peak:
     old = self.flops
     per_unit = achieved / self.units
     if self.kind == 'cpu cache' and jax.process_index() == 0:
-      update_cpu_peak(measured={
+      update_cpu_peak(self.dtype, measured={
           'flops': per_unit, 'date': _now(), 'load_average': _load(), 'jax': jax.__version__,
           'source': f'model FLOP/s achieved by {source}'})
     self.per_unit, self.date, self.load_average, self.loaded = per_unit, _now(), _load(), False
@@ -305,31 +327,32 @@ def job_peak(dtype=jnp.float32, devices=None, probe: bool = True) -> Peak:
     flops, where = peak_flops(dtype, devices)
     return Peak(flops / units, units, 'table' if where.startswith('table') else 'probe')
   units = len({d.process_index for d in devices})
-  if os.environ.get(PEAK_ENV):
-    return Peak(float(os.environ[PEAK_ENV]), units, 'env')
-  cached = _read_peaks().get(machine_key(jnp.float32))
+  dt = cpu_dtype(dtype)
+  if os.environ.get(peak_env(dt)):
+    return Peak(float(os.environ[peak_env(dt)]), units, 'env', dtype=dt.name)
+  cached = _read_peaks().get(machine_key(dt))
   note = ''
   if cached is None:
-    cached = update_cpu_peak(jnp.float32)
+    cached = update_cpu_peak(dt)
     note = 'first probe on this machine, cached'
   elif probe and jax.process_count() == 1:
     n, reps = QUICK_PROBE
-    quick = matmul_probe(jax.local_devices()[0], n=n, dtype=jnp.float32, reps=reps)
+    quick = matmul_probe(jax.local_devices()[0], n=n, dtype=dt, reps=reps)
     if quick > cached['flops']:
       old = cached['flops']
       if quick > FULL_PROBE_ABOVE * old:
-        cached = update_cpu_peak(jnp.float32, rounds=1)
-      cached = update_cpu_peak(jnp.float32, measured={
+        cached = update_cpu_peak(dt, rounds=1)
+      cached = update_cpu_peak(dt, measured={
           'flops': quick, 'best_by_size': {str(n): quick}, 'date': _now(),
           'load_average': _load(), 'jax': jax.__version__, 'source': 'a run\'s quick probe'})
       note = f'raised from {_fmt_flops(old)} by this run\'s probe'
     elif _is_loaded(cached) and os.getloadavg()[0] < 0.5 * _cores():
       old = cached['flops']
-      cached = update_cpu_peak(jnp.float32, rounds=1)  # quiet now: replace or confirm it
+      cached = update_cpu_peak(dt, rounds=1)  # quiet now: replace or confirm it
       if cached['flops'] > old:
         note = f'raised from {_fmt_flops(old)} (taken under load) by this run\'s probe'
   return Peak(cached['flops'], units, 'cpu cache', cached.get('date'),
-              cached.get('load_average'), note, _is_loaded(cached))
+              cached.get('load_average'), note, _is_loaded(cached), dtype=dt.name)
 
 
 def mfu(achieved: float, *, source: str, dtype=jnp.float32, devices=None,
@@ -343,12 +366,76 @@ def mfu(achieved: float, *, source: str, dtype=jnp.float32, devices=None,
   return peak.check(achieved, notify, source), peak
 
 
+# -- model.dtype = 'auto': bfloat16 where this CPU's bf16 dot is at least 2x its f32 dot ----
+# A bf16 train step keeps some f32 work (norms, softmax, the optimizer, the converts around
+# every dot), so a dot only a little faster in bf16 trains slower than f32: with AMX
+# (5.4x the f32 dot) the step ran 1.45-2.1x f32, while AMD hosts whose bf16 dot is slower
+# than f32 train slower in bf16. Accelerators: float32, the configs' explicit choice.
+AUTO_BF16_AT = 2.0  # bf16 / f32 dot FLOP/s at or above which 'auto' picks bfloat16
+AUTO_ENV = 'MTP_JAX_AUTO_DTYPE'  # float32 | bfloat16: what 'auto' resolves to, no probe
+RATIO_PROBE = (1024, 3, 3)  # (n, repeats, interleaved rounds)
+
+
+def ratio_file() -> str:
+  return os.path.join(cache_dir(), 'cpu_bf16_ratio.json')
+
+
+def bf16_speedup() -> dict:
+  """{'ratio': bf16 / f32 FLOP/s of an n^2 dot, ...} for this CPU: a quick interleaved probe,
+  taken once and cached per machine (the ratio holds under load, unlike either rate)."""
+  key = machine_key(jnp.bfloat16).rsplit(' | ', 1)[0]
+  try:
+    with open(ratio_file()) as f:
+      cached = json.load(f).get(key)
+  except (OSError, ValueError):
+    cached = None
+  if cached is not None:
+    return cached
+  n, reps, rounds = RATIO_PROBE
+  best = {'float32': 0.0, 'bfloat16': 0.0}
+  for _ in range(rounds):
+    for name in best:
+      best[name] = max(best[name], matmul_probe(n=n, dtype=jnp.dtype(name), reps=reps))
+  record = {'ratio': best['bfloat16'] / best['float32'], 'flops': best, 'n': n,
+            'date': _now(), 'load_average': _load(), 'jax': jax.__version__}
+  try:
+    with open(ratio_file()) as f:
+      table = json.load(f)
+  except (OSError, ValueError):
+    table = {}
+  table[key] = record
+  os.makedirs(cache_dir(), exist_ok=True)
+  tmp = ratio_file() + f'.{os.getpid()}.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(table, f, indent=1)
+  os.replace(tmp, ratio_file())
+  return record
+
+
+def compute_dtype(name: str, backend: str | None = None) -> jnp.dtype:
+  """model.dtype as a dtype: 'auto' is bfloat16 on a CPU whose bf16 dot runs at least
+  AUTO_BF16_AT x its f32 dot (`bf16_speedup`; $MTP_JAX_AUTO_DTYPE pins it), else float32."""
+  if name != 'auto':
+    return jnp.dtype(name)
+  if os.environ.get(AUTO_ENV):
+    return jnp.dtype(os.environ[AUTO_ENV])
+  if (backend or jax.default_backend()) != 'cpu':
+    return jnp.dtype(jnp.float32)
+  fast = bf16_speedup()['ratio'] >= AUTO_BF16_AT
+  return jnp.dtype(jnp.bfloat16 if fast else jnp.float32)
+
+
 def main():
-  """`python -m mtp_jax.runtime.peak`: probes this CPU now, raises the cached peak if higher."""
-  peak = update_cpu_peak()
-  print(f'{machine_key(jnp.float32)}: {peak["flops"] / 1e9:.1f} GFLOP/s (best of '
-        f'{peak.get("probes_taken", 1)} probe runs; best taken {peak["date"]}, load average '
-        f'{peak["load_average"]}) in {_peak_file()}')
+  """`python -m mtp_jax.runtime.peak`: probes this CPU now in float32 and bfloat16, raises
+  each cached peak if higher."""
+  for dt in (jnp.float32, jnp.bfloat16):
+    peak = update_cpu_peak(dt)
+    print(f'{machine_key(dt)}: {peak["flops"] / 1e9:.1f} GFLOP/s (best of '
+          f'{peak.get("probes_taken", 1)} probe runs; best taken {peak["date"]}, load average '
+          f'{peak["load_average"]}) in {_peak_file()}')
+  ratio = bf16_speedup()
+  print(f'bf16 / f32 dot: {ratio["ratio"]:.2f} ({ratio["date"]}); model.dtype=auto picks '
+        f'{compute_dtype("auto", "cpu").name}')
 
 
 if __name__ == '__main__':

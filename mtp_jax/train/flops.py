@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.model.mtp import ModelArgs, block_classes
@@ -97,7 +95,8 @@ class MFU:
     self.flops_per_token = (per_token.train_frozen_trunk(config.model.mtp.depth)
                             if config_lib.optional(config, 'model.mtp.freeze_trunk', False)
                             else per_token.train)
-    self.peak_info = peak_lib.job_peak(jnp.dtype(config.model.dtype), devices, probe=probe)
+    self.peak_info = peak_lib.job_peak(peak_lib.compute_dtype(config.model.dtype), devices,
+                                       probe=probe)
     self.notify = notify
     self._report = True  # the peak goes into the next metrics row
 

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from mtp_jax import config_lib
-from mtp_jax.model import moe
+from mtp_jax.model import matmul, moe
 from mtp_jax.model.mtp import MTPModel, shift_left, vocab_logits
 from mtp_jax.train.metrics import metric_key
 
@@ -281,8 +281,8 @@ def _head_sums_batched(norms, hiddens, w_DxV, targets_M1xBxT, mask_M1xBxT, teach
   # the mesh shards it, so data parallel needs no all-to-all (the concatenate of [B*T, d]
   # rows resharded every depth's rows, and the logits back: 0.05 of the 2-device step).
   x_M1xBxTxD = jnp.stack([norm(h) for norm, h in zip(norms, hiddens)])
-  logits_M1xBxTxV = jnp.einsum('kbtd,dv->kbtv', x_M1xBxTxD, w_DxV.astype(x_M1xBxTxD.dtype),
-                              preferred_element_type=jnp.float32)
+  logits_M1xBxTxV = matmul.einsum('kbtd,dv->kbtv', x_M1xBxTxD, w_DxV, x_M1xBxTxD.dtype,
+                                  jnp.float32)
   if teacher_logits is None:
     nll, pred_M1xBxT = cross_entropy(logits_M1xBxTxV, targets_M1xBxT)
   else:

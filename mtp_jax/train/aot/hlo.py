@@ -606,3 +606,36 @@ def _valid_taps(out_size: int, in_size: int, win: int, w: dict) -> int:
   return count
 
 
+
+
+_LAYOUT = re.compile(r'\[[\d,]*\]\{([\d,]*)')
+
+
+def cpu_dot_forms(text: str) -> dict:
+  """Matmul FLOPs of a compiled XLA:CPU program by the form of each dot: {form: FLOPs}.
+
+  'bf16 kernels': bf16 x bf16 -> f32 with the left operand contracted on its minor-most
+  (row-major, non-transposed) axis, the one form XLA:CPU runs on its bf16 matrix kernels;
+  any other dot is keyed '<lhs> x <rhs> -> <out>' plus ' (lhs transposed)' where that
+  holds. Each dot counts once (a loop body once, not per trip).
+  """
+  comps, _, _ = read_computations(text)
+  out = collections.Counter()
+  for body in comps.values():
+    shapes = {name: typ for name, typ, *_ in body}
+    for _, typ, op, rest, _ in body:
+      if op != 'dot':
+        continue
+      flops = _matmul_flops(op, typ, rest, shapes)
+      ops = _operands(rest)
+      lhs_t, rhs_t = (shapes.get(o, '') for o in ops[:2])
+      (lt, ld), (rt, _), (ot, _) = _arrays(lhs_t)[0], _arrays(rhs_t)[0], _arrays(typ)[0]
+      contract = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest).group(1)
+      layout = _LAYOUT.search(lhs_t)
+      minor = int(layout.group(1).split(',')[0]) if layout and layout.group(1) else len(ld) - 1
+      row_major = contract == str(minor)
+      if (lt, rt, ot) == ('bf16', 'bf16', 'f32') and row_major:
+        out['bf16 kernels'] += flops
+      else:
+        out[f'{lt} x {rt} -> {ot}' + ('' if row_major else ' (lhs transposed)')] += flops
+  return dict(out)

@@ -286,7 +286,7 @@ def _decode(config, device, topo, batch: int, new_tokens: int, log) -> dict:
   """The decoder's program (prefill + while loop) on one chip, as Decoder.compile builds it."""
   layout = 'bskh'  # decode_ops.default_cache_layout() off CPU
   args = ModelArgs.from_config(config)
-  weights = 'bfloat16' if config.model.dtype == 'bfloat16' else 'float32'
+  weights = 'bfloat16' if args.dtype == jnp.bfloat16 else 'float32'
   abstract = nnx.eval_shape(lambda: MTPModel(args, rngs=nnx.Rngs(0)).for_decoding(layout))
   graphdef, params = nnx.split(abstract)
   if weights != 'float32':

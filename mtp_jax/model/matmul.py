@@ -1,0 +1,155 @@
+"""The one form of the model's matrix products (`matmul`, `einsum`), by compute dtype and backend.
+
+float32 (any backend), and bfloat16 on TPU / GPU: the plain `jnp.dot` / `jnp.einsum` of the
+operands cast to the compute dtype, autodiff for the backward; the same HLO as writing the dot
+inline, so these programs are unchanged by routing through here.
+
+bfloat16 on CPU: XLA:CPU runs a dot on its bf16 kernels (a `ynn_fusion` of XNNPACK, with AMX
+or AVX-512 BF16 where the CPU has them) only as `dot(bf16, bf16, preferred_element_type=f32)`
+whose left operand is contracted on its last axis (not transposed); a bf16 -> bf16 dot, a
+mixed f32 x bf16 dot, or one whose left operand is transposed is converted to f32 and runs
+as an f32 dot. Plain autodiff of a bf16 model produces all three (every forward projection,
+the attention and loss-head backward, every weight gradient x^T dy), so here the forward
+and both gradient products are written in the one fast form by a custom VJP (`_bf16_dot`):
+bf16 operands, f32 accumulation, the transpose of a gradient's left operand written as a
+reshape / transpose pair that XLA materialises as a copy (`_transposed`) instead of folding
+it into the dot. Weight gradients leave in the weight's own dtype (float32 master weights)
+straight from the f32 accumulator.
+
+The backend is decided when the program is traced (`jax.default_backend()`, which the AOT
+compile tool sets to its target platform while it builds a program).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+BF16 = jnp.dtype(jnp.bfloat16)
+
+
+def bf16_kernels(dtype) -> bool:
+  """Whether products in compute `dtype` take the CPU bf16 form (`_bf16_dot`) here."""
+  return jnp.dtype(dtype) == BF16 and jax.default_backend() == 'cpu'
+
+
+def matmul(x_NxI: Array, w_IxO: Array, dtype, out_dtype=None) -> Array:
+  """x @ w (2-D) in compute `dtype`; the result in `out_dtype` (default `dtype`).
+
+  float32 / accelerators: `jnp.dot(x.astype(dtype), w.astype(dtype),
+  preferred_element_type=out_dtype)`; bfloat16 on CPU: `_bf16_dot` (module docstring)."""
+  if not bf16_kernels(dtype):
+    return jnp.dot(x_NxI.astype(dtype), w_IxO.astype(dtype), preferred_element_type=out_dtype)
+  return _bf16_dot(x_NxI, w_IxO, 0, False, jnp.dtype(out_dtype or dtype))
+
+
+def einsum(spec: str, a: Array, b: Array, dtype, out_dtype=None) -> Array:
+  """A two-operand batched matmul `spec` in compute `dtype`, result in `out_dtype`.
+
+  spec: '<batch><m...><k>,<batch><k><n>-><batch><m...><n>', or with the right operand
+  '<batch><n><k>' (b transposed, e.g. q k^T): batch letters lead both operands and the
+  output in the same order, one contracted letter k, one free letter n of b. float32 /
+  accelerators: `jnp.einsum(spec, ...)` itself; bfloat16 on CPU: `_bf16_dot`.
+  """
+  if not bf16_kernels(dtype):
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=out_dtype)
+  batch, rhs_t = parse_spec(spec)
+  return _bf16_dot(a, b, batch, rhs_t, jnp.dtype(out_dtype or dtype))
+
+
+def einsum_lhs_t(spec: str, a: Array, b: Array, dtype, out_dtype=None) -> Array:
+  """`einsum` of a left operand contracted on its second-to-last axis: spec
+  '<batch><k><m>,<batch><k><n>-><batch><m><n>' (a^T b, e.g. a weight or key gradient).
+  bfloat16 on CPU: a^T is materialised (`_transposed`) and the product is `einsum`'s."""
+  if not bf16_kernels(dtype):
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=out_dtype)
+  (lhs, rhs), out = spec.replace(' ', '').split('->')[0].split(','), spec.split('->')[1].strip()
+  batch = len(lhs) - 2
+  flipped = f'{lhs[:batch]}{lhs[-1]}{lhs[-2]},{rhs}->{out}'
+  return einsum(flipped, _transposed(a.astype(BF16), batch), b, dtype, out_dtype)
+
+
+@functools.cache
+def parse_spec(spec: str) -> tuple[int, bool]:
+  """(batch axes, whether b is [batch, n, k]) of an `einsum` spec; ValueError otherwise."""
+  ins, out = spec.replace(' ', '').split('->')
+  lhs, rhs = ins.split(',')
+  batch = 0
+  while batch < min(len(lhs), len(rhs)) - 1 and lhs[batch] == rhs[batch] == out[batch]:
+    batch += 1
+  k = lhs[-1]
+  m = lhs[batch:-1]
+  tail = rhs[batch:]
+  ok = len(rhs) == batch + 2 and k in tail and k not in out and len(m) >= 1
+  n = tail.replace(k, '')
+  if not ok or out != lhs[:batch] + m + n:
+    raise ValueError(f'einsum spec {spec!r} is not a batched matmul of the form '
+                     "'<batch><m...><k>,<batch><k><n>-><batch><m...><n>' (or b as <batch><n><k>)")
+  return batch, tail[0] == n
+
+
+def _dims(batch: int, lhs_rank: int, rhs_t: bool):
+  """dot_general dimension numbers: a [batch, m..., k] with b [batch, k, n] / [batch, n, k]."""
+  bd = tuple(range(batch))
+  return (((lhs_rank - 1,), (batch + 1 if rhs_t else batch,)), (bd, bd))
+
+
+def _fast(a: Array, b: Array, batch: int, rhs_t: bool) -> Array:
+  """The one bf16-kernel form: bf16 x bf16 -> f32, a contracted on its last axis."""
+  return jax.lax.dot_general(a.astype(BF16), b.astype(BF16), _dims(batch, a.ndim, rhs_t),
+                             preferred_element_type=jnp.float32)
+
+
+def _transposed(x: Array, batch: int) -> Array:
+  """[batch, m..., c] -> [batch, c, prod(m)]: x^T for the left side of a dot.
+
+  Written as reshape [.., m/8, 8, c] -> transpose -> reshape: XLA:CPU folds a plain transpose
+  into the dot (a transposed left operand, off the bf16 kernels); this form it materialises
+  as a copy and the dot's left operand stays row-major. (Rows not a multiple of 8: the plain
+  transpose.)"""
+  lead, c = x.shape[:batch], x.shape[-1]
+  rows = x.size // (c * math.prod(lead))
+  x = x.reshape(*lead, rows, c)
+  if rows % 8:
+    return jnp.swapaxes(x, -1, -2)
+  perm = tuple(range(batch)) + (batch + 2, batch, batch + 1)
+  return x.reshape(*lead, rows // 8, 8, c).transpose(perm).reshape(*lead, c, rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _bf16_dot(a: Array, b: Array, batch: int, rhs_t: bool, out_dtype) -> Array:
+  """a [batch, m..., k] . b ([batch, k, n], or [batch, n, k] if rhs_t) in the bf16-kernel
+  form (`_fast`), f32 accumulation; forward and both gradients (module docstring)."""
+  return _fast(a, b, batch, rhs_t).astype(out_dtype)
+
+
+def _bf16_dot_fwd(a, b, batch, rhs_t, out_dtype):
+  a16, b16 = a.astype(BF16), b.astype(BF16)
+  # the operands' dtypes ride along as empty arrays: the cotangents must match them
+  like = (jnp.zeros((0,), a.dtype), jnp.zeros((0,), b.dtype))
+  return _fast(a16, b16, batch, rhs_t).astype(out_dtype), (a16, b16, like)
+
+
+def _bf16_dot_bwd(batch, rhs_t, out_dtype, res, dy):
+  a16, b16, (a_like, b_like) = res
+  dy16 = dy.astype(BF16)  # [batch, m..., n]
+  # da = dy . b^T: dy is contracted on its last axis (n) already
+  da = _fast(dy16, b16, batch, not rhs_t)
+  if rhs_t:  # db [batch, n, k] = dy^T a
+    a2 = a16.reshape(*a16.shape[:batch], -1, a16.shape[-1])
+    db = _fast(_transposed(dy16, batch), a2, batch, False)
+  else:  # db [batch, k, n] = a^T dy
+    dy2 = dy16.reshape(*dy16.shape[:batch], -1, dy16.shape[-1])
+    db = _fast(_transposed(a16, batch), dy2, batch, False)
+  # Behind a barrier: a transpose its consumer applies (a tied embedding's head weight is
+  # the embedding's transpose) would otherwise be folded into the dot, as (dy^T a)^T =
+  # a^T dy, putting the transpose back on the left operand and the dot on XLA:CPU's generic
+  # dot, which has no bf16 x bf16 -> f32 kernel (UNIMPLEMENTED at run time).
+  da, db = jax.lax.optimization_barrier((da, db))
+  return da.astype(a_like.dtype), db.astype(b_like.dtype)
+
+
+_bf16_dot.defvjp(_bf16_dot_fwd, _bf16_dot_bwd)
