@@ -44,7 +44,8 @@ def get_config():
   m.moe.exchange = 'all_to_all'  # each row sent once to its expert's chip (ragged all-to-all)
   # receive buffers of 1.25x the mean rows per chip: dropless would size them (and the
   # grouped products remat='block' keeps) for all 8 chips' rows; rows past them are dropped
-  # and logged (train/moe_dropped_rows_l{j})
+  # and logged (train/moe_dropped_rows_l{j}), each chip's buffer cutting a different
+  # sender's rows (model/moe_exchange.py)
   m.moe.capacity_factor = 1.25
   # the one MTP depth (_tpu_pod.py) has this block, MLA + MoE, as DeepSeek-V3's layer 61
   d = c.data

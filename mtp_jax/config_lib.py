@@ -358,14 +358,20 @@ def _same_kind(value, want) -> bool:
 
 ATTENTION_CORES = ('auto', 'blocked', 'splash', 'triton', 'xla')
 # The Triton kernel's blocks by padded head width (the next power of two): forward queries x
-# keys, so that the tiles fit an H100's shared memory (128 x 128 at width 256 asks for 320
-# KiB of its 227); 32 x 32 in the backward kernels (its defaults). Widths past the last
-# row were never compiled.
-TRITON_BLOCKS = ((128, (128, 128)), (256, (128, 64)), (512, (64, 32)))
+# keys, then the backward kernels' (dkv: queries x keys, dq: queries x keys), so that the
+# tiles fit an H100's shared memory (128 x 128 forward at width 256 asks for 320 KiB of its
+# 227). Up to width 128 the backward takes the shapes of Triton's fused-attention tutorial
+# (dkv 32 x 128: a key block accumulates over small query blocks; dq 128 x 32), not the
+# kernel's 32 x 32 defaults, which re-read q and do four times per key. The dkv key block
+# must equal the dq query block (the fused backward splits both lengths alike). Widths past
+# the last row were never compiled.
+TRITON_BLOCKS = ((128, (128, 128, 32, 128, 128, 32)), (256, (128, 64, 32, 64, 64, 32)),
+                 (512, (64, 32, 32, 32, 32, 32)))
 
 
 def triton_blocks(head_width: int) -> tuple | None:
-  """(block_q, block_k) of the Triton forward kernel for q / k heads this wide, or None."""
+  """(block_q, block_k, block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq) of the Triton
+  kernel for q / k heads this wide (TRITON_BLOCKS), or None."""
   padded = 1 << max(head_width - 1, 0).bit_length()
   return next((blocks for width, blocks in TRITON_BLOCKS if padded <= width), None)
 
@@ -392,7 +398,7 @@ def attention_kernel_problem(core: str, seq_len: int, block_q: int, block_kv: in
       return (f'model.attention_core=triton takes query/key heads up to {TRITON_BLOCKS[-1][0]} '
               f'wide (the widest compiled for an H100), got {head_width}; use '
               'attention_core=xla')
-    for block in blocks + (32,):
+    for block in blocks:
       if seq_len % min(block, seq_len):
         return (f'model.attention_core=triton needs data.seq_len ({seq_len}) to be a multiple '
                 f'of {block} (the Pallas GPU kernel\'s block) when longer; change '

@@ -72,6 +72,33 @@ def test_kernel_matches_blocked_core_and_numpy(impl, kv, v_width):
       np.testing.assert_allclose(a[row], r, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize('impl', KERNELS)
+def test_kernel_at_head_width_128_in_bfloat16(impl):
+  """The shapes the kernels run at on accelerators: heads 128 wide, bfloat16 q / k / v,
+  GQA (2 query heads on 1 kv head), a packed row of T = 128. Against the float64 reference
+  on the same bf16-rounded inputs, the output and each gradient stay within 2^-6 of the
+  reference's largest magnitude (bf16 keeps 8 bits: 2^-8 relative per rounding, and the
+  kernels round p and dS to bf16 before their products); measured: at most 2^-7.5 (dk)."""
+  b, t, n, kv, h = 1, 128, 2, 1, 128
+  rng = np.random.default_rng(3)
+  bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+  q, k, v, g = bf(b, t, n, h), bf(b, t, kv, h), bf(b, t, kv, h), bf(b, t, n, h)
+  seg = _segments(b, t, seed=3)
+  scale = 1 / np.sqrt(h)
+
+  def f(q, k, v):
+    out = attn_lib.kernel_attention(impl, q, k, v, jnp.asarray(seg), scale, 128, 128)
+    return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  assert out.dtype == jnp.bfloat16 and all(x.dtype == jnp.bfloat16 for x in grads)
+  f64 = lambda x: np.asarray(x[0], np.float64)  # noqa: E731
+  want = ref.causal_attention(f64(q), f64(k), f64(v), seg[0], scale, f64(g))
+  for name, a, r in zip(('out', 'dq', 'dk', 'dv'), (out, *grads), want):
+    err = np.abs(np.asarray(a[0], np.float64) - r).max()
+    assert err <= 2 ** -6 * np.abs(r).max(), (name, err, np.abs(r).max())
+
+
 def _model(impl, attention='gqa', depth=3, **model):
   if attention == 'mla':
     c = dsv3_model_config(depth, mlp='dense')
@@ -226,10 +253,15 @@ def test_kernel_call_refuses_a_length_it_cannot_take_before_compiling():
 
 
 def test_triton_blocks_shrink_with_the_head_width():
-  """Forward blocks that compiled for an H100 (128 x 128 at width 256 did not fit its
-  shared memory): 64 -> 128 x 128, MLA's 192 (padded to 256) -> 128 x 64, 512 -> 64 x 32."""
+  """Blocks that compiled for an H100 (128 x 128 forward at width 256 did not fit its
+  shared memory): 64 / 128 -> forward 128 x 128, backward dkv 32 x 128 and dq 128 x 32 (not
+  32 x 32); MLA's 192 (padded to 256) -> 128 x 64, 32 x 64, 64 x 32; 512 -> 64 x 32, 32 x 32.
+  The fused backward needs the dkv key block to equal the dq query block."""
+  small, mla, wide = (128, 128, 32, 128, 128, 32), (128, 64, 32, 64, 64, 32), (64, 32) + (32,) * 4
   assert [config_lib.triton_blocks(w) for w in (64, 128, 192, 256, 512, 513)] == [
-      (128, 128), (128, 128), (128, 64), (128, 64), (64, 32), None]
+      small, small, mla, mla, wide, None]
+  for width, blocks in config_lib.TRITON_BLOCKS:
+    assert blocks[3] == blocks[4], width
 
 
 def test_auto_picks_the_backend_kernel():

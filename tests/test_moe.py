@@ -436,7 +436,8 @@ def test_fp8_block_dequantisation():
 # -- the expert-parallel exchange (mtp_jax/model/moe_exchange.py) -------------------------------
 def _who_sends_what(idx_XsxBTxEk, n_dev, e_local, rows):
   """numpy: per device, the rows it sends to each device (its rows sorted by expert), where
-  each slice starts in its own buffer and lands in the receiver's R-row buffer, cut at R."""
+  each slice starts in its own buffer and lands in the receiver's R-row buffer (filled
+  from the senders p, p + 1, ... for receiver p), cut at R."""
   q_n = idx_XsxBTxEk.shape[0]
   sent = np.zeros((q_n, n_dev), int)
   for q in range(q_n):
@@ -447,7 +448,7 @@ def _who_sends_what(idx_XsxBTxEk, n_dev, e_local, rows):
     in_off[q] = np.concatenate([[0], np.cumsum(sent[q])[:-1]])
   for p in range(n_dev):
     filled = 0
-    for q in range(q_n):
+    for q in [(p + j) % q_n for j in range(q_n)]:  # receiver p fills from sender p on
       out_off[q, p] = min(filled, rows)
       send[q, p] = max(0, min(sent[q, p], rows - filled))
       dropped[q, p] = sent[q, p] - send[q, p]
@@ -489,6 +490,8 @@ def test_exchange_offsets_and_sizes_match_numpy(devices, rows):
   np.testing.assert_array_equal(recv, ref_send.T)  # what q sends p is what p receives from q
   np.testing.assert_array_equal(dropped.reshape(-1), ref_dropped.sum(1))
   assert (ref_dropped.sum() > 0) == (rows is not None)
+  if rows:  # every receiver overflows here, and each cuts a different sender's rows
+    assert np.count_nonzero(ref_dropped.sum(1)) > n_dev // 2
 
 
 def test_exchange_emulation_moves_the_rows_numpy_says(devices):

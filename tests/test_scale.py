@@ -21,7 +21,7 @@ from helpers import (
 from mtp_jax import config_files, config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.model import ModelArgs, MTPModel, count_params
-from mtp_jax.runtime import distributed, sharding
+from mtp_jax.runtime import distributed, sharding, tpu_flags
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train import flops
 from mtp_jax.train import loss as loss_lib
@@ -162,3 +162,15 @@ def test_scanned_rematerialised_step_on_eight_devices(devices):
     config.mesh.shape = shape
     losses[name], _ = step_losses(config, devs, batches)
   np.testing.assert_allclose(losses['plain'], losses['scan'], rtol=2e-5)
+
+
+def test_tpu_flags_join_libtpu_init_args_and_the_users_values_win():
+  """The TPU compiler flags go into LIBTPU_INIT_ARGS once; a flag the user set keeps the
+  user's value; MTP_JAX_TPU_FLAGS=0 leaves the variable alone."""
+  env = {'LIBTPU_INIT_ARGS': '--xla_tpu_enable_async_collective_fusion=false --other=1'}
+  out = tpu_flags.apply(env).split()
+  assert out[:2] == ['--xla_tpu_enable_async_collective_fusion=false', '--other=1']
+  assert '--xla_tpu_enable_async_collective_fusion=true' not in out
+  assert set(tpu_flags.FLAGS[1:]) <= set(out)
+  assert tpu_flags.apply(env).split() == out  # applying twice adds nothing
+  assert tpu_flags.apply({'MTP_JAX_TPU_FLAGS': '0'}) == ''

@@ -75,6 +75,9 @@ def main(argv=None) -> int:
   if re.fullmatch(r'(v4|v5p|v5litepod|v6e)-\d+', accelerator):
     os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
     os.environ.setdefault('TPU_ACCELERATOR_TYPE', accelerator)
+  # the trainer's TPU compiler flags, read by libtpu when the topology is created below
+  from mtp_jax.runtime import tpu_flags  # pylint: disable=g-import-not-at-top
+  tpu_flags.apply()
   from mtp_jax.train import aot  # pylint: disable=g-import-not-at-top
   cache = args.cache_dir
   if cache is None:

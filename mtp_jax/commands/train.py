@@ -101,6 +101,9 @@ def _main(argv, startup: signals.StartupSignals) -> int:
     host_memory.configure(args.host_malloc)
   except ValueError as e:
     return _fail('bad flag', e)
+  # Standard library only: libtpu reads its flags when the TPU backend starts.
+  from mtp_jax.runtime import tpu_flags  # pylint: disable=g-import-not-at-top
+  tpu_flags.apply()
   cli.quiet_library_logs()
   # JAX starts here, after the flags are known to be good.
   from mtp_jax.runtime import distributed  # pylint: disable=g-import-not-at-top

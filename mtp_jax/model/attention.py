@@ -316,7 +316,7 @@ def _triton_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, seg_BxT, *, scale, interpret
   """One shard through the Pallas GPU flash kernel (`mha`: causal, segment ids, its own
   Triton backward; residuals named for remat by _saved_kernel). It takes one head count
   and one head width for q, k and v: GQA's kv heads are repeated (a [B, T, N, H] copy, no
-  scores) and v is zero-padded to H. Its forward blocks shrink with the head width
+  scores) and v is zero-padded to H. Its blocks follow the head width
   (config_lib.TRITON_BLOCKS), so that MLA's 192-wide heads fit a GPU's shared memory."""
   n, kv, v_width = q_BxTxNxH.shape[2], k_BxTxKxH.shape[2], v_BxTxKxHv.shape[3]
   dt = q_BxTxNxH.dtype
@@ -326,19 +326,19 @@ def _triton_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, seg_BxT, *, scale, interpret
   pad = q_BxTxNxH.shape[3] - v_width
   if pad:
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad)))
-  block_q, block_k = config_lib.triton_blocks(q_BxTxNxH.shape[3])
-  call = functools.partial(_triton_call, scale=scale, interpret=interpret, block_q=block_q,
-                           block_k=block_k)
+  call = functools.partial(_triton_call, scale=scale, interpret=interpret,
+                           blocks=config_lib.triton_blocks(q_BxTxNxH.shape[3]))
   return _saved_kernel(call, None, q_BxTxNxH, k, v, seg_BxT)[..., :v_width]
 
 
-def _triton_call(kernel, q, k, v, seg, *, scale, interpret, block_q, block_k):
-  """The Triton `mha`, its forward blocks by head width (config_lib.TRITON_BLOCKS)."""
+def _triton_call(kernel, q, k, v, seg, *, scale, interpret, blocks):
+  """The Triton `mha`, its forward and backward blocks by head width
+  (config_lib.TRITON_BLOCKS)."""
   del kernel  # the Triton kernel has no per-shape tables
   # Deferred: the Pallas GPU kernels load only where the triton core is chosen.
   import jax.experimental.pallas.ops.gpu.attention as gpu_attention
-  sizes = gpu_attention.BlockSizes(block_q=block_q, block_k=block_k, block_q_dkv=32,
-                                   block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
+  names = ('block_q', 'block_k', 'block_q_dkv', 'block_kv_dkv', 'block_q_dq', 'block_kv_dq')
+  sizes = gpu_attention.BlockSizes(**dict(zip(names, blocks)))
   return gpu_attention.mha(q, k, v, seg, sm_scale=scale, causal=True, block_sizes=sizes,
                            interpret=interpret)
 

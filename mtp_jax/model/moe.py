@@ -353,23 +353,30 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxEk: Array, gates_BxTxEk: Arra
     me = jax.lax.axis_index(expert_axes)
     rows = moe_exchange.buffer_rows(n, k, n_dev, e_local, capacity_factor)
     p = moe_exchange.plan(counts_XxEd, all_counts_XsxXxEd, me, rows)
-    recv_YxD = moe_exchange.ragged_exchange(
-        xs_BTEkxD, jnp.zeros((rows, d), dtype), p['input_offsets'], p['send_sizes'],
-        p['output_offsets'], p['recv_sizes'], expert_axes, impl)
+    there = (p['input_offsets'], p['send_sizes'], p['output_offsets'], p['recv_sizes'])
+    back = (p['recv_offsets'], p['recv_sizes'], p['sender_offsets'], p['send_sizes'])
+    # Buffers the exchange does not zero first: rows nothing lands in are sorted past the
+    # groups (key Ed), which the grouped product masks, and are never sent back.
+    recv_YxD = moe_exchange.exchange(rows, expert_axes, impl, xs_BTEkxD, there, back)
     key_Y = moe_exchange.received_experts(p, all_counts_XsxXxEd[:, me], rows)
     order_Y = jnp.argsort(key_Y, stable=True)
+    inverse_Y = moe_exchange.inverse_permutation(order_Y)
     sizes_Ed = jnp.bincount(key_Y, length=e_local + 1)[:e_local].astype(jnp.int32)
     # kept under remat only where a capacity factor bounds the buffer (dropless: X BT Ek rows)
-    y_sorted_YxD = grouped_products(recv_YxD[order_Y], sizes_Ed, ws, form,
-                                    save=capacity_factor > 0)
-    y_YxD = jnp.zeros_like(y_sorted_YxD).at[order_Y].set(y_sorted_YxD)
+    y_sorted_YxD = grouped_products(moe_exchange.take_rows(recv_YxD, order_Y, inverse_Y),
+                                    sizes_Ed, ws, form, save=capacity_factor > 0)
+    y_YxD = moe_exchange.take_rows(y_sorted_YxD, inverse_Y, order_Y)
     # The reverse exchange: each received slice back to its sender, where it came from.
-    back_BTEkxD = moe_exchange.ragged_exchange(
-        y_YxD, jnp.zeros((n * k, d), dtype), p['recv_offsets'], p['recv_sizes'],
-        p['sender_offsets'], p['send_sizes'], expert_axes, impl)
-    g_BTEk = gates.reshape(-1)[order_BTEk]
-    y_BTxD = jnp.zeros((n, d), jnp.float32).at[token_BTEk].add(
-        back_BTEkxD.astype(jnp.float32) * g_BTEk[:, None]).astype(dtype)
+    back_BTEkxD = moe_exchange.exchange(n * k, expert_axes, impl, y_YxD, back, there)
+    # back in token order ([BT, Ek, D], compute dtype), each token's gated sum over its Ek
+    # rows in one reduction (float32 products and sums inside it, as a matmul accumulates)
+    inverse_BTEk = moe_exchange.inverse_permutation(order_BTEk)
+    back_BTxEkxD = moe_exchange.take_rows(back_BTEkxD, inverse_BTEk, order_BTEk).reshape(n, k, d)
+    if capacity_factor > 0:  # dropped rows came back as nothing: they add zero
+      sent_BTEk = moe_exchange.sent_rows(p, flat_BTEk[order_BTEk] // e_local)
+      back_BTxEkxD = jnp.where(sent_BTEk[inverse_BTEk].reshape(n, k, 1), back_BTxEkxD, 0)
+    y_BTxD = jnp.sum(back_BTxEkxD.astype(jnp.float32) * gates[..., None].astype(jnp.float32),
+                     axis=1).astype(dtype)
     return y_BTxD, p['dropped']
 
   def local(x, idx, gates, wg, wu, wd):

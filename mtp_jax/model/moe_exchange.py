@@ -15,10 +15,14 @@ The receive buffer holds Y rows. Dropless (capacity_factor 0): Y = X BT min(Ek, 
 most rows a device can be sent (every token of the group choosing min(Ek, Ed) of its
 experts), so nothing is ever dropped; the buffer is that large but the grouped-matmul
 kernel computes only the rows received. With a capacity factor c > 0, Y = c BT Ek rounded
-up to 8 (the mean a device receives is BT Ek): a slice that would run past Y is cut at Y,
-its last rows (the highest local experts of the latest senders) are dropped, return zero
-and are counted. The gated outputs travel back by the reverse exchange (the same slices,
-roles swapped). Shape suffixes: Xs a device as the sender, X as the receiver.
+up to 8 (the mean a device receives is BT Ek): receiver x takes the senders' slices in
+the order x, x + 1, ... (mod X), a slice that would run past Y is cut at Y, and its last
+rows (the highest local experts of the senders last in x's order) are dropped, return
+zero and are counted; as each receiver starts from a different sender, the rows cut come
+from different data shards. The gated outputs travel back by the reverse exchange (the
+same slices, roles swapped), which also carries the gradients back (`exchange`). Neither
+exchange zero-fills its receive buffer (jax.lax.empty): rows nothing lands in are never
+read as values. Shape suffixes: Xs a device as the sender, X as the receiver.
 
 `ragged_exchange` runs `jax.lax.ragged_all_to_all` on TPU / GPU. XLA:CPU cannot run that
 collective, so on CPU (impl 'emulate') the same rows move from the same offset / size
@@ -27,10 +31,12 @@ which is why it is CPU-only.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -54,9 +60,19 @@ def buffer_rows(n_tokens: int, k: int, devices: int, local_experts: int,
 def plan(counts_XxEd: Array, all_counts_XsxXxEd: Array, me: Array, rows: int) -> dict:
   """Offsets and sizes of the forward exchange for device `me` from its own counts
   [X, Ed] (rows it routes to each device's Ed local experts) and everyone's [Xs, X, Ed];
-  `rows` = Y. Slices cut at Y are accounted in 'dropped' (this device's rows)."""
+  `rows` = Y. Slices cut at Y are accounted in 'dropped' (this device's rows).
+
+  Receiver x fills its buffer from the senders in the order x, x + 1, ... (mod X): where a
+  buffer overflows, the rows cut are those of the sender just before x, a different
+  sender for every receiver, so no data shard always loses its rows."""
   sent_XsxX = jnp.sum(all_counts_XsxXxEd, axis=-1)
-  out_off_XsxX = jnp.cumsum(sent_XsxX, axis=0) - sent_XsxX
+  n = sent_XsxX.shape[0]
+  # rank_XsxX[xs, x] = (xs - x) mod X: sender xs's place in receiver x's filling order
+  rank_XsxX = (jnp.arange(n)[:, None] - jnp.arange(n)[None, :]) % n
+  sender_JxX = (jnp.arange(n)[:, None] + jnp.arange(n)[None, :]) % n  # the j-th, for x
+  in_order_JxX = jnp.take_along_axis(sent_XsxX, sender_JxX, axis=0)
+  before_JxX = jnp.cumsum(in_order_JxX, axis=0) - in_order_JxX
+  out_off_XsxX = jnp.take_along_axis(before_JxX, rank_XsxX, axis=0)
   kept_XsxX = jnp.clip(rows - out_off_XsxX, 0, sent_XsxX)
   out_off_XsxX = jnp.minimum(out_off_XsxX, rows)
   in_off_XsxX = jnp.cumsum(sent_XsxX, axis=1) - sent_XsxX
@@ -67,6 +83,64 @@ def plan(counts_XxEd: Array, all_counts_XsxXxEd: Array, me: Array, rows: int) ->
       'recv_offsets': out_off_XsxX[:, me], 'sender_offsets': in_off_XsxX[:, me],
       'dropped': jnp.sum(send_X - kept_XsxX[me]),
   }
+
+
+def sent_rows(p: dict, dest_BTEk: Array) -> Array:
+  """[BT Ek] bool: which of this device's rows (sorted by destination, dest_BTEk each
+  one's device) the forward exchange sends; the others are dropped."""
+  first_BTEk = p['input_offsets'][dest_BTEk]
+  return jnp.arange(dest_BTEk.shape[0]) - first_BTEk < p['send_sizes'][dest_BTEk]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def exchange(rows: int, axes, impl: str, operand: Array, there: tuple, back: tuple) -> Array:
+  """operand's slices moved by ragged_exchange as `there` (input_offsets, send_sizes,
+  output_offsets, recv_sizes) says, into a [rows, ...] buffer that is not initialised
+  first (jax.lax.empty: no fill pass; its rows nothing lands in hold whatever was there,
+  zero on CPU). `back` is the reverse exchange, which moves the gradient (the same
+  slices, roles swapped): its rows of `operand` that were not sent get no defined
+  gradient either, so a caller whose rows can be dropped masks them."""
+  out = jax.lax.empty((rows,) + operand.shape[1:], operand.dtype)
+  return ragged_exchange(operand, out, *there, axes, impl)
+
+
+def _exchange_fwd(rows, axes, impl, operand, there, back):
+  return exchange(rows, axes, impl, operand, there, back), (operand.shape[0], there, back)
+
+
+def _exchange_bwd(rows, axes, impl, res, ct):
+  del rows
+  n, there, back = res
+  zeros = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), (there, back))
+  return (exchange(n, axes, impl, ct, back, there),) + zeros
+
+
+exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def inverse_permutation(order: Array) -> Array:
+  """inv with inv[order[i]] = i."""
+  return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+@jax.custom_vjp
+def take_rows(x: Array, order: Array, inverse: Array) -> Array:
+  """x[order] for a permutation `order` of x's rows (inverse = inverse_permutation(order)):
+  its gradient is the gather ct[inverse], not a scatter into a zero-filled buffer."""
+  return x[order]
+
+
+def _take_rows_fwd(x, order, inverse):
+  return x[order], (order, inverse)
+
+
+def _take_rows_bwd(res, ct):
+  order, inverse = res
+  zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+  return ct[inverse], zero(order), zero(inverse)
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def ragged_exchange(operand_BTEkxD: Array, output_YxD: Array, input_offsets: Array,

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from flax.core import spmd as flax_spmd
+from jax.sharding import PartitionSpec as P
 
 from mtp_jax import config_lib
 from mtp_jax.model import matmul, moe
 from mtp_jax.model.mtp import MTPModel, shift_left, vocab_logits
+from mtp_jax.runtime import sharding
 from mtp_jax.train.metrics import metric_key
 
 Array = jax.Array
@@ -194,29 +198,140 @@ def _head_sums(model: MTPModel, hiddens: list, targets_M1xBxT, mask_M1xBxT, chun
   teacher = (jnp.zeros((num, b, t, 0), hiddens[0].dtype) if teach is None
              else teacher_MxBxTxD)
 
-  def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
-    return jnp.moveaxis(x.reshape((b, n, chunk) + x.shape[2:]), 1, 0)
+  def chunk_stats(norm_state, w, hc, tc, mc, thc):
+    """(sum of -log p over the chunk's valid positions, (number correct, argmax))."""
+    logits = vocab_logits(nnx.merge(norm_def, norm_state), hc, w)
+    nll = _nll(logits, tc, None if teach is None else teach(thc))
+    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    mf = mc.astype(jnp.float32)
+    return jnp.sum(nll * mf), (jnp.sum((pred == tc) * mf), pred)
 
-  def depth_body(_, xs):
-    h, tgt, m, norm_state, th = xs
-    norm = nnx.merge(norm_def, norm_state)
-
-    def chunk_body(carry, cxs):
-      hc, tc, mc, thc = cxs
-      logits = vocab_logits(norm, hc, w_DxV)
-      nll = _nll(logits, tc, None if teach is None else teach(thc))
-      pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-      mf = mc.astype(jnp.float32)
-      return (carry[0] + jnp.sum(nll * mf), carry[1] + jnp.sum((pred == tc) * mf)), pred
-
+  def scan_heads(h_M1, tgt_M1, m_M1, norm_state_M1, th_M1, w, grads=False):
+    """Every depth's sums, chunk by chunk; with grads also the gradients of each depth's
+    loss sum for h [M1, B, T, D], its norm and OutHead [M1, D, V], made chunk by chunk
+    in the same pass (heads_fwd)."""
+    bl = h_M1.shape[1]  # this device's rows inside the shard_map
     zero = jnp.zeros((), jnp.float32)
-    (loss_sum, correct), pred = jax.lax.scan(jax.checkpoint(chunk_body), (zero, zero),
-                                             (split(h), split(tgt), split(m), split(th)))
-    return None, (loss_sum, correct, jnp.moveaxis(pred, 0, 1).reshape(b, t))
 
-  _, (loss_M1, correct_M1, pred_M1xBxT) = jax.lax.scan(
-      depth_body, None, (h_M1xBxTxD, targets_M1xBxT, mask_M1xBxT, norm_M1, teacher))
-  return loss_M1, correct_M1, pred_M1xBxT
+    def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
+      return jnp.moveaxis(x.reshape((bl, n, chunk) + x.shape[2:]), 1, 0)
+
+    def unsplit(x):  # [n, B, chunk, ...] -> [B, T, ...]
+      return jnp.moveaxis(x, 0, 1).reshape((bl, t) + x.shape[3:])
+
+    def depth_body(_, xs):
+      h, tgt, m, norm_state, th = xs
+
+      def chunk_body(carry, cxs):
+        hc, tc, mc, thc = cxs
+        if not grads:
+          loss_c, (correct_c, pred) = chunk_stats(norm_state, w, hc, tc, mc, thc)
+          return (carry[0] + loss_c, carry[1] + correct_c), pred
+        f = lambda ns, w, hc: chunk_stats(ns, w, hc, tc, mc, thc)  # noqa: E731
+        loss_c, vjp, (correct_c, pred) = jax.vjp(f, norm_state, w, hc, has_aux=True)
+        d_norm, d_w, d_h = vjp(jnp.ones((), loss_c.dtype))
+        carry = (carry[0] + loss_c, carry[1] + correct_c,
+                 jax.tree.map(jnp.add, carry[2], d_norm), carry[3] + d_w)
+        return carry, (pred, d_h)
+
+      init = (zero, zero)
+      if grads:
+        init += (jax.tree.map(jnp.zeros_like, norm_state), jnp.zeros_like(w))
+      carry, ys = jax.lax.scan(chunk_body, init, (split(h), split(tgt), split(m), split(th)))
+      if not grads:
+        return None, (carry[0], carry[1], unsplit(ys))
+      return None, (carry[0], carry[1], unsplit(ys[0]), unsplit(ys[1]), carry[2], carry[3])
+
+    _, out = jax.lax.scan(depth_body, None, (h_M1, tgt_M1, m_M1, norm_state_M1, th_M1))
+    return out
+
+  # The loss sums are linear in their cotangents (one scalar per depth): the forward pass of
+  # a differentiated step makes each chunk's gradients for a unit cotangent right after its
+  # logits, and the backward pass only scales them. The logits are computed once per step,
+  # not again in the backward pass (as jax.checkpoint of each chunk would), and none is kept.
+  @jax.custom_vjp
+  def heads(h_M1, tgt_M1, m_M1, norm_state_M1, th_M1, w):
+    return scan_heads(h_M1, tgt_M1, m_M1, norm_state_M1, th_M1, w)
+
+  def heads_fwd(h_M1, tgt_M1, m_M1, norm_state_M1, th_M1, w):
+    loss, correct, pred, d_h, d_norm, d_w = scan_heads(h_M1, tgt_M1, m_M1, norm_state_M1,
+                                                       th_M1, w, grads=True)
+    return (loss, correct, pred), (d_h, d_norm, d_w, tgt_M1, m_M1, th_M1)
+
+  def heads_bwd(res, cts):
+    d_h, d_norm, d_w, tgt_M1, m_M1, th_M1 = res
+    ct_M1 = cts[0].astype(jnp.float32)
+
+    def scaled(g):  # depth k's gradient times its cotangent, in float32, in g's dtype
+      return (g.astype(jnp.float32) * ct_M1.reshape((-1,) + (1,) * (g.ndim - 1))).astype(g.dtype)
+
+    float0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+    return (scaled(d_h), float0(tgt_M1), float0(m_M1), jax.tree.map(scaled, d_norm),
+            jnp.zeros_like(th_M1), jnp.einsum('k,kdv->dv', ct_M1, d_w).astype(d_w.dtype))
+
+  heads.defvjp(heads_fwd, heads_bwd)
+
+  def chunked(*a):
+    if teach is None:
+      return heads(*a)
+    # with a teacher (its head closed over): each chunk under jax.checkpoint instead
+    bl = a[0].shape[1]
+
+    def split(x):
+      return jnp.moveaxis(x.reshape((bl, n, chunk) + x.shape[2:]), 1, 0)
+
+    def depth_body(_, xs):
+      h, tgt, m, norm_state, th = xs
+
+      def chunk_body(carry, cxs):
+        hc, tc, mc, thc = cxs
+        loss_c, (correct_c, pred) = chunk_stats(norm_state, a[5], hc, tc, mc, thc)
+        return (carry[0] + loss_c, carry[1] + correct_c), pred
+
+      zero = jnp.zeros((), jnp.float32)
+      (loss_sum, correct), pred = jax.lax.scan(jax.checkpoint(chunk_body), (zero, zero),
+                                               (split(h), split(tgt), split(m), split(th)))
+      return None, (loss_sum, correct, jnp.moveaxis(pred, 0, 1).reshape(bl, t))
+
+    _, out = jax.lax.scan(depth_body, None, a[:5])
+    return out
+
+  args = (h_M1xBxTxD, targets_M1xBxT, mask_M1xBxT, norm_M1, teacher, w_DxV)
+  spec = None if teach is not None else _per_device_rows()  # the teacher's head: GSPMD's
+  if spec is None:
+    return chunked(*args)
+  # Per device: OutHead enters whole (gathered once per step, not once per chunk inside the
+  # scans, where GSPMD would put the gather) and its gradient leaves by one reduction over
+  # the devices (shard_map's transpose of a replicated input), not one per chunk.
+  rows, rows3 = P(None, *spec, None), P(None, *spec)
+  axes = [x for a in spec if a is not None for x in ((a,) if isinstance(a, str) else a)]
+  sums = P(tuple(axes) or None)
+
+  def local(*a):
+    loss_sum, correct, pred = chunked(*a)
+    return loss_sum[None], correct[None], pred
+
+  loss_XxM1, correct_XxM1, pred_M1xBxT = jax.shard_map(
+      local, in_specs=(rows, rows3, rows3, P(), rows, P()), out_specs=(sums, sums, rows3),
+      check_vma=False)(*args)
+  return jnp.sum(loss_XxM1, axis=0), jnp.sum(correct_XxM1, axis=0), pred_M1xBxT
+
+
+def _per_device_rows():
+  """The (batch, length) mesh axes of the active rules when the chunked head can run per
+  device on its own rows, else None: no mesh, or a mesh axis of more than one device that
+  splits neither rows nor positions (a vocab / model-dim split: GSPMD keeps the head)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not flax_spmd.get_logical_axis_rules():
+    return None
+  spec = tuple(sharding.logical_spec(('batch', 'length')))
+  spec = spec + (None,) * (2 - len(spec))
+  used = set()
+  for a in spec:
+    used.update(() if a is None else (a,) if isinstance(a, str) else a)
+  if any(size > 1 and name not in used for name, size in mesh.shape.items()):
+    return None
+  return spec
 
 
 def top_targets(tokens_BxT: Array, segment_ids_BxT: Array, window: int, vocab_size: int) -> Array:
