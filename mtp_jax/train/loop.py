@@ -108,7 +108,8 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
   data_checks.check_document_lengths(config)
   tokenizer = tokenizers.get_tokenizer(config.data)
   is_main = jax.process_index() == 0
-  progress = metrics_lib.Progress(config.train.steps, enabled=config.train.progress and is_main)
+  progress = metrics_lib.Progress(config.train.steps, enabled=is_main,
+                                  live=config.train.progress)
   notify = _Notifier(progress, is_main)
   startup.check()
   # Before anything compiles: a rerun of this config loads its programs from the cache.
@@ -179,8 +180,9 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
   lock.release()
   if run.last_saved == config.train.steps:
     notify(ledger.summary())
-    notify(metrics_lib.final_block(workdir, run.last_saved, run.last_saved,
-                                   run.suggested_prompt(tokenizer)))
+    prompt = run.suggested_prompt(tokenizer)  # decode's cache holds data.seq_len positions
+    room = config.data.seq_len - len(tokenizer.encode(prompt))
+    notify(metrics_lib.final_block(workdir, run.last_saved, run.last_saved, prompt, room))
   return out
 
 

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import sys
 import time
 
@@ -99,18 +100,22 @@ class MetricWriter:
 
 
 class Progress:
-  """A single console line rewritten in place: step, loss, tokens/s, ETA."""
+  """A single console line rewritten in place: step, loss, tokens/s, ETA; and the messages
+  printed above it. enabled: print anything (process 0 of a job); live: the step line
+  (train.progress), without which the messages still print."""
 
-  def __init__(self, total_steps: int, *, enabled: bool = True, stream=None):
+  def __init__(self, total_steps: int, *, enabled: bool = True, live: bool = True,
+               stream=None):
     self.total = total_steps
     self.enabled = enabled
+    self.live = live
     self.stream = stream or sys.stderr
     self.tty = getattr(self.stream, 'isatty', lambda: False)()
     self.start_time = time.time()
     self.start_step = None
 
   def update(self, step: int, loss: float, tokens_per_sec: float, extra: str = ''):
-    if not self.enabled:
+    if not (self.enabled and self.live):
       return
     now = time.time()
     if self.start_step is None:
@@ -129,13 +134,13 @@ class Progress:
   def message(self, text: str):
     if not self.enabled:
       return
-    if self.tty:
+    if self.tty and self.live:
       self.stream.write('\r' + ' ' * 100 + '\r')
     self.stream.write(text + '\n')
     self.stream.flush()
 
   def close(self):
-    if self.enabled and self.tty:
+    if self.enabled and self.live and self.tty:
       self.stream.write('\n')
 
 
@@ -221,9 +226,30 @@ def _read_rows(workdir: str) -> list[dict]:
   return rows
 
 
-def final_block(workdir: str, step: int, checkpoint: int | None, prompt: str = '') -> str:
+# The decode line's new tokens when the trained sequence has room for them.
+SUGGESTED_NEW_TOKENS = 128
+
+
+def command(name: str) -> str:
+  """How a console script installed beside this interpreter runs from the current folder:
+  its bare name when PATH finds that one (an activated venv), else its path
+  (`.venv/bin/mtp-decode`); the bare name when it is not installed here."""
+  bindir = os.path.dirname(sys.executable)
+  mine = os.path.join(bindir, name)
+  if not os.path.isfile(mine):
+    return name
+  found = shutil.which(name)
+  if found and os.path.realpath(found) == os.path.realpath(mine):
+    return name
+  rel = os.path.relpath(mine)
+  return shlex.quote(mine if rel.startswith('..') else rel)
+
+
+def final_block(workdir: str, step: int, checkpoint: int | None, prompt: str = '',
+                room: int | None = None) -> str:
   """What a finished run says last: where it is, its last and best figures, what to run next
-  (prompt: the decode line's, from the run's own data; '' reads prompts from a file)."""
+  (prompt: the decode line's, from the run's own data; '' reads prompts from a file; room:
+  the positions a decode has after that prompt, data.seq_len minus its tokens)."""
   rows = _read_rows(workdir)
   lines = [f'done: step {step} in {workdir}'
            + (f' (checkpoint {checkpoint})' if checkpoint is not None else '')]
@@ -248,11 +274,14 @@ def final_block(workdir: str, step: int, checkpoint: int | None, prompt: str = '
   if tau:
     lines.append(f'  eval decode tau: last {tau[-1][TAU_KEY]:.3f} tokens per verify step')
   quoted = _quote(workdir)
+  new_tokens = SUGGESTED_NEW_TOKENS if room is None else min(room, SUGGESTED_NEW_TOKENS)
   lines += ['next:',
-            f'  mtp-decode --workdir {quoted} --mode compare '
-            + (f'--prompt {_quote(prompt)}' if prompt else '--prompts_file prompts.txt'),
-            f'  mtp-eval --workdir {quoted}',
-            f'  tensorboard --logdir {_quote(os.path.join(workdir, "tensorboard"))}']
+            f'  {command("mtp-decode")} --workdir {quoted} --mode compare '
+            + (f'--prompt {_quote(prompt)}' if prompt else '--prompts_file prompts.txt')
+            + f' --max_new_tokens {new_tokens}',
+            f'  {command("mtp-eval")} --workdir {quoted}',
+            f'  {command("tensorboard")} --logdir '
+            f'{_quote(os.path.join(workdir, "tensorboard"))}']
   return '\n'.join(lines)
 
 
