@@ -239,6 +239,10 @@ def base_config() -> ml_collections.ConfigDict:
   t.hang_exit = False
   t.local_checkpoint_every = 0
   t.local_checkpoint_dir = ''
+  # Weights & Biases (`pip install -e '.[wandb]'`): a project name also logs every metric line
+  # to a run of that project; '' is off. mode offline writes it under WORKDIR/wandb for a
+  # later `wandb sync` (no network, no account); online sends it as it goes.
+  t.wandb = ml_collections.ConfigDict({'project': '', 'mode': 'offline', 'name': ''})
 
   mesh = c.mesh = ml_collections.ConfigDict()
   mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); one -1 takes the remaining devices
@@ -584,6 +588,10 @@ def _validate_train(config) -> None:
   for name in ('compilation_cache_dir', 'checkpoint_dir', 'local_checkpoint_dir'):
     _require(isinstance(t[name], str), f'train.{name} must be a path or URL string, '
              f'got {t[name]!r}')
+  wandb = optional(config, 'train.wandb', None)
+  if wandb is not None:
+    _require(wandb.mode in ('offline', 'online'),
+             f"train.wandb.mode must be 'offline' or 'online', got {wandb.mode!r}")
 
 
 def _validate_data(config) -> None:

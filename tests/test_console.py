@@ -142,3 +142,26 @@ def test_every_command_of_the_final_block_runs_as_printed(spec, extra, tiny_run,
     out = _run_suggestion(argv, REPO, path)
     if os.path.basename(argv[0]) == 'mtp-decode':
       assert 'identical=True' in out, out[-2000:]
+
+
+def test_metric_lines_go_to_an_offline_wandb_run_that_a_resume_continues(tmp_path):
+  """train.wandb.project: the writer's rows also go to a Weights & Biases run, offline (no
+  network, no account), under WORKDIR/wandb; a second writer on the workdir (a resume)
+  continues the same run."""
+  import ml_collections
+  settings = ml_collections.ConfigDict({'project': 'mtp-test', 'mode': 'offline', 'name': ''})
+  runs = []
+  for step in (1, 2):
+    writer = metrics_lib.MetricWriter(str(tmp_path), tensorboard=False, wandb=settings,
+                                      run_config={'train': {'steps': 2}})
+    writer.write(step, {'train/loss': 5.0 - step, 'perf/tokens_per_sec': 100.0 * step,
+                        'train/skipped': float('nan')})
+    writer.close()
+    runs.append(sorted((tmp_path / 'wandb').glob('offline-run-*')))
+  run_id = (tmp_path / 'wandb' / 'run_id').read_text().strip()
+  assert len(runs[0]) == 1 and len(runs[1]) == 2, runs
+  assert all(p.name.endswith('-' + run_id) for p in runs[1])  # one run, resumed
+  for path in runs[1]:  # the run's records (protobuf): the metric names, not the NaN one
+    data = (path / f'run-{run_id}.wandb').read_bytes()
+    assert b'train/loss' in data and b'perf/tokens_per_sec' in data
+    assert b'train/skipped' not in data

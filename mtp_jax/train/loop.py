@@ -218,7 +218,9 @@ def _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_f
   if data_changes:
     notify(f'--new_data: step {run.start_step}\'s model and optimizer continue on '
            + '; '.join(data_changes) + ' (its data iterator starts at the beginning).')
-  run.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
+  run.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
+                                        wandb=config_lib.optional(config, 'train.wandb', None),
+                                        run_config=config_dict)
   # CPU: the cached peak, checked against a quick matmul probe now, in this process.
   run.mfu = flops_lib.MFU(config, devices, notify=notify)
   notify.progress.message(metrics_lib.devices_line(devices, dict(ts.mesh.shape),

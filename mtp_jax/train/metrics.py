@@ -14,6 +14,7 @@ import shlex
 import shutil
 import sys
 import time
+import uuid
 
 import numpy as np
 
@@ -61,21 +62,26 @@ def _to_py(v):
 
 
 class MetricWriter:
-  """Writes one JSON object per call to metrics.jsonl and scalars to TensorBoard.
+  """Writes one JSON object per call to metrics.jsonl and scalars to TensorBoard, and to a
+  Weights & Biases run when `wandb` (config.train.wandb) names a project.
 
   Only the process that owns it writes (process 0 in multi-host jobs).
   """
 
-  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
+               wandb=None, run_config: dict | None = None):
     self.enabled = enabled
     self._tb = None
     self._file = None
+    self._wandb = None
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
     self._file = open(os.path.join(workdir, 'metrics.jsonl'), 'a', buffering=1)
     # The event file is made by the first write: a run with nothing to log adds none.
     self._tb_dir = os.path.join(workdir, 'tensorboard') if tensorboard else None
+    if wandb is not None and wandb.project:
+      self._wandb = _wandb_run(workdir, wandb, run_config)
 
   def write(self, step: int, metrics: dict):
     if not self.enabled:
@@ -91,12 +97,38 @@ class MetricWriter:
       for k, v in row.items():
         if k != 'step' and isinstance(v, (int, float)) and math.isfinite(v):
           self._tb.add_scalar(k, v, int(step))
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in row.items() if k != 'step'
+                       and isinstance(v, (int, float)) and math.isfinite(v)}, step=int(step))
 
   def close(self):
     if self._file is not None:
       self._file.close()
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
+
+
+def _wandb_run(workdir: str, settings, run_config: dict | None):
+  """The workdir's Weights & Biases run: one id per workdir (WORKDIR/wandb/run_id), so a
+  resumed training continues its run."""
+  # Deferred: optional (the wandb extra), and only a writing process of such a run needs it.
+  import wandb  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(workdir, 'wandb')
+  os.makedirs(folder, exist_ok=True)
+  id_file = os.path.join(folder, 'run_id')
+  if os.path.exists(id_file):
+    with open(id_file) as f:
+      run_id = f.read().strip()
+  else:
+    run_id = uuid.uuid4().hex[:12]
+    with open(id_file, 'w') as f:
+      f.write(run_id + '\n')
+  return wandb.init(project=settings.project, name=settings.name or os.path.basename(workdir),
+                    mode=settings.mode, dir=workdir, id=run_id, resume='allow',
+                    config=run_config, settings=wandb.Settings(silent=True))
 
 
 class Progress:
