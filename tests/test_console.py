@@ -165,3 +165,17 @@ def test_metric_lines_go_to_an_offline_wandb_run_that_a_resume_continues(tmp_pat
     data = (path / f'run-{run_id}.wandb').read_bytes()
     assert b'train/loss' in data and b'perf/tokens_per_sec' in data
     assert b'train/skipped' not in data
+
+
+def test_progress_off_hides_the_live_line_only():
+  import io
+  stream = io.StringIO()
+  progress = metrics_lib.Progress(10, live=False, stream=stream)
+  progress.update(3, 2.5, 1000.0)
+  progress.message('devices: 2 cpu in 1 process, mesh data 2')
+  progress.close()
+  assert stream.getvalue() == 'devices: 2 cpu in 1 process, mesh data 2\n'
+  quiet = metrics_lib.Progress(10, enabled=False, stream=stream)  # another process of a job
+  quiet.message('eval @ 5: ...')
+  quiet.update(5, 2.0, 900.0)
+  assert stream.getvalue() == 'devices: 2 cpu in 1 process, mesh data 2\n'
