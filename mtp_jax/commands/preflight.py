@@ -6,8 +6,8 @@ gives for the same mistake; those checks stay, for callers of the library.
 """
 from __future__ import annotations
 
-import json
 import importlib.util
+import json
 import os
 
 from mtp_jax import storage
