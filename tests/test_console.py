@@ -161,8 +161,12 @@ def test_metric_lines_go_to_an_offline_wandb_run_that_a_resume_continues(tmp_pat
   run_id = (tmp_path / 'wandb' / 'run_id').read_text().strip()
   assert len(runs[0]) == 1 and len(runs[1]) == 2, runs
   assert all(p.name.endswith('-' + run_id) for p in runs[1])  # one run, resumed
+  import time
   for path in runs[1]:  # the run's records (protobuf): the metric names, not the NaN one
-    data = (path / f'run-{run_id}.wandb').read_bytes()
+    deadline = time.time() + 60  # wandb's service process writes them as finish() returns
+    while b'train/loss' not in (data := (path / f'run-{run_id}.wandb').read_bytes()):
+      assert time.time() < deadline, data
+      time.sleep(0.5)
     assert b'train/loss' in data and b'perf/tokens_per_sec' in data
     assert b'train/skipped' not in data
 
