@@ -118,13 +118,13 @@ def _run_suggestion(argv: list[str], cwd, path: str) -> str:
     ('stdlib_mtp.py', ['--config.train.steps=2', '--config.train.warmup_steps=1',
                        '--config.data.batch_size=2', '--config.train.eval_decode_prompts=2']),
 ])
-def test_every_command_of_the_final_block_runs_as_printed(spec, extra, tiny_run,
+def test_every_command_of_the_final_block_runs_as_printed(spec, extra, request,
                                                           stdlib_data_dir, tmp_path):
   """The trainer's `next:` commands, copied from its output and run with the venv not
   activated: decode fits the config's sequence length, each program is found."""
   path = '/usr/bin:/bin'  # the venv not activated
   if extra is None:
-    workdir, proc = tiny_run
+    workdir, proc = request.getfixturevalue('tiny_run')
     path = os.environ['PATH']
   else:
     workdir = tmp_path / 'run'
