@@ -4,8 +4,9 @@ The sub-packages, lowest first: runtime and data; model and checkpoint (neither 
 other); train_state (the optimizer, building on the mesh, restoring); interop and decode;
 train; research; the commands. Each `__init__` names its public objects
 (`from mtp_jax.model import MTPModel, ModelArgs`, `from mtp_jax.decode import Decoder`).
-The module names of the earlier flat layout (`mtp_jax.loss`, `mtp_jax.state`, ...) still
-import, with a DeprecationWarning that names the new place.
+The module names of the earlier flat layout (`mtp_jax.loss`, `mtp_jax.state`, ...) and the
+names that moved since (`mtp_jax.model.state`, `mtp_jax.checkpoint.partial.InitFrom`, ...)
+still import, with a DeprecationWarning that names the new place.
 """
 import glob as _glob
 import importlib as _importlib
@@ -71,6 +72,10 @@ MOVED = {
     'state': 'mtp_jax.train_state',
     'steps': 'mtp_jax.train.steps',
 }
+# Modules of the sub-package layout's first release that moved again.
+MOVED_SUBMODULES = {
+    'model.state': 'mtp_jax.train_state',
+}
 # Flat modules split over several new ones: importing them is an error naming each part.
 SPLIT = {
     'convert': 'mtp_jax.convert was split: from_hf (tensors in memory) is now '
@@ -81,17 +86,72 @@ SPLIT = {
 }
 
 
-def _moved(name: str, stacklevel: int):
-  """The module that replaced mtp_jax.<name>, after one DeprecationWarning at the caller."""
+SPLIT['interop.convert'] = SPLIT['convert'].replace('mtp_jax.convert', 'mtp_jax.interop.convert')
+
+# Public names of a module that moved to another module: 'old_module.name' -> 'new_module.name'
+# (the old one still works, with a DeprecationWarning), or -> a sentence saying what took the
+# place of a name that is gone (an ImportError). The old module's __getattr__ asks
+# moved_name; tests/test_public_api.py holds every earlier public name to this table.
+_TABLES = 'mtp_jax.research.tables'
+MOVED_NAMES = {
+    'mtp_jax.checkpoint.partial.InitFrom': 'mtp_jax.train_state.InitFrom',
+    'mtp_jax.checkpoint.partial.HF_PREFIX': 'mtp_jax.train_state.HF_PREFIX',
+    'mtp_jax.train.resilience.StartupInterrupted': 'mtp_jax.runtime.signals.StartupInterrupted',
+    'mtp_jax.train.resilience.StartupSignals': 'mtp_jax.runtime.signals.StartupSignals',
+    **{f'mtp_jax.commands.ablation.{n}': f'{_TABLES}.{n}' for n in (
+        'BUDGETS', 'CONFIGS', 'SIZED_BUDGETS', 'TEMPS', 'TEMP_NAMES', 'aggregate',
+        'eval_se_of_difference', 'ind_alphabet', 'induction_metrics', 'lm_metrics',
+        'load_config_module', 'markdown', 'markdown_names', 'markdown_sized', 'paired_test',
+        'tabulate', 'tabulate_names', 'tabulate_sized')},
+    **{f'mtp_jax.commands.ablation.{n}': f'mtp_jax.research.ablation.{n}' for n in (
+        'design_path', 'group_variants', 'make_design', 'make_runs', 'make_sweep',
+        'names_estimate', 'sized_runs', 'sized_steps')},
+}
+REMOVED_NAMES = {
+    'mtp_jax.decode.sampling.BITWISE_THRESHOLDS':
+        'the module switch is gone: Decoder(model, bitwise_thresholds=False) compiles the '
+        'earlier top-k / top-p thresholds',
+    'mtp_jax.model.decode_ops.ATTN_TALL':
+        'the module switch is gone: Decoder(model, tall_attention=False) compiles the earlier '
+        'few-query attention products',
+    'mtp_jax.train.flops.block_flops':
+        'each attention and MLP kind counts its own FLOPs now (flops_per_token of the classes '
+        'in mtp_jax.model.ATTENTION_KINDS and MLP_KINDS); mtp_jax.train.flops_per_token(config) '
+        'counts a whole model',
+}
+
+
+def moved_name(module: str, name: str):
+  """For a module's `__getattr__`: the object `name` of `module` became, after a
+  DeprecationWarning naming its new place; ImportError saying what replaced a removed one;
+  AttributeError for any other name."""
+  old = f'{module}.{name}'
+  if old in REMOVED_NAMES:
+    raise ImportError(f'{old} was removed: {REMOVED_NAMES[old]}', name=module)
+  if old not in MOVED_NAMES:
+    raise AttributeError(f'module {module!r} has no attribute {name!r}')
+  new = MOVED_NAMES[old]
+  _warnings.warn(f'{old} moved to {new}; import it from there', DeprecationWarning,
+                 stacklevel=3)
+  new_module, _, new_name = new.rpartition('.')
+  return getattr(_importlib.import_module(new_module), new_name)
+
+
+def _moved(name: str, stacklevel: int, register: bool = True):
+  """The module that replaced mtp_jax.<name>, after one DeprecationWarning at the caller.
+  register: enter it in sys.modules under the old name (the import system does that itself
+  for a finder's module; one entered while it looks would make it load the new module again)."""
   old = f'mtp_jax.{name}'
   if name in SPLIT:
     raise ImportError(SPLIT[name], name=old)
-  new = MOVED[name]
+  new = MOVED.get(name) or MOVED_SUBMODULES[name]
   _warnings.warn(f'{old} moved to {new}; import it from there', DeprecationWarning,
                  stacklevel=stacklevel + 1)
   module = _importlib.import_module(new)
-  _sys.modules[old] = module
-  globals()[name] = module
+  if register:
+    _sys.modules[old] = module
+  if name in MOVED:
+    globals()[name] = module
   return module
 
 
@@ -105,23 +165,24 @@ class _Alias(_importlib_abc.Loader):
   """Loads an old module name as the module that replaced it (the same object)."""
 
   def __init__(self, module):
-    self.module = module
+    self.module, self.spec = module, module.__spec__
 
   def create_module(self, spec):
     return self.module
 
   def exec_module(self, module):
-    pass
+    module.__spec__ = self.spec  # the import system gave it the old name's spec: its own back
 
 
 class _MovedFinder(_importlib_abc.MetaPathFinder):
   """`import mtp_jax.loss` and friends: the new module, with the warning."""
 
   def find_spec(self, fullname, path, target=None):
-    package, _, name = fullname.rpartition('.')
-    if package != __name__ or (name not in MOVED and name not in SPLIT):
+    prefix = __name__ + '.'
+    name = fullname[len(prefix):] if fullname.startswith(prefix) else ''
+    if name not in MOVED and name not in MOVED_SUBMODULES and name not in SPLIT:
       return None
-    return _importlib_util.spec_from_loader(fullname, _Alias(_moved(name, 2)))
+    return _importlib_util.spec_from_loader(fullname, _Alias(_moved(name, 2, register=False)))
 
 
 if not any(isinstance(f, _MovedFinder) for f in _sys.meta_path):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
+import re
 import sys
 
 from absl import flags, logging
@@ -34,6 +36,8 @@ class ArgumentParser(argparse.ArgumentParser):
     super().__init__(*args, **kwargs)
 
   def error(self, message):  # argparse's default prints the whole usage first
+    # A value check of the types below: '--top_k must be >= 0, got -1'.
+    message = re.sub(r'^argument (\S+): must be ', r'\1 must be ', message)
     print(f'error: {message}', file=sys.stderr)
     sys.exit(2)
 
@@ -56,6 +60,56 @@ class ArgumentParser(argparse.ArgumentParser):
       close = [fixed] if fixed in known else difflib.get_close_matches(fixed, known, 1, 0.7)
       self.error(f'unrecognized arguments: {token}'
                  + (f' (did you mean {close[0]}?)' if close else ' (--help lists the options)'))
+
+
+# -- value types of flags -------------------------------------------------------------------
+# argparse `type=` functions: a flag's value is checked as it is parsed, before JAX starts,
+# and a bad one is one line, e.g. 'error: --max_new_tokens must be > 0, got -5'.
+def _number(kind, text: str):
+  try:
+    value = kind(text)
+  except ValueError:
+    what = 'an integer' if kind is int else 'a number'
+    raise argparse.ArgumentTypeError(f'must be {what}, got {text!r}') from None
+  if kind is float and not math.isfinite(value):
+    raise argparse.ArgumentTypeError(f'must be a finite number, got {text!r}')
+  return value
+
+
+def positive_int(text: str) -> int:
+  value = _number(int, text)
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f'must be > 0, got {value}')
+  return value
+
+
+def non_negative_int(text: str) -> int:
+  value = _number(int, text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f'must be >= 0, got {value}')
+  return value
+
+
+def positive_float(text: str) -> float:
+  value = _number(float, text)
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f'must be > 0, got {value}')
+  return value
+
+
+def non_negative_float(text: str) -> float:
+  value = _number(float, text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f'must be >= 0, got {value}')
+  return value
+
+
+def probability(text: str) -> float:
+  """top-p: in (0, 1]."""
+  value = _number(float, text)
+  if not 0 < value <= 1:
+    raise argparse.ArgumentTypeError(f'must be in (0, 1], got {value}')
+  return value
 
 
 def report_expected(e: BaseException) -> int:
@@ -112,7 +166,7 @@ def load_config(spec: str, overrides=()):
     values(argv)
     config = holder.value
   except flags.Error as e:
-    raise ConfigError(f'bad --config override: {_clean(e)}') from e
+    raise ConfigError(_bad_value(e, config, overrides)) from e
   except AttributeError as e:  # ml_collections: an unknown --config.x key
     raise ConfigError(_unknown_field(e, overrides)) from e
   except Exception as e:  # pylint: disable=broad-except
@@ -131,6 +185,27 @@ def _unknown_field(e: AttributeError, overrides) -> str:
       return (f'unknown config field {key} ({o})' + (f': {hint}?' if hint else '')).replace(
           '??', '?')
   return f'unknown config field in a --config.* override: {text}'
+
+
+def _bad_value(e: BaseException, config, overrides) -> str:
+  """'--config.train.steps=abc: train.steps takes an integer (300 in the config), got
+  'abc'' for a value the field's type cannot read; the library's words otherwise."""
+  text = _clean(e)
+  for o in overrides:
+    key, _, value = o[len('--config.'):].partition('=')
+    if f'{o}:' not in text and f'{o} ' not in text + ' ':
+      continue
+    node = config
+    try:
+      for part in key.split('.'):
+        node = node[part]
+    except (KeyError, TypeError, AttributeError):
+      break
+    kind = {bool: 'True or False', int: 'an integer', float: 'a number', str: 'a string',
+            tuple: 'a tuple such as (1, 2)', list: 'a list'}.get(type(node))
+    if kind is not None:
+      return f'{o}: {key} takes {kind} ({node!r} in the config), got {value!r}'
+  return f'bad --config override: {text}'
 
 
 def _clean(e: BaseException) -> str:

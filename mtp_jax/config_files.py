@@ -4,6 +4,8 @@ config flags read them (the text after the first ':' is get_config's argument).
 The one loader of config files: the commands' `--config`, the research sweep's variant
 tables, the benchmarks and the tests all load through it.
 """
+import difflib
+import glob
 import importlib.util
 import os
 
@@ -19,7 +21,8 @@ def split_spec(spec: str) -> tuple[str, str | None]:
 def load_module(path: str):
   """The module of a config file (or of a file a config shares); ConfigError (one line) for a missing or broken file."""
   if not os.path.isfile(path):
-    raise ConfigError(f'cannot load --config {path!r}: No such file or directory')
+    raise ConfigError(f'cannot load --config {path!r}: No such file or directory'
+                      + _did_you_mean(path))
   name = 'config_' + os.path.splitext(os.path.basename(path))[0]
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
@@ -46,6 +49,25 @@ def load(spec: str):
   if config is None:
     raise ConfigError(f'bad --config file {path}: get_config() returned None')
   return config
+
+
+def _did_you_mean(path: str) -> str:
+  """' (did you mean configs/tiny.py?)': the closest config file under the path's own folder,
+  ./configs or the folder of the config files shipped with this checkout."""
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  folders = [os.path.dirname(path) or '.', 'configs', os.path.join(here, 'configs')]
+  known = []
+  for folder in folders:
+    for f in sorted(glob.glob(os.path.join(folder, '*.py'))):
+      shown = os.path.relpath(f) if not os.path.relpath(f).startswith('..') else f
+      if shown not in known:
+        known.append(shown)
+  names = {os.path.basename(k): k for k in reversed(known)}
+  base = os.path.basename(path) if path.endswith('.py') else os.path.basename(path) + '.py'
+  close = difflib.get_close_matches(base, list(names), 1, 0.7)
+  if close:
+    return f' (did you mean {names[close[0]]}?)'
+  return ''
 
 
 def _clean(e: BaseException) -> str:

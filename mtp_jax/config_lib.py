@@ -239,6 +239,10 @@ def base_config() -> ml_collections.ConfigDict:
   t.hang_exit = False
   t.local_checkpoint_every = 0
   t.local_checkpoint_dir = ''
+  # Weights & Biases (`pip install -e '.[wandb]'`): a project name also logs every metric line
+  # to a run of that project; '' is off. mode offline writes it under WORKDIR/wandb for a
+  # later `wandb sync` (no network, no account); online sends it as it goes.
+  t.wandb = ml_collections.ConfigDict({'project': '', 'mode': 'offline', 'name': ''})
 
   mesh = c.mesh = ml_collections.ConfigDict()
   mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); one -1 takes the remaining devices
@@ -251,13 +255,23 @@ def decode_prompt_len(config) -> int:
   return config.data.seq_len // 2
 
 
-def resolved_mesh_shape(shape, num_devices: int) -> tuple[int, ...]:
-  """Fills one -1 entry so the product equals num_devices."""
-  shape = tuple(int(s) for s in shape)
-  if len(shape) != len(MESH_AXES):
-    raise ConfigError(f'mesh.shape must have {len(MESH_AXES)} entries {MESH_AXES}, got {shape}')
+def mesh_shape_form(shape) -> tuple[int, ...]:
+  """mesh.shape as a tuple of ints, checked without a device count: one entry per mesh
+  axis, each positive or a single -1."""
+  ok = (isinstance(shape, (tuple, list))
+        and all(isinstance(s, int) and not isinstance(s, bool) for s in shape))
+  if not ok or len(shape) != len(MESH_AXES):
+    raise ConfigError(f'mesh.shape must be {len(MESH_AXES)} integers {MESH_AXES} such as '
+                      f'(-1, 1, 1), got {shape!r}')
+  shape = tuple(shape)
   if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
     raise ConfigError(f'mesh.shape entries must be positive or a single -1, got {shape}')
+  return shape
+
+
+def resolved_mesh_shape(shape, num_devices: int) -> tuple[int, ...]:
+  """Fills one -1 entry so the product equals num_devices."""
+  shape = mesh_shape_form(shape)
   if -1 in shape:
     known = math.prod(s for s in shape if s != -1)
     if num_devices % known:
@@ -420,7 +434,12 @@ def _attention_head_width(m) -> int:
 
 def validate(config, num_devices: int | None = None) -> None:
   """Checks every field that could fail later, before anything compiles: the sizes first
-  (later checks divide by them), then section by section."""
+  (later checks divide by them), then section by section.
+
+  Without num_devices it checks every value that does not depend on the devices, and
+  needs nothing but this module: the commands run it before JAX starts, so a bad value is
+  answered in a second; with num_devices it adds the divisibility of the mesh.
+  """
   check_schema(config)
   _validate_sizes(config)
   _validate_model(config)
@@ -575,6 +594,10 @@ def _validate_train(config) -> None:
   for name in ('compilation_cache_dir', 'checkpoint_dir', 'local_checkpoint_dir'):
     _require(isinstance(t[name], str), f'train.{name} must be a path or URL string, '
              f'got {t[name]!r}')
+  wandb = optional(config, 'train.wandb', None)
+  if wandb is not None:
+    _require(wandb.mode in ('offline', 'online'),
+             f"train.wandb.mode must be 'offline' or 'online', got {wandb.mode!r}")
 
 
 def _validate_data(config) -> None:
@@ -602,6 +625,7 @@ def _validate_mesh(config, num_devices: int | None) -> None:
   """config.mesh, and with a device count the divisibility of the batch, vocabulary,
   heads and experts over it."""
   m, d, t = config.model, config.data, config.train
+  mesh_shape_form(config.mesh.shape)
   for rule in config.mesh.rules:
     _require(len(rule) == 2, f'mesh.rules entries must be (logical, mesh_axes) pairs, got {rule!r}')
     axes = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)

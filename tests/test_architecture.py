@@ -27,6 +27,7 @@ GROUPS = (
 # `# Deferred: <why>` comment right above it.
 DEFERRED = {
     ('mtp_jax.train.metrics', 'tensorboardX'),
+    ('mtp_jax.train.metrics', 'wandb'),  # optional: train.wandb.project only
     ('mtp_jax.data.tokenizers', 'sentencepiece'),
     ('mtp_jax.data.tokenizers', 'tokenizers'),
     ('mtp_jax.data.tokenizers', 'mtp_jax.data.stdlib_dataset'),

@@ -242,3 +242,26 @@ def test_restart_time(tmp_path):
   assert pair['first']['cache_entries'] > 0
   assert r['summary']['rerun_wrote_no_entry'] is True  # the rerun compiled nothing anew
   assert pair['rerun']['to_first_step_s'] > 0
+
+
+def test_main_job(tmp_path, stdlib_data_dir):
+  r = smoke('main_job', tmp_path, '--data_dir', stdlib_data_dir)
+  assert r['step'] == 2 and 'eval/bpb_main' in r['figures']
+  assert all(f['value'] is not None for f in r['figures'].values())
+
+
+def test_main_job_table_is_readmes_and_a_rerun_is_held_to_the_spread():
+  import main_job
+  text = pathlib.Path(REPO, 'README.md').read_text(encoding='utf-8')
+  table = [line for line in text.splitlines() if line.startswith('| bits per byte |')
+           or line.startswith('| top-1 accuracy')]
+  cells = [[c.strip() for c in line.strip('|').split('|')[1:]] for line in table]
+  ref = main_job.HOSTS['AMD EPYC, AVX-512 (2 vCPU)']
+  assert [float(c) for c in cells[0]] == [ref[f'eval/bpb_{d}'] for d in
+                                          ('main', 'mtp_1', 'mtp_2', 'mtp_3')]
+  assert float(cells[1][0]) == ref['eval/acc_main']
+  for host in main_job.HOSTS.values():  # each host's own figures are within
+    assert all(r['within'] for k, r in main_job.compare(host).items() if k in host)
+  worse = dict(ref, **{'eval/bpb_main': ref['eval/bpb_main'] + 0.2})
+  verdict = main_job.compare(worse)
+  assert not verdict['eval/bpb_main']['within'] and verdict['eval/bpb_mtp_1']['within']

@@ -1,5 +1,6 @@
-"""A user's mistake is answered before JAX starts: mistyped paths and files (each command's
-one `error:` line, exit 2, without importing jax), and misspelled flags (with the closest one)."""
+"""A user's mistake is answered before JAX starts: mistyped paths and files, bad config values
+(all but the device count) and bad flag values (each command's one `error:` line, exit 2,
+without importing jax), and misspelled flags (with the closest one)."""
 import json
 import os
 import subprocess
@@ -37,6 +38,33 @@ CASES = [
     ('evaluate', ['--workdir', 'missing'], 'does not exist'),
     ('export', ['--workdir', 'empty', '--out', 'o', '--layout', 'llama'], 'has no checkpoints/'),
     ('self_distill', ['--workdir', 'missing', '--out', 'o'], 'does not exist'),
+    # values: every config check but the device count, and the flags' value types
+    ('train', ['--config', TINY, '--workdir', 'w', '--config.train.steps=-5'],
+     'train.steps must be a positive integer, got -5'),
+    ('train', ['--config', TINY, '--workdir', 'w', '--config.model.mtp.kind=sequental'],
+     'model.mtp.kind must be'),
+    ('train', ['--config', TINY, '--workdir', 'w', '--config.data.source=nope'],
+     'data.source must be one of'),
+    ('train', ['--config', TINY, '--workdir', 'w', '--config.mesh.shape=(2,1)'],
+     'mesh.shape must be 3 integers'),
+    ('train', ['--config', TINY, '--workdir', 'w', '--config.train.steps=abc'],
+     "--config.train.steps=abc: train.steps takes an integer (60 in the config), got 'abc'"),
+    ('train', ['--config', os.path.join(os.path.dirname(TINY), 'tinny.py')],
+     'No such file or directory (did you mean '),
+    ('train', ['--config', TINY, '--cpu_devices=0'],
+     "--cpu_devices must be auto or a positive integer, got '0'"),
+    ('decode', ['--workdir', 'ckpt', '--prompt', 'x', '--max_new_tokens', '-5'],
+     '--max_new_tokens must be > 0, got -5'),
+    ('decode', ['--workdir', 'ckpt', '--prompt', 'x', '--num_drafts', '-1'],
+     '--num_drafts must be >= 0'),
+    ('decode', ['--workdir', 'ckpt', '--prompt', 'x', '--top_p', '1.5'], '--top_p must be in'),
+    ('decode', ['--workdir', 'ckpt', '--prompt', 'x', '--batch_size', 'two'],
+     "--batch_size must be an integer, got 'two'"),
+    ('evaluate', ['--workdir', 'ckpt', '--eval_batches', '0'], '--eval_batches must be > 0'),
+    ('self_distill', ['--workdir', 'ckpt', '--out', 'o', '--temperature', '-1'],
+     '--temperature must be >= 0'),
+    ('export', ['--workdir', 'ckpt', '--out', 'o', '--layout', 'llama', '--step', '-1'],
+     '--step must be >= 0'),
 ]
 
 _SCRIPT = """
@@ -46,7 +74,10 @@ out = []
 for name, argv in json.loads(sys.argv[1]):
   err = io.StringIO()
   with contextlib.redirect_stderr(err):
-    rc = importlib.import_module('mtp_jax.commands.' + name).main(argv)
+    try:
+      rc = importlib.import_module('mtp_jax.commands.' + name).main(argv)
+    except SystemExit as e:  # argparse's value checks
+      rc = e.code
   out.append([rc, err.getvalue()])
 print(json.dumps({'results': out, 'jax': 'jax' in sys.modules,
                   'libs': sorted(m for m in ('flax', 'orbax', 'grain', 'tensorflow_datasets',

@@ -61,3 +61,26 @@ def test_sweep_figures_of_the_sized_sweep_plot_its_equal_token_runs(tmp_path, mo
   for rs in drawn:
     assert sorted({r['variant'] for r in rs}) == ['d0', 'd3', 'd3f']
     assert all(r['steps'] == 40 for r in rs)  # the equal-token runs only
+
+
+def test_several_workdirs_overlay_in_one_figure_and_the_hint_names_the_trainer_setting(
+    tmp_path, capsys):
+  from mtp_jax.commands import plot
+  for name, loss in (('a', 4.0), ('b', 3.0)):
+    (tmp_path / name / 'run').mkdir(parents=True)
+    rows = [{'step': s, 'train/loss_main': loss - s / 10, 'train/loss_mtp_1': loss,
+             'train/acc_main': 0.3, 'train/acc_mtp_1': 0.2, 'train/agree_mtp_1': 0.5}
+            for s in (10, 20)]
+    rows.append({'step': 20, 'eval/bpb_main': loss / 2})
+    (tmp_path / name / 'run' / 'metrics.jsonl').write_text(
+        ''.join(json.dumps(r) + '\n' for r in rows))
+  runs = [str(tmp_path / 'a' / 'run'), str(tmp_path / 'b' / 'run')]
+  assert plot.main(['--workdir', *runs, '--out', str(tmp_path / 'out')]) == 0
+  data = (tmp_path / 'out' / 'compare_runs.png').read_bytes()
+  assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 10_000
+  from mtp_jax.research import plotting
+  assert plotting.run_labels(runs) == ['a/run', 'b/run']  # the runs told apart in the legend
+  capsys.readouterr()
+  assert plot.main(['--workdir', runs[0], '--out', str(tmp_path / 'one')]) == 0
+  hint = capsys.readouterr().out.strip().splitlines()[-1]
+  assert 'train.eval_decode_prompts' in hint and 'mtp-eval' in hint and 'never writes' in hint

@@ -2,6 +2,7 @@
 the module names of the earlier flat layout, which still import with a warning naming the
 new place (or fail naming it)."""
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -120,3 +121,67 @@ def test_the_old_int_resolve_vocab_size_warns_and_still_returns_the_int():
     old = mtp_jax.model.resolve_vocab_size
   assert old(c) == tokenizers.model_vocab_size(c) == 320 and c.model.vocab_size == 0
   assert tokenizers.resolve_vocab_size(c) is c and c.model.vocab_size == 320
+
+
+# -- the previous release's names ------------------------------------------------------------
+def _previous_release() -> dict:
+  """{module: [public names]} of the release before this one: every module of its
+  sub-package layout and the classes, functions and constants each defined."""
+  with open(os.path.join(REPO, 'tests', 'previous_release_names.json'), encoding='utf-8') as f:
+    return json.load(f)
+
+
+def test_every_name_of_the_previous_release_imports_or_names_its_new_place():
+  """Each still imports (a moved one with a DeprecationWarning naming where it went), or is
+  an ImportError that says what replaced it; never a bare ImportError."""
+  moved, removed = [], []
+  for module_name, names in _previous_release().items():
+    try:
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        module = importlib.import_module(module_name)
+    except ImportError as e:  # a split module: the error names each part's new module
+      assert 'mtp_jax.interop.' in str(e) and module_name in str(e), (module_name, e)
+      removed.append(module_name)
+      continue
+    for w in caught:
+      assert 'moved to mtp_jax.' in str(w.message), (module_name, w.message)
+    for name in names:
+      try:
+        with warnings.catch_warnings(record=True) as caught:
+          warnings.simplefilter('always')
+          getattr(module, name)
+      except ImportError as e:
+        assert f'{module_name}.{name} was removed: ' in str(e) and 'mtp_jax.' in str(e), e
+        removed.append(f'{module_name}.{name}')
+        continue
+      notes = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+      if notes:
+        assert notes[0].startswith(f'{module_name}.{name} moved to mtp_jax.'), notes
+        moved.append(f'{module_name}.{name}')
+  assert 'mtp_jax.checkpoint.partial.InitFrom' in moved
+  assert 'mtp_jax.commands.ablation.aggregate' in moved
+  assert sorted(removed) == sorted(['mtp_jax.interop.convert', *mtp_jax.REMOVED_NAMES])
+  assert sorted(moved) == sorted(mtp_jax.MOVED_NAMES)
+
+
+def test_three_moved_names_import_from_their_old_places(monkeypatch):
+  import mtp_jax.model
+  from mtp_jax import train_state
+  from mtp_jax.research import tables
+  monkeypatch.delitem(sys.modules, 'mtp_jax.model.state', raising=False)
+  monkeypatch.delitem(vars(mtp_jax.model), 'state', raising=False)
+  with pytest.warns(DeprecationWarning, match='mtp_jax.model.state moved to mtp_jax.train_state'):
+    import mtp_jax.model.state as old_state
+  assert old_state is train_state  # the same module object, not a second copy of it
+  assert sys.modules['mtp_jax.train_state'] is train_state
+  with pytest.warns(DeprecationWarning, match='moved to mtp_jax.train_state.InitFrom'):
+    from mtp_jax.checkpoint.partial import InitFrom
+  assert InitFrom is train_state.InitFrom
+  with pytest.warns(DeprecationWarning, match='moved to mtp_jax.research.tables.aggregate'):
+    from mtp_jax.commands.ablation import aggregate
+  assert aggregate is tables.aggregate
+  with pytest.raises(ImportError, match='bitwise_thresholds=False'):
+    from mtp_jax.decode.sampling import BITWISE_THRESHOLDS  # noqa: F401
+  with pytest.raises(AttributeError):
+    mtp_jax.moved_name('mtp_jax.train.flops', 'no_such_name')

@@ -140,6 +140,8 @@ def test_allowed_change_at_the_final_step_keeps_the_record(trained, devices, cap
   train_and_evaluate(c, str(workdir), devices=devices[:1])
   err = capfd.readouterr().err
   assert 'Nothing to do' in err
+  # train.progress=False (this config's) turns off the live line only: the start lines show
+  assert 'devices: 1 cpu' in err and 'data: files ' in err and 'tok/s' not in err
   assert _record(workdir) == before  # nothing trained, nothing rewritten
   # The final block's decode prompt is the start of one of this run's own documents.
   decode_line = next(line for line in err.splitlines() if 'mtp-decode' in line)

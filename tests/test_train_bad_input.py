@@ -6,6 +6,7 @@ replaced by a tripwire; the CLI cases run scripts/train.py and check the exit co
 the single `error: ...` line. Inputs that are not errors (undecodable bytes, binary
 files, one enormous line) are handled, and tested as such at the end.
 """
+import json
 import os
 import subprocess
 import sys
@@ -247,3 +248,34 @@ def test_undecodable_binary_and_enormous_inputs_are_handled(tmp_path):
   stream = np.concatenate([next(it)['tokens'].ravel() for _ in range(600)])
   assert np.frombuffer(big.encode(), np.uint8)[:30000].astype(np.int32).tobytes() in (
       (stream - 2).astype(np.int32).tobytes())  # a 30 kB run of the line, unbroken
+
+
+def _train_cli(*args, cwd=REPO):
+  return subprocess.run(
+      [sys.executable, os.path.join(REPO, 'scripts', 'train.py'), '--config',
+       os.path.join(REPO, 'configs', 'tiny.py'), *args],
+      capture_output=True, text=True, timeout=600, cwd=cwd,
+      env=dict(os.environ, XLA_FLAGS='', JAX_LOG_COMPILES='1'))
+
+
+def test_print_config_shows_the_plan_and_a_cpu_mesh_error_names_cpu_devices(tmp_path):
+  """--print_config: the resolved config (JSON) and the device / mesh plan, exit 0, nothing
+  compiled or written. A mesh.shape this CPU process cannot hold names --cpu_devices, and
+  that flag makes it fit."""
+  workdir = tmp_path / 'run'
+  proc = _train_cli('--workdir', str(workdir), '--print_config', '--config.train.steps=7')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  text, plan = proc.stdout.split('\nworkdir: ')
+  config = json.loads(text)
+  assert config['train']['steps'] == 7 and config['model']['vocab_size'] > 0  # resolved
+  assert 'mesh: data 2 x fsdp 1 x tensor 1' in plan and 'devices: 2 cpu' in plan, plan
+  assert 'batch: 8 sequences of 64 tokens a step, 4 per data x fsdp shard' in plan
+  assert 'Compiling' not in proc.stderr and not workdir.exists()  # JAX_LOG_COMPILES names each
+  proc = _train_cli('--workdir', str(workdir), '--config.mesh.shape=(3,1,1)')
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+  assert lines[0].startswith('error: mesh.shape (3, 1, 1)') and '--cpu_devices=3' in lines[0]
+  assert not workdir.exists()
+  proc = _train_cli('--workdir', str(workdir), '--config.mesh.shape=(3,1,1)', '--cpu_devices=3',
+                    '--config.data.batch_size=6', '--print_config')
+  assert proc.returncode == 0 and 'mesh: data 3 x fsdp 1 x tensor 1' in proc.stdout, proc.stderr

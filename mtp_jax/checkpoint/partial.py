@@ -12,6 +12,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
+import mtp_jax
 from mtp_jax.checkpoint.compat import config_diffs
 from mtp_jax.checkpoint.reader import (
   CheckpointReader,
@@ -124,3 +125,7 @@ def init_from(source: str, config, config_dict: dict, state, abstract_state,
           + 'optimizer, step and data start fresh.')
   notify(desc)
   return state, desc
+
+
+def __getattr__(name: str):  # a name an earlier release had here: mtp_jax.MOVED_NAMES
+  return mtp_jax.moved_name(__name__, name)

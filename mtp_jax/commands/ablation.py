@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import sys
 
+import mtp_jax
 from mtp_jax import cli
 from mtp_jax.research.tables import (
   ABLATION,
@@ -112,3 +113,7 @@ def main(argv=None) -> int:
 
 if __name__ == '__main__':
   sys.exit(main())
+
+
+def __getattr__(name: str):  # a name an earlier release had here: mtp_jax.MOVED_NAMES
+  return mtp_jax.moved_name(__name__, name)

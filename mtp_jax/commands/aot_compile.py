@@ -27,15 +27,15 @@ def parser() -> cli.ArgumentParser:
   p.add_argument('--topology', required=True,
                  help='Cloud TPU accelerator type: v4-N, v5p-N (N TensorCores, 2 per chip), '
                  'v5e-N / v5litepod-N, v6e-N (N chips)')
-  p.add_argument('--num_slices', type=int, default=1,
+  p.add_argument('--num_slices', type=cli.positive_int, default=1,
                  help='slices joined over the data-center network (multislice); the mesh '
                  'shape must cover all their chips (default: %(default)s)')
   p.add_argument('--programs', default=','.join(PROGRAMS),
                  help='comma-separated programs to compile: train, eval, decode '
                  '(default: %(default)s)')
-  p.add_argument('--decode_batch', type=int, default=1,
+  p.add_argument('--decode_batch', type=cli.positive_int, default=1,
                  help='rows of the compiled decode loop (default: %(default)s)')
-  p.add_argument('--decode_tokens', type=int, default=64,
+  p.add_argument('--decode_tokens', type=cli.positive_int, default=64,
                  help='new tokens the compiled decode loop is sized for (default: %(default)s)')
   p.add_argument('--json', action='store_true', help='print the whole report as JSON')
   p.add_argument('--dump_hlo', metavar='DIR',

@@ -24,19 +24,20 @@ def parse(argv):
   p.add_argument('--workdir', required=True, help='training workdir (latest checkpoint is used)')
   p.add_argument('--prompt', help='one prompt')
   p.add_argument('--prompts_file', help='one prompt per line (.jsonl: one JSON string per line)')
-  p.add_argument('--max_new_tokens', type=int, default=128, help='tokens to generate per prompt')
-  p.add_argument('--temperature', type=float, default=0.0, help='0: greedy')
-  p.add_argument('--top_k', type=int, default=0, help='0: off')
-  p.add_argument('--top_p', type=float, default=1.0, help='1: off')
-  p.add_argument('--batch_size', type=int, default=1, help='prompts decoded together')
+  p.add_argument('--max_new_tokens', type=cli.positive_int, default=128, help='tokens to generate per prompt')
+  p.add_argument('--temperature', type=cli.non_negative_float, default=0.0, help='0: greedy')
+  p.add_argument('--top_k', type=cli.non_negative_int, default=0, help='0: off')
+  p.add_argument('--top_p', type=cli.probability, default=1.0, help='1: off')
+  p.add_argument('--batch_size', type=cli.positive_int, default=1, help='prompts decoded together')
   p.add_argument('--mode', default='spec', choices=('spec', 'ar', 'compare'),
                  help='spec: MTP drafts verified by the main model (lossless); ar: plain '
                  'autoregressive; compare: both, with their speeds and whether they agree')
   p.add_argument('--json', action='store_true', help='print one JSON object')
   p.add_argument('--seed', type=int, default=0, help='sampling seed')
-  p.add_argument('--max_len', type=int, default=0,
+  p.add_argument('--max_len', type=cli.non_negative_int, default=0,
                  help='positions per row, prompt + new tokens (0: the training seq_len)')
-  p.add_argument('--num_drafts', type=int, default=0, help='MTP depths to draft with (0: all)')
+  p.add_argument('--num_drafts', type=cli.non_negative_int,
+                 help='MTP depths to draft with (default: all; 0: none, plain decoding)')
   p.add_argument('--tree', help='draft a tree: candidates per depth (3,2,1) or nodes as rank '
                  'paths (0;1;0.0); compare runs AR, the chain and the tree')
   return p.parse_args(argv)

@@ -6,6 +6,7 @@ gives for the same mistake; those checks stay, for callers of the library.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -27,6 +28,7 @@ def train_paths(config, workdir: str, init_from: str | None) -> None:
   _tokenizer_files(config.data)
   for name in ('checkpoint_dir', 'compilation_cache_dir'):
     _reachable(f'train.{name}', config.train[name])
+  _optional_packages(config)
 
 
 def read_workdir(workdir: str) -> None:
@@ -123,6 +125,13 @@ def _data_path(d) -> None:
                       'what datasets.Dataset.save_to_disk wrote)')
   elif d.source == 'files' and not os.path.isdir(root):
     raise ConfigError(f'data.path: corpus root {root!r} is not a readable directory')
+
+
+def _optional_packages(config) -> None:
+  wandb = config.train.get('wandb')
+  if wandb is not None and wandb.project and importlib.util.find_spec('wandb') is None:
+    raise ConfigError(f'train.wandb.project ({wandb.project!r}) logs to Weights & Biases, '
+                      "which is not installed: pip install -e '.[wandb]'")
 
 
 def _tokenizer_files(d) -> None:

@@ -25,15 +25,15 @@ def parse(argv):
   p = cli.ArgumentParser(prog='mtp-self-distill', description=__doc__.splitlines()[0])
   p.add_argument('--workdir', required=True, help='trained workdir (its newest checkpoint)')
   p.add_argument('--out', required=True, help='directory to write data.jsonl and meta.json')
-  p.add_argument('--num_prompts', type=int, default=256)
-  p.add_argument('--prompt_len', type=int, default=32, help='prompt tokens')
-  p.add_argument('--max_new_tokens', type=int, default=96, help='sampled tokens per prompt')
-  p.add_argument('--temperature', type=float, default=1.0, help='0: greedy')
-  p.add_argument('--top_k', type=int, default=0, help='0: off')
-  p.add_argument('--top_p', type=float, default=1.0, help='1: off')
+  p.add_argument('--num_prompts', type=cli.positive_int, default=256)
+  p.add_argument('--prompt_len', type=cli.positive_int, default=32, help='prompt tokens')
+  p.add_argument('--max_new_tokens', type=cli.positive_int, default=96, help='sampled tokens per prompt')
+  p.add_argument('--temperature', type=cli.non_negative_float, default=1.0, help='0: greedy')
+  p.add_argument('--top_k', type=cli.non_negative_int, default=0, help='0: off')
+  p.add_argument('--top_p', type=cli.probability, default=1.0, help='1: off')
   p.add_argument('--seed', type=int, default=0, help='prompt draw and sampling seed')
-  p.add_argument('--batch_size', type=int, default=64, help='prompts decoded together')
-  p.add_argument('--num_drafts', type=int, default=0,
+  p.add_argument('--batch_size', type=cli.positive_int, default=64, help='prompts decoded together')
+  p.add_argument('--num_drafts', type=cli.non_negative_int, default=0,
                  help='0: autoregressive; k: speculative with k MTP depths (same distribution)')
   p.add_argument('--split', default='', help='prompt split (default: data.train_split)')
   p.add_argument('--data', action='append', default=[], metavar='FIELD=VALUE',

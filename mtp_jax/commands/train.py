@@ -8,13 +8,22 @@ non-finite loss.
 """
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import signal
 import sys
 
 import mtp_jax.commands.preflight as preflight
-from mtp_jax import cli
+from mtp_jax import cli, config_lib
 from mtp_jax.runtime import signals
+
+
+def _cpu_devices(text: str) -> str:
+  """--cpu_devices: 'auto' or a positive integer, checked before JAX starts."""
+  if text.strip().lower() != 'auto' and not (text.strip().isdigit() and int(text) > 0):
+    raise argparse.ArgumentTypeError(f'must be auto or a positive integer, got {text!r}')
+  return text
 
 
 def parser() -> cli.ArgumentParser:
@@ -37,8 +46,8 @@ def parser() -> cli.ArgumentParser:
                  help='auto: join a job when a coordinator is given or a TPU pod / SLURM / '
                  'MPI launcher is detected; on: always (TPU pods); off: never')
   p.add_argument('--coordinator_address', metavar='HOST:PORT', help='address of process 0')
-  p.add_argument('--num_processes', type=int, help='processes in the job')
-  p.add_argument('--process_id', type=int, help='this process, 0 .. num_processes - 1')
+  p.add_argument('--num_processes', type=cli.positive_int, help='processes in the job')
+  p.add_argument('--process_id', type=cli.non_negative_int, help='this process, 0 .. num_processes - 1')
   p.add_argument('--distributed_init_timeout', type=int, default=300, metavar='SECONDS',
                  help='how long process 0 waits for every process to join the job')
   p.add_argument('--distributed_heartbeat_timeout', type=int, default=100, metavar='SECONDS',
@@ -46,7 +55,7 @@ def parser() -> cli.ArgumentParser:
                  'job stops (raise it for long pauses, lower it to notice a lost host sooner)')
   p.add_argument('--distributed_shutdown_timeout', type=int, default=300, metavar='SECONDS',
                  help='how long a finishing process waits for the others at exit')
-  p.add_argument('--cpu_devices', default='auto',
+  p.add_argument('--cpu_devices', default='auto', type=_cpu_devices,
                  help='CPU devices of this process. auto: 2 on a single-process CPU job '
                  'whose config is valid with 2 (data parallel, both cores busy), else 1; '
                  'an explicit XLA_FLAGS device count wins')
@@ -55,6 +64,9 @@ def parser() -> cli.ArgumentParser:
                  'file in train.checkpoint_dir (and a URL train.compilation_cache_dir), '
                  'print one line and exit: 0 when it can, 2 when not (the pod launcher runs '
                  'it on every worker before starting)')
+  p.add_argument('--print_config', action='store_true',
+                 help='print the resolved config and the device and mesh plan, then exit '
+                 'without compiling or writing anything')
   p.add_argument('--host_malloc', default='auto',
                  help='keep: the C allocator keeps the buffers XLA:CPU frees for reuse (no '
                  'page faults per step); system: leave it; auto: keep for a CPU job on '
@@ -65,6 +77,22 @@ def parser() -> cli.ArgumentParser:
 def _fail(what: str, e: BaseException) -> int:
   print(f'error: {what}: {" ".join(str(e).split())}', file=sys.stderr)
   return 2
+
+
+def _check_cpu_mesh(config) -> None:
+  """A mesh.shape this single CPU process cannot hold names the flag that sets its device
+  count (the config check alone would say only how many devices there are)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_count() > 1 or jax.devices()[0].platform != 'cpu':
+    return
+  n = jax.device_count()
+  try:
+    config_lib.resolved_mesh_shape(config.mesh.shape, n)
+  except cli.ConfigError as e:
+    fixed = math.prod(s for s in config_lib.mesh_shape_form(config.mesh.shape) if s != -1)
+    raise cli.ConfigError(
+        f'{e} (this process has {n} CPU device{"s" if n > 1 else ""}: --cpu_devices={fixed} '
+        f'gives it {fixed}, on a host with {os.cpu_count()} cores)') from e
 
 
 def main(argv=None) -> int:
@@ -87,7 +115,10 @@ def _main(argv, startup: signals.StartupSignals) -> int:
     return cli.report_expected(e)
   workdir = args.workdir or os.path.join(
       'runs', os.path.splitext(os.path.basename(args.config))[0])
-  try:  # a mistyped path is answered before JAX starts
+  hf_model = (args.init_from or '').strip().startswith(preflight.HF_PREFIX)
+  try:  # a bad value or a mistyped path is answered before JAX starts
+    if not hf_model:  # else the checkpoint's config.json sets the model: checked once read
+      config_lib.validate(config)  # all but the device count
     preflight.train_paths(config, workdir, args.init_from)
   except (cli.ConfigError, cli.RequestError) as e:
     return cli.report_expected(e)
@@ -107,7 +138,7 @@ def _main(argv, startup: signals.StartupSignals) -> int:
   cli.quiet_library_logs()
   # JAX starts here, after the flags are known to be good.
   from mtp_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
-  from mtp_jax.train import loop  # pylint: disable=g-import-not-at-top
+  from mtp_jax.train import loop, plan  # pylint: disable=g-import-not-at-top
   try:
     cpu_devices = distributed.resolve_cpu_devices(
         args.cpu_devices, config, args.distributed, args.coordinator_address,
@@ -127,6 +158,10 @@ def _main(argv, startup: signals.StartupSignals) -> int:
     startup.release(signal.SIGTERM)  # JAX's preemption service owns it in a multi-process job
   startup.check()
   try:
+    _check_cpu_mesh(config)
+    if args.print_config:
+      print(plan.describe(config, workdir, args.init_from))
+      return 0
     loop.train_and_evaluate(config, workdir, init_from=args.init_from,
                              new_data=args.new_data)
   except Exception as e:  # pylint: disable=broad-except

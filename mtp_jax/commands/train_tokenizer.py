@@ -18,9 +18,9 @@ def parser() -> cli.ArgumentParser:
   p.add_argument('--config', metavar='FILE',
                  help='optional config file; only its data.* fields are used (' +
                  cli.CONFIG_HELP.split('; ', 1)[1] + ')')
-  p.add_argument('--vocab_size', type=int, default=8192,
+  p.add_argument('--vocab_size', type=cli.positive_int, default=8192,
                  help='vocabulary size (incl. pad, eos, unk, 256 bytes)')
-  p.add_argument('--max_mb', type=float, default=20.0,
+  p.add_argument('--max_mb', type=cli.positive_float, default=20.0,
                  help='MB of train-split text to sample for training')
   p.add_argument('--seed', type=int, default=0, help='seed of the document sample')
   return p

@@ -56,11 +56,12 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
 def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_tokens: int = 128,
                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                    batch_size: int = 1, seed: int = 0, max_len: int = 0,
-                   num_drafts: int = 0, tree: str | None = None) -> dict:
+                   num_drafts: int | None = None, tree: str | None = None) -> dict:
   """What scripts/decode.py does: checks everything, restores, decodes, reports.
 
   mode: spec | ar | compare (both, on the same prompts). max_len: cache positions per
-  row (0: the training sequence length). num_drafts: 0 = every MTP depth.
+  row (0: the training sequence length). num_drafts: MTP depths drafting in spec mode
+  (None: every depth; 0: none, which decodes as plain autoregression), as Decoder.generate.
   tree: draft this tree (tree.parse_tree) in spec mode; compare then runs AR, the chain
   and the tree side by side and reports the tree's figures under `tree_...`.
   """
@@ -68,7 +69,7 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
     raise RequestError(f'--mode must be spec, ar or compare, got {mode!r}')
   if batch_size <= 0:
     raise RequestError(f'--batch_size must be > 0, got {batch_size}')
-  if max_len < 0 or num_drafts < 0:
+  if max_len < 0 or (num_drafts is not None and num_drafts < 0):
     raise RequestError('--max_len and --num_drafts must be >= 0')
   check_request([[0]], max_new_tokens, temperature, top_k, top_p)
   if tree is not None:
@@ -78,7 +79,7 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   if mode != 'ar' and mtp_depth == 0:
     raise RequestError(f'--mode {mode} needs MTP modules, but the checkpoint in {workdir!r} has '
                        'model.mtp.depth = 0 (use --mode ar)')
-  if num_drafts > mtp_depth:
+  if num_drafts is not None and num_drafts > mtp_depth:
     raise RequestError(f'--num_drafts {num_drafts} exceeds the checkpoint\'s model.mtp.depth '
                        f'({mtp_depth})')
   tokenizer = tokenizers.get_tokenizer(config.data)
@@ -90,7 +91,7 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   model, step = train_state.restore_model_at(config, workdir, step, fallback=True)
   decoder = Decoder(model)
   modes = ['ar', 'spec'] if mode == 'compare' else [mode]
-  drafts = {'ar': 0, 'spec': num_drafts or mtp_depth}
+  drafts = {'ar': 0, 'spec': mtp_depth if num_drafts is None else num_drafts}
   tree_decoder = None if tree is None or mode == 'ar' else Decoder(model, tree=tree)
   if tree_decoder and mode == 'spec':
     decoder, drafts['spec'] = tree_decoder, tree_decoder.tree.depth

@@ -10,6 +10,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+import mtp_jax
+
 Array = jax.Array
 PAD_ID = 0  # fills candidate slots past the committed ones
 
@@ -191,3 +193,7 @@ def accept(greedy: bool, logits_BxTxV, drafts_BxA, q_BxAxV, sampling: Sampling, 
   cand = jnp.concatenate([drafts_BxA, jnp.zeros_like(bonus)[:, None]], 1)
   cand = jnp.where(j < a[:, None], cand, jnp.where(j == a[:, None], bonus[:, None], PAD_ID))
   return a, cand
+
+
+def __getattr__(name: str):  # a name an earlier release had here: mtp_jax.MOVED_NAMES
+  return mtp_jax.moved_name(__name__, name)

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import mtp_jax
+
 Array = jax.Array
 
 
@@ -184,3 +186,7 @@ def write_heads_major(cache_BKx, new_BxKx, index_B, axis):
     start[axis] = index_B[row]
     cache_BKx = jax.lax.dynamic_update_slice(cache_BKx, new_BxKx[row], start)
   return cache_BKx
+
+
+def __getattr__(name: str):  # a name an earlier release had here: mtp_jax.MOVED_NAMES
+  return mtp_jax.moved_name(__name__, name)

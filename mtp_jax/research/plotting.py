@@ -107,6 +107,41 @@ def plot_run(workdir: str, out_dir: str | None = None) -> list[str]:
   return paths + ([acc] if acc else [])
 
 
+def run_labels(workdirs: list[str]) -> list[str]:
+  """The shortest path endings that tell the runs apart: 'a/run', 'b/run' for two 'run's."""
+  parts = [os.path.normpath(os.path.abspath(w)).split(os.sep) for w in workdirs]
+  for n in range(1, max(map(len, parts)) + 1):
+    labels = [os.sep.join(p[-n:]) for p in parts]
+    if len(set(labels)) == len(labels):
+      return labels
+  return [str(i) for i in range(len(workdirs))]
+
+
+def plot_runs(workdirs: list[str], out_dir: str | None = None) -> list[str]:
+  """Several runs in one figure, compare_runs.png: the main head's train loss, and its
+  evaluation bits per byte where the runs have evaluations (out_dir default: the first
+  run's plots/)."""
+  runs = [load_metrics(w) for w in workdirs]
+  out_dir = out_dir or os.path.join(workdirs[0], 'plots')
+  have_eval = any(metric_key('eval', 'bpb', 0) in r for rows in runs for r in rows)
+  fig, axes = plt.subplots(1, 2 if have_eval else 1, figsize=(12 if have_eval else 7, 4.5),
+                           squeeze=False)
+  for label, rows in zip(run_labels(workdirs), runs):
+    (line,) = axes[0, 0].plot(*_series(rows, metric_key('train', 'loss', 0)), label=label)
+    if have_eval:
+      axes[0, 1].plot(*_series(rows, metric_key('eval', 'bpb', 0)), 'o-',
+                      color=line.get_color(), label=label)
+  axes[0, 0].set_ylabel('train loss, main head (nats / token)')
+  if have_eval:
+    axes[0, 1].set_ylabel('validation bits per byte, main head')
+  for a in axes[0]:
+    a.set_xlabel('step')
+    a.grid(alpha=0.3)
+    a.legend(fontsize=8)
+  fig.suptitle(f'{len(workdirs)} runs')
+  return [_save(fig, os.path.join(out_dir, 'compare_runs.png'))]
+
+
 # -- one speculative decode ------------------------------------------------------------------
 # Background per token source (generate.token_sources): 0 = the main model's own token.
 SOURCE_COLORS = ('#e0e0e0', '#ffe082', '#a5d6a7', '#90caf9', '#ce93d8', '#f48fb1', '#80cbc4')

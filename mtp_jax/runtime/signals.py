@@ -96,5 +96,10 @@ def install_stack_dump(file=None) -> bool:
   False where there is no SIGUSR1 (Windows)."""
   if not hasattr(signal, 'SIGUSR1'):
     return False
-  faulthandler.register(signal.SIGUSR1, file=file or sys.stderr, all_threads=True, chain=False)
+  file = file or sys.stderr
+  try:
+    file.fileno()
+  except (AttributeError, OSError, ValueError):  # a captured stderr (io.StringIO) has no fd
+    file = sys.__stderr__
+  faulthandler.register(signal.SIGUSR1, file=file, all_threads=True, chain=False)
   return True

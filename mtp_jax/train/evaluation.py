@@ -324,6 +324,9 @@ def format_table(r: dict) -> str:
                        for k in range(1, mtp_depth + 1))
     lines.append(f'tau (mean accepted length) {r[TAU_KEY]:.3f} of at most {mtp_depth + 1}; '
                  f'acceptance per depth {accept}')
+    lines.append('(tau counts the tokens kept: the last verify step of each prompt stops at '
+                 'its new-token limit, so tau stays below the most even when every draft is '
+                 'accepted)')
   if 'eval/decode_tree' in r:
     accept = '  '.join(f"{r[metric_key('eval', 'decode_tree_accept', k)]:.3f}"
                        for k in range(1, len(r['eval/decode_tree'].split(',')) + 1)

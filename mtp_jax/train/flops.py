@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import mtp_jax
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.model.mtp import ModelArgs, block_classes
@@ -117,3 +118,7 @@ class MFU:
   def describe(self) -> str:
     """The console's peak line."""
     return self.peak_info.line()
+
+
+def __getattr__(name: str):  # a name an earlier release had here: mtp_jax.MOVED_NAMES
+  return mtp_jax.moved_name(__name__, name)

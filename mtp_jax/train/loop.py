@@ -108,7 +108,8 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
   data_checks.check_document_lengths(config)
   tokenizer = tokenizers.get_tokenizer(config.data)
   is_main = jax.process_index() == 0
-  progress = metrics_lib.Progress(config.train.steps, enabled=config.train.progress and is_main)
+  progress = metrics_lib.Progress(config.train.steps, enabled=is_main,
+                                  live=config.train.progress)
   notify = _Notifier(progress, is_main)
   startup.check()
   # Before anything compiles: a rerun of this config loads its programs from the cache.
@@ -179,8 +180,9 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
   lock.release()
   if run.last_saved == config.train.steps:
     notify(ledger.summary())
-    notify(metrics_lib.final_block(workdir, run.last_saved, run.last_saved,
-                                   run.suggested_prompt(tokenizer)))
+    prompt = run.suggested_prompt(tokenizer)  # decode's cache holds data.seq_len positions
+    room = config.data.seq_len - len(tokenizer.encode(prompt))
+    notify(metrics_lib.final_block(workdir, run.last_saved, run.last_saved, prompt, room))
   return out
 
 
@@ -216,7 +218,9 @@ def _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_f
   if data_changes:
     notify(f'--new_data: step {run.start_step}\'s model and optimizer continue on '
            + '; '.join(data_changes) + ' (its data iterator starts at the beginning).')
-  run.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
+  run.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
+                                        wandb=config_lib.optional(config, 'train.wandb', None),
+                                        run_config=config_dict)
   # CPU: the cached peak, checked against a quick matmul probe now, in this process.
   run.mfu = flops_lib.MFU(config, devices, notify=notify)
   notify.progress.message(metrics_lib.devices_line(devices, dict(ts.mesh.shape),

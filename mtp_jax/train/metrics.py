@@ -11,8 +11,10 @@ import math
 import os
 import re
 import shlex
+import shutil
 import sys
 import time
+import uuid
 
 import numpy as np
 
@@ -60,21 +62,26 @@ def _to_py(v):
 
 
 class MetricWriter:
-  """Writes one JSON object per call to metrics.jsonl and scalars to TensorBoard.
+  """Writes one JSON object per call to metrics.jsonl and scalars to TensorBoard, and to a
+  Weights & Biases run when `wandb` (config.train.wandb) names a project.
 
   Only the process that owns it writes (process 0 in multi-host jobs).
   """
 
-  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
+               wandb=None, run_config: dict | None = None):
     self.enabled = enabled
     self._tb = None
     self._file = None
+    self._wandb = None
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
     self._file = open(os.path.join(workdir, 'metrics.jsonl'), 'a', buffering=1)
     # The event file is made by the first write: a run with nothing to log adds none.
     self._tb_dir = os.path.join(workdir, 'tensorboard') if tensorboard else None
+    if wandb is not None and wandb.project:
+      self._wandb = _wandb_run(workdir, wandb, run_config)
 
   def write(self, step: int, metrics: dict):
     if not self.enabled:
@@ -90,27 +97,57 @@ class MetricWriter:
       for k, v in row.items():
         if k != 'step' and isinstance(v, (int, float)) and math.isfinite(v):
           self._tb.add_scalar(k, v, int(step))
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in row.items() if k != 'step'
+                       and isinstance(v, (int, float)) and math.isfinite(v)}, step=int(step))
 
   def close(self):
     if self._file is not None:
       self._file.close()
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
+
+
+def _wandb_run(workdir: str, settings, run_config: dict | None):
+  """The workdir's Weights & Biases run: one id per workdir (WORKDIR/wandb/run_id), so a
+  resumed training continues its run."""
+  # Deferred: optional (the wandb extra), and only a writing process of such a run needs it.
+  import wandb  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(workdir, 'wandb')
+  os.makedirs(folder, exist_ok=True)
+  id_file = os.path.join(folder, 'run_id')
+  if os.path.exists(id_file):
+    with open(id_file) as f:
+      run_id = f.read().strip()
+  else:
+    run_id = uuid.uuid4().hex[:12]
+    with open(id_file, 'w') as f:
+      f.write(run_id + '\n')
+  return wandb.init(project=settings.project, name=settings.name or os.path.basename(workdir),
+                    mode=settings.mode, dir=workdir, id=run_id, resume='allow',
+                    config=run_config, settings=wandb.Settings(silent=True))
 
 
 class Progress:
-  """A single console line rewritten in place: step, loss, tokens/s, ETA."""
+  """A single console line rewritten in place: step, loss, tokens/s, ETA; and the messages
+  printed above it. enabled: print anything (process 0 of a job); live: the step line
+  (train.progress), without which the messages still print."""
 
-  def __init__(self, total_steps: int, *, enabled: bool = True, stream=None):
+  def __init__(self, total_steps: int, *, enabled: bool = True, live: bool = True,
+               stream=None):
     self.total = total_steps
     self.enabled = enabled
+    self.live = live
     self.stream = stream or sys.stderr
     self.tty = getattr(self.stream, 'isatty', lambda: False)()
     self.start_time = time.time()
     self.start_step = None
 
   def update(self, step: int, loss: float, tokens_per_sec: float, extra: str = ''):
-    if not self.enabled:
+    if not (self.enabled and self.live):
       return
     now = time.time()
     if self.start_step is None:
@@ -129,13 +166,13 @@ class Progress:
   def message(self, text: str):
     if not self.enabled:
       return
-    if self.tty:
+    if self.tty and self.live:
       self.stream.write('\r' + ' ' * 100 + '\r')
     self.stream.write(text + '\n')
     self.stream.flush()
 
   def close(self):
-    if self.enabled and self.tty:
+    if self.enabled and self.live and self.tty:
       self.stream.write('\n')
 
 
@@ -221,9 +258,30 @@ def _read_rows(workdir: str) -> list[dict]:
   return rows
 
 
-def final_block(workdir: str, step: int, checkpoint: int | None, prompt: str = '') -> str:
+# The decode line's new tokens when the trained sequence has room for them.
+SUGGESTED_NEW_TOKENS = 128
+
+
+def command(name: str) -> str:
+  """How a console script installed beside this interpreter runs from the current folder:
+  its bare name when PATH finds that one (an activated venv), else its path
+  (`.venv/bin/mtp-decode`); the bare name when it is not installed here."""
+  bindir = os.path.dirname(sys.executable)
+  mine = os.path.join(bindir, name)
+  if not os.path.isfile(mine):
+    return name
+  found = shutil.which(name)
+  if found and os.path.realpath(found) == os.path.realpath(mine):
+    return name
+  rel = os.path.relpath(mine)
+  return shlex.quote(mine if rel.startswith('..') else rel)
+
+
+def final_block(workdir: str, step: int, checkpoint: int | None, prompt: str = '',
+                room: int | None = None) -> str:
   """What a finished run says last: where it is, its last and best figures, what to run next
-  (prompt: the decode line's, from the run's own data; '' reads prompts from a file)."""
+  (prompt: the decode line's, from the run's own data; '' reads prompts from a file; room:
+  the positions a decode has after that prompt, data.seq_len minus its tokens)."""
   rows = _read_rows(workdir)
   lines = [f'done: step {step} in {workdir}'
            + (f' (checkpoint {checkpoint})' if checkpoint is not None else '')]
@@ -248,11 +306,14 @@ def final_block(workdir: str, step: int, checkpoint: int | None, prompt: str = '
   if tau:
     lines.append(f'  eval decode tau: last {tau[-1][TAU_KEY]:.3f} tokens per verify step')
   quoted = _quote(workdir)
+  new_tokens = SUGGESTED_NEW_TOKENS if room is None else min(room, SUGGESTED_NEW_TOKENS)
   lines += ['next:',
-            f'  mtp-decode --workdir {quoted} --mode compare '
-            + (f'--prompt {_quote(prompt)}' if prompt else '--prompts_file prompts.txt'),
-            f'  mtp-eval --workdir {quoted}',
-            f'  tensorboard --logdir {_quote(os.path.join(workdir, "tensorboard"))}']
+            f'  {command("mtp-decode")} --workdir {quoted} --mode compare '
+            + (f'--prompt {_quote(prompt)}' if prompt else '--prompts_file prompts.txt')
+            + f' --max_new_tokens {new_tokens}',
+            f'  {command("mtp-eval")} --workdir {quoted}',
+            f'  {command("tensorboard")} --logdir '
+            f'{_quote(os.path.join(workdir, "tensorboard"))}']
   return '\n'.join(lines)
 
 

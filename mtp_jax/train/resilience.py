@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+import mtp_jax
 from mtp_jax.checkpoint import store as ckpt_store
 from mtp_jax.errors import ConfigError, one_line
 from mtp_jax.train.metrics import depth_names
@@ -394,3 +395,7 @@ class NonFiniteMonitor:
     self.notify(f'step {step}: non-finite, update skipped ({self.skipped_total} so far): '
                 f'{nonfinite_report(m)}')
     return False
+
+
+def __getattr__(name: str):  # a name an earlier release had here: mtp_jax.MOVED_NAMES
+  return mtp_jax.moved_name(__name__, name)

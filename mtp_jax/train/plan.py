@@ -1,0 +1,48 @@
+"""What `mtp-train --print_config` shows: the config a run would train, resolved as the
+trainer resolves it, and where it would run (devices, mesh, batch split), with nothing
+compiled and nothing written."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+
+import mtp_jax.train.metrics as metrics_lib
+from mtp_jax import config_lib
+from mtp_jax.data import tokenizers
+from mtp_jax.interop import hf
+from mtp_jax.train_state import InitFrom
+
+
+def describe(config, workdir: str, init_from: str | None = None) -> str:
+  """The resolved config as JSON (the run's config.json), then the plan, one fact a line."""
+  devices = jax.devices()
+  parsed = InitFrom.parse(init_from)
+  changes = []
+  if parsed is not None and parsed.kind == 'hf':
+    changes = hf.apply_to_config(config, parsed.path)
+  tokenizers.resolve_vocab_size(config)
+  config_lib.validate(config, len(devices))
+  shape = config_lib.resolved_mesh_shape(config.mesh.shape, len(devices))
+  mesh = dict(zip(config_lib.MESH_AXES, shape))
+  d, t = config.data, config.train
+  shards = mesh['data'] * mesh['fsdp']
+  checkpoints = os.path.join(workdir, 'checkpoints')
+  lines = [
+      json.dumps(json.loads(config.to_json_best_effort()), indent=2),
+      f'workdir: {workdir}' + (' (has checkpoints: the run resumes from its newest)'
+                               if os.path.isdir(checkpoints) and os.listdir(checkpoints)
+                               else ' (a new run)'),
+      metrics_lib.devices_line(devices, mesh, jax.process_count()),
+      'mesh: ' + ' x '.join(f'{k} {v}' for k, v in mesh.items()),
+      f'batch: {d.batch_size} sequences of {d.seq_len} tokens a step, '
+      f'{d.batch_size // shards} per data x fsdp shard'
+      + (f' in {t.grad_accum} micro-batches' if t.grad_accum > 1 else ''),
+      f'steps: {t.steps} ({t.steps * d.batch_size * d.seq_len:,} tokens), '
+      f'M = {config.model.mtp.depth} MTP depths, {math.prod(shape)} devices',
+  ]
+  if changes:
+    lines.append(f'--init_from {parsed} sets ' + '; '.join(changes))
+  return '\n'.join(lines)
