@@ -42,6 +42,7 @@ SMOKE_STEPS, SMOKE_WARMUP = 12, 2
 
 def _base(smoke: bool):
   c = config_lib.base_config()
+  c.model.dtype = 'float32'  # research results compare across hosts: not the host-chosen 'auto'
   if smoke:  # configs/tiny.py's model and data shapes
     c.model.d_model, c.model.n_layers, c.model.mlp_dim = 64, 2, 192
     c.model.n_heads, c.model.n_kv_heads, c.model.head_dim = 4, 2, 16

@@ -48,6 +48,7 @@ def get_config(arg: str = 'd0,1m'):
                      f'{", ".join(VARIANTS)} and size one of {", ".join(SIZES)}')
   smoke = 'smoke' in opts
   c = config_lib.base_config()
+  c.model.dtype = 'float32'  # research results compare across hosts: not the host-chosen 'auto'
   if smoke:
     c.model.d_model, c.model.n_layers, c.model.mlp_dim = 32, 1, 96
     c.data.seq_len, c.data.batch_size = 64, 4

@@ -41,6 +41,7 @@ def get_config(arg: str = 'd0'):
                      f'{", ".join(VARIANTS)}')
   smoke = 'smoke' in opts
   c = config_lib.base_config()
+  c.model.dtype = 'float32'  # research results compare across hosts: not the host-chosen 'auto'
   if smoke:
     c.model.d_model, c.model.n_layers, c.model.mlp_dim = 32, 1, 64
     c.model.n_heads, c.model.n_kv_heads, c.model.head_dim = 2, 2, 16

@@ -33,6 +33,7 @@ from mtp_jax.interop import hf
 from mtp_jax.model import moe
 from mtp_jax.model import mtp as model_lib
 from mtp_jax.runtime import compile_cache, profiling, sharding, signals
+from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train.metrics import metric_key
 from mtp_jax.train_state import InitFrom
 
@@ -103,6 +104,8 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
   # tokenizer replace the config's (also on resume, so the same command resumes).
   hf_changes = hf.apply_to_config(config, hf_dir) if hf_dir is not None else []
   tokenizers.resolve_vocab_size(config)
+  # 'auto' becomes this host's choice, so config.json says what ran and readers match it.
+  config.model.dtype = peak_lib.compute_dtype(config.model.dtype).name
   config_lib.validate(config, len(devices))
   data_checks.validate_data(config, jax.process_count())
   data_checks.check_document_lengths(config)
