@@ -551,7 +551,9 @@ def main(argv=None) -> int:
       jax.config.update('jax_num_cpu_devices', n)
     STEP_DEVICES = n or 1
     jax.config.update('jax_enable_compilation_cache', False)  # compile times must be real
-  name = RESULT_NAMES.get(args.only[0], NAME) if len(args.only) == 1 else NAME
+  # One section alone records under its own result's name; an A/B set under train_<set>.
+  only = args.only[0] if len(args.only) == 1 else None
+  name = (f'train_{args.ab_set}' if only == 'ab' else RESULT_NAMES.get(only, NAME)) if only else NAME
   run = common.start(args, name, argv, script=f'benchmarks/{NAME}.py')
   run.note = NOTE
   r, smoke = args.rounds, args.smoke

@@ -6,8 +6,7 @@ import sys
 
 from mtp_jax.runtime import signals
 
-# First, before the heavy imports: a SIGTERM / SIGINT from here on ends the start-up with
-# one line (mtp_jax/runtime/signals.py).
+# Before the heavy imports: a SIGTERM / SIGINT from here on ends the start-up in one line.
 signals.install_for_process()
 
 from mtp_jax.commands.train import main  # noqa: E402

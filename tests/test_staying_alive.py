@@ -197,7 +197,6 @@ def test_sigusr1_dumps_every_stack(tmp_path):
 
 _KILLED_RUN = """
 import os, signal, sys
-sys.path.insert(0, os.path.join({repo!r}, 'tests'))
 import jax
 from helpers import load_config
 from mtp_jax.train import train_and_evaluate
@@ -229,7 +228,9 @@ def test_a_kill_between_tiers_resumes_from_the_local_one(stdlib_data_dir, tmp_pa
   # The same CPU client as this process's (8 devices, one used): XLA:CPU's thread split, and
   # with it the last bits of a reduction, follows the client's device count.
   proc = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
-                        cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), timeout=600)
+                        cwd=REPO, timeout=600,
+                        env=dict(os.environ, JAX_PLATFORMS='cpu',
+                                 PYTHONPATH=os.pathsep.join([os.path.join(REPO, 'tests'), REPO])))
   assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
   assert not [n for n in os.listdir(workdir / 'checkpoints') if n.isdigit()]
   assert '3' in os.listdir(workdir / 'local_checkpoints')
