@@ -465,11 +465,16 @@ def test_scanned_and_unscanned_layers_count_the_same(report):
   assert abs(scanned['hlo_matmul_flops'] / flat['hlo_matmul_flops'] - 1) < 0.05
   assert abs(scanned['hbm_bytes'] / flat['hbm_bytes'] - 1) < 0.05, (scanned['hbm_bytes'],
                                                                      flat['hbm_bytes'])
-  # what cost_analysis reads for the scanned program falls short by about a layer
-  assert scanned['cost_analysis']['bytes_accessed'] < 0.9 * scanned['hbm_bytes']
+  # what cost_analysis reads for the scanned program falls short of the unrolled one's by
+  # about a layer (the report's slice-read count is below cost_analysis's own, so compare
+  # cost_analysis with itself)
+  assert (scanned['cost_analysis']['bytes_accessed']
+          < 0.95 * flat['cost_analysis']['bytes_accessed']), (
+              scanned['cost_analysis']['bytes_accessed'], flat['cost_analysis']['bytes_accessed'])
   assert scanned['cost_analysis']['flops'] < 0.8 * scanned['hlo_matmul_flops']
-  # counted each computation once, the reader's bytes are XLA's own figure's, near enough
-  assert abs(flat['hbm_bytes_once'] / flat['cost_analysis']['bytes_accessed'] - 1) < 0.1
+  # counted each computation once, the reader's bytes are XLA's own figure's, less what
+  # cost_analysis charges for a whole array where a nested fusion reads one slice of it
+  assert 0.8 < flat['hbm_bytes_once'] / flat['cost_analysis']['bytes_accessed'] <= 1.0
   assert scanned['estimate']['hbm_bytes'] == scanned['hbm_bytes']
 
 
