@@ -80,7 +80,8 @@ def main(argv=None) -> int:
   workdir = args.workdir
   if workdir is None:
     workdir = os.path.join(os.path.dirname(os.path.abspath(args.out)), NAME + '_run')
-    extra = ['--config.train.steps=2', '--config.train.warmup_steps=1',
+    # the smoke's batch of 2 on one device, whatever device count the caller's XLA_FLAGS set
+    extra = ['--cpu_devices=1', '--config.train.steps=2', '--config.train.warmup_steps=1',
              '--config.data.batch_size=2', '--config.train.eval_batches=1',
              '--config.train.eval_decode_prompts=1'] if args.smoke else []
     if args.data_dir:
