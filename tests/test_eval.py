@@ -158,7 +158,7 @@ def test_bad_input_exits_2_before_compiling(tiny_run, tmp_path, capsys):
       (['--workdir', workdir, '--max_new_tokens', '0'], '--max_new_tokens must be'),
       (['--workdir', workdir, '--prompt_len', '60', '--max_new_tokens', '16'], 'exceeds'),
       (['--workdir', workdir, '--num_prompts', '100000'], 'too few'),
-      (['--workdir', workdir, '--eval_batches', 'x'], 'invalid int'),
+      (['--workdir', workdir, '--eval_batches', 'x'], '--eval_batches must be an integer'),
       (['--workdir', workdir, '--tree', '3,0'], 'candidates per depth must be'),
       (['--workdir', workdir, '--tree', '1,1,1,1,1,1,1,1,1'], 'exceeds the 8 drafts'),
       (['--json'], '--workdir'),
