@@ -76,32 +76,27 @@ def _number(kind, text: str):
   return value
 
 
-def positive_int(text: str) -> int:
-  value = _number(int, text)
-  if value <= 0:
-    raise argparse.ArgumentTypeError(f'must be > 0, got {value}')
+def _bounded(kind, text: str, strict: bool):
+  value = _number(kind, text)
+  if value < 0 or (strict and value == 0):
+    raise argparse.ArgumentTypeError(f'must be {">" if strict else ">="} 0, got {value}')
   return value
+
+
+def positive_int(text: str) -> int:
+  return _bounded(int, text, strict=True)
 
 
 def non_negative_int(text: str) -> int:
-  value = _number(int, text)
-  if value < 0:
-    raise argparse.ArgumentTypeError(f'must be >= 0, got {value}')
-  return value
+  return _bounded(int, text, strict=False)
 
 
 def positive_float(text: str) -> float:
-  value = _number(float, text)
-  if value <= 0:
-    raise argparse.ArgumentTypeError(f'must be > 0, got {value}')
-  return value
+  return _bounded(float, text, strict=True)
 
 
 def non_negative_float(text: str) -> float:
-  value = _number(float, text)
-  if value < 0:
-    raise argparse.ArgumentTypeError(f'must be >= 0, got {value}')
-  return value
+  return _bounded(float, text, strict=False)
 
 
 def probability(text: str) -> float:

@@ -114,7 +114,7 @@ def test_self_distill_bad_input_is_one_line(distilled, tmp_path, capsys):
           '--max_new_tokens', '12']
   for extra, words in [(['--prompt_len', '60', '--max_new_tokens', '10'], ['--prompt_len (60)',
                                                                            'data.seq_len (64)']),
-                       (['--num_prompts', '0'], ['--num_prompts must be a positive integer']),
+                       (['--num_prompts', '0'], ['--num_prompts must be > 0']),
                        (['--num_drafts', '5'], ['--num_drafts 5', 'model.mtp.depth (2)']),
                        (['--data', 'nofield=1'], ['--data', 'nofield=1']),
                        (['--data', 'source=jsonl', '--data', f'path={tmp_path}/none.jsonl'],
