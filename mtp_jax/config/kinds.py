@@ -62,9 +62,6 @@ ATTENTION = {
                           lambda a: (a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim),
                           takes_rope_scaling=False, takes_qkv_bias=False,
                           hf_layouts=('deepseek_v3',)),
-    'scratch': AttentionFacts('mtp_jax.model.scratch_attention.ScratchAttention', 'scratch',
-                              lambda a: (a.head_dim, a.head_dim), takes_rope_scaling=True,
-                              takes_qkv_bias=True),
 }
 MLP = {
     'dense': MLPFacts('mtp_jax.model.layers.MLP', 'dense SwiGLU',
@@ -75,7 +72,6 @@ MTP_HEADS = {
     'sequential': HeadFacts('mtp_jax.model.mtp.SequentialMTP'),
     'parallel': HeadFacts('mtp_jax.model.mtp.ParallelHead'),
     'top': HeadFacts('mtp_jax.model.mtp.TokenOrderHead', max_depth=1, predicts_tokens=False),
-    'scratch': HeadFacts('mtp_jax.model.scratch_head.ScratchHead'),
 }
 
 # The names alone, as the config checks list them.
