@@ -15,6 +15,8 @@ from mtp_jax.config import kinds
 from mtp_jax.data import tokenizers
 from mtp_jax.decode import Decoder
 from mtp_jax.errors import RequestError
+from mtp_jax.interop import layouts
+from mtp_jax.interop.safetensors_io import InteropError
 from mtp_jax.model import layers, moe, mtp
 from mtp_jax.train import flops
 
@@ -172,3 +174,22 @@ def test_chained_says_whether_a_depth_reads_the_one_before(kind):
   later = tokens.at[0, -1].set((tokens[0, -1] + 1) % args.vocab_size)
   h_later = model(later)  # only the last token differs: h^1 at i = T-2 reads t_(T-1)
   assert bool(not jnp.allclose(h_moved[1][:, -2], h_later[1][:, -2])) == args.mtp_head().chained
+
+
+@pytest.mark.parametrize('layout', ['llama', 'mimo', 'deepseek_v3'])
+def test_export_refuses_a_kind_no_layout_holds_naming_that_kind(layout, monkeypatch):
+  """A kind whose entry lists no export layout is refused by every layout with advice about
+  that kind, not about MLA / MoE; a known kind another layout holds names that layout."""
+  gqa = kinds.ATTENTION['gqa']
+  monkeypatch.setitem(kinds.ATTENTION, 'unlisted', dataclasses.replace(gqa, hf_layouts=()))
+  args = dataclasses.replace(_args(tiny_model_config(1)), attention='unlisted')
+  with pytest.raises(InteropError, match=r"no export layout holds the attention kind "
+                     r"'unlisted'; the layouts hold gqa as --layout llama or mimo; mla as"):
+    layouts.check_layout(args, layout)
+  for name, facts in kinds.ATTENTION.items():
+    other = [x for x in layouts.LAYOUTS if x not in facts.hf_layouts]
+    if facts.hf_layouts and other:
+      args = dataclasses.replace(args, attention=name)
+      with pytest.raises(InteropError, match=f'{facts.label} blocks export as --layout '
+                         f'{facts.hf_layouts[0]}'):
+        layouts.check_layout(args, other[0])

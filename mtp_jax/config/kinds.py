@@ -11,6 +11,7 @@ model builds exactly these classes: a new kind is its class and one entry here
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ class AttentionFacts:
 
   def softmax_scale(self, args) -> float:
     """1 / sqrt(query/key head width): the scale of q k^T before the softmax."""
-    return float(self.head_widths(args)[0]) ** -0.5
+    return 1.0 / math.sqrt(self.head_widths(args)[0])
 
 
 @dataclasses.dataclass(frozen=True)

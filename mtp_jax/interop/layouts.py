@@ -140,8 +140,7 @@ def _check_kind(layout: str, what: str, name: str, table: dict) -> None:
   else:
     held = '; '.join(f'{n} as --layout {" or ".join(f.hf_layouts)}'
                      for n, f in table.items() if f.hf_layouts)
-    advice = (f'no export layout holds the {what} kind {name!r} ({facts.label}); the layouts '
-              f'hold {held}')
+    advice = f'no export layout holds the {what} kind {name!r}; the layouts hold {held}'
   raise InteropError(f'the {layout} layout {_HOLDS[layout]}; {advice}')
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
 import jax
@@ -27,8 +25,8 @@ import mtp_jax.model.layers as layers
 import mtp_jax.model.matmul as matmul
 import mtp_jax.model.moe as moe
 from mtp_jax import config_lib
-from mtp_jax.config import kinds
 from mtp_jax.errors import ConfigError
+from mtp_jax.model.kind_classes import ATTENTION_KINDS, MLP_KINDS, MTP_KINDS
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.runtime.sharding import constrain
 
@@ -398,33 +396,6 @@ class TokenOrderHead(nnx.Module):
 
   def prepare_decode(self, layout: str) -> None:
     del layout  # never drafts: nothing to lay out
-
-
-class KindClasses(Mapping):
-  """The model classes of one table of config/kinds.py, by config name, in its order: each
-  entry's `cls` path imported on first use (the table, read before JAX starts, names the
-  classes without importing them)."""
-
-  def __init__(self, table: Mapping):
-    self.table = table
-
-  def __getitem__(self, name: str) -> type:
-    module, _, attr = self.table[name].cls.rpartition('.')
-    return getattr(importlib.import_module(module), attr)
-
-  def __iter__(self) -> Iterator[str]:
-    return iter(self.table)
-
-  def __len__(self) -> int:
-    return len(self.table)
-
-
-# The kinds by their config names: model.attention / model.mtp.block_attention,
-# model.mlp / model.mtp.block_mlp, model.mtp.kind; the names, the classes and their facts
-# are config/kinds.py's one table, which the config checks read too.
-ATTENTION_KINDS: Mapping[str, type[layers.AttentionKind]] = KindClasses(kinds.ATTENTION)
-MLP_KINDS: Mapping[str, type[layers.MLPKind]] = KindClasses(kinds.MLP)
-MTP_KINDS: Mapping[str, type] = KindClasses(kinds.MTP_HEADS)
 
 
 class MTPModel(nnx.Module):
