@@ -13,7 +13,7 @@ PACKAGE = os.path.join(REPO, 'mtp_jax')
 # The package's groups, lowest first. A module may import its own group and the groups
 # below it, never one above; groups on one level (a tuple) do not import each other.
 GROUPS = (
-    ('mtp_jax', 'mtp_jax.errors', 'mtp_jax.exports', 'mtp_jax.config_lib',
+    ('mtp_jax', 'mtp_jax.errors', 'mtp_jax.exports', 'mtp_jax.config', 'mtp_jax.config_lib',
      'mtp_jax.config_files', 'mtp_jax.storage'),
     (('mtp_jax.runtime',), ('mtp_jax.data',)),
     (('mtp_jax.model',), ('mtp_jax.checkpoint',)),

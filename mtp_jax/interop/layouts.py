@@ -35,9 +35,10 @@ import dataclasses
 import numpy as np
 
 import mtp_jax.interop.fp8 as fp8_lib
+from mtp_jax.config import kinds
 from mtp_jax.interop.safetensors_io import InteropError
-from mtp_jax.model import layers, mla, moe
-from mtp_jax.model.mtp import ModelArgs, block_classes
+from mtp_jax.model import layers
+from mtp_jax.model.mtp import ModelArgs, block_classes, block_kinds
 
 LAYOUTS = ('llama', 'deepseek_v3', 'mimo')
 IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)  # old checkpoints store RoPE buffers
@@ -105,26 +106,42 @@ def check_layout(args: ModelArgs, layout: str) -> None:
     raise InteropError(f'the {layout} layout\'s MTP layers predict the adjacent tokens; this '
                        f'model has leap targets model.mtp.target_offsets '
                        f'{args.mtp_target_offsets} (--layout llama writes the trunk)')
-  kinds = [block_classes(args, i) for i in range(args.n_layers + (args.mtp_depth > 0))]
+  blocks = [block_kinds(args, i) for i in range(args.n_layers + (args.mtp_depth > 0))]
   if layout == 'llama':
-    kinds = kinds[:args.n_layers]
-  if layout == 'deepseek_v3':
-    if args.rope_scaling:
-      raise InteropError(f'the deepseek_v3 layout is written with unscaled RoPE; this model '
-                         f'has model.rope_scaling {args.rope_scaling[0]!r}')
-    if any(a is not mla.MLAttention for a, _ in kinds):
-      raise InteropError('the deepseek_v3 layout needs MLA attention in every block '
-                         '(model.attention=mla, model.mtp.block_attention unset or mla); a '
-                         'GQA model exports as --layout mimo or llama')
-    mtp_mlp = kinds[-1][1] if args.mtp_depth else None
-    rule = layers.MLP if args.mlp == 'dense' or args.n_layers < args.first_k_dense else moe.MoE
-    if mtp_mlp is not None and mtp_mlp is not rule:
+    blocks = blocks[:args.n_layers]
+  if layout == 'deepseek_v3' and args.rope_scaling:
+    raise InteropError(f'the deepseek_v3 layout is written with unscaled RoPE; this model '
+                       f'has model.rope_scaling {args.rope_scaling[0]!r}')
+  for attention, mlp in dict.fromkeys(blocks):
+    _check_kind(layout, 'attention', attention, kinds.ATTENTION)
+    _check_kind(layout, 'MLP', mlp, kinds.MLP)
+  if layout == 'deepseek_v3' and args.mtp_depth:
+    rule = 'dense' if args.mlp == 'dense' or args.n_layers < args.first_k_dense else 'moe'
+    if blocks[-1][1] != rule:
       raise InteropError('the deepseek_v3 layout gives the MTP block the MLP kind of layer '
                          'num_hidden_layers (first_k_dense_replace rule); '
                          'model.mtp.block_mlp differs from it')
-  elif any(a is not layers.Attention or m is not layers.MLP for a, m in kinds):
-    raise InteropError(f'the {layout} layout holds a dense GQA (Llama / Qwen2-style) model; '
-                       'MLA / MoE blocks export as --layout deepseek_v3')
+
+
+# What each layout holds, as its refusals say.
+_HOLDS = {'llama': 'holds a dense GQA (Llama / Qwen2-style) trunk',
+          'mimo': 'holds a dense GQA (Llama / Qwen2-style) model and its MTP layers',
+          'deepseek_v3': 'needs MLA attention in every block (dense or MoE MLPs)'}
+
+
+def _check_kind(layout: str, what: str, name: str, table: dict) -> None:
+  """InteropError unless block kind `name` (of config/kinds.py's `table`) lists `layout`
+  among its hf_layouts; the advice names the layouts that hold it, or says none does."""
+  facts = table[name]
+  if layout in facts.hf_layouts:
+    return
+  if facts.hf_layouts:
+    advice = f'{facts.label} blocks export as --layout {" or ".join(facts.hf_layouts)}'
+  else:
+    held = '; '.join(f'{n} as --layout {" or ".join(f.hf_layouts)}'
+                     for n, f in table.items() if f.hf_layouts)
+    advice = f'no export layout holds the {what} kind {name!r}; the layouts hold {held}'
+  raise InteropError(f'the {layout} layout {_HOLDS[layout]}; {advice}')
 
 
 def _swiglu(pre: str, at: tuple, d: int, f: int, fp8: bool, experts: int = 0) -> list[Tensor]:

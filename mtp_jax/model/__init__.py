@@ -1,8 +1,9 @@
 """The model: a decoder-only transformer trunk with multi-token-prediction (MTP) modules.
 
-- mtp.py: `ModelArgs` (the model's hyper-parameters from a config), `MTPModel`, its MTP
-  heads (`SequentialMTP`, chained as in DeepSeek-V3, and `ParallelHead`), and the kinds by
-  their config names (`ATTENTION_KINDS`, `MLP_KINDS`, `MTP_KINDS`).
+- mtp.py: `ModelArgs` (the model's hyper-parameters from a config), `MTPModel` and its MTP
+  heads (`SequentialMTP`, chained as in DeepSeek-V3, and `ParallelHead`).
+- kind_classes.py: the classes of the kinds by their config names (`ATTENTION_KINDS`,
+  `MLP_KINDS`, `MTP_KINDS`), as mtp_jax/config/kinds.py's table names them.
 - layers.py, attention.py, mla.py: norms, RoPE, feed-forward blocks, grouped-query and
   multi-head latent attention.
 - moe.py, moe_exchange.py: the mixture-of-experts block and its token exchange.

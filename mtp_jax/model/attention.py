@@ -78,7 +78,7 @@ def dense_mask(mask: Array) -> Array:
 
 def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
                              mask_Bx1xTxT: Array, block: int = 64,
-                             saved_core: bool = False) -> Array:
+                             saved_core: bool = False, scale: float | None = None) -> Array:
   """Causal self-attention that never computes a fully masked key block.
 
   Query block [a, e) can only see keys [0, e) (the mask is causal, a precondition: the
@@ -94,7 +94,8 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   the score / value products as plain batched matmuls; fwd + bwd of the core (8 x 32
   heads, B 16, T 256) took 0.85x the time of the softmax / select / 5-D form, 0.69x at
   2 x 128 heads (docs/benchmarks.md). GQA: query head n uses kv head
-  n // (N / K), as jax.nn.dot_product_attention does. Returns [B, T, N, H].
+  n // (N / K), as jax.nn.dot_product_attention does. Returns [B, T, N, H]. scale: the
+  attention class's softmax_scale (None: 1 / sqrt(H), jax.nn.dot_product_attention's).
 
   saved_core (no GQA only; Attention sets it under model.remat = block): the same forward
   as a custom VJP (_saved_core) that keeps the output, each row's log-sum-exp and the
@@ -107,7 +108,7 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   b, t, n, h = q_BxTxNxH.shape
   kv = k_BxTxKxH.shape[2]
   g = n // kv
-  scale = 1.0 / math.sqrt(h)
+  scale = 1.0 / math.sqrt(h) if scale is None else scale
   # Masked scores get a large finite negative (see MASKED); a row always sees its own
   # position (causal, same document), so no row is all masked.
   bias_Bx1xTxT = jnp.where(mask_Bx1xTxT, 0.0, MASKED).astype(jnp.float32)

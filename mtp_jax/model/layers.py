@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,7 @@ from flax import nnx
 
 import mtp_jax.model.attention as attn_lib
 import mtp_jax.model.matmul as matmul
+from mtp_jax.config import kinds
 from mtp_jax.model.attention import MASKED, attention_impl, blocked_causal_attention
 from mtp_jax.model.decode_ops import (
   DecodeWeight,
@@ -145,8 +146,9 @@ def apply_rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float,
 class Attention(nnx.Module):
   """Causal grouped-query attention with RoPE; optional per-row KV cache."""
 
-  takes_rope_scaling = True  # its RoPE follows model.rope_scaling (rope_inv_freq)
-  takes_qkv_bias = True  # model.attention_bias adds q/k/v biases
+  # config/kinds.py's entry: heads head_dim wide; its RoPE follows model.rope_scaling
+  # (rope_inv_freq); model.attention_bias adds q/k/v biases
+  facts: ClassVar[kinds.AttentionFacts] = kinds.ATTENTION['gqa']
 
   def __init__(self, cfg, rngs: nnx.Rngs):
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -170,6 +172,7 @@ class Attention(nnx.Module):
     self.rope_theta = cfg.rope_theta
     self.rope_scaling = tuple(getattr(cfg, 'rope_scaling', ()))  # rope_inv_freq's form
     self.dtype = dt
+    self.softmax_scale = self.facts.softmax_scale(cfg)  # 1 / sqrt(head_dim), every core's
     self.cache_heads = (k, h)  # (KV heads, head_dim) of empty_cache
     self.impl = attention_impl(cfg)  # resolved at build time: the backend is known by then
     self.block = getattr(cfg, 'attention_block', 64)
@@ -177,11 +180,6 @@ class Attention(nnx.Module):
                           getattr(cfg, 'attention_block_kv', 512))  # the splash kernel's
     # the custom-VJP core where its residuals are saved (remat block: see blocked_causal_attention)
     self.saved_core = getattr(cfg, 'remat', 'none') == 'block'
-
-  @staticmethod
-  def head_widths(cfg) -> tuple[int, int]:
-    """(query/key width, value width) of one head."""
-    return cfg.head_dim, cfg.head_dim
 
   @staticmethod
   def flops_per_token(cfg, keys: float) -> tuple[float, float]:
@@ -221,13 +219,14 @@ class Attention(nnx.Module):
       cache = (k, v)
     if cache is None and self.impl in attn_lib.SEGMENT_CORES:  # the Pallas kernels
       out = attn_lib.kernel_attention(self.impl, q, k, v, mask_Bx1xTxS,
-                                      1.0 / math.sqrt(q.shape[-1]), *self.kernel_blocks)
+                                      self.softmax_scale, *self.kernel_blocks)
     elif cache is None and self.impl == 'blocked':  # training / no cache: self-attention, causal
       out = blocked_causal_attention(q, k, v, attn_lib.dense_mask(mask_Bx1xTxS), self.block,
-                                     self.saved_core)
+                                     self.saved_core, self.softmax_scale)
     else:
       out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
-                                         mask=attn_lib.dense_mask(mask_Bx1xTxS))
+                                         mask=attn_lib.dense_mask(mask_Bx1xTxS),
+                                         scale=self.softmax_scale)
     out = constrain(out, ('batch', 'length', 'act_heads', None))
     o_BTxD = project(out.reshape(b * t, -1), self.o_proj.kernel, self.dtype, in_dims=2)
     return o_BTxD.reshape(b, t, -1), cache
@@ -268,7 +267,7 @@ class Attention(nnx.Module):
     v_cache = write_heads_major(cache[1], v.transpose(0, 2, 3, 1), cache_index_B, axis=2)
     # queries of one KV head: [B*K, G*T, H] (query head n = kv_head * G + g, as in GQA)
     q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, hd)
-    scores = few_query_dot(q, k_cache.astype(dt), jnp.float32) * (1 / math.sqrt(hd))
+    scores = few_query_dot(q, k_cache.astype(dt), jnp.float32) * self.softmax_scale
     mask = jnp.broadcast_to(mask_Bx1xTxS[:, None], (b, kv, g, t, scores.shape[-1]))
     # Masked scores get a large finite negative: a query that sees nothing (a position
     # before 0 in an MTP window) averages finite values, never NaN.
@@ -326,13 +325,13 @@ class MLP(nnx.Module):
 
 
 class AttentionKind(Protocol):
-  """What Block and its callers need of an attention class (Attention, mla.MLAttention);
-  mtp.ATTENTION_KINDS names each by its config value (model.attention). Its facts that the
-  config checks read before JAX starts (head_widths' first width, takes_rope_scaling,
-  takes_qkv_bias) are written again in config_lib.ATTENTION_FACTS, held equal by a test."""
+  """What Block and its callers need of an attention class (Attention, mla.MLAttention).
+  config/kinds.py's ATTENTION names each by its config value (model.attention) with its
+  facts (head widths, RoPE scaling, q/k/v biases, export layouts), which the class holds
+  as `facts`: the config checks read the same entry before JAX starts."""
 
-  takes_rope_scaling: bool  # its RoPE follows model.rope_scaling
-  takes_qkv_bias: bool  # model.attention_bias adds q/k/v biases
+  facts: ClassVar[kinds.AttentionFacts]  # its config/kinds.py entry
+  softmax_scale: float  # the scale of q k^T, facts.softmax_scale: every core and decode use it
 
   def __init__(self, cfg, rngs: nnx.Rngs): ...
 
@@ -344,9 +343,6 @@ class AttentionKind(Protocol):
   def prepare_decode(self) -> None: ...
 
   def decode(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache, cache_index_B) -> tuple: ...
-
-  @staticmethod
-  def head_widths(cfg) -> tuple[int, int]: ...
 
   @staticmethod
   def flops_per_token(cfg, keys: float) -> tuple[float, float]: ...

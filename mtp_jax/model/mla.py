@@ -31,7 +31,7 @@ step reads every weight once, and for DeepSeek-V3's widths (kv_lora_rank 512 > v
 """
 from __future__ import annotations
 
-import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ from flax import nnx
 import mtp_jax.model.attention as attn_lib
 import mtp_jax.model.decode_ops as decode_ops
 import mtp_jax.model.layers as layers
+from mtp_jax.config import kinds
 from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array
@@ -85,8 +86,9 @@ class MLAttention(nnx.Module):
   (prepare_decode); both are the absorbed-latent path (latent_attention).
   """
 
-  takes_rope_scaling = False  # its decoupled RoPE keeps the unscaled frequencies
-  takes_qkv_bias = False  # no q/k/v biases: model.attention_bias does not apply
+  # config/kinds.py's entry: q/k heads dn + dr wide, values dv; its decoupled RoPE keeps
+  # the unscaled frequencies; no q/k/v biases
+  facts: ClassVar[kinds.AttentionFacts] = kinds.ATTENTION['mla']
 
   def __init__(self, cfg, rngs: nnx.Rngs):
     d, n = cfg.d_model, cfg.n_heads
@@ -111,17 +113,13 @@ class MLAttention(nnx.Module):
                              kernel_init=_init(('heads', 'head_dim', 'embed')), rngs=rngs)
     self.dims = (n, qr, kvr, dn, dr, dv)
     self.rope_theta = cfg.rope_theta
+    self.softmax_scale = self.facts.softmax_scale(cfg)  # 1 / sqrt(dn + dr)
     self.dtype = dt
     # the core without a cache: the Pallas kernels where attention_impl picks one, else
     # jax.nn.dot_product_attention (MLA has no blocked form; 'blocked' runs the library call)
     self.impl = attn_lib.attention_impl(cfg)
     self.kernel_blocks = (getattr(cfg, 'attention_block_q', 512),
                           getattr(cfg, 'attention_block_kv', 512))
-
-  @staticmethod
-  def head_widths(cfg) -> tuple[int, int]:
-    """(query/key width dn + dr, value width dv) of one head."""
-    return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
 
   @staticmethod
   def flops_per_token(cfg, keys: float) -> tuple[float, float]:
@@ -169,7 +167,7 @@ class MLAttention(nnx.Module):
     q_rope = layers.apply_rope(q_BxTxNxH[..., dn:], positions_BxT, self.rope_theta)
     latent_BxTxC = self._latent(
         layers.project(x_BTxD, self.kv_a_proj_with_mqa.kernel, self.dtype), positions_BxT)
-    scale = 1.0 / math.sqrt(dn + dr)
+    scale = self.softmax_scale
     if cache is not None:
       latent_BxSxC = decode_ops.write_cache(cache[0], latent_BxTxC, cache_index_B)
       w_kvb = self.kv_b_proj.kernel[...].astype(self.dtype)  # [kvr, n, dn + dv]
@@ -243,7 +241,7 @@ class MLAttention(nnx.Module):
     latent_BxSxC = decode_ops.write_heads_major(cache[0], latent[:, None], cache_index_B, axis=1)
     q_lat = _head_dot(q_BxTxNxH[..., :dn], self.kb_t[...])
     q_rope = layers.apply_rope(q_BxTxNxH[..., dn:], positions_BxT, self.rope_theta)
-    lat = latent_attention(q_lat, q_rope, latent_BxSxC, mask_Bx1xTxS, 1.0 / math.sqrt(dn + dr))
+    lat = latent_attention(q_lat, q_rope, latent_BxSxC, mask_Bx1xTxS, self.softmax_scale)
     if self.absorb_output:
       out = decode_ops.decode_dot(lat.reshape(b * t, n * kvr), self.vo_t[...])
     else:

@@ -85,6 +85,7 @@ import mtp_jax.model.decode_ops as decode_ops
 import mtp_jax.model.layers as layers
 import mtp_jax.model.matmul as matmul
 import mtp_jax.model.moe_exchange as moe_exchange
+from mtp_jax.config import kinds
 from mtp_jax.runtime.sharding import constrain, logical_spec
 
 Array = jax.Array
@@ -145,7 +146,7 @@ def balance_loss(scores_BxTxE: Array, idx_BxTxEk: Array) -> Array:
   return jnp.mean(jnp.sum(f_BxE * p_BxE, axis=-1))
 
 
-DISPATCHES = ('auto', 'ragged', 'blocks', 'gmm')
+DISPATCHES = kinds.MOE_DISPATCHES  # model.moe.dispatch's names (config/kinds.py)
 # The name of the grouped products' outputs (gate, up and down projections of the routed
 # experts): remat='block' (model.remat_policy) saves them rather than rerunning the kernel.
 EXPERT_SAVED_NAME = 'moe_expert_products'

@@ -38,9 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.config import kinds
+
 Array = jax.Array
 
-EXCHANGES = ('all_to_all', 'all_gather')
+EXCHANGES = kinds.MOE_EXCHANGES  # model.moe.exchange's names (config/kinds.py)
 
 
 def exchange_impl() -> str:

@@ -23,10 +23,10 @@ import mtp_jax.model.attention as attn_lib
 import mtp_jax.model.decode_ops as decode_ops
 import mtp_jax.model.layers as layers
 import mtp_jax.model.matmul as matmul
-import mtp_jax.model.mla as mla
 import mtp_jax.model.moe as moe
 from mtp_jax import config_lib
 from mtp_jax.errors import ConfigError
+from mtp_jax.model.kind_classes import ATTENTION_KINDS, MLP_KINDS, MTP_KINDS
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.runtime.sharding import constrain
 
@@ -58,7 +58,7 @@ class ModelArgs:
   top_window: int = 16  # mtp_kind 'top': W, the upcoming tokens its ranking target orders
   remat: str = 'none'  # none | block | full (see remat_policy); never changes parameters
   scan_layers: bool = False  # lax.scan over trunk blocks and MTP depths; never changes parameters
-  # Block kinds (config_lib documents each field): attention gqa | mla, mlp dense | moe.
+  # Block kinds (config/kinds.py's ATTENTION and MLP names; config/base.py documents each).
   attention: str = 'gqa'
   mlp: str = 'dense'
   mtp_block_attention: str = ''  # '' = attention
@@ -148,8 +148,9 @@ def config_path(field: str) -> str:
   return _CONFIG_PATHS.get(field, field)
 
 
-def block_classes(args: ModelArgs, layer: int) -> tuple:
-  """(attention class, MLP class) of trunk layer `layer`; layer n_layers is the MTP block.
+def block_kinds(args: ModelArgs, layer: int) -> tuple[str, str]:
+  """(attention kind, MLP kind) names of trunk layer `layer`; layer n_layers is the MTP
+  block.
 
   Dense MLPs in layers [0, first_k_dense), MoE after when args.mlp is 'moe'; the MTP
   blocks take that rule at index n_layers (MoE, as DeepSeek-V3's MTP layer 61) unless
@@ -161,6 +162,12 @@ def block_classes(args: ModelArgs, layer: int) -> tuple:
   if layer >= args.n_layers:
     attention = args.mtp_block_attention or attention
     mlp = args.mtp_block_mlp or mlp
+  return attention, mlp
+
+
+def block_classes(args: ModelArgs, layer: int) -> tuple:
+  """(attention class, MLP class) of trunk layer `layer` (block_kinds' names)."""
+  attention, mlp = block_kinds(args, layer)
   return ATTENTION_KINDS[attention], MLP_KINDS[mlp]
 
 
@@ -389,16 +396,6 @@ class TokenOrderHead(nnx.Module):
 
   def prepare_decode(self, layout: str) -> None:
     del layout  # never drafts: nothing to lay out
-
-
-# The kinds by their config names: model.attention / model.mtp.block_attention,
-# model.mlp / model.mtp.block_mlp, model.mtp.kind. config_lib validates the same names
-# (tests/test_config.py holds the two equal).
-ATTENTION_KINDS: dict[str, type[layers.AttentionKind]] = {
-    'gqa': layers.Attention, 'mla': mla.MLAttention}
-MLP_KINDS: dict[str, type[layers.MLPKind]] = {'dense': layers.MLP, 'moe': moe.MoE}
-MTP_KINDS: dict[str, type] = {'sequential': SequentialMTP, 'parallel': ParallelHead,
-                              'top': TokenOrderHead}
 
 
 class MTPModel(nnx.Module):

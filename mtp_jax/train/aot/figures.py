@@ -91,7 +91,7 @@ def _attention_parts(args, t: int) -> list:
   parts = []
   for layer in list(range(args.n_layers)) + [args.n_layers] * args.mtp_depth:
     attn_cls, _ = block_classes(args, layer)
-    d_qk, d_v = attn_cls.head_widths(args)
+    d_qk, d_v = attn_cls.facts.head_widths(args)
     parts.append((flops_lib.layer_flops(args, layer, t, causal=False)[1], d_qk, d_v))
   return parts
 
