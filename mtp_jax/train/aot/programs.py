@@ -265,16 +265,17 @@ def _train_and_eval(config, devices, topo, programs, log) -> dict:
   batch, batch_shardings = _batch_structs(config, mesh)
   out['batch_bytes'] = sum(shard_bytes(x) for x in batch.values())
   rep = sharding.replicated(mesh)
+  args = steps.StepArgs.from_config(config)
   with sharding.use_mesh(mesh, rules):
     if 'train' in programs:
       # the jit of steps.setup: explicit shardings, the state donated
-      fn = jax.jit(functools.partial(steps.train_step, config, graphdef),
+      fn = jax.jit(functools.partial(steps.train_step, args, graphdef),
                    in_shardings=(shardings, batch_shardings), out_shardings=(shardings, rep),
                    donate_argnums=0)
       out['train'] = _compiled(fn, (abstract_state, batch), 'train', topo, len(devices), log,
                                hint)
     if 'eval' in programs:
-      fn = jax.jit(functools.partial(steps.eval_step, config, graphdef),
+      fn = jax.jit(functools.partial(steps.eval_step, args, graphdef),
                    in_shardings=(shardings, batch_shardings, rep), out_shardings=rep)
       vocab = jax.ShapeDtypeStruct((config.model.vocab_size,), jnp.int32, sharding=rep)
       out['eval'] = _compiled(fn, (abstract_state, batch, vocab), 'eval', topo, len(devices),
