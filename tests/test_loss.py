@@ -1,4 +1,7 @@
 """The multi-depth loss (docs/design.md section 3) against an independent numpy computation."""
+import ast
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,3 +144,24 @@ def test_chunked_head_per_device_equals_global():
     np.testing.assert_allclose(np.asarray(s1[k]), np.asarray(s2[k]), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_loss_settings_are_read_once_and_older_configs_take_the_defaults():
+  """loss_args reads the config once (the loss module never does); a config saved before
+  the schedule, curriculum, offset and target fields existed (decoding, --init_from) gets
+  their defaults, as the current base config has them."""
+  config = tiny_model_config(3)
+  config.model.mtp.lambda_values = (0.3, 0.1)
+  config.model.mtp.lambda_boundaries = (100,)
+  current = loss_args(config)
+  assert (current.mtp_depth, current.lambda_boundaries, current.target_offsets()) == (
+      3, (100,), (1, 2, 3, 4))
+  for key in ('lambda_schedule', 'curriculum', 'curriculum_phase_steps', 'target_offsets'):
+    del config.model.mtp[key]
+  del config.loss
+  assert loss_args(config) == current
+  config.model.mtp.target_offsets = (2, 4, 5)
+  assert loss_args(config).target_offsets() == (1, 2, 4, 5)
+  source = pathlib.Path(loss_lib.__file__).read_text(encoding='utf-8')
+  names = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+  assert 'config_lib' not in source and 'config' not in names
