@@ -93,10 +93,9 @@ def _split_micro(x, accum: int):
 def train_step(args: StepArgs, graphdef, state, batch, schedule=None):
   """One optimizer step: accumulated gradients of the weighted multi-depth loss.
 
-  args: StepArgs.from_config(config). schedule: schedule_inputs(config) as
-  arrays, inputs of the program rather than constants in it (None: args.schedule,
-  compiled in). A non-finite loss or gradient norm returns the input state unchanged
-  (metric `skipped`).
+  args: StepArgs.from_config(config). schedule: schedule_inputs(config) as arrays, inputs
+  of the program rather than constants in it (None: args.schedule, compiled in). A
+  non-finite loss or gradient norm returns the input state unchanged (metric `skipped`).
   """
   schedule = args.schedule if schedule is None else schedule
   la = args.loss
