@@ -106,6 +106,16 @@ MOVED_NAMES = {
     **{f'mtp_jax.commands.ablation.{n}': f'mtp_jax.research.ablation.{n}' for n in (
         'design_path', 'group_variants', 'make_design', 'make_runs', 'make_sweep',
         'names_estimate', 'sized_runs', 'sized_steps')},
+    # helpers that left the checkpoint package's public names (still in their modules)
+    **{f'mtp_jax.checkpoint.{n}': f'mtp_jax.checkpoint.{m}.{n}' for n, m in (
+        ('is_url', 'store'), ('location', 'store'), ('short', 'store'), ('warn', 'reader'))},
+}
+# Names of the flat layout that moved and changed meaning: old -> (new, what changed).
+FLAT_NAMES = {
+    'mtp_jax.model.resolve_vocab_size': (
+        'mtp_jax.data.model_vocab_size',
+        'mtp_jax.data.resolve_vocab_size now sets config.model.vocab_size and returns the '
+        'config'),
 }
 REMOVED_NAMES = {
     'mtp_jax.decode.sampling.BITWISE_THRESHOLDS':
@@ -128,11 +138,13 @@ def moved_name(module: str, name: str):
   old = f'{module}.{name}'
   if old in REMOVED_NAMES:
     raise ImportError(f'{old} was removed: {REMOVED_NAMES[old]}', name=module)
-  if old not in MOVED_NAMES:
+  if old in FLAT_NAMES:
+    new, note = FLAT_NAMES[old]
+  elif old in MOVED_NAMES:
+    new, note = MOVED_NAMES[old], 'import it from there'
+  else:
     raise AttributeError(f'module {module!r} has no attribute {name!r}')
-  new = MOVED_NAMES[old]
-  _warnings.warn(f'{old} moved to {new}; import it from there', DeprecationWarning,
-                 stacklevel=3)
+  _warnings.warn(f'{old} moved to {new}; {note}', DeprecationWarning, stacklevel=3)
   new_module, _, new_name = new.rpartition('.')
   return getattr(_importlib.import_module(new_module), new_name)
 

@@ -23,6 +23,9 @@ GROUPS = (
     ('mtp_jax.research',),
     ('mtp_jax.cli', 'mtp_jax.commands'),
 )
+# (group, lower group) that the levels would allow but that stay apart: the model reads no
+# tokenizer (a config's model.vocab_size is resolved before the model is built).
+APART = {('mtp_jax.model', 'mtp_jax.data')}
 # (module, imported module): deliberately deferred heavy or optional imports, each with a
 # `# Deferred: <why>` comment right above it.
 DEFERRED = {
@@ -135,7 +138,8 @@ def test_groups_import_only_their_own_and_lower_groups():
     level, group = _group_of(mod)
     for other in imported:
       other_level, other_group = _group_of(other)
-      if other_level > level or (other_level == level and other_group != group):
+      if (other_level > level or (other_level == level and other_group != group)
+          or (group[0], other_group[0]) in APART):
         bad.append(f'{mod} -> {other}')
   assert not bad, 'imports that point up or sideways: ' + ', '.join(bad)
 
@@ -226,6 +230,47 @@ def test_own_package_check_sees_the_form(tmp_path):
   src.write_text('import mtp_jax.research.stats as stats\nfrom mtp_jax.research import tables\n'
                  'from mtp_jax.research.results import load_results\n')
   assert _own_package_imports(src, 'mtp_jax.research') == [2]
+
+
+FACES = {m for m, path in MODULES.items() if path.endswith('__init__.py') and m != 'mtp_jax'}
+
+
+def _face_imports(path) -> list[str]:
+  """'line: import' for each import in `path` that goes through a sub-package's face (its
+  __init__) rather than a module: a name the face re-exports (`from mtp_jax.model import
+  MTPModel`) or the package itself as a name (`from mtp_jax import checkpoint`,
+  `import mtp_jax.decode`)."""
+  tree = ast.parse(pathlib.Path(path).read_text(encoding='utf-8'))
+  found = []
+  for n in ast.walk(tree):
+    if isinstance(n, ast.ImportFrom) and (n.module or '').split('.')[0] == 'mtp_jax':
+      for a in n.names:
+        full = f'{n.module}.{a.name}'
+        if full in FACES or (n.module in FACES and full not in MODULES):
+          found.append(f'{n.lineno}: from {n.module} import {a.name}')
+    elif isinstance(n, ast.Import):
+      found += [f'{n.lineno}: import {a.name}' for a in n.names if a.name in FACES]
+  return found
+
+
+def test_package_code_imports_modules_not_faces():
+  """The faces are for users; package code names the module it imports
+  (`from mtp_jax.model.mtp import MTPModel`, `from mtp_jax.checkpoint import store`), so
+  what a module depends on is one module, and no face needs to import its modules."""
+  found = {mod: _face_imports(path) for mod, path in MODULES.items()}
+  found = {m: f for m, f in found.items() if f}
+  assert not found, f'imports through a sub-package face: {found}'
+
+
+def test_face_check_sees_every_form(tmp_path):
+  src = tmp_path / 'm.py'
+  src.write_text('from mtp_jax.model import MTPModel, mtp\nfrom mtp_jax import checkpoint, config_lib\n'
+                 'import mtp_jax.decode\nimport mtp_jax.decode.decoder as decoder\n'
+                 'from mtp_jax.train import aot\nfrom mtp_jax.train.aot import hlo\n'
+                 'from mtp_jax.checkpoint.store import short\n')
+  assert _face_imports(src) == ['1: from mtp_jax.model import MTPModel',
+                                '2: from mtp_jax import checkpoint', '3: import mtp_jax.decode',
+                                '5: from mtp_jax.train import aot']
 
 
 def test_no_test_file_imports_another():

@@ -47,7 +47,8 @@ def test_curriculum_weights_follow_the_formula_at_phase_boundaries(kind, steps, 
   p = phase or steps / 4
   probe = sorted({s for b in range(5) for s in (math.ceil(b * p) - 1, math.ceil(b * p))
                   if 0 <= s < steps} | {steps - 1})
-  fn = jax.jit(lambda s: (loss_lib.active_depths(c, s), loss_lib.depth_weights(c, s)))
+  args = steps_lib.loss_args(c)
+  fn = jax.jit(lambda s: (loss_lib.active_depths(args, s), loss_lib.depth_weights(args, s)))
   for s in probe:
     want = paper_heads(kind, s, steps, 4, phase or None) - 1
     active, w = fn(s)
@@ -65,16 +66,18 @@ def test_lambda_interpolation():
   for kind, mid in (('linear', 0.2), ('cosine', 0.2)):
     c.model.mtp.lambda_schedule = kind
     config_lib.validate(c)
-    lam = jax.jit(lambda s: loss_lib.lambda_at(c, s))
+    args = steps_lib.loss_args(c)
+    lam = jax.jit(lambda s: loss_lib.lambda_at(args, s))
     for s, want in ((0, 0.3), (100, 0.3), (200, mid), (300, 0.1), (1000, 0.1)):
       np.testing.assert_allclose(float(lam(s)), want, rtol=1e-6)
     quarter = 0.3 - 0.2 * (0.25 if kind == 'linear' else (1 - math.cos(math.pi / 4)) / 2)
     np.testing.assert_allclose(float(lam(150)), quarter, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(loss_lib.depth_weights(c, 200)), [1, mid / 2, mid / 2],
+    np.testing.assert_allclose(np.asarray(loss_lib.depth_weights(args, 200)), [1, mid / 2, mid / 2],
                                rtol=1e-6)
   c.model.mtp.lambda_schedule = 'step'  # the step form is unchanged
   c.model.mtp.lambda_values, c.model.mtp.lambda_boundaries = (0.3, 0.1), (100,)
-  assert [round(float(loss_lib.lambda_at(c, s)), 6) for s in (99, 100)] == [0.3, 0.1]
+  args = steps_lib.loss_args(c)
+  assert [round(float(loss_lib.lambda_at(args, s)), 6) for s in (99, 100)] == [0.3, 0.1]
 
 
 @pytest.mark.parametrize('change,match', [
@@ -107,7 +110,7 @@ def test_leap_offset_targets_match_numpy(kind):
   model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), rngs=nnx.Rngs(0))
   params = randomize(model, seed=3)
   b = loss_batch(seed=1)
-  weights = loss_lib.depth_weights(config, 0)
+  weights = loss_lib.depth_weights(steps_lib.loss_args(config), 0)
   loss, sums = nnx.jit(lambda m, b: loss_lib.loss_and_metrics(m, b, weights))(model, b)
   want, want_sums, want_counts = ref.loss(params, np.asarray(b['tokens']), POS, SEG, 2,
                                           [0.2, 0.05], kind, offsets=[2, 4])

@@ -199,9 +199,9 @@ def test_checkpoints_at_a_url_pass_to_orbax_untouched(devices, stdlib_data_dir, 
 def test_a_broken_checkpoint_reason_is_one_readable_line():
   error = ValueError('DATA_LOSS: reading <bound method TensorStore.spec of TensorStore({\n'
                      '  "driver": "zarr", ...})>')
-  assert ckpt_lib.short(error) == 'ValueError: DATA_LOSS: reading'
+  assert ckpt_store.short(error) == 'ValueError: DATA_LOSS: reading'
   error = ValueError('cannot open <TensorStore object at 0x7f> for step 3')
-  assert ckpt_lib.short(error) == 'ValueError: cannot open TensorStore for step 3'
+  assert ckpt_store.short(error) == 'ValueError: cannot open TensorStore for step 3'
 
 
 def test_sigterm_while_starting_is_one_line_and_leaves_nothing(devices, stdlib_data_dir,

@@ -25,6 +25,7 @@ from mtp_jax.runtime import distributed, sharding, tpu_flags
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train import flops
 from mtp_jax.train import loss as loss_lib
+from mtp_jax.train.steps import loss_args
 
 CONFIGS = sorted(os.path.splitext(os.path.basename(p))[0]
                  for p in glob.glob(os.path.join(REPO, 'configs', '*.py'))
@@ -140,7 +141,8 @@ def test_remat_and_scan_give_the_same_loss_and_gradients():
     model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(config)), rngs=nnx.Rngs(0))
     trees.setdefault(kind, set()).add(
         str(jax.tree.structure(nnx.to_pure_dict(nnx.state(model, nnx.Param)))))
-    results[(kind, remat, scan)] = loss_grads(model, b, loss_lib.depth_weights(config, 0))
+    weights = loss_lib.depth_weights(loss_args(config), 0)
+    results[(kind, remat, scan)] = loss_grads(model, b, weights)
   assert all(len(t) == 1 for t in trees.values())  # checkpoints do not depend on remat / scan
   for key, ((l, s), g) in results.items():
     (l0, s0), g0 = results[(key[0], 'none', False)]

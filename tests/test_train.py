@@ -38,7 +38,8 @@ def test_grad_accumulation_equals_one_big_batch(devices, stdlib_data_dir):
   batch = synthetic_batches(1, 8, 64)[0]
   new_big, m_big = steps_lib.run_step(ts, state, batch)
   config.train.grad_accum = 2
-  step2 = jax.jit(functools.partial(steps_lib.train_step, config, ts.graphdef), donate_argnums=0)
+  args = steps_lib.StepArgs.from_config(config)
+  step2 = jax.jit(functools.partial(steps_lib.train_step, args, ts.graphdef), donate_argnums=0)
   ts2 = steps_lib.TrainSetup(**{**ts.__dict__, 'config': config, 'train_step': step2})
   new_acc, m_acc = steps_lib.run_step(ts2, copy, batch)
   np.testing.assert_allclose(float(m_big['loss']), float(m_acc['loss']), rtol=1e-6)

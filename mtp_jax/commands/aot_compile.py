@@ -59,7 +59,7 @@ def main(argv=None) -> int:
   args, overrides = cli.parse_with_config(parser(), argv)
   try:
     config = cli.load_config(args.config, overrides)
-    programs = _programs(args.programs)
+    wanted = _programs(args.programs)
     for name in ('num_slices', 'decode_batch', 'decode_tokens'):
       if getattr(args, name) < 1:
         raise cli.RequestError(f'--{name} must be a positive integer, got {getattr(args, name)}')
@@ -78,22 +78,23 @@ def main(argv=None) -> int:
   # the trainer's TPU compiler flags, read by libtpu when the topology is created below
   from mtp_jax.runtime import tpu_flags  # pylint: disable=g-import-not-at-top
   tpu_flags.apply()
-  from mtp_jax.train import aot  # pylint: disable=g-import-not-at-top
+  from mtp_jax.train.aot import devices, figures, programs  # pylint: disable=g-import-not-at-top
+  from mtp_jax.train.aot import report as report_lib  # pylint: disable=g-import-not-at-top
   cache = args.cache_dir
   if cache is None:
     cache = os.path.join(os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'),
                          'mtp_jax', 'aot')
   log = (lambda s: print(s, file=sys.stderr)) if args.json else print
   try:
-    topo = aot.parse_topology(args.topology, args.num_slices)
-    report = aot.compile_report(config, topo, programs, decode_batch=args.decode_batch,
-                                decode_tokens=args.decode_tokens, log=log,
-                                dump_dir=args.dump_hlo, cache_dir=cache or None)
+    topo = devices.parse_topology(args.topology, args.num_slices)
+    report = programs.compile_report(config, topo, wanted, decode_batch=args.decode_batch,
+                                     decode_tokens=args.decode_tokens, log=log,
+                                     dump_dir=args.dump_hlo, cache_dir=cache or None)
     if args.json:
       print(json.dumps(report, indent=1, default=str))
     else:
-      print(aot.format_report(report))
-    aot.check_fits(report, topo)
+      print(report_lib.format_report(report))
+    figures.check_fits(report, topo)
   except Exception as e:  # pylint: disable=broad-except
     return cli.report_expected(e)
   return 0

@@ -5,10 +5,18 @@
 - sampling.py: `Sampling` (temperature, top-k, top-p) and the acceptance rule.
 - tree.py: tree drafting (`Decoder(model, tree='3,2,1')`): tree windows, acceptance.
 - generate.py: `decode_workdir`, decoding with a training workdir's newest model.
-"""
-from mtp_jax.decode.decoder import Decoder, DecodeResult, check_request, clear_compiled
-from mtp_jax.decode.generate import decode_workdir, read_prompts, token_sources
-from mtp_jax.decode.sampling import Sampling
 
-__all__ = ['DecodeResult', 'Decoder', 'Sampling', 'check_request', 'clear_compiled',
-           'decode_workdir', 'read_prompts', 'token_sources']
+Public names load lazily (mtp_jax/exports.py), as in every sub-package.
+"""
+from mtp_jax.exports import lazy
+
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    'DecodeResult': 'decoder',
+    'Decoder': 'decoder',
+    'Sampling': 'sampling',
+    'check_request': 'decoder',
+    'clear_compiled': 'decoder',
+    'decode_workdir': 'generate',
+    'read_prompts': 'generate',
+    'token_sources': 'generate',
+})

@@ -12,11 +12,11 @@ import os
 import numpy as np
 
 import mtp_jax.decode.tree as tree_lib
-from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import train_state
+from mtp_jax.checkpoint.reader import load_workdir
 from mtp_jax.data import tokenizers
 from mtp_jax.decode.decoder import Decoder, DecodeResult, check_request
 from mtp_jax.errors import RequestError
+from mtp_jax.train_state.restore import restore_model_at
 
 
 # -- prompts and a workdir, end to end (scripts/decode.py) --------------------------------------
@@ -74,7 +74,7 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   check_request([[0]], max_new_tokens, temperature, top_k, top_p)
   if tree is not None:
     tree = tree_lib.parse_tree(tree)
-  config, step = ckpt_lib.load_workdir(workdir)
+  config, step = load_workdir(workdir)
   mtp_depth = int(config.model.mtp.depth)
   if mode != 'ar' and mtp_depth == 0:
     raise RequestError(f'--mode {mode} needs MTP modules, but the checkpoint in {workdir!r} has '
@@ -88,7 +88,7 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   check_request(ids, max_new_tokens, temperature, top_k, top_p,
                 vocab_size=config.model.vocab_size, max_len=max_len)
 
-  model, step = train_state.restore_model_at(config, workdir, step, fallback=True)
+  model, step = restore_model_at(config, workdir, step, fallback=True)
   decoder = Decoder(model)
   modes = ['ar', 'spec'] if mode == 'compare' else [mode]
   drafts = {'ar': 0, 'spec': mtp_depth if num_drafts is None else num_drafts}

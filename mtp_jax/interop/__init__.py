@@ -6,17 +6,21 @@
   tokenizer.
 - layouts.py: the tensor-name tables of each layout; hf_config.py: config.json <-> config.
 - safetensors_io.py: reading and writing the files; fp8.py: DeepSeek-V3's block scales.
-"""
-from mtp_jax.interop.export import (
-                                    LAYOUTS,
-                                    export_model,
-                                    export_workdir,
-                                    model_params,
-                                    to_hf_tensors,
-)
-from mtp_jax.interop.hf import apply_to_config, check_weights, load_dir, load_model, params_from_hf
-from mtp_jax.interop.safetensors_io import InteropError
 
-__all__ = ['InteropError', 'LAYOUTS', 'apply_to_config', 'check_weights', 'export_model',
-           'export_workdir', 'load_dir', 'load_model', 'model_params', 'params_from_hf',
-           'to_hf_tensors']
+Public names load lazily (mtp_jax/exports.py), as in every sub-package.
+"""
+from mtp_jax.exports import lazy
+
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    'InteropError': 'safetensors_io',
+    'LAYOUTS': 'export',
+    'apply_to_config': 'hf',
+    'check_weights': 'hf',
+    'export_model': 'export',
+    'export_workdir': 'export',
+    'load_dir': 'hf',
+    'load_model': 'hf',
+    'model_params': 'export',
+    'params_from_hf': 'hf',
+    'to_hf_tensors': 'export',
+})

@@ -24,11 +24,12 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 import mtp_jax.interop.fp8 as fp8_lib
 import mtp_jax.interop.hf_config as hf_config
 import mtp_jax.interop.layouts as layouts
-from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import train_state
+from mtp_jax.checkpoint.reader import load_workdir, path_names
 from mtp_jax.data import tokenizers
 from mtp_jax.interop.safetensors_io import SHARD_BYTES, InteropError, write_dir
-from mtp_jax.model import ModelArgs, MTPModel, moe
+from mtp_jax.model import moe
+from mtp_jax.model.mtp import ModelArgs, MTPModel
+from mtp_jax.train_state.restore import restore_model_at
 
 LAYOUTS = layouts.LAYOUTS
 # A Hugging Face trunk's tokenizer files, copied when present.
@@ -42,7 +43,7 @@ BYTE_SPECIALS = {'<|pad|>': tokenizers.PAD_ID, '<|eos|>': tokenizers.EOS_ID}
 def model_params(model: MTPModel) -> dict:
   """{path (str keys, no '.value' leaf): numpy array} of the Params and routing biases."""
   state = nnx.state(model, nnx.Any(nnx.Param, moe.RoutingBias))
-  return {ckpt_lib.path_names(p)[:-1]: np.asarray(x)
+  return {path_names(p)[:-1]: np.asarray(x)
           for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
@@ -171,12 +172,12 @@ def export_workdir(workdir: str, directory: str, layout: str, *, step: int | Non
   if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
     raise InteropError(f'--out {directory!r} exists and is not an empty directory')
   kw = {} if notify is None else {'notify': notify}
-  config, newest = ckpt_lib.load_workdir(workdir, step, **kw)
+  config, newest = load_workdir(workdir, step, **kw)
   args = ModelArgs.from_config(config)
   layouts.check_layout(args, layout)
   if fp8 and layout != 'deepseek_v3':
     raise InteropError(f'--fp8 is the deepseek_v3 layout\'s weight format; {layout} has none')
-  model, step = train_state.restore_model_at(config, workdir, newest, fallback=step is None, **kw)
+  model, step = restore_model_at(config, workdir, newest, fallback=step is None, **kw)
   tensors = export_model(model, directory, layout, fp8=fp8, shard_bytes=shard_bytes,
                          data_config=config.data, max_positions=config.model.max_positions
                          or max(4096, config.data.seq_len))

@@ -33,11 +33,11 @@ import mtp_jax.interop.fp8 as fp8_lib
 import mtp_jax.interop.hf_config as hf_config
 import mtp_jax.interop.layouts as layouts
 from mtp_jax import config_lib
-from mtp_jax.checkpoint import path_names
+from mtp_jax.checkpoint.reader import path_names
 from mtp_jax.data import tokenizers
 from mtp_jax.interop.safetensors_io import InteropError, MemoryReader, Reader
-from mtp_jax.model import ModelArgs, MTPModel
-from mtp_jax.train_state import HF_PREFIX, InitFrom
+from mtp_jax.model.mtp import ModelArgs, MTPModel
+from mtp_jax.train_state.init_from import HF_PREFIX, InitFrom
 
 PREFIX = HF_PREFIX
 SUPPORTED = hf_config.ARCHITECTURES

@@ -9,35 +9,21 @@
 - moe.py, moe_exchange.py: the mixture-of-experts block and its token exchange.
 - decode_ops.py: the KV-cache operations the decoder calls.
 
-Nothing here reads or writes checkpoints (mtp_jax.checkpoint) or builds an optimizer
-(mtp_jax.train_state).
+Nothing here reads or writes checkpoints (mtp_jax.checkpoint), builds an optimizer
+(mtp_jax.train_state) or reads a tokenizer (mtp_jax.data). Public names load lazily
+(mtp_jax/exports.py), as in every sub-package.
 """
-import warnings as _warnings
+from mtp_jax.exports import lazy
 
-from mtp_jax.data import tokenizers as _tokenizers
-from mtp_jax.model.mtp import (
-  ATTENTION_KINDS,
-  MAX_DRAFTS,
-  MLP_KINDS,
-  MTP_KINDS,
-  ModelArgs,
-  MTPModel,
-  ParallelHead,
-  SequentialMTP,
-  SharedHead,
-  count_params,
-)
-
-__all__ = ['ATTENTION_KINDS', 'MAX_DRAFTS', 'MLP_KINDS', 'MTP_KINDS', 'MTPModel', 'ModelArgs',
-           'ParallelHead', 'SequentialMTP', 'SharedHead', 'count_params']
-
-
-def __getattr__(name: str):
-  # The flat layout's mtp_jax.model.resolve_vocab_size returned the int; the function of
-  # that name in mtp_jax.data now fills config.model.vocab_size and returns the config.
-  if name == 'resolve_vocab_size':
-    _warnings.warn('mtp_jax.model.resolve_vocab_size moved to mtp_jax.data.model_vocab_size '
-                   '(the int); mtp_jax.data.resolve_vocab_size now sets config.model.vocab_size '
-                   'and returns the config', DeprecationWarning, stacklevel=2)
-    return _tokenizers.model_vocab_size
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    'ATTENTION_KINDS': 'mtp',
+    'MAX_DRAFTS': 'mtp',
+    'MLP_KINDS': 'mtp',
+    'MTPModel': 'mtp',
+    'MTP_KINDS': 'mtp',
+    'ModelArgs': 'mtp',
+    'ParallelHead': 'mtp',
+    'SequentialMTP': 'mtp',
+    'SharedHead': 'mtp',
+    'count_params': 'mtp',
+})

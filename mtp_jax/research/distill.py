@@ -23,11 +23,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import config_lib, train_state
+from mtp_jax import config_lib
+from mtp_jax.checkpoint.reader import load_workdir
 from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
-from mtp_jax.decode import Decoder, check_request
+from mtp_jax.decode.decoder import Decoder, check_request
 from mtp_jax.errors import RequestError
+from mtp_jax.train_state.restore import restore_model_at
 
 DATA_FILE = 'data.jsonl'
 META_FILE = 'meta.json'
@@ -137,7 +138,7 @@ def self_distill(workdir: str, out_dir: str, settings: Settings,
 
   Returns meta.json's dict. RequestError / ConfigError (one line) before anything compiles.
   """
-  config, step = ckpt_lib.load_workdir(workdir)
+  config, step = load_workdir(workdir)
   override_data(config, data_overrides)
   settings.check(int(config.data.seq_len))
   if os.path.exists(os.path.join(out_dir, DATA_FILE)):
@@ -153,7 +154,7 @@ def self_distill(workdir: str, out_dir: str, settings: Settings,
   tokenizer = tokenizers.get_tokenizer(config.data)
   drawn = draw_prompts(config, tokenizer, settings.num_prompts, settings.prompt_len, split,
                        settings.seed)
-  model, step = train_state.restore_model_at(config, workdir, step, fallback=True)
+  model, step = restore_model_at(config, workdir, step, fallback=True)
   decoder = Decoder(model)
   notify(f'self_distill: {len(drawn)} prompts of {settings.prompt_len} tokens from split '
          f'{split!r}, {settings.max_new_tokens} new tokens each, temperature '

@@ -32,8 +32,8 @@ import numpy as np
 from flax import nnx
 
 import mtp_jax.research.results as results_lib
-from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import config_lib, train_state
+from mtp_jax import config_lib
+from mtp_jax.checkpoint.store import Checkpointer
 from mtp_jax.data import induction, pipeline, tokenizers
 from mtp_jax.errors import RequestError
 from mtp_jax.research.heldout import HeldoutRule, heldout_documents, pack_rows, prompts_from
@@ -42,6 +42,7 @@ from mtp_jax.runtime import sharding
 from mtp_jax.train import evaluation
 from mtp_jax.train import flops as flops_lib
 from mtp_jax.train import steps as steps_lib
+from mtp_jax.train_state.state import init_state
 
 RESULT_VERSION = 1
 
@@ -228,7 +229,7 @@ class Sweep:
       return saved
     config = _resolved(run.config)
     ts = self._setup(run)
-    _, state, _, _ = train_state.init_state(config, ts.mesh, ts.rules)
+    _, state, _, _ = init_state(config, ts.mesh, ts.rules)
     data_iter, next_batch = None, None
     if run.kind == 'lm':
       data_iter = pipeline.make_train_iter(config)
@@ -239,7 +240,7 @@ class Sweep:
       next_batch = lambda step: {k: v for k, v in task.batch(run.seed, step, b).items()  # noqa: E731
                                  if k != 'copy_mask'}
     ckpt_dir = os.path.join(self.workdir, run.group, run.name)
-    ckpt = ckpt_lib.Checkpointer(ckpt_dir, max_to_keep=1, async_save=False)
+    ckpt = Checkpointer(ckpt_dir, max_to_keep=1, async_save=False)
     result = {'curve': [], 'evals': {}, 'train_seconds': 0.0}
     start, window = 0, []  # window: per-depth losses of the steps since the last log line
     if ckpt.latest_step() is not None:

@@ -17,6 +17,7 @@ from mtp_jax.exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
     'MetricWriter': 'metrics',
+    'StepArgs': 'steps',
     'TrainSetup': 'steps',
     'eval_step': 'steps',
     'evaluate_workdir': 'evaluation',

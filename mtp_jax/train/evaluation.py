@@ -25,12 +25,12 @@ from flax import nnx
 
 import mtp_jax.train.loss as loss_lib
 import mtp_jax.train.steps as steps
-from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib
+from mtp_jax.checkpoint.reader import load_workdir, restore_state
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import tokenizers, user_data
-from mtp_jax.decode import Decoder
 from mtp_jax.decode import tree as tree_lib
+from mtp_jax.decode.decoder import Decoder
 from mtp_jax.errors import ConfigError, RequestError
 from mtp_jax.model.mtp import ModelArgs
 from mtp_jax.runtime import sharding
@@ -249,7 +249,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
   if tree:  # the tree itself; what the model can draft is checked once its config is read
     tree_lib.parse_tree(tree)
   explicit = step is not None
-  config, step = ckpt_lib.load_workdir(workdir, step)
+  config, step = load_workdir(workdir, step)
   devices = jax.local_devices() if devices is None else devices
   t, d = config.train, config.data
   split = split or d.eval_split
@@ -276,7 +276,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
 
   ts, state = steps.setup(config, devices)
   # Verified on read; without --step a broken newest step gives way to an older one.
-  restored = ckpt_lib.restore_state(workdir, step, ts.abstract_state, fallback=not explicit)
+  restored = restore_state(workdir, step, ts.abstract_state, fallback=not explicit)
   state, step = restored.state, restored.step
 
   batches = pipeline.make_eval_batches(config, num_batches=eval_batches)

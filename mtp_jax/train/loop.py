@@ -24,9 +24,12 @@ import mtp_jax.train.metrics as metrics_lib
 import mtp_jax.train.resilience as resilience
 import mtp_jax.train.steps as steps
 import mtp_jax.train.watchdog as watchdog_lib
-from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import config_lib, train_state
-from mtp_jax.checkpoint.store import TieredCheckpointer
+from mtp_jax import config_lib
+from mtp_jax.checkpoint import compat as ckpt_compat
+from mtp_jax.checkpoint import integrity as ckpt_integrity
+from mtp_jax.checkpoint import partial as ckpt_partial
+from mtp_jax.checkpoint import reader as ckpt_reader
+from mtp_jax.checkpoint import store as ckpt_store
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import pipeline, tokenizers
 from mtp_jax.interop import hf
@@ -35,7 +38,8 @@ from mtp_jax.model import mtp as model_lib
 from mtp_jax.runtime import compile_cache, profiling, sharding, signals
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train.metrics import metric_key
-from mtp_jax.train_state import InitFrom
+from mtp_jax.train_state.init_from import InitFrom
+from mtp_jax.train_state.state import abstract_train_state
 
 
 class _Window:
@@ -128,7 +132,7 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
 
   config_dict = json.loads(config.to_json_best_effort())
   # train.checkpoint_dir: a URL (gs://...) goes to orbax untouched; the workdir stays local.
-  checkpoints_dir = (ckpt_lib.location(config.train.checkpoint_dir)
+  checkpoints_dir = (ckpt_store.location(config.train.checkpoint_dir)
                      if config.train.checkpoint_dir else os.path.join(workdir, 'checkpoints'))
   local_dir = os.path.abspath(os.path.expanduser(
       config.train.local_checkpoint_dir or os.path.join(workdir, 'local_checkpoints')))
@@ -139,7 +143,7 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
           'train.local_checkpoint_every: the local checkpoint tier is for single-process jobs '
           '(each host of a multi-process job would hold only its own shards); set it to 0')
     data_changes = _check_resumable(config, config_dict,
-                                    ckpt_lib.CheckpointReader(checkpoints_dir), init_from,
+                                    ckpt_reader.CheckpointReader(checkpoints_dir), init_from,
                                     workdir, new_data)
     decode_prompts = evaluation.training_prompts(config, tokenizer)  # [] when off
   except BaseException:
@@ -150,10 +154,10 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
   checkpointer = None
   try:
     # Only under the lock: the writer's start-up removes incomplete saves.
-    checkpointer = ckpt_lib.Checkpointer(checkpoints_dir, max_to_keep=config.train.max_to_keep,
-                                         async_save=config.train.async_checkpoint)
+    checkpointer = ckpt_store.Checkpointer(checkpoints_dir, max_to_keep=config.train.max_to_keep,
+                                           async_save=config.train.async_checkpoint)
     if config.train.local_checkpoint_every:  # the emergency tier on this host's disk
-      checkpointer = TieredCheckpointer(checkpointer, ckpt_lib.Checkpointer(
+      checkpointer = ckpt_store.TieredCheckpointer(checkpointer, ckpt_store.Checkpointer(
           local_dir, max_to_keep=2, async_save=config.train.async_checkpoint))
     if checkpointer.incomplete:
       notify(f'Ignoring incomplete checkpoint save(s) left by an interrupted run: '
@@ -254,7 +258,7 @@ def _lock_workdir(workdir: str, is_main: bool, notify) -> resilience.WorkdirLock
   return lock
 
 
-def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader,
+def _check_resumable(config, config_dict, reader: ckpt_reader.CheckpointReader,
                      init_from: InitFrom | None, workdir: str, new_data: bool) -> list[str]:
   """ConfigError / WorkdirError, before anything compiles, for a run that cannot start:
   a checkpoint of another config (or data stream, without new_data), an unusable
@@ -267,23 +271,23 @@ def _check_resumable(config, config_dict, reader: ckpt_lib.CheckpointReader,
       meta = reader.read_meta(s)
     except Exception:  # pylint: disable=broad-except
       continue  # unreadable: restore_latest_good reports it and falls back
-    data_changes = ckpt_lib.check_compatible(meta.get('config', {}), config_dict,
-                                             reader.directory, new_data)
+    data_changes = ckpt_compat.check_compatible(meta.get('config', {}), config_dict,
+                                                reader.directory, new_data)
     break
   if init_from is not None and not steps_saved:
     if init_from.kind == 'hf':  # every tensor's name, shape and dtype, none read
       hf.check_weights(init_from.path, model_lib.ModelArgs.from_config(config))
     else:
       # Quiet: init_from reports a broken step it skips once, when it loads.
-      ckpt_lib.check_init_from(init_from.path, config, config_dict, notify=lambda text: None)
+      ckpt_partial.check_init_from(init_from.path, config, config_dict, notify=lambda text: None)
   if config.model.mtp.freeze_trunk and not (init_from is not None or steps_saved):
     raise config_lib.ConfigError(
         'model.mtp.freeze_trunk would train MTP modules on a randomly initialised, frozen '
         'trunk: give --init_from=<a trained workdir or checkpoint>')
-  if not ckpt_lib.is_url(reader.directory):  # an object store has no free-space figure
+  if not ckpt_store.is_url(reader.directory):  # an object store has no free-space figure
     resilience.check_disk_space(resilience.existing_parent(reader.directory),
                                 resilience.checkpoint_bytes_estimate(
-                                    train_state.abstract_train_state(config)))
+                                    abstract_train_state(config)))
   return data_changes
 
 
@@ -291,7 +295,7 @@ class _Run:
   """One run's live state; each part of the loop is a method over it."""
 
   def __init__(self, config, config_dict, ts: steps.TrainSetup, state, data_iter,
-               checkpointer: ckpt_lib.Checkpointer, notify):
+               checkpointer: ckpt_store.Checkpointer, notify):
     self.config, self.config_dict, self.ts, self.state = config, config_dict, ts, state
     self.data_iter, self.checkpointer, self.notify = data_iter, checkpointer, notify
     self.window = _Window()
@@ -312,8 +316,8 @@ class _Run:
     self.ledger = goodput_lib.Ledger()  # _start gives the run's own
 
   def _check_meta(self, meta):
-    ckpt_lib.check_compatible(meta.get('config', {}), self.config_dict,
-                              self.checkpointer.directory, self.new_data)
+    ckpt_compat.check_compatible(meta.get('config', {}), self.config_dict,
+                                 self.checkpointer.directory, self.new_data)
 
   def resume(self, init_from: InitFrom | None):
     """The latest good checkpoint of this run, else --init_from's trunk, else a fresh start."""
@@ -338,7 +342,7 @@ class _Run:
       self.state, self.init_desc = hf.init_state(init_from.path, self.config,
                                                  self.state, notify)
     elif init_from is not None:
-      self.state, self.init_desc = ckpt_lib.init_from(
+      self.state, self.init_desc = ckpt_partial.init_from(
           init_from.path, self.config, self.config_dict, self.state, self.ts.abstract_state, notify)
     # Goodput: what an earlier attempt did after this checkpoint (or without one) is redone.
     lost = self.ledger.resume(meta.get('goodput'), goodput_lib.read_side_file(self.workdir))
@@ -376,7 +380,7 @@ class _Run:
     self.ledger.lap('train')
     meta = {'step': int(step), 'config': self.config_dict, 'window': self.window.to_json(),
             'skipped_total': self.monitor.skipped_total, 'goodput': self.ledger.job(),
-            **ckpt_lib.integrity_meta(self.state, self.data_iter)}
+            **ckpt_integrity.integrity_meta(self.state, self.data_iter)}
     if self.init_desc:
       meta['init_from'] = self.init_desc
     kw = {'local': True} if local else {}

@@ -6,12 +6,17 @@ Every depth keeps the static length T; targets of depth k are tokens shifted lef
 its target offset o_k (k + 1 unless model.mtp.target_offsets sets leap targets). Position
 i is valid at depth k only when t_{i+o_k} exists and lies in t_i's document. The weights
 w_k follow lambda's schedule and the depth curriculum (depth_weights): a function of the
-step alone, so the compiled step is the same at every step. loss_chunk = 0: every depth's logits in one [(M+1) B T, V] product (small
-vocabularies: the fastest form, its logits all alive at once); loss_chunk > 0: depth by
-depth in sequence chunks under `jax.checkpoint`, so the [M+1, B, T, V] logits never exist
-at once (not even as saved residuals): the form for large vocabularies.
+step alone, so the compiled step is the same at every step. The loss reads no config: its
+settings are a `LossArgs`, built once where the step is built (train/steps.py, loss_args).
+
+loss_chunk = 0: every depth's logits in one [(M+1) B T, V] product (small vocabularies:
+the fastest form, its logits all alive at once); loss_chunk > 0: depth by depth in
+sequence chunks under `jax.checkpoint`, so the [M+1, B, T, V] logits never exist at once
+(not even as saved residuals): the form for large vocabularies.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +26,35 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
 
-from mtp_jax import config_lib
 from mtp_jax.model import matmul, moe
 from mtp_jax.model.mtp import MTPModel, shift_left, vocab_logits
 from mtp_jax.runtime import sharding
 from mtp_jax.train.metrics import metric_key
 
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LossArgs:
+  """The loss's settings: the resolved config.model.mtp, model.loss_chunk, loss and
+  model.moe fields it reads (train/steps.py's loss_args builds them from a config; the
+  config documents each field). Static: a step is traced with them as Python values."""
+  mtp_depth: int = 0  # M
+  weights: tuple[float, ...] = ()  # explicit w_1..w_M; () = lambda / M
+  lambda_schedule: str = 'step'  # step | linear | cosine
+  lambda_values: tuple[float, ...] = (0.3,)
+  lambda_boundaries: tuple[int, ...] = ()
+  curriculum: str = 'none'  # none | forward | reverse
+  curriculum_phase_steps: int = 0  # P; 0 = total steps / (M + 1)
+  steps: int = 0  # train.steps: the curriculum's S when no total_steps is passed
+  mtp_target_offsets: tuple[int, ...] = ()  # o_1..o_M; () = k + 1
+  chunk: int = 0  # model.loss_chunk
+  mtp_targets: str = 'data'  # data | self | soft
+  balance_weight: float = 0.0  # model.moe.balance_loss_weight
+
+  def target_offsets(self) -> tuple[int, ...]:
+    """(1, o_1, ..., o_M): how far ahead each head predicts, the main head first."""
+    return (1,) + (self.mtp_target_offsets or tuple(range(2, self.mtp_depth + 2)))
 
 
 def _offset(k: int, offsets) -> int:
@@ -90,12 +117,11 @@ def valid_counts(segment_ids_BxT: Array, mtp_depth: int, offsets=None) -> Array:
                     for k in range(mtp_depth + 1)])
 
 
-def lambda_at(config, step) -> Array:
+def lambda_at(args: LossArgs, step) -> Array:
   """lambda at `step` under model.mtp.lambda_schedule (config_lib documents the forms)."""
-  mtp = config.model.mtp
-  values = jnp.asarray(mtp.lambda_values, jnp.float32)
-  bounds = jnp.asarray(mtp.lambda_boundaries, jnp.int32).reshape(-1)
-  kind = config_lib.optional(config, 'model.mtp.lambda_schedule', 'step')
+  values = jnp.asarray(args.lambda_values, jnp.float32)
+  bounds = jnp.asarray(args.lambda_boundaries, jnp.int32).reshape(-1)
+  kind = args.lambda_schedule
   if kind == 'step':
     return values[jnp.searchsorted(bounds, step, side='right')]
   if len(values) == 1:
@@ -109,32 +135,30 @@ def lambda_at(config, step) -> Array:
   return values[j] + (values[j + 1] - values[j]) * frac
 
 
-def curriculum_phase(config) -> tuple[int, int]:
+def curriculum_phase(args: LossArgs) -> tuple[int, int]:
   """(P, k_max) of the depth curriculum: phase length in steps and heads counting the main
   one. P = model.mtp.curriculum_phase_steps, or train.steps / k_max when that is 0 (then
   the phase index floor(s / (S / k_max)) is computed as floor(s k_max / S), exactly)."""
-  k_max = config.model.mtp.depth + 1
-  return int(config_lib.optional(config, 'model.mtp.curriculum_phase_steps', 0)), k_max
+  return args.curriculum_phase_steps, args.mtp_depth + 1
 
 
-def active_depths(config, step, total_steps=None) -> Array:
+def active_depths(args: LossArgs, step, total_steps=None) -> Array:
   """The number a(s) of active MTP depths at step s (depths 1..a(s) are active).
 
   Aynetdinov & Akbik 2025, k(s) heads counting the main one, k_max = M + 1:
     forward  k(s) = min(k_max, floor(s / P) + 1)    a(s) = k(s) - 1
     reverse  k(s) = max(1, k_max - floor(s / P))
-  none: a(s) = M. total_steps: train.steps as a traced value (default: the config's).
+  none: a(s) = M. total_steps: train.steps as a traced value (default: args.steps).
   """
-  mtp_depth = config.model.mtp.depth
-  kind = config_lib.optional(config, 'model.mtp.curriculum', 'none')
+  mtp_depth, kind = args.mtp_depth, args.curriculum
   step = jnp.asarray(step, jnp.int32)
   if kind == 'none' or mtp_depth == 0:
     return jnp.full((), mtp_depth, jnp.int32)
-  phase_steps, k_max = curriculum_phase(config)
+  phase_steps, k_max = curriculum_phase(args)
   if phase_steps:
     phase = step // phase_steps
   else:
-    total = config.train.steps if total_steps is None else total_steps
+    total = args.steps if total_steps is None else total_steps
     phase = (step * k_max) // jnp.maximum(jnp.asarray(total, jnp.int32), 1)
   if kind == 'forward':
     heads = jnp.minimum(k_max, phase + 1)
@@ -143,17 +167,17 @@ def active_depths(config, step, total_steps=None) -> Array:
   return (heads - 1).astype(jnp.int32)
 
 
-def depth_weights(config, step, total_steps=None) -> Array:
+def depth_weights(args: LossArgs, step, total_steps=None) -> Array:
   """[M+1] weights: 1 for the main loss, then w_k (explicit, or lambda / M), times 1 for
   an active depth of the curriculum and 0 for an inactive one (total_steps: active_depths')."""
-  mtp_depth = config.model.mtp.depth
+  mtp_depth = args.mtp_depth
   if mtp_depth == 0:
     return jnp.ones((1,), jnp.float32)
-  if config.model.mtp.weights:
-    w = jnp.asarray(config.model.mtp.weights, jnp.float32)
+  if args.weights:
+    w = jnp.asarray(args.weights, jnp.float32)
   else:
-    w = jnp.full((mtp_depth,), lambda_at(config, step) / mtp_depth, jnp.float32)
-  active = jnp.arange(1, mtp_depth + 1) <= active_depths(config, step, total_steps)
+    w = jnp.full((mtp_depth,), lambda_at(args, step) / mtp_depth, jnp.float32)
+  active = jnp.arange(1, mtp_depth + 1) <= active_depths(args, step, total_steps)
   return jnp.concatenate([jnp.ones((1,), jnp.float32), jnp.where(active, w, 0.0)])
 
 

@@ -13,7 +13,7 @@ import mtp_jax.train.metrics as metrics_lib
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.interop import hf
-from mtp_jax.train_state import InitFrom
+from mtp_jax.train_state.init_from import InitFrom
 
 
 def describe(config, workdir: str, init_from: str | None = None) -> str:

@@ -8,14 +8,20 @@
 - init_from.py: `InitFrom`, the `--init_from` flag parsed once (`hf:DIR` or a checkpoint).
 
 It sits above both `mtp_jax.model` and `mtp_jax.checkpoint`, which know nothing of each other.
-"""
-from mtp_jax.train_state.init_from import HF_PREFIX, InitFrom
-from mtp_jax.train_state.optimizer import build_optimizer, lr_schedule, trainable
-from mtp_jax.train_state.restore import restore_model, restore_model_at
-from mtp_jax.train_state.state import abstract_train_state, create_model_and_optimizer, init_state
 
-__all__ = [
-    'HF_PREFIX', 'InitFrom', 'abstract_train_state', 'build_optimizer',
-    'create_model_and_optimizer', 'init_state', 'lr_schedule', 'restore_model',
-    'restore_model_at', 'trainable',
-]
+Public names load lazily (mtp_jax/exports.py), as in every sub-package.
+"""
+from mtp_jax.exports import lazy
+
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    'HF_PREFIX': 'init_from',
+    'InitFrom': 'init_from',
+    'abstract_train_state': 'state',
+    'build_optimizer': 'optimizer',
+    'create_model_and_optimizer': 'state',
+    'init_state': 'state',
+    'lr_schedule': 'optimizer',
+    'restore_model': 'restore',
+    'restore_model_at': 'restore',
+    'trainable': 'optimizer',
+})

@@ -4,13 +4,13 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax.model import MTPModel
+from mtp_jax.checkpoint.reader import restore_state, warn
+from mtp_jax.model.mtp import MTPModel
 from mtp_jax.train_state.state import create_model_and_optimizer
 
 
 def restore_model_at(config, workdir: str, step: int, *, fallback: bool = False,
-                     notify=ckpt_lib.warn) -> tuple[MTPModel, int]:
+                     notify=warn) -> tuple[MTPModel, int]:
   """(model, step restored) of a workdir's checkpoint `step`, on one device; read-only.
 
   The optimizer state is read too (the fingerprint covers the whole state) and dropped.
@@ -21,12 +21,12 @@ def restore_model_at(config, workdir: str, step: int, *, fallback: bool = False,
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                         abstract_state)
-  restored = ckpt_lib.restore_state(workdir, step, target, fallback=fallback, notify=notify)
+  restored = restore_state(workdir, step, target, fallback=fallback, notify=notify)
   model, _ = nnx.merge(graphdef, restored.state)
   return model, restored.step
 
 
 def restore_model(config, workdir: str, step: int, *, fallback: bool = False,
-                  notify=ckpt_lib.warn) -> MTPModel:
+                  notify=warn) -> MTPModel:
   """The model of checkpoint `step` (see restore_model_at), on one device."""
   return restore_model_at(config, workdir, step, fallback=fallback, notify=notify)[0]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax.model import ModelArgs, MTPModel
+from mtp_jax.checkpoint.store import abstract_like
+from mtp_jax.model.mtp import ModelArgs, MTPModel
 from mtp_jax.runtime import sharding
 from mtp_jax.train_state.optimizer import build_optimizer, trainable
 
@@ -31,5 +31,5 @@ def init_state(config, mesh, rules):
     shardings = sharding.state_shardings(abstract_state, mesh)
     state = jax.jit(lambda: nnx.split(create_model_and_optimizer(config))[1],
                     out_shardings=shardings)()
-  abstract_state = ckpt_lib.abstract_like(abstract_state, shardings)
+  abstract_state = abstract_like(abstract_state, shardings)
   return graphdef, state, shardings, abstract_state

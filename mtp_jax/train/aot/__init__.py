@@ -29,25 +29,33 @@ config's mesh and sharding rules and reads, per chip:
 The modules: devices (accelerator types and their compile-only devices), hlo (reading a
 compiled module), kernels (kernel calls from their shapes), pricing (the op-by-op step
 time), programs (compiling the steps), figures (FLOPs against flops.py, fit, roofline),
-report (the text).
+report (the text). Public names load lazily (mtp_jax/exports.py), as in every sub-package.
 """
-from mtp_jax.train.aot.devices import Topology, parse_topology, topology_devices, traced_for
-from mtp_jax.train.aot.figures import (
-                                       GIB,
-                                       PROGRAMS,
-                                       DoesNotFit,
-                                       attention_core_of,
-                                       check_fits,
-                                       expected_compiled_flops,
-)
-from mtp_jax.train.aot.hlo import COLLECTIVES, ExecutedOp, HloStats, analyze_hlo, read_computations
-from mtp_jax.train.aot.kernels import KernelCall, causal_kept_fraction, kernel_call
-from mtp_jax.train.aot.pricing import price_step
-from mtp_jax.train.aot.programs import compile_report, hlo_text, shard_bytes, spec_text
-from mtp_jax.train.aot.report import format_report
+from mtp_jax.exports import lazy
 
-__all__ = ['COLLECTIVES', 'GIB', 'PROGRAMS', 'DoesNotFit', 'ExecutedOp', 'HloStats', 'KernelCall',
-           'Topology', 'analyze_hlo', 'attention_core_of', 'causal_kept_fraction', 'check_fits',
-           'compile_report', 'expected_compiled_flops', 'format_report', 'hlo_text', 'kernel_call',
-           'parse_topology', 'price_step', 'read_computations', 'shard_bytes', 'spec_text',
-           'topology_devices', 'traced_for']
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    'COLLECTIVES': 'hlo',
+    'DoesNotFit': 'figures',
+    'ExecutedOp': 'hlo',
+    'GIB': 'figures',
+    'HloStats': 'hlo',
+    'KernelCall': 'kernels',
+    'PROGRAMS': 'figures',
+    'Topology': 'devices',
+    'analyze_hlo': 'hlo',
+    'attention_core_of': 'figures',
+    'causal_kept_fraction': 'kernels',
+    'check_fits': 'figures',
+    'compile_report': 'programs',
+    'expected_compiled_flops': 'figures',
+    'format_report': 'report',
+    'hlo_text': 'programs',
+    'kernel_call': 'kernels',
+    'parse_topology': 'devices',
+    'price_step': 'pricing',
+    'read_computations': 'hlo',
+    'shard_bytes': 'programs',
+    'spec_text': 'programs',
+    'topology_devices': 'devices',
+    'traced_for': 'devices',
+})

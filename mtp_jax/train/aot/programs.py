@@ -24,18 +24,19 @@ from flax import nnx
 
 import mtp_jax.train.aot.figures as figures
 import mtp_jax.train.aot.pricing as pricing
-from mtp_jax import checkpoint as ckpt_lib
-from mtp_jax import config_lib, train_state
+from mtp_jax import config_lib
+from mtp_jax.checkpoint.store import abstract_like
 from mtp_jax.data import tokenizers
 from mtp_jax.decode import decoder as decoder_lib
 from mtp_jax.decode.sampling import Sampling
 from mtp_jax.errors import RequestError
-from mtp_jax.model import ModelArgs, MTPModel
+from mtp_jax.model.mtp import ModelArgs, MTPModel
 from mtp_jax.runtime import sharding
 from mtp_jax.train import steps
 from mtp_jax.train.aot.devices import Topology, no_jax_cache, topology_devices, traced_for
 from mtp_jax.train.aot.figures import GIB, PROGRAMS, DoesNotFit
 from mtp_jax.train.aot.hlo import analyze_hlo
+from mtp_jax.train_state.state import create_model_and_optimizer
 
 try:  # jaxlib's HLO print options (not public API; without them large constants read {...})
   from jaxlib import _hlo as _hlo_print
@@ -255,26 +256,27 @@ def _train_and_eval(config, devices, topo, programs, log) -> dict:
   rules = sharding.rules_of(config)
   out = {'mesh': dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape)))}
   with sharding.use_mesh(mesh, rules):
-    abstract = nnx.eval_shape(lambda: train_state.create_model_and_optimizer(config))
+    abstract = nnx.eval_shape(lambda: create_model_and_optimizer(config))
     graphdef, abstract_state = nnx.split(abstract)
     shardings = sharding.state_shardings(abstract_state, mesh)
-  abstract_state = ckpt_lib.abstract_like(abstract_state, shardings)
+  abstract_state = abstract_like(abstract_state, shardings)
   out.update(_state_summary(abstract_state, shardings))
   hint = 'largest parameters per chip (x3 with the Adam moments): ' + ', '.join(
       f'{p} {out["params"][p]["bytes_per_chip"] / GIB:.2f} GiB' for p in out['largest_params'][:3])
   batch, batch_shardings = _batch_structs(config, mesh)
   out['batch_bytes'] = sum(shard_bytes(x) for x in batch.values())
   rep = sharding.replicated(mesh)
+  args = steps.StepArgs.from_config(config)
   with sharding.use_mesh(mesh, rules):
     if 'train' in programs:
       # the jit of steps.setup: explicit shardings, the state donated
-      fn = jax.jit(functools.partial(steps.train_step, config, graphdef),
+      fn = jax.jit(functools.partial(steps.train_step, args, graphdef),
                    in_shardings=(shardings, batch_shardings), out_shardings=(shardings, rep),
                    donate_argnums=0)
       out['train'] = _compiled(fn, (abstract_state, batch), 'train', topo, len(devices), log,
                                hint)
     if 'eval' in programs:
-      fn = jax.jit(functools.partial(steps.eval_step, config, graphdef),
+      fn = jax.jit(functools.partial(steps.eval_step, args, graphdef),
                    in_shardings=(shardings, batch_shardings, rep), out_shardings=rep)
       vocab = jax.ShapeDtypeStruct((config.model.vocab_size,), jnp.int32, sharding=rep)
       out['eval'] = _compiled(fn, (abstract_state, batch, vocab), 'eval', topo, len(devices),
