@@ -162,6 +162,9 @@ def test_loss_settings_are_read_once_and_older_configs_take_the_defaults():
   assert loss_args(config) == current
   config.model.mtp.target_offsets = (2, 4, 5)
   assert loss_args(config).target_offsets() == (1, 2, 4, 5)
+  config.model.mtp.target_offsets = ()
+  config.model.mtp.kind = 'top'
+  assert loss_args(config).target_offsets() == (1, 1, 1, 1)  # TOP ranks from the next token
   tree = ast.parse(pathlib.Path(loss_lib.__file__).read_text(encoding='utf-8'))
   imported = [ast.dump(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
   names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
