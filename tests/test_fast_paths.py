@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from helpers import load_config, tiny_model_config
+from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.model import attention as attn_lib
 from mtp_jax.model import layers
@@ -202,3 +203,47 @@ def test_rms_norm_custom_vjp_matches_library_norm(remat):
   for a, r in zip(got_g, ref_g):
     np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-5, atol=2e-6)
 
+
+
+def _primitives(jaxpr, names) -> dict:
+  """How often each primitive of `names` appears in a jaxpr and the jaxprs nested in it."""
+  count = dict.fromkeys(names, 0)
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in count:
+      count[eqn.primitive.name] += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        inner = getattr(sub, 'jaxpr', sub)
+        if isinstance(inner, jax.extend.core.Jaxpr):
+          for k, v in _primitives(inner, names).items():
+            count[k] += v
+  return count
+
+
+def test_remat_policies_keep_what_they_name_and_change_no_gradient():
+  """Every model.remat policy gives the loss and gradients of no remat (M = 1, scanned
+  layers); the block policies that keep the norms' outputs recompute no RMSNorm (rsqrt) in
+  the backward pass, those that keep the SwiGLU product no SiLU (logistic)."""
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 16)), jnp.int32)
+  batch = {'tokens': tokens, 'segment_ids': jnp.ones((2, 16), jnp.int32),
+           'positions': jnp.tile(jnp.arange(16, dtype=jnp.int32), (2, 1))}
+  out, counts = {}, {}
+  for remat in config_lib.REMAT_POLICIES:
+    c = tiny_model_config(1, remat=remat, scan_layers=True, attention_core='xla')
+    graphdef, state = nnx.split(
+        MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(c)), rngs=nnx.Rngs(0)))
+
+    def f(state):
+      return loss_lib.loss_and_metrics(nnx.merge(graphdef, state), batch, jnp.array([1., .3]))[0]
+    out[remat] = jax.jit(jax.value_and_grad(f))(state)
+    counts[remat] = _primitives(jax.make_jaxpr(jax.grad(f))(state).jaxpr, ('rsqrt', 'logistic'))
+  for loss, grads in out.values():
+    np.testing.assert_allclose(loss, out['none'][0], rtol=1e-6)
+    for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(out['none'][1])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-7)
+  none, block = counts['none'], counts['block']
+  # block recomputes the trunk block's and the MTP block's 2 norms and 1 SiLU each
+  assert block['rsqrt'] >= none['rsqrt'] + 4 and block['logistic'] >= none['logistic'] + 2
+  assert counts['block_norms'] == {'rsqrt': none['rsqrt'], 'logistic': block['logistic']}
+  assert counts['block_mlp'] == {'rsqrt': block['rsqrt'], 'logistic': none['logistic']}
+  assert counts['block_inputs'] == none

@@ -28,7 +28,7 @@ import re
 import sys
 
 import mtp_jax.train.aot.kernels as kernels_lib
-from mtp_jax.train.aot.hlo_text import (
+from mtp_jax.train.aot.hlo_read import (
   arrays,
   gemm_flops,
   matmul_flops,
@@ -38,6 +38,7 @@ from mtp_jax.train.aot.hlo_text import (
   type_bytes,
 )
 
+BYTES = kernels_lib.BYTES
 COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'ragged-all-to-all',
                'collective-permute')
 _CALLS = re.compile(r'\b(calls|to_apply|body|condition|true_computation|false_computation)='
