@@ -33,7 +33,7 @@ from mtp_jax.runtime.sharding import constrain
 Array = jax.Array
 # Names of activations a remat policy may keep beyond the weight-matmul outputs
 # (mtp.remat_policy): each block's two RMSNorm outputs (the q/k/v and gate/up matmuls'
-# input) and the SwiGLU product (the down projection's input).
+# input) with their row rsqrt and the SwiGLU product (the down projection's input).
 NORM_SAVED_NAME = 'block_norm_out'
 MLP_SAVED_NAME = 'mlp_hidden'
 
@@ -62,7 +62,9 @@ def rms_normalize_vjp(x_BTxD: Array, scale_D: Array, eps: float, dtype) -> Array
 
 def _rms_vjp_fwd(x, scale, eps, dtype):
   r = jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + eps)
-  return jnp.asarray(x * (r * scale), dtype), (x, r, scale)
+  # the row rsqrt [..., 1] is named with the norm's output: a policy that keeps both
+  # recomputes nothing of the norm in the backward pass
+  return jnp.asarray(x * (r * scale), dtype), (x, checkpoint_name(r, NORM_SAVED_NAME), scale)
 
 
 def _rms_vjp_bwd(eps, dtype, res, dy):

@@ -206,8 +206,8 @@ def remat_policy(name: str):
                 log-sum-exp); recompute the norms, the SwiGLU product and, where that core
                 is not used, RoPE and the attention scores and softmax.
   block_norms:  block, and the two RMSNorm outputs of each block (the inputs of the
-                q/k/v and gate/up matmuls: their weight gradients need them): no norm is
-                recomputed ([B, T, D] twice per layer more).
+                q/k/v and gate/up matmuls: their weight gradients need them) with their
+                row rsqrt: no norm is recomputed ([B, T, D] twice per layer more).
   block_mlp:    block, and the SwiGLU product (the down projection's input): [B, T, F]
                 per layer more.
   block_inputs: both: every weight matmul's input and output is kept.
