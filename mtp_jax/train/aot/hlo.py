@@ -57,6 +57,10 @@ _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _GPU_TIME = re.compile(r'"exec_time_us":"?([\d.eE+\-]+)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _MATMUL_OPS = ('convolution', 'dot')
+# what a fusion around a collective holds besides it (no work of its own)
+_COLLECTIVE_WRAPPING = {'parameter', 'constant', 'bitcast', 'tuple', 'get-tuple-element',
+                        'custom-call', 'dynamic-slice', 'partition-id', 'multiply', 'add',
+                        'convert', 'copy', 'reshape'}
 
 
 @dataclasses.dataclass
@@ -173,7 +177,7 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
   mult = _multiplicities(calls, root)
   runs = _multiplicities(control, root)
   fused = {}  # fusion body -> ([bytes read per parameter or None], bytes written or None)
-  collective_of = {}  # fusion body -> (collective kind, its instruction's text) or None
+  collective_of = {}  # fusion body -> _FusedCollective or None
 
   for name, body in comps.items():
     k = mult.get(name, 0.0)
@@ -183,18 +187,27 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
     executed = stats.executed.setdefault(name, []) if k_bytes else None
     done_of = {}
     if k_bytes:
+      # an asynchronous collective fusion's start waits for the done of its channel
+      started_on = {}
       for iname, _, op, rest, _ in body:
         if op.endswith('-done'):
           started = operands(rest)
           if started:
             done_of[started[0]] = iname
+        fc = _fused_collective(op, rest, comps, collective_of)
+        if fc and fc.channel and fc.role == 'start':
+          started_on[fc.channel] = iname
+        elif fc and fc.channel in started_on and fc.role == 'done':
+          done_of[started_on.pop(fc.channel)] = iname
+    channels = set()  # collectives counted in this computation, by channel id
     for iname, typ, op, rest, _ in body:
       moved, flops, kind = 0.0, 0.0, op
       target = (_TARGET.search(rest) or [None, ''])[1] if op == 'custom-call' else ''
       if op == 'custom-call':
         kind = f'custom-call {target}'
+      fc = _fused_collective(op, rest, comps, collective_of)
       if (k_bytes and op not in _NO_BYTES and not op.endswith('-done')
-          and target not in _NO_BYTES_TARGETS):
+          and target not in _NO_BYTES_TARGETS and not (fc and fc.role == 'done')):
         moved = _op_bytes(op, typ, rest, shapes, comps, fused)
       if op in ('convolution', 'dot'):
         flops = matmul_flops(op, typ, rest, shapes)
@@ -223,11 +236,17 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
       stats.hbm_bytes_once += moved
       if op == 'conditional':
         stats.conditionals += 1
-      coll = _collective(op, typ, rest, shapes, comps, collective_of, num_devices)
+      coll = _collective(op, typ, rest, shapes, fc, num_devices)
+      if fc and fc.channel:  # one collective, however many fusions carry a step of it
+        coll = None if fc.channel in channels else coll
+        channels.add(fc.channel)
       ici = 0.0
+      if fc and fc.role != 'start':  # a matmul carrying a collective's steps, or its done
+        kind = f'{fc.kind} done' if fc.role == 'done' else _fusion_kind(rest, comps)
       if coll:
-        kind, full, n, ici = coll
-        entry_c = stats.collectives.setdefault(kind, {'count': 0.0, 'bytes': 0.0,
+        base, full, n, ici = coll
+        kind = kind if fc and fc.role == 'step' else base
+        entry_c = stats.collectives.setdefault(base, {'count': 0.0, 'bytes': 0.0,
                                                       'ici_bytes': 0.0, 'by_group': {}})
         entry_c['count'] += k_bytes
         entry_c['bytes'] += k_bytes * full
@@ -235,14 +254,14 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
         group = entry_c['by_group'].setdefault(str(n), {'count': 0.0, 'bytes': 0.0})
         group['count'] += k_bytes
         group['bytes'] += k_bytes * full
-      elif op == 'fusion':
+      elif op == 'fusion' and not fc:
         kind = _fusion_kind(rest, comps)
       cycles = _CYCLES.search(rest)
       source = _OP_NAME.search(rest)
       gpu_time = _GPU_TIME.search(rest)
       executed.append(ExecutedOp(iname, op, kind, k_bytes,
                                  int(cycles.group(1)) if cycles else None, flops, moved, ici,
-                                 done_of.get(iname) if op.endswith('-start') else None,
+                                 done_of.get(iname),
                                  source.group(1) if source else '',
                                  float(gpu_time.group(1)) * 1e-6 if gpu_time else None,
                                  tuple(runs_code.get(iname, ()))))
@@ -273,34 +292,63 @@ def _fusion_kind(rest: str, comps: dict) -> str:
   return 'loop fusion'
 
 
-def _collective(op: str, typ: str, rest: str, shapes: dict, comps: dict, cache: dict,
-                num_devices: int):
-  """(kind, bytes of the whole array, devices in a group, ICI bytes per chip) of a collective
-  op, a fusion or async op wrapping one, else None.
+@dataclasses.dataclass
+class _FusedCollective:
+  """The collective a fusion (or async wrapper) runs, and the fusion's part in it.
 
-  The TPU compiler writes a reduce-scatter as a fusion of an all-reduce and the dynamic
-  slice each chip keeps; the array's bytes are the larger of what goes in and what comes
-  out (an all-gather's result, a reduce-scatter's operand), summed over the arrays a
-  combined collective moves; a ragged all-to-all's are its output buffer's."""
+  With the TPU's asynchronous collective fusion flags one collective is a chain of fusions
+  sharing its channel id: a start (the body's root an AsyncCollectiveStart call), matmul
+  fusions that carry its steps beside their own work, and a done (AsyncCollectiveDone).
+  The TPU compiler also writes a reduce-scatter as a fusion of an all-reduce and the slice
+  each chip keeps."""
+  kind: str  # all-gather, reduce-scatter, all-reduce, ...
+  typ: str  # the collective instruction's own result type
+  rest: str  # ... and the rest of its text (operands, replica groups)
+  channel: str  # its channel id ('' where it has none)
+  role: str  # 'start', 'done', 'step' (a fusion doing other work too) or 'whole'
+
+
+def _fused_collective(op: str, rest: str, comps: dict, cache: dict):
+  """The _FusedCollective of a fusion or async op whose body runs a collective, else None."""
+  if op not in ('fusion', 'async-start'):
+    return None
+  callee = re.search(r'calls=%([\w.\-]+)', rest)
+  if not callee:
+    return None
+  name = callee.group(1)
+  if name not in cache:
+    body = _body_ops(comps, name)
+    unstarted = lambda o: o[:-len('-start')] if o.endswith('-start') else o  # noqa: E731
+    found = next(((unstarted(o), t, r) for o, t, r in body if unstarted(o) in COLLECTIVES),
+                 None)
+    if found is None:
+      cache[name] = None
+      return None
+    kind, typ, inner = found
+    root = next(((o, r) for _, _, o, r, is_root in comps[name] if is_root), ('', ''))
+    target = (_TARGET.search(root[1]) or [None, ''])[1] if root[0] == 'custom-call' else ''
+    if kind == 'all-reduce' and (root[0] == 'dynamic-slice' or 'scatter' in name.lower()):
+      kind = 'reduce-scatter'
+    work = {o for o, _, _ in body} - _COLLECTIVE_WRAPPING - set(COLLECTIVES)
+    role = ('start' if target == 'AsyncCollectiveStart' else
+            'done' if target == 'AsyncCollectiveDone' else
+            'step' if work.intersection(_MATMUL_OPS + ('reduce',)) else 'whole')
+    channel = re.search(r'channel_id=(\d+)', inner)
+    cache[name] = _FusedCollective(kind, typ, inner, channel.group(1) if channel else '', role)
+  return cache[name]
+
+
+def _collective(op: str, typ: str, rest: str, shapes: dict, fc, num_devices: int):
+  """(kind, bytes of the whole array, devices in a group, ICI bytes per chip) of a collective
+  op or of the collective a fusion runs (fc: _fused_collective's), else None.
+
+  The array's bytes are the larger of what goes in and what comes out (an all-gather's
+  result, a reduce-scatter's operand), summed over the arrays a combined collective moves,
+  read from the collective instruction itself (a fusion's operands and results also hold
+  its other work's); a ragged all-to-all's are its output buffer's."""
   base = op[:-len('-start')] if op.endswith('-start') else op
-  inner_rest = rest
-  if base in ('fusion', 'async'):
-    callee = re.search(r'calls=%([\w.\-]+)', rest)
-    if not callee:
-      return None
-    if callee.group(1) not in cache:
-      body = _body_ops(comps, callee.group(1))
-      found = next(((o[:-len('-start')] if o.endswith('-start') else o, r)
-                    for o, _, r in body if (o[:-len('-start')] if o.endswith('-start') else o)
-                    in COLLECTIVES), None)
-      if found and found[0] == 'all-reduce':
-        root = next((o for n, _, o, _, is_root in comps[callee.group(1)] if is_root), '')
-        if root == 'dynamic-slice' or 'scatter' in callee.group(1).lower():
-          found = ('reduce-scatter', found[1])
-      cache[callee.group(1)] = found
-    if cache[callee.group(1)] is None:
-      return None
-    base, inner_rest = cache[callee.group(1)]
+  if fc is not None:
+    base, typ, rest = fc.kind, fc.typ, fc.rest
   elif base not in COLLECTIVES or op.endswith('-done'):
     return None
   if base == 'ragged-all-to-all':  # (input, output buffer, offsets and sizes)
@@ -308,10 +356,10 @@ def _collective(op: str, typ: str, rest: str, shapes: dict, comps: dict, cache: 
   else:
     result = float(type_bytes(typ))
     operand = float(sum(type_bytes(shapes.get(o, '')) for o in operands(rest)))
-    if op.endswith('-start'):  # (operands, results, context): the results are what is left
+    if op.endswith('-start') and fc is None:  # (operands, results, context): the results
       result = max(0.0, result - operand)
     full = max(result, operand)
-  n = max(_group_size(inner_rest, num_devices), 1)
+  n = max(_group_size(rest, num_devices), 1)
   frac = (n - 1) / n
   ici = {'all-gather': full * frac, 'reduce-scatter': full * frac, 'all-reduce': 2 * full * frac,
          'all-to-all': full * frac, 'ragged-all-to-all': full * frac,
