@@ -188,12 +188,9 @@ def vocab_logits(norm, h_BxTxD: Array, w_DxV: Array) -> Array:
 
 
 # what each block policy keeps beyond `block`'s (layers: the names Block and MLP give them)
-_KEPT_BEYOND_BLOCK = {
-    'block': (),
-    'block_norms': (layers.NORM_SAVED_NAME,),
-    'block_mlp': (layers.MLP_SAVED_NAME,),
-    'block_inputs': (layers.NORM_SAVED_NAME, layers.MLP_SAVED_NAME),
-}
+_KEPT_BEYOND_BLOCK = {'block': (), 'block_norms': (layers.NORM_SAVED_NAME,),
+                      'block_mlp': (layers.MLP_SAVED_NAME,),
+                      'block_inputs': (layers.NORM_SAVED_NAME, layers.MLP_SAVED_NAME)}
 
 
 def remat_policy(name: str):
