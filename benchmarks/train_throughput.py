@@ -55,7 +55,7 @@ from mtp_jax.runtime import distributed, sharding  # noqa: E402
 from mtp_jax.runtime import peak as peak_lib  # noqa: E402
 from mtp_jax.train import flops as flops_lib  # noqa: E402
 from mtp_jax.train import steps as steps_lib  # noqa: E402
-from mtp_jax.train.aot.hlo import cpu_dot_forms  # noqa: E402
+from mtp_jax.train.aot.hlo_read import cpu_dot_forms  # noqa: E402
 
 NAME = 'train_throughput'
 SECTIONS = ('mfu', 'overhead', 'moe', 'maxtext', 'memory', 'compile', 'ab')

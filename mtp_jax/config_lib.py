@@ -3,7 +3,7 @@
 config/validation.py checks them before anything compiles, raising `ConfigError` naming
 the offending field; the kinds a config may name are config/kinds.py's table).
 """
-from mtp_jax.config.base import base_config
+from mtp_jax.config.base import REMAT_POLICIES, base_config
 from mtp_jax.config.kernel_limits import (
   ATTENTION_CORES,
   TRITON_BLOCKS,
@@ -39,7 +39,7 @@ from mtp_jax.errors import ConfigError
 __all__ = [
     'ATTENTION', 'ATTENTION_CORES', 'ATTENTION_KINDS', 'DATA_SOURCES', 'DEFAULT_RULES',
     'MESH_AXES', 'MLP', 'MLP_KINDS', 'MOE_DISPATCHES', 'MOE_EXCHANGES', 'MTP_HEADS',
-    'MTP_KINDS', 'TRITON_BLOCKS', 'AttentionFacts', 'ConfigError', 'HeadFacts', 'MLPFacts',
+    'MTP_KINDS', 'REMAT_POLICIES', 'TRITON_BLOCKS', 'AttentionFacts', 'ConfigError', 'HeadFacts', 'MLPFacts',
     'attention_kernel_problem', 'base_config', 'check_schema', 'decode_prompt_len',
     'mesh_shape_form', 'optional', 'profile_window', 'require_positive_int',
     'resolved_mesh_shape', 'rope_scaling_tuple', 'target_offsets', 'triton_blocks',

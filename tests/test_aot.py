@@ -446,6 +446,80 @@ def test_a_conditional_is_priced_at_its_costliest_branch():
   assert [r['name'] for r in priced['top_ops']] == ['f.2', 'f.1']  # each branch listed
 
 
+
+# The TPU's asynchronous collective fusion: one all-gather (channel 7) of a [2, 128] shard
+# into [8, 128] as a start fusion, a matmul fusion that carries a step of it beside its
+# own dot, and a done fusion, with an elementwise fusion scheduled between start and done.
+ASYNC_HLO = r"""HloModule jit_async, is_scheduled=true
+
+%start_body (s0: bf16[2,128]) -> (bf16[2,128], bf16[8,128], u32[]) {
+  %s0 = bf16[2,128]{1,0} parameter(0)
+  %ag.1 = bf16[8,128]{1,0} all-gather(%s0), channel_id=7, replica_groups=[1,4]<=[4], dimensions={0}
+  ROOT %cc.1 = (bf16[2,128]{1,0}, bf16[8,128]{1,0}, u32[]{:S(2)}) custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%step_body (m0: bf16[2,128], m1: bf16[8,128], m2: bf16[512,128], m3: bf16[128,128]) -> (bf16[512,128], bf16[8,128]) {
+  %m0 = bf16[2,128]{1,0} parameter(0)
+  %m1 = bf16[8,128]{1,0} parameter(1)
+  %m2 = bf16[512,128]{1,0} parameter(2)
+  %m3 = bf16[128,128]{1,0} parameter(3)
+  %ag.2 = bf16[8,128]{1,0} all-gather(%m0), channel_id=7, replica_groups=[1,4]<=[4], dimensions={0}
+  %mm = bf16[512,128]{1,0} convolution(%m2, %m3), dim_labels=bf_io->bf
+  ROOT %t.2 = (bf16[512,128]{1,0}, bf16[8,128]{1,0}) tuple(%mm, %ag.2)
+}
+
+%done_body (d0: bf16[2,128], d1: bf16[8,128]) -> bf16[8,128] {
+  %d0 = bf16[2,128]{1,0} parameter(0)
+  %d1 = bf16[8,128]{1,0} parameter(1)
+  %ag.3 = bf16[8,128]{1,0} all-gather(%d0), channel_id=7, replica_groups=[1,4]<=[4], dimensions={0}
+  ROOT %cc.3 = bf16[8,128]{1,0} custom-call(%d0, %d1, %ag.3), custom_call_target="AsyncCollectiveDone"
+}
+
+%neg (n0: bf16[512,128]) -> bf16[512,128] {
+  %n0 = bf16[512,128]{1,0} parameter(0)
+  ROOT %n1 = bf16[512,128]{1,0} negate(%n0)
+}
+
+ENTRY %main (w: bf16[2,128], x: bf16[512,128], k: bf16[128,128]) -> (bf16[512,128], bf16[8,128]) {
+  %w = bf16[2,128]{1,0} parameter(0)
+  %x = bf16[512,128]{1,0} parameter(1)
+  %k = bf16[128,128]{1,0} parameter(2)
+  %async-collective-start.1 = (bf16[2,128]{1,0}, bf16[8,128]{1,0}, u32[]{:S(2)}) fusion(%w), kind=kCustom, calls=%start_body
+  %g0 = bf16[2,128]{1,0} get-tuple-element(%async-collective-start.1), index=0
+  %g1 = bf16[8,128]{1,0} get-tuple-element(%async-collective-start.1), index=1
+  %e = bf16[512,128]{1,0} fusion(%x), kind=kLoop, calls=%neg, backend_config={"window_config":{"estimated_cycles":"1750"}}
+  %async_collective_fusion.1 = (bf16[512,128]{1,0}, bf16[8,128]{1,0}) fusion(%g0, %g1, %e, %k), kind=kOutput, calls=%step_body, backend_config={"window_config":{"estimated_cycles":"3500"}}
+  %y = bf16[512,128]{1,0} get-tuple-element(%async_collective_fusion.1), index=0
+  %g2 = bf16[8,128]{1,0} get-tuple-element(%async_collective_fusion.1), index=1
+  %async-collective-done.1 = bf16[8,128]{1,0} fusion(%g0, %g2), kind=kCustom, calls=%done_body
+  ROOT %out = (bf16[512,128]{1,0}, bf16[8,128]{1,0}) tuple(%y, %async-collective-done.1)
+}
+"""
+
+
+def test_an_asynchronous_collective_fusion_is_one_collective_of_its_own_bytes():
+  """The start, the matmul carrying a step and the done of one all-gather count it once,
+  at the gathered array's bytes (not the matmul fusion's operands and results); the
+  matmul fusion is priced as a matmul by its cycles, the done moves nothing, and the
+  start's ICI time is hidden by the fusions scheduled before its done."""
+  stats = aot.analyze_hlo(ASYNC_HLO, 4)
+  gathered = 8 * 128 * 2
+  assert set(stats.collectives) == {'all-gather'}
+  ag = stats.collectives['all-gather']
+  assert (ag['count'], ag['bytes'], ag['ici_bytes']) == (1, gathered, gathered * 3 / 4)
+  ops = {op.name: op for op in stats.executed['main']}
+  start, step, done = (ops[n] for n in ('async-collective-start.1', 'async_collective_fusion.1',
+                                         'async-collective-done.1'))
+  assert (start.kind, step.kind, done.kind) == ('all-gather', 'convolution fusion',
+                                               'all-gather done')
+  assert start.done == 'async-collective-done.1' and done.hbm_bytes == 0
+  assert step.ici_bytes == 0 and step.cycles == 3500
+  chip = aot.parse_topology('v5p-8').chip
+  priced = aot.price_step(stats, chip, top=100)
+  assert priced['step_s'] == pytest.approx((1750 + 3500) / 1.75e9)  # the gather is hidden
+  assert priced['by_kind'] == {'convolution fusion': pytest.approx(3500 / 1.75e9),
+                               'loop fusion': pytest.approx(1750 / 1.75e9)}
+
 def test_causal_kept_blocks():
   assert aot.causal_kept_fraction(1024, 1024, 512, 512) == 3 / 4
   assert aot.causal_kept_fraction(4096, 4096, 512, 512) == 36 / 64

@@ -16,7 +16,7 @@ from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.runtime import sharding
 from mtp_jax.train import steps as steps_lib
 from mtp_jax.train import train_and_evaluate
-from mtp_jax.train.aot.hlo import cpu_dot_forms
+from mtp_jax.train.aot.hlo_read import cpu_dot_forms
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

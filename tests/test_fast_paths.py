@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from helpers import load_config, tiny_model_config
+from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.model import attention as attn_lib
 from mtp_jax.model import layers
@@ -202,3 +203,40 @@ def test_rms_norm_custom_vjp_matches_library_norm(remat):
   for a, r in zip(got_g, ref_g):
     np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-5, atol=2e-6)
 
+
+
+
+def test_remat_policies_keep_what_they_name_and_change_no_gradient(capsys):
+  """block_inputs gives one block's output and gradients of no remat (the others keep less
+  of the same values); the saved residuals (jax's own list) hold the RMSNorm outputs and
+  row rsqrts under block_norms and block_inputs, the SwiGLU product under block_mlp and
+  block_inputs, neither under block."""
+  c = tiny_model_config(1, attention_core='xla')
+  model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(c)), rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model.layers[0])
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, 32)), jnp.float32)
+  pos = jnp.tile(jnp.arange(16, dtype=jnp.int32), (2, 1))
+  mask = attn_lib.attention_mask(_packed_segments(2, 16))
+  out, names = {}, {}
+  for remat in config_lib.REMAT_POLICIES:
+    policy = remat_policy(remat)
+
+    def f(state, x, policy=policy):
+      fn = lambda s, x: nnx.merge(graphdef, s)(x, pos, mask)[0]  # noqa: E731
+      fn = fn if policy is None else jax.checkpoint(fn, policy=policy)
+      return jnp.sum(jnp.sin(fn(state, x)))
+    if remat in ('none', 'block_inputs'):  # the one that keeps every name, against none
+      out[remat] = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(state, x)
+    jax.ad_checkpoint.print_saved_residuals(f, state, x)
+    saved = capsys.readouterr().out
+    names[remat] = {n: saved.count(f"named '{n}'")
+                    for n in (layers.NORM_SAVED_NAME, layers.MLP_SAVED_NAME)}
+  for loss, grads in out.values():
+    np.testing.assert_allclose(loss, out['none'][0], rtol=1e-6)
+    for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(out['none'][1])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+  norms, mlp = layers.NORM_SAVED_NAME, layers.MLP_SAVED_NAME
+  assert names['block'] == names['full'] == {norms: 0, mlp: 0}
+  assert names['block_norms'] == {norms: 4, mlp: 0}  # two outputs, two row rsqrts
+  assert names['block_mlp'] == {norms: 0, mlp: 1}
+  assert names['block_inputs'] == {norms: 4, mlp: 1}

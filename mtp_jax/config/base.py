@@ -9,6 +9,10 @@ import ml_collections
 
 from mtp_jax.config.mesh import DEFAULT_RULES
 
+# model.remat: what each block keeps for the backward pass (mtp.remat_policy), least
+# recomputation first after none
+REMAT_POLICIES = ('none', 'block_inputs', 'block_mlp', 'block_norms', 'block', 'full')
+
 
 def base_config() -> ml_collections.ConfigDict:
   """Every field, with a comment, and defaults for a small CPU model."""
@@ -50,7 +54,10 @@ def model_fields() -> ml_collections.ConfigDict:
   # float32: runtime/peak.py compute_dtype)
   m.dtype = 'auto'
   m.init_std = 0.02  # stddev of the embedding init
-  m.remat = 'none'  # rematerialisation per block: none | block (keep matmul outputs) | full (keep block inputs)
+  # rematerialisation per block (REMAT_POLICIES; docs/scaling.md has what each costs): none |
+  # block (keep weight-matmul outputs) | block_norms, block_mlp, block_inputs (block and more)
+  # | full (keep block inputs)
+  m.remat = 'none'
   m.scan_layers = False  # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
   m.loss_chunk = 0  # sequence chunk for the vocab projection + CE (0: whole length, all depths in one product)
   return m

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import mtp_jax.config.kinds as kinds
+from mtp_jax.config.base import REMAT_POLICIES
 from mtp_jax.config.kernel_limits import ATTENTION_CORES, attention_kernel_problem
 from mtp_jax.config.kinds import ATTENTION, ATTENTION_KINDS, DATA_SOURCES, MLP_KINDS, MTP_HEADS
 from mtp_jax.config.mesh import MESH_AXES, mesh_shape_form, resolved_mesh_shape
@@ -65,8 +66,8 @@ def _validate_model(config) -> None:
   require(m.head_dim % 2 == 0, f'model.head_dim must be even for RoPE, got {m.head_dim}')
   require(m.dtype in ('auto', 'float32', 'bfloat16', 'float16'),
            f"model.dtype must be auto, float32, bfloat16 or float16, got {m.dtype!r}")
-  require(m.remat in ('none', 'block', 'full'),
-           f"model.remat must be none, block or full, got {m.remat!r}")
+  require(m.remat in REMAT_POLICIES,
+           f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {m.remat!r}")
   require(m.attention_core in ATTENTION_CORES,
            f"model.attention_core must be one of {', '.join(ATTENTION_CORES)}, "
            f"got {m.attention_core!r}")

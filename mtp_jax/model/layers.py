@@ -13,6 +13,7 @@ from typing import ClassVar, Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import mtp_jax.model.attention as attn_lib
 import mtp_jax.model.matmul as matmul
@@ -30,6 +31,11 @@ from mtp_jax.model.decode_ops import (
 from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array
+# Names of activations a remat policy may keep beyond the weight-matmul outputs
+# (mtp.remat_policy): each block's two RMSNorm outputs (the q/k/v and gate/up matmuls'
+# input) with their row rsqrt and the SwiGLU product (the down projection's input).
+NORM_SAVED_NAME = 'block_norm_out'
+MLP_SAVED_NAME = 'mlp_hidden'
 
 
 def _init(initializer, names):
@@ -56,7 +62,9 @@ def rms_normalize_vjp(x_BTxD: Array, scale_D: Array, eps: float, dtype) -> Array
 
 def _rms_vjp_fwd(x, scale, eps, dtype):
   r = jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + eps)
-  return jnp.asarray(x * (r * scale), dtype), (x, r, scale)
+  # the row rsqrt [..., 1] is named with the norm's output: a policy that keeps both
+  # recomputes nothing of the norm in the backward pass
+  return jnp.asarray(x * (r * scale), dtype), (x, checkpoint_name(r, NORM_SAVED_NAME), scale)
 
 
 def _rms_vjp_bwd(eps, dtype, res, dy):
@@ -178,8 +186,9 @@ class Attention(nnx.Module):
     self.block = getattr(cfg, 'attention_block', 64)
     self.kernel_blocks = (getattr(cfg, 'attention_block_q', 512),
                           getattr(cfg, 'attention_block_kv', 512))  # the splash kernel's
-    # the custom-VJP core where its residuals are saved (remat block: see blocked_causal_attention)
-    self.saved_core = getattr(cfg, 'remat', 'none') == 'block'
+    # the custom-VJP core where its residuals are saved (remat block and the policies that
+    # keep more: see blocked_causal_attention)
+    self.saved_core = getattr(cfg, 'remat', 'none').startswith('block')
 
   @staticmethod
   def flops_per_token(cfg, keys: float) -> tuple[float, float]:
@@ -302,7 +311,7 @@ class MLP(nnx.Module):
     x_BTxD = x_BxTxD.reshape(b * t, -1)
     h_BTxF = (jax.nn.silu(project(x_BTxD, self.gate_proj.kernel, self.dtype))
               * project(x_BTxD, self.up_proj.kernel, self.dtype))
-    h_BTxF = constrain(h_BTxF, ('batch', 'act_mlp'))
+    h_BTxF = checkpoint_name(constrain(h_BTxF, ('batch', 'act_mlp')), MLP_SAVED_NAME)
     return project(h_BTxF, self.down_proj.kernel, self.dtype).reshape(b, t, -1)
 
 
@@ -379,10 +388,11 @@ class Block(nnx.Module):
     self.mlp = (mlp_cls or MLP)(cfg, rngs)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache=None, cache_index_B=None):
-    a, cache = self.self_attn(self.input_layernorm(x_BxTxD), positions_BxT, mask_Bx1xTxS,
-                              cache, cache_index_B)
+    normed = lambda h: checkpoint_name(h, NORM_SAVED_NAME)  # noqa: E731
+    a, cache = self.self_attn(normed(self.input_layernorm(x_BxTxD)), positions_BxT,
+                              mask_Bx1xTxS, cache, cache_index_B)
     x = x_BxTxD + a
-    x = x + self.mlp(self.post_attention_layernorm(x))
+    x = x + self.mlp(normed(self.post_attention_layernorm(x)))
     return constrain(x, ('batch', 'length', 'act_embed')), cache
 
   def empty_cache(self, batch: int, slots: int, layout: str) -> tuple:

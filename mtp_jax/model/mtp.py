@@ -187,27 +187,41 @@ def vocab_logits(norm, h_BxTxD: Array, w_DxV: Array) -> Array:
   return matmul.matmul(x_BTxD, w_DxV, x_BTxD.dtype, jnp.float32).reshape(b, t, -1)
 
 
+# what each block policy keeps beyond `block`'s (layers: the names Block and MLP give them)
+_KEPT_BEYOND_BLOCK = {'block': (), 'block_norms': (layers.NORM_SAVED_NAME,),
+                      'block_mlp': (layers.MLP_SAVED_NAME,),
+                      'block_inputs': (layers.NORM_SAVED_NAME, layers.MLP_SAVED_NAME)}
+
+
 def remat_policy(name: str):
   """The jax.checkpoint policy of config.model.remat (None: no rematerialisation).
 
-  block: keep each block's weight-matmul outputs (q/k/v/o, gate/up/down projections,
-         the routed experts' grouped products: moe.EXPERT_SAVED_NAME)
-         and the attention core's residuals (attn_lib.ATTENTION_SAVED_NAMES: the blocked
-         core's custom VJP, the splash / Triton kernels' output and log-sum-exp);
-         recompute norms, the SwiGLU product and, where that core is not used, RoPE and
-         the attention scores and softmax.
-  full:  keep only each block's input; recompute the whole block in the backward pass.
+  block:        keep each block's weight-matmul outputs (q/k/v/o, gate/up/down
+                projections, the routed experts' grouped products: moe.EXPERT_SAVED_NAME)
+                and the attention core's residuals (attn_lib.ATTENTION_SAVED_NAMES: the
+                blocked core's custom VJP, the splash / Triton kernels' output and
+                log-sum-exp); recompute the norms, the SwiGLU product and, where that core
+                is not used, RoPE and the attention scores and softmax.
+  block_norms:  block, and the two RMSNorm outputs of each block (the inputs of the
+                q/k/v and gate/up matmuls: their weight gradients need them) with their
+                row rsqrt: no norm is recomputed ([B, T, D] twice per layer more).
+  block_mlp:    block, and the SwiGLU product (the down projection's input): [B, T, F]
+                per layer more.
+  block_inputs: both: every weight matmul's input and output is kept.
+  full:         keep only each block's input; recompute the whole block in the backward
+                pass.
   """
   if name == 'none':
     return None
-  if name == 'block':
+  if name in _KEPT_BEYOND_BLOCK:
     # plus the attention core's named residuals (output, row log-sum-exp and, for the
     # blocked core, heads-major q / k / v): its backward needs only those, never a rerun
     # of its forward
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(*attn_lib.ATTENTION_SAVED_NAMES,
-                                                      moe.EXPERT_SAVED_NAME))
+                                                      moe.EXPERT_SAVED_NAME,
+                                                      *_KEPT_BEYOND_BLOCK[name]))
   if name == 'full':
     return jax.checkpoint_policies.nothing_saveable
   raise ValueError(f'unknown remat policy {name!r}')

@@ -26,8 +26,9 @@ config's mesh and sharding rules and reads, per chip:
   estimate  a roofline step time (the largest of compute, HBM and ICI time): a lower bound
             on the step time, and the MFU it implies for flops.py's count.
 
-The modules: devices (accelerator types and their compile-only devices), hlo (reading a
-compiled module), kernels (kernel calls from their shapes), pricing (the op-by-op step
+The modules: devices (accelerator types and their compile-only devices), hlo_read (an HLO
+module's text: instructions, array bytes, matmul FLOPs), hlo (the compiled module's
+figures), kernels (kernel calls from their shapes), pricing (the op-by-op step
 time), programs (compiling the steps), figures (FLOPs against flops.py, fit, roofline),
 report (the text). Public names load lazily (mtp_jax/exports.py), as in every sub-package.
 """

@@ -141,11 +141,11 @@ def expected_compiled_flops(config, attention_core: str = 'xla') -> dict:
         flops = kernels_lib.attention_pass_flops(name, pairs * frac, d_qk, d_v)
         attention_train += flops
         attention_again += flops if name == 'fwd' else 0.0
-    if remat == 'block':
+    if remat.startswith('block'):
       attention_again = 0.0
   train = full.train - 3.0 * dense + attention_train
-  again = {'none': 0.0, 'block': attention_again,
-           'full': full.forward - full.vocab - dense + attention_again}.get(remat, 0.0)
+  again = (attention_again if remat.startswith('block') else
+           full.forward - full.vocab - dense + attention_again if remat == 'full' else 0.0)
   if config.model.loss_chunk:
     again += full.vocab
   return {'noncausal_train': full.train, 'recomputed_forward': again,

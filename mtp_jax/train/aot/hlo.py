@@ -28,18 +28,22 @@ import re
 import sys
 
 import mtp_jax.train.aot.kernels as kernels_lib
+from mtp_jax.train.aot.hlo_read import (
+  arrays,
+  gemm_flops,
+  matmul_flops,
+  nbytes,
+  operands,
+  read_computations,
+  type_bytes,
+)
 
+BYTES = kernels_lib.BYTES
 COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'ragged-all-to-all',
                'collective-permute')
-BYTES = kernels_lib.BYTES
-_COMP = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$')
-_INSTR = re.compile(r'^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$')
-_ARRAY = re.compile(r'\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8\w*|bf16|f16|f32|f64|c64|'
-                    r'c128)\[([\d,]*)\]')
 _CALLS = re.compile(r'\b(calls|to_apply|body|condition|true_computation|false_computation)='
                     r'%([\w.\-]+)')
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 # ops that move no bytes of their own (views, tuples, control flow whose bodies are counted)
 _NO_BYTES = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'while',
@@ -53,20 +57,10 @@ _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _GPU_TIME = re.compile(r'"exec_time_us":"?([\d.eE+\-]+)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _MATMUL_OPS = ('convolution', 'dot')
-
-
-def _arrays(type_text: str) -> list:
-  """[(dtype, dims)] of the arrays in an HLO type (a tuple lists several)."""
-  return [(d, tuple(int(s) for s in dims.split(',') if s)) for d, dims in _ARRAY.findall(
-      type_text.split('{', 1)[0] if not type_text.startswith('(') else type_text)]
-
-
-def _nbytes(dtype: str, dims: tuple) -> int:
-  return BYTES.get(dtype, 1) * int(math.prod(dims))
-
-
-def _type_bytes(type_text: str) -> int:
-  return sum(_nbytes(d, s) for d, s in _arrays(type_text))
+# what a fusion around a collective holds besides it (no work of its own)
+_COLLECTIVE_WRAPPING = {'parameter', 'constant', 'bitcast', 'tuple', 'get-tuple-element',
+                        'custom-call', 'dynamic-slice', 'partition-id', 'multiply', 'add',
+                        'convert', 'copy', 'reshape'}
 
 
 @dataclasses.dataclass
@@ -108,55 +102,6 @@ class ExecutedOp:
   # (a while loop its condition and body, a call its callee, a conditional its branches)
 
 
-def _open(text: str) -> bool:
-  """Whether an instruction's text continues on the next line: a string or a bracket of
-  it is still open."""
-  if '"' not in text and text.count('{') == text.count('}') and (
-      text.count('(') == text.count(')')):
-    return False
-  bare = _STRING.sub('', text)
-  if '"' in bare:
-    return True
-  return (bare.count('{') - bare.count('}') > 0 or bare.count('(') - bare.count(')') > 0
-          or bare.count('[') - bare.count(']') > 0)
-
-
-def read_computations(text: str) -> tuple:
-  """({computation: [(name, type, op, rest, is_root)]}, [names in order], entry name)."""
-  comps, order, entry, cur, pending = {}, [], None, None, None
-
-  def add(instr: str):
-    mi = _INSTR.match(instr)
-    if mi:
-      root, name, typ, op, rest = mi.groups()
-      comps[cur].append((name, typ, op, rest, bool(root)))
-
-  for line in text.splitlines():
-    if pending is not None:
-      pending += ' ' + line
-      if not _open(pending):
-        add(pending)
-        pending = None
-      continue
-    if cur is None:
-      m = _COMP.match(line)
-      if m:
-        cur = m.group(2)
-        comps[cur] = []
-        order.append(cur)
-        if m.group(1):
-          entry = cur
-      continue
-    if line.startswith('}'):
-      cur = None
-      continue
-    if _open(line):
-      pending = line
-      continue
-    add(line)
-  return comps, order, entry
-
-
 def _group_size(rest: str, num_devices: int) -> int:
   """Devices in one replica group of a collective (the HLO spells groups three ways)."""
   m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*?\{([^}]*)\}", rest)
@@ -173,7 +118,6 @@ def _group_size(rest: str, num_devices: int) -> int:
   return 2 if m else num_devices
 
 
-
 def analyze_hlo(text: str, num_devices: int) -> HloStats:
   """FLOPs, HBM bytes, collectives and kernel calls of a compiled (per-device) HLO module."""
   comps, order, entry = read_computations(text)
@@ -188,7 +132,7 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
     for body in comps.values():
       for name, _, op, rest, _ in body:
         if op in ('copy', 'copy-start', 'copy-done', 'bitcast') and name not in consts:
-          source = _operands(rest)
+          source = operands(rest)
           if source and source[0] in consts:
             consts[name] = consts[source[0]]
 
@@ -233,7 +177,7 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
   mult = _multiplicities(calls, root)
   runs = _multiplicities(control, root)
   fused = {}  # fusion body -> ([bytes read per parameter or None], bytes written or None)
-  collective_of = {}  # fusion body -> (collective kind, its instruction's text) or None
+  collective_of = {}  # fusion body -> _FusedCollective or None
 
   for name, body in comps.items():
     k = mult.get(name, 0.0)
@@ -243,23 +187,32 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
     executed = stats.executed.setdefault(name, []) if k_bytes else None
     done_of = {}
     if k_bytes:
+      # an asynchronous collective fusion's start waits for the done of its channel
+      started_on = {}
       for iname, _, op, rest, _ in body:
         if op.endswith('-done'):
-          started = _operands(rest)
+          started = operands(rest)
           if started:
             done_of[started[0]] = iname
+        fc = _fused_collective(op, rest, comps, collective_of)
+        if fc and fc.channel and fc.role == 'start':
+          started_on[fc.channel] = iname
+        elif fc and fc.channel in started_on and fc.role == 'done':
+          done_of[started_on.pop(fc.channel)] = iname
+    channels = set()  # collectives counted in this computation, by channel id
     for iname, typ, op, rest, _ in body:
       moved, flops, kind = 0.0, 0.0, op
       target = (_TARGET.search(rest) or [None, ''])[1] if op == 'custom-call' else ''
       if op == 'custom-call':
         kind = f'custom-call {target}'
+      fc = _fused_collective(op, rest, comps, collective_of)
       if (k_bytes and op not in _NO_BYTES and not op.endswith('-done')
-          and target not in _NO_BYTES_TARGETS):
+          and target not in _NO_BYTES_TARGETS and not (fc and fc.role == 'done')):
         moved = _op_bytes(op, typ, rest, shapes, comps, fused)
       if op in ('convolution', 'dot'):
-        flops = _matmul_flops(op, typ, rest, shapes)
+        flops = matmul_flops(op, typ, rest, shapes)
       elif op == 'custom-call' and ('$gemm' in rest or '$matmul' in rest):  # cuBLAS on GPU
-        flops, kind = _gemm_flops(typ, rest, shapes), 'gemm'
+        flops, kind = gemm_flops(typ, rest, shapes), 'gemm'
       elif op == 'custom-call' and ('tpu_custom_call' in rest or '__cudnn$fmha' in rest
                                     or 'triton' in target):
         call = _kernel(typ, rest, shapes, consts)
@@ -283,11 +236,17 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
       stats.hbm_bytes_once += moved
       if op == 'conditional':
         stats.conditionals += 1
-      coll = _collective(op, typ, rest, shapes, comps, collective_of, num_devices)
+      coll = _collective(op, typ, rest, shapes, fc, num_devices)
+      if fc and fc.channel:  # one collective, however many fusions carry a step of it
+        coll = None if fc.channel in channels else coll
+        channels.add(fc.channel)
       ici = 0.0
+      if fc and fc.role != 'start':  # a matmul carrying a collective's steps, or its done
+        kind = f'{fc.kind} done' if fc.role == 'done' else _fusion_kind(rest, comps)
       if coll:
-        kind, full, n, ici = coll
-        entry_c = stats.collectives.setdefault(kind, {'count': 0.0, 'bytes': 0.0,
+        base, full, n, ici = coll
+        kind = kind if fc and fc.role == 'step' else base
+        entry_c = stats.collectives.setdefault(base, {'count': 0.0, 'bytes': 0.0,
                                                       'ici_bytes': 0.0, 'by_group': {}})
         entry_c['count'] += k_bytes
         entry_c['bytes'] += k_bytes * full
@@ -295,14 +254,14 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
         group = entry_c['by_group'].setdefault(str(n), {'count': 0.0, 'bytes': 0.0})
         group['count'] += k_bytes
         group['bytes'] += k_bytes * full
-      elif op == 'fusion':
+      elif op == 'fusion' and not fc:
         kind = _fusion_kind(rest, comps)
       cycles = _CYCLES.search(rest)
       source = _OP_NAME.search(rest)
       gpu_time = _GPU_TIME.search(rest)
       executed.append(ExecutedOp(iname, op, kind, k_bytes,
                                  int(cycles.group(1)) if cycles else None, flops, moved, ici,
-                                 done_of.get(iname) if op.endswith('-start') else None,
+                                 done_of.get(iname),
                                  source.group(1) if source else '',
                                  float(gpu_time.group(1)) * 1e-6 if gpu_time else None,
                                  tuple(runs_code.get(iname, ()))))
@@ -333,45 +292,74 @@ def _fusion_kind(rest: str, comps: dict) -> str:
   return 'loop fusion'
 
 
-def _collective(op: str, typ: str, rest: str, shapes: dict, comps: dict, cache: dict,
-                num_devices: int):
-  """(kind, bytes of the whole array, devices in a group, ICI bytes per chip) of a collective
-  op, a fusion or async op wrapping one, else None.
+@dataclasses.dataclass
+class _FusedCollective:
+  """The collective a fusion (or async wrapper) runs, and the fusion's part in it.
 
-  The TPU compiler writes a reduce-scatter as a fusion of an all-reduce and the dynamic
-  slice each chip keeps; the array's bytes are the larger of what goes in and what comes
-  out (an all-gather's result, a reduce-scatter's operand), summed over the arrays a
-  combined collective moves; a ragged all-to-all's are its output buffer's."""
+  With the TPU's asynchronous collective fusion flags one collective is a chain of fusions
+  sharing its channel id: a start (the body's root an AsyncCollectiveStart call), matmul
+  fusions that carry its steps beside their own work, and a done (AsyncCollectiveDone).
+  The TPU compiler also writes a reduce-scatter as a fusion of an all-reduce and the slice
+  each chip keeps."""
+  kind: str  # all-gather, reduce-scatter, all-reduce, ...
+  typ: str  # the collective instruction's own result type
+  rest: str  # ... and the rest of its text (operands, replica groups)
+  channel: str  # its channel id ('' where it has none)
+  role: str  # 'start', 'done', 'step' (a fusion doing other work too) or 'whole'
+
+
+def _fused_collective(op: str, rest: str, comps: dict, cache: dict):
+  """The _FusedCollective of a fusion or async op whose body runs a collective, else None."""
+  if op not in ('fusion', 'async-start'):
+    return None
+  callee = re.search(r'calls=%([\w.\-]+)', rest)
+  if not callee:
+    return None
+  name = callee.group(1)
+  if name not in cache:
+    body = _body_ops(comps, name)
+    unstarted = lambda o: o[:-len('-start')] if o.endswith('-start') else o  # noqa: E731
+    found = next(((unstarted(o), t, r) for o, t, r in body if unstarted(o) in COLLECTIVES),
+                 None)
+    if found is None:
+      cache[name] = None
+      return None
+    kind, typ, inner = found
+    root = next(((o, r) for _, _, o, r, is_root in comps[name] if is_root), ('', ''))
+    target = (_TARGET.search(root[1]) or [None, ''])[1] if root[0] == 'custom-call' else ''
+    if kind == 'all-reduce' and (root[0] == 'dynamic-slice' or 'scatter' in name.lower()):
+      kind = 'reduce-scatter'
+    work = {o for o, _, _ in body} - _COLLECTIVE_WRAPPING - set(COLLECTIVES)
+    role = ('start' if target == 'AsyncCollectiveStart' else
+            'done' if target == 'AsyncCollectiveDone' else
+            'step' if work.intersection(_MATMUL_OPS + ('reduce',)) else 'whole')
+    channel = re.search(r'channel_id=(\d+)', inner)
+    cache[name] = _FusedCollective(kind, typ, inner, channel.group(1) if channel else '', role)
+  return cache[name]
+
+
+def _collective(op: str, typ: str, rest: str, shapes: dict, fc, num_devices: int):
+  """(kind, bytes of the whole array, devices in a group, ICI bytes per chip) of a collective
+  op or of the collective a fusion runs (fc: _fused_collective's), else None.
+
+  The array's bytes are the larger of what goes in and what comes out (an all-gather's
+  result, a reduce-scatter's operand), summed over the arrays a combined collective moves,
+  read from the collective instruction itself (a fusion's operands and results also hold
+  its other work's); a ragged all-to-all's are its output buffer's."""
   base = op[:-len('-start')] if op.endswith('-start') else op
-  inner_rest = rest
-  if base in ('fusion', 'async'):
-    callee = re.search(r'calls=%([\w.\-]+)', rest)
-    if not callee:
-      return None
-    if callee.group(1) not in cache:
-      body = _body_ops(comps, callee.group(1))
-      found = next(((o[:-len('-start')] if o.endswith('-start') else o, r)
-                    for o, _, r in body if (o[:-len('-start')] if o.endswith('-start') else o)
-                    in COLLECTIVES), None)
-      if found and found[0] == 'all-reduce':
-        root = next((o for n, _, o, _, is_root in comps[callee.group(1)] if is_root), '')
-        if root == 'dynamic-slice' or 'scatter' in callee.group(1).lower():
-          found = ('reduce-scatter', found[1])
-      cache[callee.group(1)] = found
-    if cache[callee.group(1)] is None:
-      return None
-    base, inner_rest = cache[callee.group(1)]
+  if fc is not None:
+    base, typ, rest = fc.kind, fc.typ, fc.rest
   elif base not in COLLECTIVES or op.endswith('-done'):
     return None
   if base == 'ragged-all-to-all':  # (input, output buffer, offsets and sizes)
-    full = float(max((_nbytes(d, s) for d, s in _arrays(typ)), default=0))
+    full = float(max((nbytes(d, s) for d, s in arrays(typ)), default=0))
   else:
-    result = float(_type_bytes(typ))
-    operand = float(sum(_type_bytes(shapes.get(o, '')) for o in _operands(rest)))
-    if op.endswith('-start'):  # (operands, results, context): the results are what is left
+    result = float(type_bytes(typ))
+    operand = float(sum(type_bytes(shapes.get(o, '')) for o in operands(rest)))
+    if op.endswith('-start') and fc is None:  # (operands, results, context): the results
       result = max(0.0, result - operand)
     full = max(result, operand)
-  n = max(_group_size(inner_rest, num_devices), 1)
+  n = max(_group_size(rest, num_devices), 1)
   frac = (n - 1) / n
   ici = {'all-gather': full * frac, 'reduce-scatter': full * frac, 'all-reduce': 2 * full * frac,
          'all-to-all': full * frac, 'ragged-all-to-all': full * frac,
@@ -392,34 +380,34 @@ def _multiplicities(calls: dict, root: str) -> dict:
 
 def _kernel(typ: str, rest: str, shapes: dict, consts: dict) -> kernels_lib.KernelCall:
   target = _TARGET.search(rest)
-  operands = [(o, _arrays(shapes.get(o, ''))) for o in _operands(rest)]
-  return kernels_lib.kernel_call(target.group(1) if target else '', rest, _arrays(typ),
-                                 operands, consts)
+  inputs = [(o, arrays(shapes.get(o, ''))) for o in operands(rest)]
+  return kernels_lib.kernel_call(target.group(1) if target else '', rest, arrays(typ),
+                                 inputs, consts)
 
 
 def _op_bytes(op: str, typ: str, rest: str, shapes: dict, comps: dict, fused: dict) -> float:
   """HBM bytes one execution of a top-level op reads and writes."""
-  out = _type_bytes(typ)
-  ops = _operands(rest)
+  out = type_bytes(typ)
+  ops = operands(rest)
   if op in _SLICING:
-    return 2.0 * out + sum(_type_bytes(shapes.get(o, '')) for o in ops[1:] if op == 'gather')
+    return 2.0 * out + sum(type_bytes(shapes.get(o, '')) for o in ops[1:] if op == 'gather')
   if op in ('dynamic-update-slice', 'scatter'):
-    update = _type_bytes(shapes.get(ops[-1] if op == 'scatter' else ops[1], '')) if (
+    update = type_bytes(shapes.get(ops[-1] if op == 'scatter' else ops[1], '')) if (
         len(ops) > 1) else out
     return 2.0 * update
   if op.endswith('-start'):  # (operand, result, ...) tuples: each array once
-    arrays = _arrays(typ)
-    return float(sum(_nbytes(d, s) for d, s in arrays[:2])) if arrays else 0.0
+    parts = arrays(typ)
+    return float(sum(nbytes(d, s) for d, s in parts[:2])) if parts else 0.0
   if op == 'fusion':
     callee = re.search(r'calls=%([\w.\-]+)', rest)
     if callee and callee.group(1) in comps:
       reads, written = _fusion_use_of(callee.group(1), comps, shapes, fused)
       total = 0.0
       for i, o in enumerate(ops):
-        full = _type_bytes(shapes.get(o, ''))
+        full = type_bytes(shapes.get(o, ''))
         total += full if i >= len(reads) or reads[i] is None else min(full, reads[i])
       return total + (out if written is None else written)
-  return float(out + sum(_type_bytes(shapes.get(o, '')) for o in ops))
+  return float(out + sum(type_bytes(shapes.get(o, '')) for o in ops))
 
 
 def _fusion_use_of(callee: str, comps: dict, shapes: dict, fused: dict, depth: int = 0):
@@ -439,7 +427,7 @@ def _fusion_use(body: list, shapes: dict, comps: dict, fused: dict, depth: int =
       m = re.match(r'(\d+)\)', rest)
       if m:
         params[int(m.group(1))] = name
-    for i, o in enumerate(_operands(rest) if op != 'parameter' else ()):
+    for i, o in enumerate(operands(rest) if op != 'parameter' else ()):
       users[o].append((name, typ, op, i, rest))
     if is_root:
       root = (name, typ, op, rest)
@@ -453,7 +441,7 @@ def _fusion_use(body: list, shapes: dict, comps: dict, fused: dict, depth: int =
           return None
         total += part
       elif op in _SLICING and i == 0:
-        total += _type_bytes(typ)
+        total += type_bytes(typ)
       elif op == 'fusion' and depth < 8:
         inner = re.search(r'calls=%([\w.\-]+)', rest)
         if not inner or inner.group(1) not in comps:
@@ -473,16 +461,16 @@ def _fusion_use(body: list, shapes: dict, comps: dict, fused: dict, depth: int =
   if root is not None:
     elements = ([root] if root[2] != 'tuple' else
                 [next(((n, t, o, r) for n, t, o, r, _ in body if n == e), None)
-                 for e in _operands(root[3])])
+                 for e in operands(root[3])])
     if all(e is not None for e in elements) and any(e[2] == 'dynamic-update-slice'
                                                    for e in elements):
       written = 0.0
       for _, t, o, r in elements:
         if o == 'dynamic-update-slice':
-          update = _operands(r)[1]
-          written += _type_bytes(next((tt for nn, tt, *_ in body if nn == update), ''))
+          update = operands(r)[1]
+          written += type_bytes(next((tt for nn, tt, *_ in body if nn == update), ''))
         else:
-          written += _type_bytes(t)
+          written += type_bytes(t)
   return reads, written
 
 
@@ -505,137 +493,3 @@ def _topological(calls: dict, root: str) -> list:
     sys.setrecursionlimit(limit)
   return out[::-1]
 
-
-def _operands(rest: str) -> list:
-  depth, cur, out = 0, '', []
-  for ch in rest:
-    if ch == '(':
-      depth += 1
-    elif ch == ')':
-      if depth == 0:
-        out.append(cur)
-        break
-      depth -= 1
-    elif ch == ',' and depth == 0:
-      out.append(cur)
-      cur = ''
-      continue
-    cur += ch
-  return [re.sub(r'^.*%', '', o.strip()) for o in out]
-
-
-def _matmul_flops(op: str, typ: str, rest: str, shapes: dict) -> float:
-  out = _arrays(typ)
-  if not out:
-    return 0.0
-  out_elems = math.prod(out[0][1])
-  ops = _operands(rest)
-  if op == 'dot':
-    lhs = _arrays(shapes.get(ops[0], '')) if ops else []
-    m = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest)
-    if not lhs or not m:
-      return 0.0
-    dims = lhs[0][1]
-    contract = math.prod(dims[int(i)] for i in m.group(1).split(',') if i)
-    return 2.0 * out_elems * contract
-  # convolution (XLA:TPU writes batched dots as convolutions whose window, padding and
-  # dilation encode the batch): per output element, the kernel taps that land on a real
-  # input element, times the input features of a group.
-  lhs = _arrays(shapes.get(ops[0], '')) if ops else []
-  rhs = _arrays(shapes.get(ops[1], '')) if len(ops) > 1 else []
-  m = re.search(r'dim_labels=(\w+)_(\w+)->(\w+)', rest)
-  if not lhs or not rhs or not m:
-    return 0.0
-  lhs_l, rhs_l, out_l = m.groups()
-  lhs_d, rhs_d, out_d = lhs[0][1], rhs[0][1], out[0][1]
-  window = _window(rest)
-  taps = 1
-  for s in sorted(ch for ch in rhs_l if ch.isdigit()):
-    i = int(s)
-    size = rhs_d[rhs_l.index(s)]
-    w = window[i] if i < len(window) else {}
-    taps *= _valid_taps(out_d[out_l.index(s)], lhs_d[lhs_l.index(s)], size, w)
-  return 2.0 * out_d[out_l.index('b')] * out_d[out_l.index('f')] * rhs_d[rhs_l.index('i')] * taps
-
-
-def _gemm_flops(typ: str, rest: str, shapes: dict) -> float:
-  """A cuBLAS gemm custom call: 2 x output elements x the lhs contracting sizes."""
-  out = _arrays(typ)
-  ops = _operands(rest)
-  lhs = _arrays(shapes.get(ops[0], '')) if ops else []
-  m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
-  if not out or not lhs or not m:
-    return 0.0
-  dims = lhs[0][1]
-  contract = math.prod(dims[int(i.strip().strip('"'))] for i in m.group(1).split(',')
-                       if i.strip())
-  return 2.0 * math.prod(out[0][1]) * contract
-
-
-def _window(rest: str) -> list:
-  """Per spatial dimension {size, stride, pad, lhs_dilate, rhs_dilate} of a window={...}."""
-  m = re.search(r'window=\{([^}]*)\}', rest)
-  if not m:
-    return []
-  fields = dict(f.split('=', 1) for f in m.group(1).split() if '=' in f)
-  n = len(fields.get('size', '').split('x')) if 'size' in fields else 0
-  out = [{} for _ in range(n)]
-  for key in ('size', 'stride', 'lhs_dilate', 'rhs_dilate'):
-    if key in fields:
-      for d, v in zip(out, fields[key].split('x')):
-        d[key] = int(v)
-  if 'pad' in fields:
-    for d, v in zip(out, fields['pad'].split('x')):
-      lo, _ = v.split('_')
-      d['pad'] = int(lo)
-  return out
-
-
-def _valid_taps(out_size: int, in_size: int, win: int, w: dict) -> int:
-  """(output position, kernel tap) pairs of one spatial dimension that read a real input."""
-  stride, pad = w.get('stride', 1), w.get('pad', 0)
-  ld, rd = w.get('lhs_dilate', 1), w.get('rhs_dilate', 1)
-  span = (in_size - 1) * ld + 1
-  count = 0
-  for o in range(out_size):
-    base = o * stride - pad
-    if ld == 1 and rd == 1:  # taps k with 0 <= base + k < span
-      count += max(0, min(win, span - base) - max(0, -base))
-      continue
-    count += sum(1 for k in range(win) if 0 <= base + k * rd < span and (base + k * rd) % ld == 0)
-  return count
-
-
-
-
-_LAYOUT = re.compile(r'\[[\d,]*\]\{([\d,]*)')
-
-
-def cpu_dot_forms(text: str) -> dict:
-  """Matmul FLOPs of a compiled XLA:CPU program by the form of each dot: {form: FLOPs}.
-
-  'bf16 kernels': bf16 x bf16 -> f32 with the left operand contracted on its minor-most
-  (row-major, non-transposed) axis, the one form XLA:CPU runs on its bf16 matrix kernels;
-  any other dot is keyed '<lhs> x <rhs> -> <out>' plus ' (lhs transposed)' where that
-  holds. Each dot counts once (a loop body once, not per trip).
-  """
-  comps, _, _ = read_computations(text)
-  out = collections.Counter()
-  for body in comps.values():
-    shapes = {name: typ for name, typ, *_ in body}
-    for _, typ, op, rest, _ in body:
-      if op != 'dot':
-        continue
-      flops = _matmul_flops(op, typ, rest, shapes)
-      ops = _operands(rest)
-      lhs_t, rhs_t = (shapes.get(o, '') for o in ops[:2])
-      (lt, ld), (rt, _), (ot, _) = _arrays(lhs_t)[0], _arrays(rhs_t)[0], _arrays(typ)[0]
-      contract = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest).group(1)
-      layout = _LAYOUT.search(lhs_t)
-      minor = int(layout.group(1).split(',')[0]) if layout and layout.group(1) else len(ld) - 1
-      row_major = contract == str(minor)
-      if (lt, rt, ot) == ('bf16', 'bf16', 'f32') and row_major:
-        out['bf16 kernels'] += flops
-      else:
-        out[f'{lt} x {rt} -> {ot}' + ('' if row_major else ' (lhs transposed)')] += flops
-  return dict(out)

@@ -200,7 +200,7 @@ def _program_report(compiled, lowered_s: float, compile_s: float, num_devices: i
 # compile-only executable back ("PjRtCompiler must be constructed with a Client"), so the
 # figures themselves are kept, keyed by everything that decides the compiled program.
 _CACHE = {'dir': None}
-_ANALYSIS_VERSION = '5'  # bump when the figures read from a compiled program change
+_ANALYSIS_VERSION = '6'  # bump when the figures read from a compiled program change
 
 
 def _libtpu_version() -> str:
