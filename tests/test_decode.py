@@ -50,7 +50,7 @@ def random_prompts(n, seed):
 
 
 def check_stats(r: decode.DecodeResult, max_new):
-  """tau = committed / verify steps, in [1, D+1]; the counters agree with the tokens."""
+  """tau = committed / verify steps, in [1, A+1]; the counters agree with the tokens."""
   s = r.stats()
   d = r.num_drafts
   assert 1.0 <= s['mean_accepted_length'] <= d + 1
@@ -196,7 +196,7 @@ def test_lossless_greedy_bf16_and_recursive(models, weights, num_drafts):
 @pytest.mark.parametrize('threshold', [0.6, 0.95])
 def test_adaptive_draft_length_is_lossless(models, threshold):
   """Confidence-adaptive draft length: greedy == AR, drafts == the uncached chain's, and
-  the verify window really narrows (rows per iteration below D + 1) on some iterations."""
+  the verify window really narrows (rows per iteration below A + 1) on some iterations."""
   model = models['trained']
   dec = decode.Decoder(model)
   prompts = word_prompts(8, seed=2)
@@ -248,7 +248,7 @@ def test_prompt_lengths_share_one_program(models):
 def check_drafts(model, prompts, result):
   """Every recorded draft == argmax of an uncached forward of the MTP chain.
 
-  The reference runs the teacher-forced model over [committed prefix ; d_1..d_{D-1}]:
+  The reference runs the teacher-forced model over [committed prefix ; d_1..d_{A-1}]:
   depth k at position n-2 reads t_{n-2+k}, i.e. x for k = 1 and the drafts after it.
   """
   d = result.num_drafts
