@@ -95,10 +95,13 @@ def _module_file(module: str) -> str:
 
 
 def _sources_of(program: str) -> list[str]:
-  """The repository files whose add_argument calls make up `program`'s parser."""
+  """The repository files whose add_argument calls make up `program`'s parser: its module
+  and the command modules it imports (shared flags)."""
   if program.startswith('mtp-'):
     module = _entry_points().get(program)
-    return [_module_file(module)] if module else []
+    if not module:
+      return []
+    program = _module_file(module)
   files, todo = [], [program]
   while todo:
     rel = todo.pop()
@@ -109,10 +112,13 @@ def _sources_of(program: str) -> list[str]:
       if isinstance(node, ast.ImportFrom) and node.module:
         if node.module.startswith('mtp_jax.commands'):
           todo.append(_module_file(node.module))
-      elif isinstance(node, ast.Import):  # a benchmark script's own helper modules
+      elif isinstance(node, ast.Import):  # shared command modules, a benchmark's own helpers
         for alias in node.names:
-          todo += [os.path.join(os.path.dirname(rel), alias.name + '.py'),
-                   os.path.join('benchmarks', alias.name + '.py')]
+          if alias.name.startswith('mtp_jax.commands.'):
+            todo.append(_module_file(alias.name))
+          else:
+            todo += [os.path.join(os.path.dirname(rel), alias.name + '.py'),
+                     os.path.join('benchmarks', alias.name + '.py')]
   return files
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import sys
 
-import mtp_jax.commands.preflight as preflight
+import mtp_jax.commands.common as common
 from mtp_jax import cli  # argparse only: JAX starts after the flags
 
 
@@ -46,14 +46,10 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  try:  # a mistyped path is answered before JAX starts
-    preflight.read_workdir(args.workdir)
-  except cli.RequestError as e:
-    return cli.report_expected(e)
-  from absl import logging
-
+  code = common.open_workdir(args.workdir)
+  if code is not None:
+    return code
   from mtp_jax.train import evaluation  # after flag parsing: JAX starts here
-  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:
     out = evaluation.evaluate_workdir(
         args.workdir, split=args.split, step=args.step, eval_batches=args.eval_batches,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import sys
 
-import mtp_jax.commands.preflight as preflight
+import mtp_jax.commands.common as common
 from mtp_jax import cli  # argparse only: JAX starts after the flags
 
 # mtp_jax.interop.layouts.LAYOUTS, without importing JAX before the flags are parsed
@@ -51,14 +51,10 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  try:  # a mistyped path is answered before JAX starts
-    preflight.read_workdir(args.workdir)
-  except cli.RequestError as e:
-    return cli.report_expected(e)
-  from absl import logging  # pylint: disable=g-import-not-at-top
-
+  code = common.open_workdir(args.workdir)
+  if code is not None:
+    return code
   from mtp_jax.interop import export  # pylint: disable=g-import-not-at-top  (JAX starts here)
-  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:
     out = export.export_workdir(args.workdir, args.out, args.layout, step=args.step,
                                 fp8=args.fp8, shard_bytes=args.shard_mb << 20)
