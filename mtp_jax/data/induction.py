@@ -180,24 +180,12 @@ class NameStoryTask:
   def rows(self, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     """{tokens, segment_ids, positions, copy_mask}, each [n, T], of n fresh rows."""
     tok = tokenizers.ByteTokenizer()
-    t = self.seq_len
-    out = {k: np.zeros((n, t), np.int32) for k in ('tokens', 'segment_ids', 'positions')}
-    mask = np.zeros((n, t), bool)
-    for r in range(n):
-      i, seg = 0, 1
-      while i < t:
-        text, scored = self.story(rng)
-        ids = tok.encode_array(text.encode())  # one token per byte: offsets carry over
-        m = min(len(ids), t - i)
-        out['tokens'][r, i:i + m] = ids[:m]
-        out['segment_ids'][r, i:i + m] = seg
-        out['positions'][r, i:i + m] = np.arange(m)
-        for c in scored:
-          if c < m:
-            mask[r, i + c] = True
-        i, seg = i + m, seg + 1
-    out['copy_mask'] = mask
-    return out
+
+    def next_story():
+      text, scored = self.story(rng)
+      return tok.encode_array(text.encode()), scored  # one token per byte: offsets carry over
+
+    return _pack_stories(n, self.seq_len, next_story)
 
   def batch(self, seed: int, step: int, batch_size: int) -> dict[str, np.ndarray]:
     """Training batch `step` of run `seed` (a pure function of both, as InductionTask's)."""
@@ -266,6 +254,28 @@ def _pick_story(rng, pool: Sequence[str], body_min: int, body_max: int):
   return word_story(sentences, (pool[int(a)], pool[int(b)]))
 
 
+def _pack_stories(n: int, t: int, next_story) -> dict[str, np.ndarray]:
+  """{tokens, segment_ids, positions, copy_mask}, each [n, T]: the stories next_story()
+  gives as (token ids, offsets of the scored tokens), packed one after another as separate
+  documents (segment ids 1, 2, ...; positions restart), the last one cut at T."""
+  out = {k: np.zeros((n, t), np.int32) for k in ('tokens', 'segment_ids', 'positions')}
+  mask = np.zeros((n, t), bool)
+  for r in range(n):
+    i, seg = 0, 1
+    while i < t:
+      ids, scored = next_story()
+      m = min(len(ids), t - i)
+      out['tokens'][r, i:i + m] = ids[:m]
+      out['segment_ids'][r, i:i + m] = seg
+      out['positions'][r, i:i + m] = np.arange(m)
+      for c in scored:
+        if c < m:
+          mask[r, i + c] = True
+      i, seg = i + m, seg + 1
+  out['copy_mask'] = mask
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class BPENameStoryTask:
   """Induction as Gloeckle et al. 2024 (section 4.1) ran it, on template stories: the model
@@ -326,23 +336,8 @@ class BPENameStoryTask:
     if len(pool) < 2:
       raise ValueError(f'a BPE of {self.vocab_size} pieces trained on {self.corpus_stories} '
                        'stories has no names of two tokens: raise vocab_size')
-    t = self.seq_len
-    out = {k: np.zeros((n, t), np.int32) for k in ('tokens', 'segment_ids', 'positions')}
-    mask = np.zeros((n, t), bool)
-    for r in range(n):
-      i, seg = 0, 1
-      while i < t:
-        ids, marks = self.encode_story(*_pick_story(rng, pool, self.body_min, self.body_max))
-        m = min(len(ids), t - i)
-        out['tokens'][r, i:i + m] = ids[:m]
-        out['segment_ids'][r, i:i + m] = seg
-        out['positions'][r, i:i + m] = np.arange(m)
-        for c in marks:
-          if c < m:
-            mask[r, i + c] = True
-        i, seg = i + m, seg + 1
-    out['copy_mask'] = mask
-    return out
+    return _pack_stories(n, self.seq_len, lambda: self.encode_story(
+        *_pick_story(rng, pool, self.body_min, self.body_max)))
 
   def batch(self, seed: int, step: int, batch_size: int) -> dict[str, np.ndarray]:
     """Training batch `step` of run `seed`: ordinary-name stories."""
