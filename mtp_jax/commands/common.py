@@ -1,4 +1,4 @@
-"""What the commands that read a trained workdir share: the sampling flags, and the start
+"""What the commands that read a trained workdir share: the sampling flags, and the run
 that checks the workdir before JAX is imported.
 
 Argparse and the standard library only, like the parsers that call it.
@@ -19,10 +19,11 @@ def add_sampling_flags(p, *, max_new_tokens: int, temperature: float) -> None:
   p.add_argument('--top_p', type=cli.probability, default=1.0, help='1: off')
 
 
-def open_workdir(workdir: str, files: tuple = ()) -> int | None:
-  """The exit code of the one-line error when `workdir` (or a (path, flag) of `files`) is not
-  there to read, answered before JAX starts; else None, with the libraries' per-restore
-  INFO logs (orbax) quieted to warnings."""
+def run_on_workdir(workdir: str, job, files: tuple = ()) -> int:
+  """A reading command's run: `workdir` (and each (path, flag) of `files`) checked before
+  JAX starts, the libraries' per-restore INFO logs (orbax) quieted to warnings, then
+  `job()` (which imports JAX and the library, does the work, prints and returns the exit
+  code). Bad input or a broken checkpoint, before or inside the job: one line and 2."""
   try:
     preflight.read_workdir(workdir)
     for path, flag in files:
@@ -30,4 +31,7 @@ def open_workdir(workdir: str, files: tuple = ()) -> int | None:
   except cli.RequestError as e:
     return cli.report_expected(e)
   cli.quiet_library_logs()
-  return None
+  try:
+    return job()
+  except Exception as e:  # pylint: disable=broad-except
+    return cli.report_expected(e)  # re-raised unless expected: a bug keeps its traceback

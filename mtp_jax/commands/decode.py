@@ -58,19 +58,17 @@ def show(prompt: str, text: str, styled: bool) -> str:
 def main(argv=None) -> int:
   args = parse(argv)
   files = () if args.prompts_file is None else ((args.prompts_file, '--prompts_file'),)
-  code = common.open_workdir(args.workdir, files)
-  if code is not None:
-    return code
+  return common.run_on_workdir(args.workdir, lambda: decode(args), files)
+
+
+def decode(args) -> int:
   from mtp_jax.decode import generate  # after flag parsing: JAX starts here
-  try:
-    prompts = generate.read_prompts(args.prompt, args.prompts_file)
-    out = generate.decode_workdir(
-        args.workdir, prompts, mode=args.mode, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        batch_size=args.batch_size, seed=args.seed, max_len=args.max_len,
-        num_drafts=args.num_drafts, tree=args.tree)
-  except Exception as e:  # pylint: disable=broad-except
-    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
+  prompts = generate.read_prompts(args.prompt, args.prompts_file)
+  out = generate.decode_workdir(
+      args.workdir, prompts, mode=args.mode, max_new_tokens=args.max_new_tokens,
+      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+      batch_size=args.batch_size, seed=args.seed, max_len=args.max_len,
+      num_drafts=args.num_drafts, tree=args.tree)
   if args.json:
     print(json.dumps(out))
     return 0

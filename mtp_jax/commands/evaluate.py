@@ -46,18 +46,16 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  code = common.open_workdir(args.workdir)
-  if code is not None:
-    return code
+  return common.run_on_workdir(args.workdir, lambda: evaluate(args))
+
+
+def evaluate(args) -> int:
   from mtp_jax.train import evaluation  # after flag parsing: JAX starts here
-  try:
-    out = evaluation.evaluate_workdir(
-        args.workdir, split=args.split, step=args.step, eval_batches=args.eval_batches,
-        num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-        tree=None if args.tree == 'none' else args.tree)
-  except Exception as e:  # pylint: disable=broad-except
-    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
+  out = evaluation.evaluate_workdir(
+      args.workdir, split=args.split, step=args.step, eval_batches=args.eval_batches,
+      num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+      tree=None if args.tree == 'none' else args.tree)
   print(json.dumps(out) if args.json else evaluation.format_table(out))
   return 0
 

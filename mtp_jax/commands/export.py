@@ -51,15 +51,13 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  code = common.open_workdir(args.workdir)
-  if code is not None:
-    return code
+  return common.run_on_workdir(args.workdir, lambda: export_and_report(args))
+
+
+def export_and_report(args) -> int:
   from mtp_jax.interop import export  # pylint: disable=g-import-not-at-top  (JAX starts here)
-  try:
-    out = export.export_workdir(args.workdir, args.out, args.layout, step=args.step,
-                                fp8=args.fp8, shard_bytes=args.shard_mb << 20)
-  except Exception as e:  # pylint: disable=broad-except
-    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
+  out = export.export_workdir(args.workdir, args.out, args.layout, step=args.step,
+                              fp8=args.fp8, shard_bytes=args.shard_mb << 20)
   if args.json:
     print(json.dumps(out))
     return 0

@@ -40,20 +40,18 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  code = common.open_workdir(args.workdir)
-  if code is not None:
-    return code
+  return common.run_on_workdir(args.workdir, lambda: self_distill(args))
+
+
+def self_distill(args) -> int:
   from mtp_jax.research import distill  # after flag parsing: JAX starts here
   settings = distill.Settings(
       num_prompts=args.num_prompts, prompt_len=args.prompt_len,
       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
       top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
       num_drafts=args.num_drafts, split=args.split)
-  try:
-    meta = distill.self_distill(args.workdir, args.out, settings, args.data,
-                                notify=lambda s: print(s, file=sys.stderr))
-  except Exception as e:  # pylint: disable=broad-except
-    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
+  meta = distill.self_distill(args.workdir, args.out, settings, args.data,
+                              notify=lambda s: print(s, file=sys.stderr))
   flags = ' '.join(f'--config.{k}={v}' for k, v in meta['train_overrides'].items() if v != '')
   print(json.dumps(meta))
   print(f'train on it: scripts/train.py ... {flags}', file=sys.stderr)

@@ -142,10 +142,7 @@ class NameStoryTask:
   def __post_init__(self):
     if not 2 <= self.name_min <= self.name_max:
       raise ValueError(f'need 2 <= name_min <= name_max, got {self.name_min}, {self.name_max}')
-    if not 1 <= self.body_min <= self.body_max:
-      raise ValueError(f'need 1 <= body_min <= body_max, got {self.body_min}, {self.body_max}')
-    if self.seq_len < 64:
-      raise ValueError(f'seq_len {self.seq_len} cannot hold a story opening (need >= 64)')
+    _check_story_fields(self, shortest=64)
 
   def story(self, rng: np.random.Generator) -> tuple[str, list[int]]:
     """(text, character offsets of the scored characters: each name's second letter at
@@ -254,6 +251,15 @@ def _pick_story(rng, pool: Sequence[str], body_min: int, body_max: int):
   return word_story(sentences, (pool[int(a)], pool[int(b)]))
 
 
+def _check_story_fields(task, shortest: int) -> None:
+  """ValueError unless a story task's body lengths are ordered and a row holds `shortest`
+  tokens (a story's opening)."""
+  if not 1 <= task.body_min <= task.body_max:
+    raise ValueError(f'need 1 <= body_min <= body_max, got {task.body_min}, {task.body_max}')
+  if task.seq_len < shortest:
+    raise ValueError(f'seq_len {task.seq_len} cannot hold a story opening (need >= {shortest})')
+
+
 def _pack_stories(n: int, t: int, next_story) -> dict[str, np.ndarray]:
   """{tokens, segment_ids, positions, copy_mask}, each [n, T]: the stories next_story()
   gives as (token ids, offsets of the scored tokens), packed one after another as separate
@@ -300,10 +306,7 @@ class BPENameStoryTask:
   kind: str = 'bpe_names'
 
   def __post_init__(self):
-    if not 1 <= self.body_min <= self.body_max:
-      raise ValueError(f'need 1 <= body_min <= body_max, got {self.body_min}, {self.body_max}')
-    if self.seq_len < 32:
-      raise ValueError(f'seq_len {self.seq_len} cannot hold a story opening (need >= 32)')
+    _check_story_fields(self, shortest=32)
 
   @property
   def tokenizer(self):
