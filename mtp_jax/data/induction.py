@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -115,7 +116,24 @@ NAME_CAPITALS = ''.join(sorted(set(LETTERS.upper()) - {
 
 
 @dataclasses.dataclass(frozen=True)
-class NameStoryTask:
+class _StoryTask:
+  """What the story tasks share: rows of `seq_len` tokens, stories of an INTRO sentence and
+  body_min .. body_max BODY sentences; a row holds at least SHORTEST tokens."""
+  SHORTEST: ClassVar[int] = 32
+  seq_len: int = 128
+  body_min: int = 2
+  body_max: int = 4
+
+  def __post_init__(self):
+    if not 1 <= self.body_min <= self.body_max:
+      raise ValueError(f'need 1 <= body_min <= body_max, got {self.body_min}, {self.body_max}')
+    if self.seq_len < self.SHORTEST:
+      raise ValueError(f'seq_len {self.seq_len} cannot hold a story opening '
+                       f'(need >= {self.SHORTEST})')
+
+
+@dataclasses.dataclass(frozen=True)
+class NameStoryTask(_StoryTask):
   """Template stories whose two characters have random names: the scaled-down induction
   test of Gloeckle et al. 2024 (section 4.1), on the byte tokenizer.
 
@@ -132,17 +150,15 @@ class NameStoryTask:
   capital started the name, copy what followed) beats chance, 1/26. `copy_mask` marks
   those target tokens.
   """
-  seq_len: int = 128
+  SHORTEST: ClassVar[int] = 64
   name_min: int = 3
   name_max: int = 6
-  body_min: int = 2
-  body_max: int = 4
   kind: str = 'names'
 
   def __post_init__(self):
     if not 2 <= self.name_min <= self.name_max:
       raise ValueError(f'need 2 <= name_min <= name_max, got {self.name_min}, {self.name_max}')
-    _check_story_fields(self, shortest=64)
+    super().__post_init__()
 
   def story(self, rng: np.random.Generator) -> tuple[str, list[int]]:
     """(text, character offsets of the scored characters: each name's second letter at
@@ -251,15 +267,6 @@ def _pick_story(rng, pool: Sequence[str], body_min: int, body_max: int):
   return word_story(sentences, (pool[int(a)], pool[int(b)]))
 
 
-def _check_story_fields(task, shortest: int) -> None:
-  """ValueError unless a story task's body lengths are ordered and a row holds `shortest`
-  tokens (a story's opening)."""
-  if not 1 <= task.body_min <= task.body_max:
-    raise ValueError(f'need 1 <= body_min <= body_max, got {task.body_min}, {task.body_max}')
-  if task.seq_len < shortest:
-    raise ValueError(f'seq_len {task.seq_len} cannot hold a story opening (need >= {shortest})')
-
-
 def _pack_stories(n: int, t: int, next_story) -> dict[str, np.ndarray]:
   """{tokens, segment_ids, positions, copy_mask}, each [n, T]: the stories next_story()
   gives as (token ids, offsets of the scored tokens), packed one after another as separate
@@ -283,7 +290,7 @@ def _pack_stories(n: int, t: int, next_story) -> dict[str, np.ndarray]:
 
 
 @dataclasses.dataclass(frozen=True)
-class BPENameStoryTask:
+class BPENameStoryTask(_StoryTask):
   """Induction as Gloeckle et al. 2024 (section 4.1) ran it, on template stories: the model
   trains on stories whose characters have ordinary names (ORDINARY_NAMES) and is tested
   on stories whose names are random names of exactly two tokens of the run's own trained
@@ -297,16 +304,10 @@ class BPENameStoryTask:
   the same tokens at every mention): what the whole text encodes to, as the tokenizer
   splits at whitespace.
   """
-  seq_len: int = 128
   vocab_size: int = 512
   corpus_stories: int = 4000
   tokenizer_seed: int = 0
-  body_min: int = 2
-  body_max: int = 4
   kind: str = 'bpe_names'
-
-  def __post_init__(self):
-    _check_story_fields(self, shortest=32)
 
   @property
   def tokenizer(self):
