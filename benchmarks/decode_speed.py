@@ -68,7 +68,7 @@ def parse(argv):
 
 
 def smoke_config():
-  """A tiny config of the trained models' kind (D 2 sequential MTP)."""
+  """A tiny config of the trained models' kind (M 2 sequential MTP)."""
   import train_throughput  # pylint: disable=import-outside-toplevel
   c = train_throughput.shrink(train_throughput.load_config('stdlib_mtp'))
   c.model.mtp.depth = 2

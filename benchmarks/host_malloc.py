@@ -1,13 +1,13 @@
 """The trainer's --host_malloc keep against system: page faults, system time, step time.
 
-  python benchmarks/host_malloc.py --configs maxtext_D3 --rounds 2 --steps 8
+  python benchmarks/host_malloc.py --configs maxtext_M3 --rounds 2 --steps 8
   python benchmarks/host_malloc.py --rounds 3 --steps 6 --out benchmarks/results/host_malloc.json
 
 The allocator setting is process-wide and must be made before JAX starts its threads
 (mtp_jax/runtime/host_memory.py), so each mode runs in its own child process, the modes
 interleaved round after round (odd rounds in reverse order). A child sets its mode,
 trains on the trainer's CPU devices (--cpu_devices auto), compiles each of --configs
-(train_throughput.named_config: the MaxText-shape step at D 0 / 1 / 3, configs/stdlib_mtp.py),
+(train_throughput.named_config: the MaxText-shape step at M 0 / 1 / 3, configs/stdlib_mtp.py),
 runs one warm-up step and then --steps timed steps, and reports per step the median and
 best wall time, minor page faults and system CPU seconds (getrusage over the timed
 steps), the peak resident set, and the first step's loss and gradient norm (the
@@ -23,7 +23,7 @@ import common  # benchmarks/common.py
 
 NAME = 'host_malloc'
 MODES = ('system', 'keep')
-CONFIGS = ('maxtext_D0', 'maxtext_D1', 'maxtext_D3', 'stdlib_mtp')
+CONFIGS = ('maxtext_M0', 'maxtext_M1', 'maxtext_M3', 'stdlib_mtp')
 
 CHILD = r'''
 import resource, statistics

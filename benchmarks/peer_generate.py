@@ -60,7 +60,7 @@ def parse(argv):
 
 # -- the peer: plain JAX, from the math -----------------------------------------------------
 def peer_params(model) -> dict:
-  """The model's weights as plain arrays: [d, N*H]-style matrices, x @ W."""
+  """The model's weights as plain arrays: [D, N*H]-style matrices, x @ W."""
   a = model.args
   layers = []
   for blk in model.layers:
@@ -149,7 +149,7 @@ def peer_generate(cfg, max_new, greedy, p, prompt_BxP, key, temperature):
 
 # -- the comparison --------------------------------------------------------------------------
 def peer_shape_model(smoke: bool = False):
-  """The random model of the peer shape (stdlib_mtp's D 3 sequential MTP); --smoke: tiny."""
+  """The random model of the peer shape (stdlib_mtp's M 3 sequential MTP); --smoke: tiny."""
   config = common_config()
   if smoke:
     return random_model(config, 32, 1, vocab=64, heads=(2, 16))

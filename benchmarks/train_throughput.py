@@ -242,11 +242,11 @@ def maxtext_config(depth: int, remat: str = 'block', smoke: bool = False, **mode
 
 
 def named_config(name: str, smoke: bool = False):
-  """'stdlib_mtp' or 'maxtext_D<depth>' (host_malloc.py's --configs)."""
+  """'stdlib_mtp' or 'maxtext_M<depth>' (host_malloc.py's --configs)."""
   if name == 'stdlib_mtp':
     c = load_config('stdlib_mtp')
     return shrink(c) if smoke else c
-  if name.startswith('maxtext_D') and name[9:].isdigit():
+  if name.startswith('maxtext_M') and name[9:].isdigit():
     return maxtext_config(int(name[9:]), smoke=smoke)
   raise ValueError(f'unknown config name {name!r}')
 
@@ -289,18 +289,18 @@ AB_SETS = {
     'attention': {  # model.attention_core: the blocked core (CPU default) vs the library call
         'stdlib_mtp': (_stdlib, {'xla': {'attention_core': 'xla'},
                                  'blocked': {'attention_core': 'blocked'}}),
-        'maxtext_D1': (lambda **m: maxtext_config(1, **m),
+        'maxtext_M1': (lambda **m: maxtext_config(1, **m),
                        {'xla': {'attention_core': 'xla'}, 'blocked': {'attention_core': 'blocked'}}),
     },
     'blocks': {  # model.attention_block on both shapes
         'stdlib_mtp': (_stdlib, {'block64': {'attention_block': 64},
                                  'block128': {'attention_block': 128}}),
-        'maxtext_D3': (lambda **m: maxtext_config(3, **m),
+        'maxtext_M3': (lambda **m: maxtext_config(3, **m),
                        {'block64': {'attention_block': 64}, 'block32': {'attention_block': 32},
                         'block128': {'attention_block': 128}}),
     },
     'remat': {  # model.remat on the MaxText shape (block is MaxText's 'minimal')
-        'maxtext_D3': (lambda **m: maxtext_config(3, **m),
+        'maxtext_M3': (lambda **m: maxtext_config(3, **m),
                        {'block': {'remat': 'block'}, 'none': {'remat': 'none'}}),
     },
     'dtype': {  # model.dtype: float32 against bfloat16 (model/matmul.py's bf16-kernel form)
@@ -310,7 +310,7 @@ AB_SETS = {
     },
     'devices': {  # one CPU device against two (data parallel, the trainer's auto)
         'stdlib_mtp': (_stdlib, {'one_device': {'devices': 1}, 'two_devices': {'devices': 2}}),
-        'maxtext_D3': (lambda **m: maxtext_config(3, **m),
+        'maxtext_M3': (lambda **m: maxtext_config(3, **m),
                        {'one_device': {'devices': 1}, 'two_devices': {'devices': 2}}),
     },
 }
@@ -461,9 +461,9 @@ def bench_memory(rows=MEMORY_ROWS, smoke: bool = False) -> dict:
   for loss_chunk, remat, scan in rows:
     row = {'loss_chunk': loss_chunk, 'remat': remat, 'scan_layers': scan}
     for depth in (1, 4):
-      row[f'D{depth}_temp_MiB'] = compiled_temp_mib(
+      row[f'depth{depth}_temp_MiB'] = compiled_temp_mib(
           memory_config(depth, loss_chunk, remat, scan, smoke))
-    row['temp_ratio_D4_over_D1'] = row['D4_temp_MiB'] / row['D1_temp_MiB']
+    row['temp_ratio_depth4_over_depth1'] = row['depth4_temp_MiB'] / row['depth1_temp_MiB']
     out['runs'].append(row)
   return out
 

@@ -79,7 +79,7 @@ def peer_run(args, depth: int) -> list:
   recs = [json.loads(l) for l in proc.stdout.splitlines() if l.strip().startswith('{')]
   if proc.returncode or not recs:
     tail = '\n'.join(proc.stderr.strip().splitlines()[-10:])
-    raise SystemExit(f'error: the peer failed at D {depth} (exit {proc.returncode}):\n{tail}')
+    raise SystemExit(f'error: the peer failed at M {depth} (exit {proc.returncode}):\n{tail}')
   return recs
 
 
@@ -99,7 +99,7 @@ def pairs(records: list) -> dict:
       loads.append(rec['load_average'][0])
     elif 'mtp_num_layers' in rec:
       if rec.get('rc') != 0 or not rec.get('tokens_per_sec'):
-        raise SystemExit(f'error: MaxText run D={rec["mtp_num_layers"]} failed: {rec}')
+        raise SystemExit(f'error: MaxText run M={rec["mtp_num_layers"]} failed: {rec}')
       peer.setdefault(int(rec['mtp_num_layers']), []).append(rec['tokens_per_sec'])
     elif 'mtp_jax' in rec:
       for d, v in rec['mtp_jax']['depths'].items():
@@ -124,14 +124,14 @@ def main(argv=None) -> int:
   records = []
 
   def peer(d):
-    records.append(_load(f'maxtext D={d} start'))
+    records.append(_load(f'maxtext M={d} start'))
     records.extend(peer_run(args, d))
-    records.append(_load(f'maxtext D={d} end'))
+    records.append(_load(f'maxtext M={d} end'))
 
   def ours(d):
-    records.append(_load(f'mtp_jax D={d} start'))
+    records.append(_load(f'mtp_jax M={d} start'))
     records.append(ours_run(args, d))
-    records.append(_load(f'mtp_jax D={d} end'))
+    records.append(_load(f'mtp_jax M={d} end'))
 
   for i in range(1, args.pairs + 1):
     for d in args.depths:

@@ -11,7 +11,12 @@ evaluates every EVAL_EVERY steps on EVAL_ROWS fixed rows (a seed no training bat
 
   python scripts/ablation.py --groups induction --seeds 0,1,2
 """
-from mtp_jax import config_lib
+import os
+
+from mtp_jax import config_files
+
+# configs/_induction.py: the argument and the research run every induction config shares
+INDUCTION = config_files.load_module(os.path.join(os.path.dirname(__file__), '_induction.py'))
 
 VARIANTS = {'d0': (0, 'sequential'), 'd1': (1, 'sequential'), 'd3': (3, 'sequential')}
 BASELINE = 'd0'
@@ -25,23 +30,11 @@ DEVICES = 1  # mesh.shape below: the research sweep runs each variant on one dev
 
 
 def get_config(arg: str = 'd0'):
-  variant, *opts = arg.split(',')
-  if variant not in VARIANTS or any(o != 'smoke' for o in opts):
-    raise ValueError(f'configs/induction.py: unknown argument {arg!r}; use '
-                     f'configs/induction.py:<variant>[,smoke] with variant one of '
-                     f'{", ".join(VARIANTS)}')
+  variant, opts = INDUCTION.split_argument('configs/induction.py', arg, VARIANTS)
   smoke = 'smoke' in opts
-  c = config_lib.base_config()
-  c.model.dtype = 'float32'  # research results compare across hosts: not the host-chosen 'auto'
+  c = INDUCTION.research_config(VARIANTS[variant], 0.3,
+                                *((SMOKE_STEPS, 2) if smoke else (STEPS, WARMUP)))
   c.model.d_model, c.model.n_layers, c.model.mlp_dim = 64, 2, 192
   c.model.n_heads, c.model.n_kv_heads, c.model.head_dim = 2, 2, 32
   c.data.seq_len, c.data.batch_size = (32, 4) if smoke else (64, 16)
-  c.data.tokenizer = 'byte'
-  c.model.mtp.depth, c.model.mtp.kind = VARIANTS[variant]
-  c.model.mtp.lambda_values = (0.3,)
-  c.train.lr = 3e-3
-  c.train.min_lr_ratio = 1.0
-  c.train.steps, c.train.warmup_steps = (SMOKE_STEPS, 2) if smoke else (STEPS, WARMUP)
-  c.train.progress = False
-  c.mesh.shape = (1, 1, 1)
   return c

@@ -16,7 +16,12 @@ STEPS steps and is scored every EVAL_EVERY steps on EVAL_ROWS fixed test rows.
 
   mtp-ablation --groups bpe_names --seeds 0,1,2,3,4
 """
-from mtp_jax import config_lib
+import os
+
+from mtp_jax import config_files
+
+# configs/_induction.py: the argument and the research run every induction config shares
+INDUCTION = config_files.load_module(os.path.join(os.path.dirname(__file__), '_induction.py'))
 
 VARIANTS = {'d0': (0, 'sequential'), 'n2': (1, 'parallel'), 'd1': (1, 'sequential')}
 BASELINE = 'd0'
@@ -39,16 +44,16 @@ def non_embedding_params(size: str) -> int:
 
 
 def get_config(arg: str = 'd0,1m'):
-  variant, *opts = arg.split(',')
+  path, usage, more = 'configs/induction_bpe.py', '<variant>,<size>[,smoke]', (
+      f' and size one of {", ".join(SIZES)}')
+  variant, opts = INDUCTION.split_argument(path, arg, VARIANTS, usage, ('smoke', *SIZES), more)
   sizes = [o for o in opts if o in SIZES]
-  if (variant not in VARIANTS or len(sizes) > 1
-      or any(o != 'smoke' and o not in SIZES for o in opts)):
-    raise ValueError(f'configs/induction_bpe.py: unknown argument {arg!r}; use '
-                     f'configs/induction_bpe.py:<variant>,<size>[,smoke] with variant one of '
-                     f'{", ".join(VARIANTS)} and size one of {", ".join(SIZES)}')
+  if len(sizes) > 1:
+    raise INDUCTION.bad_argument(path, arg, usage, VARIANTS, more)
   smoke = 'smoke' in opts
-  c = config_lib.base_config()
-  c.model.dtype = 'float32'  # research results compare across hosts: not the host-chosen 'auto'
+  # Gloeckle et al.: the heads' losses summed unweighted (lambda 1)
+  c = INDUCTION.research_config(VARIANTS[variant], 1.0,
+                                *((SMOKE_STEPS, 1) if smoke else (STEPS, WARMUP)))
   if smoke:
     c.model.d_model, c.model.n_layers, c.model.mlp_dim = 32, 1, 96
     c.data.seq_len, c.data.batch_size = 64, 4
@@ -60,12 +65,5 @@ def get_config(arg: str = 'd0,1m'):
     c.model.vocab_size = VOCAB
   c.model.head_dim = 32 if not smoke else 16
   c.model.n_heads = c.model.n_kv_heads = c.model.d_model // c.model.head_dim
-  c.data.tokenizer = 'byte'  # unused: the task's batches are its own tokenizer's ids
-  c.model.mtp.depth, c.model.mtp.kind = VARIANTS[variant]
-  c.model.mtp.lambda_values = (1.0,)  # Gloeckle et al.: the heads' losses summed unweighted
-  c.train.lr = 3e-3
-  c.train.min_lr_ratio = 1.0
-  c.train.steps, c.train.warmup_steps = (SMOKE_STEPS, 1) if smoke else (STEPS, WARMUP)
-  c.train.progress = False
-  c.mesh.shape = (1, 1, 1)
+  # data.tokenizer 'byte' is unused: the task's batches are its own tokenizer's ids
   return c

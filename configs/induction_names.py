@@ -19,7 +19,12 @@ reads M = 0 at STEPS against each MTP variant at the most steps whose FLOPs fit
 
   mtp-ablation --groups names --seeds 0,1,2,3,4
 """
-from mtp_jax import config_lib
+import os
+
+from mtp_jax import config_files
+
+# configs/_induction.py: the argument and the research run every induction config shares
+INDUCTION = config_files.load_module(os.path.join(os.path.dirname(__file__), '_induction.py'))
 
 VARIANTS = {'d0': (0, 'sequential'), 'p2': (1, 'parallel'), 'd1': (1, 'sequential')}
 BASELINE = 'd0'
@@ -34,14 +39,11 @@ DEVICES = 1  # mesh.shape below: the research sweep runs each variant on one dev
 
 
 def get_config(arg: str = 'd0'):
-  variant, *opts = arg.split(',')
-  if variant not in VARIANTS or any(o != 'smoke' for o in opts):
-    raise ValueError(f'configs/induction_names.py: unknown argument {arg!r}; use '
-                     f'configs/induction_names.py:<variant>[,smoke] with variant one of '
-                     f'{", ".join(VARIANTS)}')
+  variant, opts = INDUCTION.split_argument('configs/induction_names.py', arg, VARIANTS)
   smoke = 'smoke' in opts
-  c = config_lib.base_config()
-  c.model.dtype = 'float32'  # research results compare across hosts: not the host-chosen 'auto'
+  # Gloeckle et al.: the heads' losses summed unweighted (lambda 1)
+  c = INDUCTION.research_config(VARIANTS[variant], 1.0,
+                                *((SMOKE_STEPS, 2) if smoke else (STEPS, WARMUP)))
   if smoke:
     c.model.d_model, c.model.n_layers, c.model.mlp_dim = 32, 1, 64
     c.model.n_heads, c.model.n_kv_heads, c.model.head_dim = 2, 2, 16
@@ -50,12 +52,4 @@ def get_config(arg: str = 'd0'):
     c.model.d_model, c.model.n_layers, c.model.mlp_dim = 128, 2, 384
     c.model.n_heads, c.model.n_kv_heads, c.model.head_dim = 4, 4, 32
     c.data.seq_len, c.data.batch_size = 128, 16
-  c.data.tokenizer = 'byte'
-  c.model.mtp.depth, c.model.mtp.kind = VARIANTS[variant]
-  c.model.mtp.lambda_values = (1.0,)  # Gloeckle et al.: the heads' losses summed unweighted
-  c.train.lr = 3e-3
-  c.train.min_lr_ratio = 1.0
-  c.train.steps, c.train.warmup_steps = (SMOKE_STEPS, 2) if smoke else (STEPS, WARMUP)
-  c.train.progress = False
-  c.mesh.shape = (1, 1, 1)
   return c

@@ -15,24 +15,15 @@ import os
 
 from mtp_jax import config_files
 
-# configs/_tpu_pod.py: what every pod config shares
-POD = config_files.load_module(os.path.join(os.path.dirname(__file__), '_tpu_pod.py'))
+# configs/tpu_pod_1b.py: the model, mesh and pod settings this config keeps
+POD_1B = config_files.load_module(os.path.join(os.path.dirname(__file__), 'tpu_pod_1b.py'))
 
-DEVICES = 32  # v5p-64 = 32 chips (64 TensorCores); mesh.shape below needs this many
+DEVICES = POD_1B.DEVICES  # v5p-64 = 32 chips (64 TensorCores)
 
 
 def get_config():
-  c = POD.pod_config()
-  m = c.model
-  m.d_model = 2048
-  m.n_layers = 18
-  m.n_heads = 16
-  m.n_kv_heads = 8  # GQA
-  m.head_dim = 128
-  m.mlp_dim = 5632
-  m.rope_theta = 500000.0
-  d = c.data
-  d.seq_len = 32768
-  d.batch_size = 32  # 1M tokens per step; one sequence per chip
-  c.mesh.shape = (2, 16, 1)
+  c = POD_1B.get_config()
+  c.model.rope_theta = 500000.0
+  c.data.seq_len = 32768
+  c.data.batch_size = 32  # 1M tokens per step; one sequence per chip
   return c

@@ -103,6 +103,7 @@ MOVED_NAMES = {
         'eval_se_of_difference', 'ind_alphabet', 'induction_metrics', 'lm_metrics',
         'load_config_module', 'markdown', 'markdown_names', 'markdown_sized', 'paired_test',
         'tabulate', 'tabulate_names', 'tabulate_sized')},
+    'mtp_jax.interop.hf_config.read_config': 'mtp_jax.interop.hf.read_config',
     **{f'mtp_jax.commands.ablation.{n}': f'mtp_jax.research.ablation.{n}' for n in (
         'design_path', 'group_variants', 'make_design', 'make_runs', 'make_sweep',
         'names_estimate', 'sized_runs', 'sized_steps')},
@@ -124,6 +125,9 @@ REMOVED_NAMES = {
     'mtp_jax.model.decode_ops.ATTN_TALL':
         'the module switch is gone: Decoder(model, tall_attention=False) compiles the earlier '
         'few-query attention products',
+    'mtp_jax.interop.hf.source_dir':
+        "InitFrom.parse(value) (mtp_jax.train_state) gives the directory: its path when its "
+        "kind is 'hf'",
     'mtp_jax.train.flops.block_flops':
         'each attention and MLP kind counts its own FLOPs now (flops_per_token of the classes '
         'in mtp_jax.model.ATTENTION_KINDS and MLP_KINDS); mtp_jax.train.flops_per_token(config) '

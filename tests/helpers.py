@@ -10,6 +10,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from mtp_jax import checkpoint as ckpt_lib
@@ -169,6 +170,36 @@ def randomize(model, seed=1):
   nnx.replace_by_pure_dict(state, params)
   nnx.update(model, state)
   return jax.tree.map(np.float64, params)
+
+
+def quiet_tiny(data_dir, fields: dict, **train_fields):
+  """configs/tiny.py on the prepared data at `data_dir` (None: its own), without a progress
+  bar, its train fields set from `fields` and then `train_fields`."""
+  c = load_config('tiny')
+  if data_dir is not None:
+    c.data.data_dir = data_dir
+  c.train.progress = False
+  for k, v in {**fields, **train_fields}.items():
+    c.train[k] = v
+  return c
+
+
+def local_url_scheme(scheme: str) -> type:
+  """Registers `scheme`:// with etils.epath as a path class that resolves 'scheme://b/run'
+  to `root`/b/run (set the class's `root`, e.g. with monkeypatch), as epath resolves gs://
+  through its GCS backend: the trainer, orbax and the readers take the URL path while
+  nothing leaves this machine. Returns the class."""
+  prefix = f'{scheme}://'
+
+  class LocalSchemePath(type(epath.Path('/'))):
+    root = '/nonexistent'
+
+    def __new__(cls, *args):
+      args = [a.replace(prefix, cls.root + '/', 1) if isinstance(a, str) else a for a in args]
+      return super().__new__(cls, *args)
+
+  epath.register_path_cls(prefix)(LocalSchemePath)
+  return LocalSchemePath
 
 
 def job_config(data_dir):
@@ -340,12 +371,9 @@ def write_jsonl(path, lines=30, bad_line=None):
 
 def jsonl_config(path, **train_fields):
   """tiny.py reading the jsonl file(s) at `path`: seq_len 32, a few quiet steps."""
-  c = load_config('tiny')
+  fields = dict(steps=4, log_every=2, eval_every=0, checkpoint_every=0, eval_batches=1)
+  c = quiet_tiny(None, fields, **train_fields)
   c.data.source, c.data.path, c.data.seq_len = 'jsonl', str(path), 32
   c.data.validation_percent = 20
-  c.train.progress = False
-  fields = dict(steps=4, log_every=2, eval_every=0, checkpoint_every=0, eval_batches=1)
-  for k, v in {**fields, **train_fields}.items():
-    c.train[k] = v
   return c
 

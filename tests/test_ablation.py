@@ -286,7 +286,7 @@ def test_parallel_heads_train_and_decode_losslessly_after_training(devices):
     tokens = np.array([alphabet_ids(int(rng.integers(26)), 64) for _ in range(16)], np.int32)
     batch = {'tokens': tokens, 'segment_ids': np.ones_like(tokens), 'positions': pos}
     state, m = steps_lib.run_step(ts, state, batch)
-    losses.append(np.asarray(m['loss_sum']) / np.asarray(m['count']))  # [D + 1] per depth
+    losses.append(np.asarray(m['loss_sum']) / np.asarray(m['count']))  # [M + 1] per depth
   first, last = losses[0], np.mean(losses[-5:], axis=0)
   assert np.all(last < 0.3 * first), (first, last)  # every depth, the heads included
   model, _ = nnx.merge(ts.graphdef, state)

@@ -618,7 +618,7 @@ def test_the_splash_model_holds_the_expected_flops(report):
 def test_gpu_attention_kernel_calls_are_counted_from_their_shapes():
   """The Pallas Triton flash kernel as the GPU compiler prints it (an MLIR attribute
   dictionary for a backend config, the kernel's name in the op name) and a cuDNN call."""
-  q = ('f32', (8, 512, 4, 16))  # [B, T, H, D]
+  q = ('f32', (8, 512, 4, 16))  # [B, T, N, H]
   operands = [(n, [q]) for n in ('q', 'k', 'v')] + [('seg', [('s32', (8, 512))])]
   forward = aot.kernel_call(
       '__gpu$xla.gpu.triton', 'metadata={op_name="jit(train_step)/jvp(jit(mha))/mha_forward/'

@@ -92,7 +92,7 @@ def test_train_throughput_moe(tmp_path):
 @pytest.mark.slow
 def test_train_throughput_memory_and_compile(tmp_path):
   row = _section(tmp_path, 'memory')['default_cpu_scheduler']['runs'][0]
-  assert row['D1_temp_MiB'] > 0 and row['temp_ratio_D4_over_D1'] > 0
+  assert row['depth1_temp_MiB'] > 0 and row['temp_ratio_depth4_over_depth1'] > 0
   compile_s = _section(tmp_path, 'compile')
   assert all(v > 0 for k, v in compile_s.items() if k != 'bench_seconds')
 

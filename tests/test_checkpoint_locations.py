@@ -14,9 +14,8 @@ import shutil
 
 import jax
 import pytest
-from etils import epath
 
-from helpers import REPO
+from helpers import REPO, local_url_scheme
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import storage
 from mtp_jax.commands import decode, evaluate, export, preflight, self_distill
@@ -24,18 +23,7 @@ from mtp_jax.commands import train as train_cmd
 from mtp_jax.errors import RequestError
 from mtp_jax.runtime import compile_cache
 
-
-class _ReaderSchemePath(type(epath.Path('/'))):
-  """'mtpreader://bucket/run' as `root`/bucket/run."""
-  root = '/nonexistent'
-
-  def __new__(cls, *args):
-    args = [a.replace('mtpreader://', cls.root + '/', 1) if isinstance(a, str) else a
-            for a in args]
-    return super().__new__(cls, *args)
-
-
-epath.register_path_cls('mtpreader://')(_ReaderSchemePath)
+_ReaderSchemePath = local_url_scheme('mtpreader')  # 'mtpreader://bucket/run': root/bucket/run
 
 
 def _moved(tiny_run, tmp_path, where: str, directory) -> str:

@@ -49,8 +49,19 @@ def random_prompts(n, seed):
   return [list(rng.integers(2, 258, size=1 + (i * 7) % 16)) for i in range(n)]
 
 
+def spec_equals_ar(dec, prompts, max_new=MAX_NEW, eos_id=None, ar_decoder=None, **spec):
+  """(AR result, speculative result) of `dec`, the speculative tokens asserted equal to the
+  AR ones (ar_decoder's, default dec's) row by row, its counters checked."""
+  ar = (ar_decoder or dec).generate(prompts, max_new, num_drafts=0, eos_id=eos_id)
+  sp = dec.generate(prompts, max_new, eos_id=eos_id, **spec)
+  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
+    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
+  check_stats(sp, max_new)
+  return ar, sp
+
+
 def check_stats(r: decode.DecodeResult, max_new):
-  """tau = committed / verify steps, in [1, D+1]; the counters agree with the tokens."""
+  """tau = committed / verify steps, in [1, A+1]; the counters agree with the tokens."""
   s = r.stats()
   d = r.num_drafts
   assert 1.0 <= s['mean_accepted_length'] <= d + 1
@@ -178,11 +189,7 @@ def test_lossless_greedy_bf16_and_recursive(models, weights, num_drafts):
   the depth (the last MTP module run again) are lossless too, and accepted."""
   dec = decode.Decoder(models['trained'], weight_dtype=weights)
   prompts = word_prompts(8, seed=1)
-  ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
-  sp = dec.generate(prompts, MAX_NEW, num_drafts=num_drafts, eos_id=None, record=True)
-  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
-    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
-  check_stats(sp, MAX_NEW)
+  ar, sp = spec_equals_ar(dec, prompts, num_drafts=num_drafts, record=True)
   assert sp.stats()['mean_accepted_length'] > 2.0, sp.stats()
   if num_drafts > models['trained'].args.mtp_depth:  # a recursive draft was accepted
     assert sp.accepted[:, models['trained'].args.mtp_depth + 1:].sum() > 0, sp.accepted.sum(0)
@@ -196,15 +203,11 @@ def test_lossless_greedy_bf16_and_recursive(models, weights, num_drafts):
 @pytest.mark.parametrize('threshold', [0.6, 0.95])
 def test_adaptive_draft_length_is_lossless(models, threshold):
   """Confidence-adaptive draft length: greedy == AR, drafts == the uncached chain's, and
-  the verify window really narrows (rows per iteration below D + 1) on some iterations."""
+  the verify window really narrows (rows per iteration below A + 1) on some iterations."""
   model = models['trained']
   dec = decode.Decoder(model)
   prompts = word_prompts(8, seed=2)
-  ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
-  sp = dec.generate(prompts, MAX_NEW, eos_id=None, draft_threshold=threshold, record=True)
-  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
-    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
-  check_stats(sp, MAX_NEW)
+  _, sp = spec_equals_ar(dec, prompts, draft_threshold=threshold, record=True)
   st = sp.stats()
   d = model.args.mtp_depth
   assert 1 <= st['verify_rows_per_iteration'] < d + 1, st
@@ -220,11 +223,7 @@ def test_eos_and_max_new_inside_accepted_blocks(models):
   prompts = word_prompts(8, seed=5)
   max_new = [5, 7, 9, 11, 13, 17, 19, 23]
   eos = byte_ids('j')[0]  # the last letter of 'hij': reached by accepted drafts
-  ar = dec.generate(prompts, max_new, num_drafts=0, eos_id=eos)
-  sp = dec.generate(prompts, max_new, eos_id=eos, pad_to=(1, MAX_NEW))
-  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
-    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
-  check_stats(sp, max_new)
+  ar, sp = spec_equals_ar(dec, prompts, max_new, eos_id=eos, pad_to=(1, MAX_NEW))
   ended_eos = np.array([len(t) > 0 and t[-1] == eos for t in sp.tokens])
   ended_len = np.array([len(t) == m for t, m in zip(sp.tokens, max_new)]) & ~ended_eos
   # dropped > 0: the stop came before the end of the block the verifier accepted.
@@ -248,7 +247,7 @@ def test_prompt_lengths_share_one_program(models):
 def check_drafts(model, prompts, result):
   """Every recorded draft == argmax of an uncached forward of the MTP chain.
 
-  The reference runs the teacher-forced model over [committed prefix ; d_1..d_{D-1}]:
+  The reference runs the teacher-forced model over [committed prefix ; d_1..d_{A-1}]:
   depth k at position n-2 reads t_{n-2+k}, i.e. x for k = 1 and the drafts after it.
   """
   d = result.num_drafts
@@ -339,11 +338,7 @@ def test_mla_moe_lossless_greedy(mla_moe_model, layout):
   model = mla_moe_model
   dec = decode.Decoder(model, cache_layout=layout)
   prompts = word_prompts(8, seed=0)
-  ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
-  sp = dec.generate(prompts, MAX_NEW, eos_id=None, record=True)
-  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
-    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
-  check_stats(sp, MAX_NEW)
+  ar, sp = spec_equals_ar(dec, prompts, record=True)
   hist = sp.accepted.sum(0)
   assert hist[0] > 0 and hist[-1] > 0, hist  # rejections and full acceptances
   assert sp.stats()['mean_accepted_length'] > 1.5, sp.stats()
@@ -363,11 +358,7 @@ def test_mla_moe_bf16_weights_lossless(mla_moe_model):
   dec = decode.Decoder(mla_moe_model, weight_dtype='bfloat16')
   assert dec.params['layers'][0]['self_attn']['in_t'][...].dtype == jnp.bfloat16
   prompts = word_prompts(8, seed=1)
-  ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
-  sp = dec.generate(prompts, MAX_NEW, eos_id=None)
-  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
-    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
-  check_stats(sp, MAX_NEW)
+  _, sp = spec_equals_ar(dec, prompts)
 
 
 # -- lossless sampling -----------------------------------------------------------------------
@@ -793,12 +784,8 @@ def test_tree_lossless_greedy(models, spec, layout):
   dec = decode.Decoder(model, tree=spec, cache_layout=layout)
   chain = decode.Decoder(model, cache_layout=layout)
   prompts = word_prompts(8, seed=3)
-  ar = chain.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
-  sp = dec.generate(prompts, MAX_NEW, eos_id=None, record=True)
+  _, sp = spec_equals_ar(dec, prompts, ar_decoder=chain, record=True)
   ch = chain.generate(prompts, MAX_NEW, eos_id=None)
-  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
-    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
-  check_stats(sp, MAX_NEW)
   assert check_tree_drafts(model, prompts, sp) > 50
   st = sp.stats()
   assert st['verify_rows_per_iteration'] == sp.tree.size + 1 and st['tree'] == str(sp.tree)
@@ -816,11 +803,7 @@ def test_tree_eos_and_max_new(models):
   prompts = word_prompts(8, seed=5)
   max_new = [5, 7, 9, 11, 13, 17, 19, 23]
   eos = byte_ids('j')[0]
-  ar = dec.generate(prompts, max_new, num_drafts=0, eos_id=eos)
-  sp = dec.generate(prompts, max_new, eos_id=eos, pad_to=(1, MAX_NEW))
-  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
-    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
-  check_stats(sp, max_new)
+  _, sp = spec_equals_ar(dec, prompts, max_new, eos_id=eos, pad_to=(1, MAX_NEW))
   assert sp.dropped.sum() > 0
   with pytest.raises(cli.RequestError, match='num_drafts must be 0'):
     dec.generate(prompts, 4, num_drafts=2)
@@ -831,11 +814,7 @@ def test_tree_mla_moe_lossless_greedy(mla_moe_model):
   """MLA + MoE trunk and MTP blocks: tree greedy == AR greedy, nodes == uncached chain's."""
   dec = decode.Decoder(mla_moe_model, tree='2,2')
   prompts = word_prompts(8, seed=0)
-  ar = dec.generate(prompts, MAX_NEW, num_drafts=0, eos_id=None)
-  sp = dec.generate(prompts, MAX_NEW, eos_id=None, record=True)
-  for i, (a, s) in enumerate(zip(ar.tokens, sp.tokens)):
-    np.testing.assert_array_equal(s, a, err_msg=f'row {i}')
-  check_stats(sp, MAX_NEW)
+  _, sp = spec_equals_ar(dec, prompts, record=True)
   assert sp.accepted.sum(0)[-1] > 0
   assert check_tree_drafts(mla_moe_model, prompts, sp) > 50
 

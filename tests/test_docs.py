@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import io
 import os
 import re
 import shlex
 import subprocess
+import tokenize
 import tomllib
 
 import pytest
@@ -93,10 +95,13 @@ def _module_file(module: str) -> str:
 
 
 def _sources_of(program: str) -> list[str]:
-  """The repository files whose add_argument calls make up `program`'s parser."""
+  """The repository files whose add_argument calls make up `program`'s parser: its module
+  and the command modules it imports (shared flags)."""
   if program.startswith('mtp-'):
     module = _entry_points().get(program)
-    return [_module_file(module)] if module else []
+    if not module:
+      return []
+    program = _module_file(module)
   files, todo = [], [program]
   while todo:
     rel = todo.pop()
@@ -107,10 +112,13 @@ def _sources_of(program: str) -> list[str]:
       if isinstance(node, ast.ImportFrom) and node.module:
         if node.module.startswith('mtp_jax.commands'):
           todo.append(_module_file(node.module))
-      elif isinstance(node, ast.Import):  # a benchmark script's own helper modules
+      elif isinstance(node, ast.Import):  # shared command modules, a benchmark's own helpers
         for alias in node.names:
-          todo += [os.path.join(os.path.dirname(rel), alias.name + '.py'),
-                   os.path.join('benchmarks', alias.name + '.py')]
+          if alias.name.startswith('mtp_jax.commands.'):
+            todo.append(_module_file(alias.name))
+          else:
+            todo += [os.path.join(os.path.dirname(rel), alias.name + '.py'),
+                     os.path.join('benchmarks', alias.name + '.py')]
   return files
 
 
@@ -304,12 +312,13 @@ def suffix_problem(suffix: str, keys: set) -> str:
 
 
 def test_shape_suffixes_use_the_design_table_keys():
-  """x_BxTxD, idx_BTxEk, ...: each axis of a name's shape suffix in mtp_jax is a key of
-  docs/design.md's table (or a product, a number, a multiple of them)."""
+  """x_BxTxD, idx_BTxEk, ...: each axis of a name's shape suffix in the package, the tests
+  and the benchmarks is a key of docs/design.md's table (or a product, a number, a multiple
+  of them)."""
   keys = shape_keys()
   assert {'B', 'T', 'D', 'V', 'M', 'M1', 'Hv', 'Ek', 'BTEk'} <= keys and 'Q' not in keys
   bad = []
-  for root, _, files in os.walk(os.path.join(REPO, 'mtp_jax')):
+  for root, _, files in (w for top in SHAPE_TREES[:3] for w in os.walk(os.path.join(REPO, top))):
     for name in files:
       if not name.endswith('.py'):
         continue
@@ -320,10 +329,90 @@ def test_shape_suffixes_use_the_design_table_keys():
         ident = (node.id if isinstance(node, ast.Name) else node.arg if isinstance(node, ast.arg)
                  else node.attr if isinstance(node, ast.Attribute) else None)
         m = SUFFIX.match(ident or '')
-        if m and suffix_problem(m.group(1), keys):
+        if m and not m.group(1).islower() and suffix_problem(m.group(1), keys):
           bad.append(f'{os.path.relpath(path, REPO)}:{node.lineno} {ident}: '
                      f'{suffix_problem(m.group(1), keys)}')
   assert not sorted(set(bad)), '\n'.join(sorted(set(bad)))
+
+
+# -- bracketed shapes in comments, docstrings and docs: [B, T, D], [M1, D, V], [B, A+1] --------
+BRACKET = re.compile(r'\[([^\[\]\n]{1,80})\](?![(\[])')
+AXIS_TERM = re.compile(r'\d+|\.{1,3}|[A-Z][A-Za-z0-9]*|[a-z][a-z0-9_]*|[()+*/ -]')
+SHAPE_TREES = ('mtp_jax', 'tests', 'benchmarks', 'docs')
+
+
+def shape_problem(text: str, keys: set) -> str:
+  """'' when `text` (inside brackets) is no shape, or a shape whose capital axis names are
+  all keys of the table (or products of keys); else what is wrong. A shape is axes split by
+  commas, each numbers, lowercase names, keys and + - * / ( ); a lone axis counts when it is
+  capitals or sums one (`[B]`, `[M1]`, `[M+1]`). Regex classes (`[A-Z]`) are no shape."""
+  axes = [a.strip() for a in text.split(',')]
+  if not all(axes) or '--' in text or re.search(r'\w-\w', text):
+    return ''
+  terms = [AXIS_TERM.findall(a) for a in axes]
+  if any(''.join(t) != a for t, a in zip(terms, axes)):
+    return ''
+  names = [t for ts in terms for t in ts if t[0].isupper()]
+  if not names or (len(axes) == 1 and not re.fullmatch(r'[A-Z0-9]+|.*[+-].*', axes[0])):
+    return ''
+  for name in names:
+    if not re.fullmatch(r'(?:[A-Z][a-z]*\d*)+', name):
+      return f'{name!r} is not a key'
+    unknown = [k for k in KEY.findall(name) if k not in keys]
+    if unknown:
+      return f'{unknown} not in the table'
+  if 'd' in (t for ts in terms for t in ts):
+    return "'d': the residual width is D"
+  if re.search(r'\bD ?[+-] ?\d', text):
+    return 'D counts no depths: M depths, A drafts'
+  return ''
+
+
+def prose_lines(rel: str):
+  """(line number, text) of a file's comments and strings (.py) or of all its lines (.md)."""
+  src = read(rel)
+  if rel.endswith('.md'):
+    yield from enumerate(src.splitlines(), 1)
+    return
+  for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+    if tok.type in (tokenize.COMMENT, tokenize.STRING):
+      for i, line in enumerate(tok.string.splitlines()):
+        yield tok.start[0] + i, line
+
+
+def test_bracketed_shapes_use_the_design_table_keys():
+  """[B, T, D], [M1, D, V], [B, A+1]: each axis a comment, docstring or doc page writes in
+  brackets, over the package, the tests, the benchmarks and the docs, is named with the keys
+  of docs/design.md's table."""
+  keys = shape_keys()
+  bad = []
+  for top in SHAPE_TREES:
+    for root, dirs, files in os.walk(os.path.join(REPO, top)):
+      dirs[:] = [d for d in dirs if not d.startswith(('.', '__'))]
+      for name in sorted(files):
+        if not name.endswith(('.py', '.md')):
+          continue
+        rel = os.path.relpath(os.path.join(root, name), REPO)
+        for n, line in prose_lines(rel):
+          for m in BRACKET.finditer(line):
+            problem = shape_problem(m.group(1), keys)
+            if problem:
+              bad.append(f'{rel}:{n} [{m.group(1)}]: {problem}')
+  assert not bad, '\n'.join(bad)
+
+
+def test_the_bracket_check_can_fail():
+  keys = {'B', 'T', 'D', 'V', 'M', 'M1', 'A', 'Ek', 'N', 'H'}
+  for shape in ('B, T, D', 'M1, B, T, V', 'B, A+1', 'M+1', 'BT, Ek, D', 'B, T, N, H', 'B',
+                '(M+1) B T, V', 'n, B, chunk, ...', 'A-Z', 'A-Za-z0-9_', '--top_k K',
+                'free-running acceptance per depth, greedy and T = 1', 'TAU_KEY', 'Training'):
+    assert not shape_problem(shape, keys), shape
+  assert 'not in the table' in shape_problem('B, T, H, Q', keys)
+  assert 'not in the table' in shape_problem('Q, N, K', keys)
+  assert 'not in the table' in shape_problem('X', keys)
+  assert 'the residual width is D' in shape_problem('B, T, d', keys)
+  assert 'not in the table' in shape_problem('1, Z+1', keys)
+  assert 'M depths' in shape_problem('D+1', keys) and 'M depths' in shape_problem('B, D - 1', keys)
 
 
 def test_the_suffix_check_can_fail():

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import REPO, load_config
+from helpers import REPO, quiet_tiny
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
 from mtp_jax.config_lib import ConfigError
@@ -32,12 +32,7 @@ FIELDS = dict(steps=6, log_every=2, eval_every=0, checkpoint_every=2, eval_batch
 
 
 def tiny(data_dir, **train_fields):
-  c = load_config('tiny')
-  c.data.data_dir = data_dir
-  c.train.progress = False
-  for k, v in {**FIELDS, **train_fields}.items():
-    c.train[k] = v
-  return c
+  return quiet_tiny(data_dir, FIELDS, **train_fields)
 
 
 def run(config, workdir, devices, **kw):

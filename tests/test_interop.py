@@ -17,6 +17,7 @@ from flax import nnx
 
 from helpers import REPO, dsv3_model_config, load_config, tiny_model_config, write_workdir
 from mtp_jax import train_state
+from mtp_jax.checkpoint import resolve_checkpoint
 from mtp_jax.data import tokenizers
 from mtp_jax.decode import Decoder
 from mtp_jax.interop import export, hf
@@ -287,13 +288,14 @@ def test_command_line_trains_the_mtp_modules_of_a_deepseek_v3_export(stdlib_data
 def test_init_from_is_parsed_once_into_a_typed_value(tmp_path):
   assert InitFrom.parse(None) is None and InitFrom.parse('  ') is None
   got = InitFrom.parse(f'hf:{tmp_path}/x/../model')
-  assert (got.kind, got.path, got.step, str(got)) == ('hf', f'{tmp_path}/model', None,
-                                                      f'hf:{tmp_path}/model')
+  assert (got.kind, got.path, str(got)) == ('hf', f'{tmp_path}/model', f'hf:{tmp_path}/model')
   assert InitFrom.parse('hf:') == InitFrom('hf', '')
   assert InitFrom.parse(got) is got
   (tmp_path / 'run' / 'checkpoints' / '40' / 'state').mkdir(parents=True)
-  step = InitFrom.parse(str(tmp_path / 'run' / 'checkpoints' / '40'))
-  assert (step.kind, step.step) == ('checkpoint', 40)
+  step_dir = str(tmp_path / 'run' / 'checkpoints' / '40')
+  assert InitFrom.parse(step_dir) == InitFrom('checkpoint', step_dir)
   assert InitFrom.parse(str(tmp_path / 'run')) == InitFrom('checkpoint', str(tmp_path / 'run'))
-  assert hf.source_dir(got) == hf.source_dir(str(got)) == f'{tmp_path}/model'
-  assert hf.source_dir(step) is None
+  # the one parse of a checkpoint path: a step directory names its step, a workdir none
+  assert resolve_checkpoint(step_dir) == (str(tmp_path / 'run' / 'checkpoints'), 40)
+  assert resolve_checkpoint(str(tmp_path / 'run')) == (
+      str(tmp_path / 'run' / 'checkpoints'), None)

@@ -79,7 +79,7 @@ def _cached_step(attn, x, pos, mask, cache, start_B, layout):
 
 
 def chunked_decode(attn, x_BxTxD, noise_BxTxD, layout):
-  """attn's cached path over CHUNKS: outputs [B, T, d] at the valid positions, the cache.
+  """attn's cached path over CHUNKS: outputs [B, T, D] at the valid positions, the cache.
 
   Slots past a row's length hold `noise` (the prefill's padding) until overwritten, as
   in the Decoder: no query may see them."""

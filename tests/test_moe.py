@@ -468,7 +468,7 @@ def test_exchange_offsets_and_sizes_match_numpy(devices, rows):
   n_dev, e_local, n, k = 8, 2, 6, 2
   rng = np.random.default_rng(5)
   idx = np.stack([np.stack([rng.choice(n_dev * e_local, k, replace=False) for _ in range(n)])
-                  for _ in range(n_dev)])  # [Q, N, K]
+                  for _ in range(n_dev)])  # [Xs, BT, Ek]
   r = rows or moe_exchange.buffer_rows(n, k, n_dev, e_local, 0.0)
   assert rows or r == n_dev * n * k  # min(K, E / P) = 2 rows per token at most
   mesh = jax.make_mesh((n_dev,), ('x',), devices=devices)

@@ -10,9 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from etils import epath
 
-from helpers import REPO, load_config
+from helpers import REPO, load_config, local_url_scheme
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_lib, errors
 from mtp_jax.checkpoint import store as ckpt_store
@@ -146,19 +145,7 @@ def test_launch_tpu_pod_dry_run_prints_detached_pinned_commands():
   assert bad.returncode == 2 and 'error: unknown option --bogus' in bad.stderr
 
 
-class _LocalSchemePath(type(epath.Path('/'))):
-  """'mtptest://bucket/run' as `root`/bucket/run: a URL scheme that epath resolves (as it
-  resolves gs:// through its GCS backend) to a local directory, so the trainer, orbax and
-  the readers all take the URL path while nothing leaves this machine."""
-  root = '/nonexistent'
-
-  def __new__(cls, *args):
-    args = [a.replace('mtptest://', cls.root + '/', 1) if isinstance(a, str) else a
-            for a in args]
-    return super().__new__(cls, *args)
-
-
-epath.register_path_cls('mtptest://')(_LocalSchemePath)
+_LocalSchemePath = local_url_scheme('mtptest')  # 'mtptest://bucket/run': root/bucket/run
 
 
 def test_checkpoints_at_a_url_pass_to_orbax_untouched(devices, stdlib_data_dir, tmp_path,

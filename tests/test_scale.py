@@ -77,7 +77,7 @@ def test_pod_configs_are_the_advertised_sizes():
 
 
 def test_flops_match_a_hand_count():
-  """tiny_model_config(2): d=32, L=2, 4 query / 2 kv heads of 8, mlp 64, V=64, T=16, D=2."""
+  """tiny_model_config(2): d=32, L=2, 4 query / 2 kv heads of 8, mlp 64, V=64, T=16, M=2."""
   args = ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(2)))
   q, kv, o = 2 * 32 * 32, 2 * 2 * 32 * 16, 2 * 32 * 32  # 2 FLOPs per multiply-add
   mlp = 3 * 2 * 32 * 64

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import REPO, load_config
+from helpers import REPO, quiet_tiny
 from mtp_jax.runtime import signals
 from mtp_jax.train import goodput, train_and_evaluate, watchdog
 
@@ -24,12 +24,7 @@ FIELDS = dict(steps=6, log_every=1, eval_every=0, checkpoint_every=4, eval_batch
 
 
 def tiny(data_dir, **train_fields):
-  c = load_config('tiny')
-  c.data.data_dir = data_dir
-  c.train.progress = False
-  for k, v in {**FIELDS, **train_fields}.items():
-    c.train[k] = v
-  return c
+  return quiet_tiny(data_dir, FIELDS, **train_fields)
 
 
 def log_rows(workdir) -> list:

@@ -122,7 +122,7 @@ def test_sized_variants_and_budgets():
   assert runs[0] == ('d0', 'tokens', 960) and len(runs) == 13
   flops = {v: n for v, b, n in runs if b == 'flops'}
   assert flops['d3'] == flops['d3f'] == flops['d3r'] < flops['d1'] < 960  # same compiled shapes
-  # TOP adds one [d, V] unembedding and no block: cheaper than a sequential module
+  # TOP adds one [D, V] unembedding and no block: cheaper than a sequential module
   assert flops['d1'] < flops['t1'] < 960
   with pytest.raises(ValueError, match='unknown argument'):
     tables.ABLATION.get_config('d3f')  # the curricula exist in the sized sweep only

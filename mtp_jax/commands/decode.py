@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-import mtp_jax.commands.preflight as preflight
+import mtp_jax.commands.common as common
 from mtp_jax import cli  # argparse only: JAX starts after the flags
 
 
@@ -24,10 +24,7 @@ def parse(argv):
   p.add_argument('--workdir', required=True, help='training workdir (latest checkpoint is used)')
   p.add_argument('--prompt', help='one prompt')
   p.add_argument('--prompts_file', help='one prompt per line (.jsonl: one JSON string per line)')
-  p.add_argument('--max_new_tokens', type=cli.positive_int, default=128, help='tokens to generate per prompt')
-  p.add_argument('--temperature', type=cli.non_negative_float, default=0.0, help='0: greedy')
-  p.add_argument('--top_k', type=cli.non_negative_int, default=0, help='0: off')
-  p.add_argument('--top_p', type=cli.probability, default=1.0, help='1: off')
+  common.add_sampling_flags(p, max_new_tokens=128, temperature=0.0)
   p.add_argument('--batch_size', type=cli.positive_int, default=1, help='prompts decoded together')
   p.add_argument('--mode', default='spec', choices=('spec', 'ar', 'compare'),
                  help='spec: MTP drafts verified by the main model (lossless); ar: plain '
@@ -60,22 +57,18 @@ def show(prompt: str, text: str, styled: bool) -> str:
 
 def main(argv=None) -> int:
   args = parse(argv)
-  try:  # a mistyped path is answered before JAX starts
-    preflight.read_workdir(args.workdir)
-    if args.prompts_file is not None:
-      preflight.readable_file(args.prompts_file, '--prompts_file')
-  except cli.RequestError as e:
-    return cli.report_expected(e)
+  files = () if args.prompts_file is None else ((args.prompts_file, '--prompts_file'),)
+  return common.run_on_workdir(args.workdir, lambda: decode(args), files)
+
+
+def decode(args) -> int:
   from mtp_jax.decode import generate  # after flag parsing: JAX starts here
-  try:
-    prompts = generate.read_prompts(args.prompt, args.prompts_file)
-    out = generate.decode_workdir(
-        args.workdir, prompts, mode=args.mode, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        batch_size=args.batch_size, seed=args.seed, max_len=args.max_len,
-        num_drafts=args.num_drafts, tree=args.tree)
-  except Exception as e:  # pylint: disable=broad-except
-    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
+  prompts = generate.read_prompts(args.prompt, args.prompts_file)
+  out = generate.decode_workdir(
+      args.workdir, prompts, mode=args.mode, max_new_tokens=args.max_new_tokens,
+      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+      batch_size=args.batch_size, seed=args.seed, max_len=args.max_len,
+      num_drafts=args.num_drafts, tree=args.tree)
   if args.json:
     print(json.dumps(out))
     return 0

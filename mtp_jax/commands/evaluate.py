@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import sys
 
-import mtp_jax.commands.preflight as preflight
+import mtp_jax.commands.common as common
 from mtp_jax import cli  # argparse only: JAX starts after the flags
 
 
@@ -46,22 +46,16 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  try:  # a mistyped path is answered before JAX starts
-    preflight.read_workdir(args.workdir)
-  except cli.RequestError as e:
-    return cli.report_expected(e)
-  from absl import logging
+  return common.run_on_workdir(args.workdir, lambda: evaluate(args))
 
+
+def evaluate(args) -> int:
   from mtp_jax.train import evaluation  # after flag parsing: JAX starts here
-  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  try:
-    out = evaluation.evaluate_workdir(
-        args.workdir, split=args.split, step=args.step, eval_batches=args.eval_batches,
-        num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-        tree=None if args.tree == 'none' else args.tree)
-  except Exception as e:  # pylint: disable=broad-except
-    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
+  out = evaluation.evaluate_workdir(
+      args.workdir, split=args.split, step=args.step, eval_batches=args.eval_batches,
+      num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+      tree=None if args.tree == 'none' else args.tree)
   print(json.dumps(out) if args.json else evaluation.format_table(out))
   return 0
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import sys
 
-import mtp_jax.commands.preflight as preflight
+import mtp_jax.commands.common as common
 from mtp_jax import cli  # argparse only: JAX starts after the flags
 
 # mtp_jax.interop.layouts.LAYOUTS, without importing JAX before the flags are parsed
@@ -51,19 +51,13 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  try:  # a mistyped path is answered before JAX starts
-    preflight.read_workdir(args.workdir)
-  except cli.RequestError as e:
-    return cli.report_expected(e)
-  from absl import logging  # pylint: disable=g-import-not-at-top
+  return common.run_on_workdir(args.workdir, lambda: export_and_report(args))
 
+
+def export_and_report(args) -> int:
   from mtp_jax.interop import export  # pylint: disable=g-import-not-at-top  (JAX starts here)
-  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  try:
-    out = export.export_workdir(args.workdir, args.out, args.layout, step=args.step,
-                                fp8=args.fp8, shard_bytes=args.shard_mb << 20)
-  except Exception as e:  # pylint: disable=broad-except
-    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
+  out = export.export_workdir(args.workdir, args.out, args.layout, step=args.step,
+                              fp8=args.fp8, shard_bytes=args.shard_mb << 20)
   if args.json:
     print(json.dumps(out))
     return 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 
-import mtp_jax.commands.preflight as preflight
+import mtp_jax.commands.common as common
 from mtp_jax import cli  # argparse only: JAX starts after the flags
 
 
@@ -27,10 +27,7 @@ def parse(argv):
   p.add_argument('--out', required=True, help='directory to write data.jsonl and meta.json')
   p.add_argument('--num_prompts', type=cli.positive_int, default=256)
   p.add_argument('--prompt_len', type=cli.positive_int, default=32, help='prompt tokens')
-  p.add_argument('--max_new_tokens', type=cli.positive_int, default=96, help='sampled tokens per prompt')
-  p.add_argument('--temperature', type=cli.non_negative_float, default=1.0, help='0: greedy')
-  p.add_argument('--top_k', type=cli.non_negative_int, default=0, help='0: off')
-  p.add_argument('--top_p', type=cli.probability, default=1.0, help='1: off')
+  common.add_sampling_flags(p, max_new_tokens=96, temperature=1.0)
   p.add_argument('--seed', type=int, default=0, help='prompt draw and sampling seed')
   p.add_argument('--batch_size', type=cli.positive_int, default=64, help='prompts decoded together')
   p.add_argument('--num_drafts', type=cli.non_negative_int, default=0,
@@ -43,24 +40,18 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  try:  # a mistyped path is answered before JAX starts
-    preflight.read_workdir(args.workdir)
-  except cli.RequestError as e:
-    return cli.report_expected(e)
-  from absl import logging
+  return common.run_on_workdir(args.workdir, lambda: self_distill(args))
 
+
+def self_distill(args) -> int:
   from mtp_jax.research import distill  # after flag parsing: JAX starts here
-  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   settings = distill.Settings(
       num_prompts=args.num_prompts, prompt_len=args.prompt_len,
       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
       top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
       num_drafts=args.num_drafts, split=args.split)
-  try:
-    meta = distill.self_distill(args.workdir, args.out, settings, args.data,
-                                notify=lambda s: print(s, file=sys.stderr))
-  except Exception as e:  # pylint: disable=broad-except
-    return cli.report_expected(e)  # bad input, a broken checkpoint: 2 and one line
+  meta = distill.self_distill(args.workdir, args.out, settings, args.data,
+                              notify=lambda s: print(s, file=sys.stderr))
   flags = ' '.join(f'--config.{k}={v}' for k, v in meta['train_overrides'].items() if v != '')
   print(json.dumps(meta))
   print(f'train on it: scripts/train.py ... {flags}', file=sys.stderr)

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -115,7 +116,24 @@ NAME_CAPITALS = ''.join(sorted(set(LETTERS.upper()) - {
 
 
 @dataclasses.dataclass(frozen=True)
-class NameStoryTask:
+class _StoryTask:
+  """What the story tasks share: rows of `seq_len` tokens, stories of an INTRO sentence and
+  body_min .. body_max BODY sentences; a row holds at least SHORTEST tokens."""
+  SHORTEST: ClassVar[int] = 32
+  seq_len: int = 128
+  body_min: int = 2
+  body_max: int = 4
+
+  def __post_init__(self):
+    if not 1 <= self.body_min <= self.body_max:
+      raise ValueError(f'need 1 <= body_min <= body_max, got {self.body_min}, {self.body_max}')
+    if self.seq_len < self.SHORTEST:
+      raise ValueError(f'seq_len {self.seq_len} cannot hold a story opening '
+                       f'(need >= {self.SHORTEST})')
+
+
+@dataclasses.dataclass(frozen=True)
+class NameStoryTask(_StoryTask):
   """Template stories whose two characters have random names: the scaled-down induction
   test of Gloeckle et al. 2024 (section 4.1), on the byte tokenizer.
 
@@ -132,20 +150,15 @@ class NameStoryTask:
   capital started the name, copy what followed) beats chance, 1/26. `copy_mask` marks
   those target tokens.
   """
-  seq_len: int = 128
+  SHORTEST: ClassVar[int] = 64
   name_min: int = 3
   name_max: int = 6
-  body_min: int = 2
-  body_max: int = 4
   kind: str = 'names'
 
   def __post_init__(self):
     if not 2 <= self.name_min <= self.name_max:
       raise ValueError(f'need 2 <= name_min <= name_max, got {self.name_min}, {self.name_max}')
-    if not 1 <= self.body_min <= self.body_max:
-      raise ValueError(f'need 1 <= body_min <= body_max, got {self.body_min}, {self.body_max}')
-    if self.seq_len < 64:
-      raise ValueError(f'seq_len {self.seq_len} cannot hold a story opening (need >= 64)')
+    super().__post_init__()
 
   def story(self, rng: np.random.Generator) -> tuple[str, list[int]]:
     """(text, character offsets of the scored characters: each name's second letter at
@@ -180,24 +193,12 @@ class NameStoryTask:
   def rows(self, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     """{tokens, segment_ids, positions, copy_mask}, each [n, T], of n fresh rows."""
     tok = tokenizers.ByteTokenizer()
-    t = self.seq_len
-    out = {k: np.zeros((n, t), np.int32) for k in ('tokens', 'segment_ids', 'positions')}
-    mask = np.zeros((n, t), bool)
-    for r in range(n):
-      i, seg = 0, 1
-      while i < t:
-        text, scored = self.story(rng)
-        ids = tok.encode_array(text.encode())  # one token per byte: offsets carry over
-        m = min(len(ids), t - i)
-        out['tokens'][r, i:i + m] = ids[:m]
-        out['segment_ids'][r, i:i + m] = seg
-        out['positions'][r, i:i + m] = np.arange(m)
-        for c in scored:
-          if c < m:
-            mask[r, i + c] = True
-        i, seg = i + m, seg + 1
-    out['copy_mask'] = mask
-    return out
+
+    def next_story():
+      text, scored = self.story(rng)
+      return tok.encode_array(text.encode()), scored  # one token per byte: offsets carry over
+
+    return _pack_stories(n, self.seq_len, next_story)
 
   def batch(self, seed: int, step: int, batch_size: int) -> dict[str, np.ndarray]:
     """Training batch `step` of run `seed` (a pure function of both, as InductionTask's)."""
@@ -266,8 +267,30 @@ def _pick_story(rng, pool: Sequence[str], body_min: int, body_max: int):
   return word_story(sentences, (pool[int(a)], pool[int(b)]))
 
 
+def _pack_stories(n: int, t: int, next_story) -> dict[str, np.ndarray]:
+  """{tokens, segment_ids, positions, copy_mask}, each [n, T]: the stories next_story()
+  gives as (token ids, offsets of the scored tokens), packed one after another as separate
+  documents (segment ids 1, 2, ...; positions restart), the last one cut at T."""
+  out = {k: np.zeros((n, t), np.int32) for k in ('tokens', 'segment_ids', 'positions')}
+  mask = np.zeros((n, t), bool)
+  for r in range(n):
+    i, seg = 0, 1
+    while i < t:
+      ids, scored = next_story()
+      m = min(len(ids), t - i)
+      out['tokens'][r, i:i + m] = ids[:m]
+      out['segment_ids'][r, i:i + m] = seg
+      out['positions'][r, i:i + m] = np.arange(m)
+      for c in scored:
+        if c < m:
+          mask[r, i + c] = True
+      i, seg = i + m, seg + 1
+  out['copy_mask'] = mask
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
-class BPENameStoryTask:
+class BPENameStoryTask(_StoryTask):
   """Induction as Gloeckle et al. 2024 (section 4.1) ran it, on template stories: the model
   trains on stories whose characters have ordinary names (ORDINARY_NAMES) and is tested
   on stories whose names are random names of exactly two tokens of the run's own trained
@@ -281,19 +304,10 @@ class BPENameStoryTask:
   the same tokens at every mention): what the whole text encodes to, as the tokenizer
   splits at whitespace.
   """
-  seq_len: int = 128
   vocab_size: int = 512
   corpus_stories: int = 4000
   tokenizer_seed: int = 0
-  body_min: int = 2
-  body_max: int = 4
   kind: str = 'bpe_names'
-
-  def __post_init__(self):
-    if not 1 <= self.body_min <= self.body_max:
-      raise ValueError(f'need 1 <= body_min <= body_max, got {self.body_min}, {self.body_max}')
-    if self.seq_len < 32:
-      raise ValueError(f'seq_len {self.seq_len} cannot hold a story opening (need >= 32)')
 
   @property
   def tokenizer(self):
@@ -326,23 +340,8 @@ class BPENameStoryTask:
     if len(pool) < 2:
       raise ValueError(f'a BPE of {self.vocab_size} pieces trained on {self.corpus_stories} '
                        'stories has no names of two tokens: raise vocab_size')
-    t = self.seq_len
-    out = {k: np.zeros((n, t), np.int32) for k in ('tokens', 'segment_ids', 'positions')}
-    mask = np.zeros((n, t), bool)
-    for r in range(n):
-      i, seg = 0, 1
-      while i < t:
-        ids, marks = self.encode_story(*_pick_story(rng, pool, self.body_min, self.body_max))
-        m = min(len(ids), t - i)
-        out['tokens'][r, i:i + m] = ids[:m]
-        out['segment_ids'][r, i:i + m] = seg
-        out['positions'][r, i:i + m] = np.arange(m)
-        for c in marks:
-          if c < m:
-            mask[r, i + c] = True
-        i, seg = i + m, seg + 1
-    out['copy_mask'] = mask
-    return out
+    return _pack_stories(n, self.seq_len, lambda: self.encode_story(
+        *_pick_story(rng, pool, self.body_min, self.body_max)))
 
   def batch(self, seed: int, step: int, batch_size: int) -> dict[str, np.ndarray]:
     """Training batch `step` of run `seed`: ordinary-name stories."""

@@ -262,7 +262,25 @@ def _check_line(raw: bytes, where: str, fields: _Fields) -> None:
                       f'string), got {type(value).__name__}')
 
 
-class JsonlSource:
+class _FileRecords:
+  """The records `index` selects from files; what a process opened or read of them
+  (`_cache`: descriptors, columns) stays in that process: a pickled copy (a grain worker)
+  starts with none and opens its own."""
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    state['_cache'], state['_lock'] = {}, None
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._lock = threading.Lock()
+
+  def __len__(self) -> int:
+    return len(self.index)
+
+
+class JsonlSource(_FileRecords):
   """Records of .jsonl files, read by byte offset (os.pread on a per-process descriptor)."""
 
   def __init__(self, files: Sequence[tuple[str, str]], fields: _Fields, split: str,
@@ -276,7 +294,7 @@ class JsonlSource:
       sel = _in_split(_record_buckets(rel, starts.size), split, validation_percent)
       rows.append(np.stack([np.full(starts.size, fi), starts, lengths, numbers], 1)[sel])
     self.index = np.concatenate(rows) if rows else np.zeros((0, 4), np.int64)
-    self._fds, self._lock = {}, threading.Lock()
+    self._cache, self._lock = {}, threading.Lock()  # file index -> descriptor
 
   def _parse(self, raw: bytes, where: str) -> dict:
     try:
@@ -285,23 +303,11 @@ class JsonlSource:
       raise ConfigError(f'data.path: {where} is not valid JSON ({str(e)[:100]})') from e
     return self.fields.pick(record, f'data.path: {where}')
 
-  def __getstate__(self):  # descriptors stay in their process
-    state = dict(self.__dict__)
-    state['_fds'], state['_lock'] = {}, None
-    return state
-
-  def __setstate__(self, state):
-    self.__dict__.update(state)
-    self._lock = threading.Lock()
-
   def _fd(self, fi: int) -> int:
     with self._lock:
-      if fi not in self._fds:
-        self._fds[fi] = os.open(self.paths[fi], os.O_RDONLY)
-      return self._fds[fi]
-
-  def __len__(self) -> int:
-    return len(self.index)
+      if fi not in self._cache:
+        self._cache[fi] = os.open(self.paths[fi], os.O_RDONLY)
+      return self._cache[fi]
 
   def __getitem__(self, i: int) -> dict:
     fi, start, length, line = (int(v) for v in self.index[i])
@@ -310,7 +316,7 @@ class JsonlSource:
 
 
 # -- parquet -----------------------------------------------------------------------------------
-class ParquetSource:
+class ParquetSource(_FileRecords):
   """Rows of .parquet files; each file's one needed column is read on first use and kept."""
 
   def __init__(self, files: Sequence[tuple[str, str]], fields: _Fields, split: str,
@@ -338,32 +344,20 @@ class ParquetSource:
       sel = _in_split(_record_buckets(rel, n), split, validation_percent)
       rows.append(np.stack([np.full(n, fi), np.arange(n)], 1)[sel])
     self.index = np.concatenate(rows) if rows else np.zeros((0, 2), np.int64)
-    self._columns, self._lock = {}, threading.Lock()
+    self._cache, self._lock = {}, threading.Lock()  # file index -> its read columns
     if len(self.index):
       self[0]  # pylint: disable=pointless-statement  (checks the column's type)
 
-  def __getstate__(self):  # workers read the files again rather than receive the columns
-    state = dict(self.__dict__)
-    state['_columns'], state['_lock'] = {}, None
-    return state
-
-  def __setstate__(self, state):
-    self.__dict__.update(state)
-    self._lock = threading.Lock()
-
   def _column(self, fi: int):
     with self._lock:
-      if fi not in self._columns:
+      if fi not in self._cache:
         # Deferred: as in __init__ (optional dependency).
         import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
         wanted = [self.fields.key] + ([self.fields.text_key] if self.fields.tokens_key else [])
         names = pq.ParquetFile(self.paths[fi]).schema_arrow.names
-        self._columns[fi] = pq.read_table(self.paths[fi],
-                                          columns=[c for c in wanted if c in names])
-      return self._columns[fi]
-
-  def __len__(self) -> int:
-    return len(self.index)
+        self._cache[fi] = pq.read_table(self.paths[fi],
+                                        columns=[c for c in wanted if c in names])
+      return self._cache[fi]
 
   def __getitem__(self, i: int) -> dict:
     fi, row = (int(v) for v in self.index[i])

@@ -112,7 +112,7 @@ class Program:
 @dataclasses.dataclass
 class DecodeState:
   """The while-loop carry; per-row fields lead with the batch axis."""
-  tokens: Array  # [B, Lt] committed tokens by position; PAD after `length`
+  tokens: Array  # [B, U] committed tokens by position; PAD after `length`
   length: Array  # [B] n: committed tokens (the last, x, is not in the main cache yet)
   prompt_len: Array  # [B]
   max_new: Array  # [B] tokens to generate at most
@@ -120,7 +120,7 @@ class DecodeState:
   main_cache: tuple  # per trunk layer, its block's cache in prog.layout (Block.empty_cache:
                     # GQA (k, v); MLA (latent [c_kv ; RoPE(k_r)],))
   mtp_cache: tuple  # per drafting depth, the same
-  hidden: tuple  # sequential: h^k at position n-1-k, k = 1..A-1, each [B, d]
+  hidden: tuple  # sequential: h^k at position n-1-k, k = 1..A-1, each [B, D]
   drafts: Array  # [B, A] proposals for positions n..n+A-1
   proposed: Array  # [B] how many leading drafts are proposed (adaptive; else A)
   draft_probs: Array  # [B, A, V] q each draft was sampled from ([B, A, 0] when greedy)
@@ -131,8 +131,8 @@ class DecodeState:
   accepted: Array  # [B, A+1] how many verify steps accepted exactly j drafts
   dropped: Array  # [B] accepted tokens discarded because the row stopped inside the block
   verify_rows: Array  # [B] positions verified (window widths summed over active iterations)
-  history_drafts: Array  # [Nb or 0, B, A] drafts verified at each iteration (record)
-  history_length: Array  # [Nb or 0, B] n at that iteration, -1 when the row was done
+  history_drafts: Array  # [iterations or 0, B, A] drafts verified at each iteration (record)
+  history_length: Array  # [iterations or 0, B] n at that iteration, -1 when the row was done
 
 
 # -- windows over the caches -----------------------------------------------------------------

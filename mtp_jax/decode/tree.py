@@ -186,7 +186,7 @@ def move_slots(caches: tuple, layout: str, src_BxT, dst_B) -> tuple:
 def verify(prog, model, x_B, drafts_BxN, q_BxNxV, start_B, caches, sampling, keys_B):
   """One main-model pass over [x ; every node], the accepted path, its cache entries moved.
 
-  Returns (h^0 along the path [B, A+1, d] (true up to a), main caches, a [B], candidates
+  Returns (h^0 along the path [B, A+1, D] (true up to a), main caches, a [B], candidates
   [B, A+1]: the a accepted drafts, the bonus, then PAD_ID; the rows verified, N + 1).
   """
   tree = prog.tree

@@ -29,25 +29,20 @@ import jax
 import numpy as np
 from flax import nnx
 
+import mtp_jax
 import mtp_jax.interop.fp8 as fp8_lib
 import mtp_jax.interop.hf_config as hf_config
 import mtp_jax.interop.layouts as layouts
 from mtp_jax import config_lib
 from mtp_jax.checkpoint.reader import path_names
 from mtp_jax.data import tokenizers
-from mtp_jax.interop.safetensors_io import InteropError, MemoryReader, Reader
+from mtp_jax.interop.safetensors_io import InteropError, MemoryReader, Reader, read_json
 from mtp_jax.model.mtp import ModelArgs, MTPModel
-from mtp_jax.train_state.init_from import HF_PREFIX, InitFrom
+from mtp_jax.train_state.init_from import HF_PREFIX
 
 PREFIX = HF_PREFIX
 SUPPORTED = hf_config.ARCHITECTURES
 Tensor = layouts.Tensor
-
-
-def source_dir(init_from) -> str | None:
-  """DIR of an `hf:DIR` --init_from (a string or an InitFrom), else None."""
-  init = InitFrom.parse(init_from)
-  return init.path if init is not None and init.kind == 'hf' else None
 
 
 def _where(directory: str) -> str:
@@ -56,10 +51,20 @@ def _where(directory: str) -> str:
 
 def read_config(directory: str, where: str | None = None) -> dict:
   """config.json of a local model directory; InteropError when it is not one."""
-  if not directory and where is None:
-    raise InteropError('--init_from hf:DIR needs a local directory after hf: (nothing is '
-                       'downloaded from the Hugging Face hub)')
-  return hf_config.read_config(directory, where or _where(directory))
+  if not directory:
+    where = where or '--init_from hf:DIR'
+    after = '' if where != '--init_from hf:DIR' else ' after hf:'
+    raise InteropError(f'{where} needs a local directory{after} (nothing is downloaded from '
+                       'the Hugging Face hub)')
+  where = where or _where(directory)
+  if not os.path.isdir(directory):
+    what = 'does not exist' if not os.path.exists(directory) else 'is not a directory'
+    raise InteropError(f'{where}: {what}: give a local directory holding config.json and '
+                       '*.safetensors (nothing is downloaded from the Hugging Face hub)')
+  path = os.path.join(directory, 'config.json')
+  if not os.path.isfile(path):
+    raise InteropError(f'{where}: no config.json in the directory')
+  return read_json(path, where)
 
 
 def _set_tokenizer(config, directory: str, where: str, changed: list) -> None:
@@ -399,3 +404,7 @@ def load_dir(directory: str, base=None) -> tuple:
     w = params.pop(path_names(p)[:-1], None)  # each host copy freed once placed
     leaves.append(x if w is None else jax.device_put(w.astype(x.dtype), device))
   return config, nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+def __getattr__(name: str):  # a name an earlier release had here: mtp_jax.MOVED_NAMES
+  return mtp_jax.moved_name(__name__, name)

@@ -4,17 +4,18 @@ Families, by config.json's `architectures`: llama, mistral, qwen2 (dense GQA + S
 trunks with Llama's tensor names), deepseek_v3 (MLA, DeepSeekMoE, FP8 block scales, MTP
 layers) and mimo (Xiaomi MiMo: a Qwen2 trunk with MTP layers). `HPARAMS` is the one place
 that names a model hyper-parameter three ways (ModelArgs, config.model, config.json);
-`model_fields` reads a config.json through it, `to_hf` writes one. Every refusal is one
+`model_fields` reads a config.json through it, `to_hf` writes one. It sees config.json as a
+dict only: the directory is hf.py's (reading) and export.py's (writing). Every refusal is one
 InteropError line naming the field.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 
+import mtp_jax
 import mtp_jax.interop.fp8 as fp8_lib
 from mtp_jax import config_lib
-from mtp_jax.interop.safetensors_io import InteropError, read_json
+from mtp_jax.interop.safetensors_io import InteropError
 
 # architectures entry -> family
 ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'MistralForCausalLM': 'mistral',
@@ -90,21 +91,6 @@ _V3_FIXED = (('scoring_func', 'sigmoid'), ('topk_method', 'noaux_tc'), ('norm_to
 
 def _err(where: str, text: str) -> InteropError:
   return InteropError(f'{where}: {text}')
-
-
-def read_config(directory: str, where: str) -> dict:
-  """config.json of a local model directory; InteropError when it is not one."""
-  if not directory:
-    raise InteropError(f'{where} needs a local directory (nothing is downloaded from the '
-                       'Hugging Face hub)')
-  if not os.path.isdir(directory):
-    what = 'does not exist' if not os.path.exists(directory) else 'is not a directory'
-    raise _err(where, f'{what}: give a local directory holding config.json and '
-               '*.safetensors (nothing is downloaded from the Hugging Face hub)')
-  path = os.path.join(directory, 'config.json')
-  if not os.path.isfile(path):
-    raise _err(where, 'no config.json in the directory')
-  return read_json(path, where)
 
 
 def family_of(cfg: dict, where: str) -> str:
@@ -361,3 +347,7 @@ def to_hf(args, layout: str, *, max_positions: int = 4096, fp8: bool = False,
   if fp8:
     c['quantization_config'] = fp8_lib.quantization_config()
   return c
+
+
+def __getattr__(name: str):  # a name an earlier release had here: mtp_jax.MOVED_NAMES
+  return mtp_jax.moved_name(__name__, name)

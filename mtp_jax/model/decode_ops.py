@@ -158,7 +158,7 @@ def tall_attention(enabled: bool):
 
 
 def few_query_dot(a_BKxGTxI, b_BKxOxI, out_dtype):
-  """[X, Q, R] = a b^T per leading index x, contracting C; Q few rows (decode_dot's rule)."""
+  """[BK, GT, O] = a b^T per leading index, contracting I; GT few rows (decode_dot's rule)."""
   q = a_BKxGTxI.shape[1]
   if not _TALL_ATTENTION.get() or q == 1 or q > TALL_ROWS or jax.default_backend() != 'cpu':
     return jnp.einsum('xqc,xrc->xqr', a_BKxGTxI, b_BKxOxI,

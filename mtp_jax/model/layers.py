@@ -73,7 +73,7 @@ def _rms_vjp_bwd(eps, dtype, res, dy):
   x_hat = x.astype(jnp.float32) * r
   dy, scale32 = dy.astype(jnp.float32), scale.astype(jnp.float32)
   # mean(x_hat * scale * dy) as (x_hat dy) . scale / d, a matrix-vector product: the scale
-  # broadcast to [N, d] then never feeds a reduction (XLA:CPU materialised it there)
+  # broadcast to [N, D] then never feeds a reduction (XLA:CPU materialised it there)
   xdy_BTxD = (x_hat * dy).reshape(-1, d)
   c = (jnp.dot(xdy_BTxD, scale32, precision=jax.lax.Precision.HIGHEST) / d).reshape(
       x.shape[:-1] + (1,))
@@ -246,8 +246,8 @@ class Attention(nnx.Module):
     return empty_kv(batch, slots, *self.cache_heads, self.dtype, layout)
 
   def prepare_decode(self) -> None:
-    """The decode layout (see DecodeWeight): [q; k; v] as one [(N + 2K) H, d] matrix
-    (and their biases as one [(N + 2K) H] vector, if any), o as [d, N H]. The projections
+    """The decode layout (see DecodeWeight): [q; k; v] as one [(N + 2K) H, D] matrix
+    (and their biases as one [(N + 2K) H] vector, if any), o as [D, N H]. The projections
     are dropped: the module then runs `decode` only."""
     d, n, h = self.q_proj.kernel.shape
     self.decode_heads = (n, self.k_proj.kernel.shape[1], h)
@@ -316,8 +316,8 @@ class MLP(nnx.Module):
 
 
   def prepare_decode(self) -> None:
-    """The decode layout (see DecodeWeight): [gate; up] as one [2F, d] matrix, down as
-    [d, F]. The projections are dropped: the module then runs `decode` only."""
+    """The decode layout (see DecodeWeight): [gate; up] as one [2F, D] matrix, down as
+    [D, F]. The projections are dropped: the module then runs `decode` only."""
     self.decode_mlp_dim = self.gate_proj.kernel.shape[1]
     self.gate_up_t = DecodeWeight(jnp.concatenate(
         [decode_kernel(self.gate_proj.kernel), decode_kernel(self.up_proj.kernel)], 0))

@@ -474,7 +474,7 @@ class MoE(nnx.Module):
                      ('batch', 'length', 'act_embed'))
 
   def prepare_decode(self) -> None:
-    """The decode layout (decode_ops.DecodeWeight): the router as gate_t [E, d], the shared
+    """The decode layout (decode_ops.DecodeWeight): the router as gate_t [E, D], the shared
     experts' (layers.MLP.prepare_decode). The routed experts keep their [E, in, out]
     kernels: a decode step gathers the chosen ones per token (gathered_swiglu)."""
     self.gate_t = decode_ops.DecodeWeight(decode_ops.decode_kernel(self.gate.kernel))

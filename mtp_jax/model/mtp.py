@@ -7,7 +7,7 @@ Sequential (DeepSeek-V3) depth k at position i:
 Parallel heads (ablation): h^k = block_k(h^0), no token input, no chain.
 `Emb` and `OutHead` are shared by every depth.
 Token order prediction (TOP, Zuhri et al. 2025): no block; one extra unembedding
-U_top [d, V] scores every token on the trunk's normed h^0 (train/loss.py's top_sums).
+U_top [D, V] scores every token on the trunk's normed h^0 (train/loss.py's top_sums).
 """
 from __future__ import annotations
 
@@ -378,7 +378,7 @@ class ParallelHead(nnx.Module):
 
 
 class TokenOrderHead(nnx.Module):
-  """TOP (Zuhri et al. 2025): one extra unembedding U_top [d, V] on the trunk's h^0 after
+  """TOP (Zuhri et al. 2025): one extra unembedding U_top [D, V] on the trunk's h^0 after
   the final norm; no block, no token input. Its scores rank the vocabulary by how soon each
   token next appears (train/loss.py: top_targets, top_sums); it predicts no single token,
   so it cannot draft."""
@@ -394,7 +394,7 @@ class TokenOrderHead(nnx.Module):
 
   @staticmethod
   def flops_per_token(cfg) -> float:
-    """Nothing outside OutHead's count: U_top is one more [d, V] product, which flops.py
+    """Nothing outside OutHead's count: U_top is one more [D, V] product, which flops.py
     counts with the vocab projections (one per depth)."""
     del cfg
     return 0.0
@@ -444,7 +444,7 @@ class MTPModel(nnx.Module):
     return self.norm if k == 0 else self.mtp[k - 1].shared_head.norm
 
   def output_kernel(self) -> Array:
-    """OutHead as a [d, V] matrix (the embedding transposed when tied)."""
+    """OutHead as a [D, V] matrix (the embedding transposed when tied)."""
     if self.args.tie_embeddings:
       return self.embed.embedding[...].T
     return self.lm_head.kernel[...]
@@ -509,9 +509,9 @@ class MTPModel(nnx.Module):
     return jnp.take(self.embed.embedding[...], tokens_BxT, axis=0).astype(self.args.dtype)
 
   def decode_logits(self, h_BTxD: Array, k: int = 0) -> Array:
-    """logits(h, k) for a few rows [N, d] (decode_ops.decode_dot's rule), float32.
+    """logits(h, k) for a few rows [N, D] (decode_ops.decode_dot's rule), float32.
 
-    The tied head is the embedding table itself, already [V, d] (O x I)."""
+    The tied head is the embedding table itself, already [V, D] (O x I)."""
     norm = self.norm if k == 0 else self.mtp_module(k).shared_head.norm
     w_VxD = self.embed.embedding[...] if self.args.tie_embeddings else self.head_t[...]
     return decode_ops.decode_dot(norm(h_BTxD), w_VxD).astype(jnp.float32)
@@ -534,7 +534,7 @@ class MTPModel(nnx.Module):
 
   def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None,
                segment_ids_BxT: Array | None = None) -> list[Array]:
-    """Hidden states [h^0, h^1, ..., h^M], each [B, T, d], for teacher-forced training.
+    """Hidden states [h^0, h^1, ..., h^M], each [B, T, D], for teacher-forced training.
 
     Sequential depth k reads the true tokens t_{i+o_k-1} (shifted left by o_k - 1, o_k = k + 1
     unless model.mtp.target_offsets says otherwise; the tail is padding and is masked out

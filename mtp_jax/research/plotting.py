@@ -192,7 +192,7 @@ def sources_html(prompt: str, pieces, sources, num_drafts: int, legend: bool = T
 def plot_decode_acceptance(stats: dict, accepted_hist, path: str) -> str:
   """P(first k drafts accepted) per depth with tau, and accepted drafts per verify step.
 
-  stats: DecodeResult.stats(); accepted_hist: [D+1] verify steps that accepted exactly
+  stats: DecodeResult.stats(); accepted_hist: [A+1] verify steps that accepted exactly
   j drafts (DecodeResult.accepted summed over rows).
   """
   d = stats['num_drafts']

@@ -14,7 +14,7 @@ pages: after the heap has grown to its peak in the first 2-4 steps, no faults at
           no trimming of the heap's free top (M_TRIM_THRESHOLD -1). The process's
           resident memory then stays at its peak instead of shrinking between steps, and
           the peak is higher (fragmentation: max RSS 3.1-3.4 GB against ~2 GB for the
-          two-device D 3 / stdlib_mtp steps).
+          two-device M 3 / stdlib_mtp steps).
   system  leave the allocator as it is.
   auto    keep for a CPU job: on Linux with glibc, when JAX_PLATFORMS is unset or 'cpu'
           and no GPU / TPU plugin is installed, and nobody set glibc.malloc tunables in

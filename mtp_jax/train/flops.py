@@ -30,7 +30,7 @@ class FlopsPerToken:
   trunk_attention: float  # L blocks: scores (q k^T) and weighted values
   mtp_eh_proj: float  # M depths: the head's own layers (sequential: eh_proj, 2d -> d)
   mtp_block: float  # M depths: their block's projections, MLP and attention (TOP: none)
-  vocab: float  # (M + 1) [d, V] projections: the main head and one per depth (TOP: U_top)
+  vocab: float  # (M + 1) [D, V] projections: the main head and one per depth (TOP: U_top)
 
   @property
   def forward(self) -> float:

@@ -88,7 +88,7 @@ def self_targets(pred0_BxT: Array, mtp_depth: int, offsets=None) -> Array:
 
 
 def teacher_hiddens(h0_BxTxD: Array, mtp_depth: int, offsets=None) -> Array:
-  """[M, B, T, d] the main model's final hidden state at i + k for depth k at i ('soft').
+  """[M, B, T, D] the main model's final hidden state at i + k for depth k at i ('soft').
 
   Its logits are the main model's distribution of token i+k+1 after the true prefix up to
   token i+k: exactly the distribution speculative sampling verifies depth k's draft
@@ -408,7 +408,7 @@ cross_entropy = cross_entropy_autodiff
 
 def _head_sums_batched(norms, hiddens, w_DxV, targets_M1xBxT, mask_M1xBxT, teacher_logits=None):
   """_head_sums over the whole length (loss_chunk = 0): every depth's vocab projection in
-  one [M1*B*T, d] x [d, V] product and one cross-entropy over [M1, B, T, V] logits.
+  one [M1*B*T, D] x [D, V] product and one cross-entropy over [M1, B, T, V] logits.
 
   One large GEMM (and one for each of its two gradients) instead of K small ones inside a
   scan: the MaxText-shape train step (V 1024) ran 1.04x faster at M = 0 and 1.10x at
@@ -417,7 +417,7 @@ def _head_sums_batched(norms, hiddens, w_DxV, targets_M1xBxT, mask_M1xBxT, teach
   vocabularies; loss_chunk > 0 keeps one [B, chunk, V] block alive.
   """
   # Stacked on a new leading axis, not concatenated along B*T: the batch axis stays where
-  # the mesh shards it, so data parallel needs no all-to-all (the concatenate of [B*T, d]
+  # the mesh shards it, so data parallel needs no all-to-all (the concatenate of [B*T, D]
   # rows resharded every depth's rows, and the logits back: 0.05 of the 2-device step).
   x_M1xBxTxD = jnp.stack([norm(h) for norm, h in zip(norms, hiddens)])
   logits_M1xBxTxV = matmul.einsum('kbtd,dv->kbtv', x_M1xBxTxD, w_DxV, x_M1xBxTxD.dtype,

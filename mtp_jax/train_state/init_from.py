@@ -11,10 +11,10 @@ HF_PREFIX = 'hf:'
 class InitFrom:
   """A parsed --init_from: kind 'hf' (a local Hugging Face directory, `hf:DIR`) or
   'checkpoint' (a workdir, its checkpoints/ directory or one step directory of this
-  project, `step` set for a step directory). Paths are absolute; nothing is checked here."""
+  project: checkpoint.resolve_checkpoint tells which). Paths are absolute; nothing is
+  checked here."""
   kind: str
   path: str  # '' for a bare 'hf:' (the reader of the directory says why that cannot load)
-  step: int | None = None
 
   @classmethod
   def parse(cls, value: str | InitFrom | None) -> InitFrom | None:
@@ -27,10 +27,7 @@ class InitFrom:
     if value.startswith(HF_PREFIX):
       rest = value[len(HF_PREFIX):].strip()
       return cls('hf', os.path.abspath(os.path.expanduser(rest)) if rest else '')
-    path = os.path.abspath(os.path.expanduser(value))
-    base = os.path.basename(path)
-    step = int(base) if base.isdigit() and os.path.isdir(os.path.join(path, 'state')) else None
-    return cls('checkpoint', path, step)
+    return cls('checkpoint', os.path.abspath(os.path.expanduser(value)))
 
   def __str__(self) -> str:
     return f'{HF_PREFIX}{self.path}' if self.kind == 'hf' else self.path

@@ -200,7 +200,7 @@ def _cudnn(target, text, floats, io) -> KernelCall:
 
 
 def _triton(name, text, floats, io) -> KernelCall:
-  (_, q), (_, k), (_, v) = floats[:3]  # [B, T, H, D]
+  (_, q), (_, k), (_, v) = floats[:3]  # [B, T, N, H] (v: [B, T, N, Hv])
   t_q, t_kv, d_qk, d_v = q[1], k[1], q[-1], v[-1]
   heads = math.prod(q) // (t_q * d_qk)
   grid = {axis: int(n) for axis, n in _GRID.findall(text)}
