@@ -25,9 +25,9 @@ import numpy as np
 
 from mtp_jax import config_lib
 from mtp_jax.checkpoint.reader import load_workdir
-from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
+from mtp_jax.data import pipeline, stdlib_dataset, tokenizers, user_data
 from mtp_jax.decode.decoder import Decoder, check_request
-from mtp_jax.errors import RequestError
+from mtp_jax.errors import ConfigError, RequestError
 from mtp_jax.train_state.restore import restore_model_at
 
 DATA_FILE = 'data.jsonl'
@@ -186,6 +186,24 @@ def self_distill(workdir: str, out_dir: str, settings: Settings,
                           'data.tokens_key': 'tokens', 'data.text_key': 'text',
                           'data.tokenizer': d.tokenizer, 'data.spm_model': d.spm_model},
   }
+  held_out = _held_out_percent(config, meta['train_overrides'])
+  if held_out != d.validation_percent:  # few records: hold out enough for a validation split
+    meta['train_overrides']['data.validation_percent'] = held_out
   with open(os.path.join(out_dir, META_FILE), 'w') as f:
     json.dump(meta, f, indent=1)
   return meta
+
+
+def _held_out_percent(config, overrides: dict) -> float:
+  """The trunk's data.validation_percent, doubled (up to 50) until the written records'
+  validation split is not empty: records are split by hash, so a few may hold out none."""
+  d = config_lib.base_config().data
+  d.update({k.split('.', 1)[1]: v for k, v in overrides.items()})
+  percent = d.validation_percent = config.data.validation_percent
+  while percent < 50:
+    try:
+      user_data.data_source(d, 'validation')
+      break
+    except ConfigError:
+      percent = d.validation_percent = min(50, percent * 2)
+  return percent
