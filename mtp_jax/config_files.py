@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 
+from mtp_jax import config_lib
 from mtp_jax.errors import ConfigError
 
 
@@ -38,7 +39,6 @@ def load_module(path: str):
 def load_saved(path: str):
   """The ConfigDict of a run's saved config (a workdir's config.json) over base_config(): a
   field added since it was saved holds its default. ConfigError (one line) if unreadable."""
-  from mtp_jax import config_lib  # pylint: disable=g-import-not-at-top
   try:
     with open(path, encoding='utf-8') as f:
       saved = json.load(f)
