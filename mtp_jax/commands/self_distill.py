@@ -82,6 +82,7 @@ def train_command(workdir: str, out: str, meta: dict) -> str:
   if not depth:  # a trunk without MTP modules: train one
     flags.append('--config.model.mtp.depth=1')
   flags += [f'--config.{k}={v}' for k, v in meta['train_overrides'].items() if v != '']
+  flags += [f'--config.{k}={v}' for k, v in meta.get('train_flags', {}).items()]
   return metrics_lib.train_from_command(workdir, os.path.normpath(out) + '_mtp', flags)
 
 
