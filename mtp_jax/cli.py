@@ -123,7 +123,8 @@ def report_expected(e: BaseException) -> int:
 # file with get_config(), overridden field by field as `--config.train.steps=100`; those
 # overrides are parsed by ml_collections' own config flag, so their syntax and type
 # checks are the library's.
-CONFIG_HELP = ('config file with get_config() (configs/*.py); override any field with '
+CONFIG_HELP = ('config file with get_config() (configs/*.py), or a run\'s saved '
+               'WORKDIR/config.json; override any field with '
                '--config.KEY=VALUE, e.g. --config.train.steps=100')
 
 

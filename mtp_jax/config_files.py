@@ -1,5 +1,6 @@
 """Config files by path: `configs/tiny.py`, or `configs/ablation.py:d1` as ml_collections'
-config flags read them (the text after the first ':' is get_config's argument).
+config flags read them (the text after the first ':' is get_config's argument), or a run's
+saved `WORKDIR/config.json` (what self-distill and export print to train on).
 
 The one loader of config files: the commands' `--config`, the research sweep's variant
 tables, the benchmarks and the tests all load through it.
@@ -7,8 +8,10 @@ tables, the benchmarks and the tests all load through it.
 import difflib
 import glob
 import importlib.util
+import json
 import os
 
+from mtp_jax import config_lib
 from mtp_jax.errors import ConfigError
 
 
@@ -33,8 +36,26 @@ def load_module(path: str):
   return module
 
 
+def load_saved(path: str):
+  """The ConfigDict of a run's saved config (a workdir's config.json) over base_config(): a
+  field added since it was saved holds its default. ConfigError (one line) if unreadable."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      saved = json.load(f)
+    config = config_lib.base_config()
+    config.update(saved)
+  except OSError as e:
+    raise ConfigError(f'cannot load --config {path!r}: {e.strerror}') from e
+  except (ValueError, TypeError, AttributeError, KeyError) as e:
+    raise ConfigError(f'bad --config file {path} (not a saved run config): {_clean(e)}') from e
+  return config
+
+
 def load(spec: str):
-  """The ConfigDict of 'path' (get_config()) or 'path:argument' (get_config(argument))."""
+  """The ConfigDict of 'path' (get_config()) or 'path:argument' (get_config(argument)), or
+  of a run's saved config.json (load_saved)."""
+  if spec.endswith('.json'):
+    return load_saved(spec)
   path, argument = split_spec(spec)
   module = load_module(path)
   if not callable(getattr(module, 'get_config', None)):

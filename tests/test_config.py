@@ -150,3 +150,17 @@ def test_config_file_errors_are_one_line(tmp_path, text, spec_tail, words):
     config_files.load(f'{path}{spec_tail}')
   message = str(e.value)
   assert '\n' not in message and all(w in message for w in words), message
+
+
+def test_a_runs_saved_config_json_is_a_config_file(tmp_path):
+  """--config WORKDIR/config.json: the saved config over base_config(), overrides applied."""
+  from mtp_jax import cli  # pylint: disable=g-import-not-at-top
+  saved = load_config('tiny')
+  path = tmp_path / 'config.json'
+  path.write_text(saved.to_json_best_effort(indent=2))
+  config = cli.load_config(str(path), ['--config.train.steps=3'])
+  assert config.train.steps == 3 and config.model.d_model == saved.model.d_model
+  assert config.model.mtp.depth == saved.model.mtp.depth
+  path.write_text('[1, 2]')
+  with pytest.raises(ConfigError, match='not a saved run config'):
+    cli.load_config(str(path))

@@ -144,6 +144,39 @@ def test_every_command_of_the_final_block_runs_as_printed(spec, extra, request,
       assert 'identical=True' in out, out[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('script,flags,lead', [
+    ('self_distill.py', ['--num_prompts', '40', '--batch_size', '40', '--prompt_len', '16',
+                         '--max_new_tokens', '16'], 'train MTP modules on it: '),
+    ('export.py', ['--layout', 'mimo'], 'Train from it: '),
+])
+def test_the_training_command_self_distill_and_export_print_runs_as_printed(
+    script, flags, lead, tiny_run, tmp_path):
+  """mtp-self-distill's and mtp-export's last line, a training command on what they wrote
+  (the trunk's saved config.json as --config), copied and run with the venv not activated."""
+  workdir, _ = tiny_run
+  path = '/usr/bin:/bin'
+  env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu', PATH=path)
+  proc = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', script), '--workdir',
+                         str(workdir), '--out', str(tmp_path / 'out'), *flags],
+                        capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  printed = [line[len(lead):] for line in (proc.stdout + proc.stderr).splitlines()
+             if line.startswith(lead)]
+  assert len(printed) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+  argv = shlex.split(printed[0])
+  assert os.path.basename(argv[0]) == 'mtp-train' and argv[1:3] == [
+      '--config', os.path.join(str(workdir), 'config.json')]
+  run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+  assert run.returncode == 0, (argv, run.stderr[-3000:])
+  assert 'done: step 40' in run.stderr, run.stderr[-2000:]
+  new_workdir = argv[argv.index('--workdir') + 1]
+  assert new_workdir == str(tmp_path / ('out_mtp' if script == 'self_distill.py' else 'out_train'))
+  saved = json.loads(pathlib.Path(new_workdir, 'config.json').read_text())
+  if script == 'self_distill.py':  # the trunk frozen, MTP modules on the sampled text
+    assert saved['model']['mtp']['freeze_trunk'] and saved['data']['source'] == 'jsonl'
+
+
 def test_metric_lines_go_to_an_offline_wandb_run_that_a_resume_continues(tmp_path):
   """train.wandb.project: the writer's rows also go to a Weights & Biases run, offline (no
   network, no account), under WORKDIR/wandb; a second writer on the workdir (a resume)

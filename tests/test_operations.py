@@ -31,8 +31,9 @@ def _train(workdir, *flags, env=None):
 def test_profile_window_and_compilation_cache(stdlib_data_dir, tmp_path):
   """profile_steps=2:4 leaves an xplane trace under WORKDIR/profile; a second start with a
   longer train.steps, its cache moved to another directory, finds every program it compiles
-  in the cache (nothing new is written to it): the schedule is an input of the train step,
-  and the key holds no path."""
+  in the cache (nothing new is written to it), though its AdamW settings differ too: the
+  schedule and the optimizer's settings are inputs of the train step, and the key holds no
+  path."""
   cache = tmp_path / 'cache'
   env = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu',
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
@@ -51,7 +52,10 @@ def test_profile_window_and_compilation_cache(stdlib_data_dir, tmp_path):
   moved = tmp_path / 'moved_cache'
   os.rename(cache, moved)
   flags = [f.replace(str(cache), str(moved)).replace('steps=4', 'steps=7') for f in flags]
-  second = _train(tmp_path / 'b', '--config.train.profile_steps=2:4', *flags, env=env)
+  optimizer = ['--config.train.b1=0.8', '--config.train.b2=0.99',
+               '--config.train.weight_decay=0.05', '--config.train.grad_clip=0.5']
+  second = _train(tmp_path / 'b', '--config.train.profile_steps=2:4', *flags, *optimizer,
+                  env=env)
   assert second.returncode == 0, second.stderr[-3000:]
   assert sorted(os.listdir(moved)) == entries  # every compile was a cache hit
 

@@ -55,6 +55,7 @@ REFUSED = [
     ('data.validation_percent', 10), ('data.shuffle_seed', 1), ('data.tokenizer', 'hf'),
     ('data.spm_model', 'spm.model'), ('data.hf_tokenizer', 'tok/'), ('data.seq_len', 128),
     ('model.d_model', 128), ('model.n_layers', 3), ('model.mtp.depth', 1),
+    ('train.grad_clip', 0.0),  # clipping switched off: another optimizer state
 ]
 DATA = set(ckpt_lib.DATA_FIELDS)  # the data stream: --new_data accepts a change
 
@@ -95,7 +96,8 @@ def _get(d, dotted):
     ('train.steps', 5000), ('train.log_every', 3), ('train.eval_every', 7),
     ('train.checkpoint_every', 9), ('train.lr', 1e-4), ('train.progress', True),
     ('train.warmup_steps', 3), ('data.data_dir', '/elsewhere'), ('data.worker_count', 2),
-    ('model.remat', True), ('model.mtp.weights', (0.5, 0.25))])
+    ('model.remat', True), ('model.mtp.weights', (0.5, 0.25)), ('train.grad_clip', 0.25),
+    ('train.b1', 0.8), ('train.b2', 0.99), ('train.weight_decay', 0.0)])
 def test_what_may_change_on_resume(field, value):
   saved = json.loads(load_config('tiny').to_json_best_effort())
   changed = json.loads(json.dumps(saved))

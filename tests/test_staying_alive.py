@@ -288,3 +288,18 @@ def test_host_spread_names_the_straggler():
   assert goodput.straggler_line(7, [0.10, 0.11, 0.12]) is None
   assert goodput.straggler_line(7, [0.10]) is None
   assert goodput.host_step_times(0.5) == [0.5]  # one process: no collective
+  # Hosts in lockstep: alike step times, and host 1's input wait names it.
+  steps, inputs = [0.8, 0.81, 0.8], [0.01, 0.5, 0.02]
+  assert goodput.straggler_line(9, steps, inputs).startswith(
+      'step 9: host 1 is a straggler: 0.5 s a step drawing its input')
+  assert goodput.spread(steps, inputs)['perf/slowest_input_host'] == 1.0
+  assert goodput.straggler_line(9, steps, [0.001, 0.003, 0.001]) is None  # under a tenth
+  assert goodput.host_step_times(0.5, 0.1) == ([0.5], [0.1])
+  lines = goodput.host_lines(goodput.host_totals({'train': 2.0}) * 2)
+  assert lines == ['host 0: train 2.0 s', 'host 1: train 2.0 s']
+
+
+def test_one_process_agrees_with_itself():
+  from mtp_jax.checkpoint import store  # pylint: disable=g-import-not-at-top
+  assert store.common_steps([5, 3]) == [3, 5] and store.common_steps([]) == []
+  assert store.agreed(True) and not store.agreed(False)

@@ -126,3 +126,43 @@ def test_train_script_smoke(tiny_run):
   assert json.loads(pathlib.Path(workdir / 'config.json').read_text())['model']['mtp']['depth'] == 2
   assert any(f.startswith('events') for f in os.listdir(workdir / 'tensorboard'))
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['20', '40']
+
+
+def test_optimizer_settings_are_inputs_of_the_update():
+  """AdamW's b1, b2, weight_decay and grad_clip come with each update (like the schedule):
+  the update equals optax.adamw's with the values given, and the lowered program is the same
+  whatever the config's values are, so a rerun with other values hits the compile cache."""
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from mtp_jax.train_state import build_optimizer  # pylint: disable=g-import-not-at-top
+  from mtp_jax.train_state.optimizer import lr_at, schedule_inputs  # pylint: disable=g-import-not-at-top
+  params = {'w': jnp.arange(6.0).reshape(2, 3) / 7, 'norm': jnp.ones(3)}
+  grads = {'w': jnp.full((2, 3), 3.0), 'norm': jnp.linspace(-1, 1, 3)}
+
+  def config_with(**fields):
+    c = load_config('tiny')
+    for k, v in fields.items():
+      c.train[k] = v
+    return c
+
+  a = config_with(b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0)
+  b = config_with(b1=0.7, b2=0.99, weight_decay=0.3, grad_clip=0.5)
+  lowered = []
+  for config in (a, b):
+    opt = build_optimizer(config)
+    fn = jax.jit(lambda g, s, p, sched, opt=opt: opt.update(g, s, p, schedule=sched))
+    lowered.append(fn.lower(grads, opt.init(params), params,
+                            schedule_inputs(config)).as_text())
+  assert lowered[0] == lowered[1]
+  opt, t = build_optimizer(a), b.train  # a's program, b's values
+  state = opt.init(params)
+  ref = optax.chain(optax.clip_by_global_norm(t.grad_clip), optax.adamw(
+      lambda n: lr_at(n, schedule_inputs(b)), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+      mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+  ref_state = ref.init(params)
+  for _ in range(3):
+    got, state = opt.update(grads, state, params, schedule=schedule_inputs(b))
+    want, ref_state = ref.update(grads, ref_state, params)
+    for k in params:
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-9)
+  assert jax.tree.structure(state) == jax.tree.structure(ref_state)

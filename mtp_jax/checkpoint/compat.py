@@ -80,6 +80,10 @@ def check_compatible(saved_config: dict, config_dict: dict, directory: str,
   workdir = os.path.dirname(os.path.abspath(directory))
   model = config_diffs(saved_config, config_dict) + _field_diffs(saved_config, config_dict,
                                                                  _RESUME_ONLY)
+  clip = [_lookup(c, 'train.grad_clip') for c in (saved_config, config_dict)]
+  if None not in clip and (clip[0] > 0) != (clip[1] > 0):  # clipping on/off: another state tree
+    model.append(f'train.grad_clip: checkpoint {clip[0]!r} vs config {clip[1]!r} (clipping '
+                 'switched on or off changes the optimizer state; other values may change)')
   data = _field_diffs(saved_config, config_dict, DATA_FIELDS)
   fresh = (f'start a new --workdir (with --init_from={workdir} to start from its weights)')
   if model:

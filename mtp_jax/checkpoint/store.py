@@ -19,6 +19,7 @@ import time
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
@@ -169,18 +170,66 @@ class Restored:
   directory: str | None = None  # the checkpoint directory (tier) it came from
 
 
-class Checkpointer:
-  """A CheckpointManager over `<workdir>/checkpoints` saving {state, data, meta} items."""
+def _all_processes(values) -> np.ndarray:
+  """Every process's int32 vector `values` (same length everywhere), one row a process."""
+  values = np.asarray(values, np.int32).reshape(-1)
+  if jax.process_count() == 1:
+    return values[None]
+  return np.asarray(multihost_utils.process_allgather(values)).reshape(jax.process_count(), -1)
 
-  def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+
+def agreed(ok: bool) -> bool:
+  """True when `ok` holds on every process (a collective with several processes)."""
+  return bool(_all_processes([int(ok)]).min())
+
+
+def common_steps(steps) -> list[int]:
+  """The steps every process has (a collective with several processes), ascending."""
+  steps = sorted(int(s) for s in steps)
+  width = int(_all_processes([len(steps)]).max())
+  rows = _all_processes(steps + [-1] * (width - len(steps))) if width else np.zeros((1, 0))
+  every = set.intersection(*({int(s) for s in row if s >= 0} for row in rows))
+  return sorted(every)
+
+
+class Checkpointer:
+  """A CheckpointManager over `<workdir>/checkpoints` saving {state, data, meta} items.
+
+  per_process: every process writes and reads its own directory on its own disk, holding
+  only the array shards it addresses (each once), its data-iterator state and the meta, with
+  no coordination between processes (orbax's local-checkpoint layout: ArrayHandler without a
+  primary host or replica id). A restore needs the same mesh and process count; the trainer
+  takes a step only when every process has it and loaded it (`restore_latest_good`).
+  """
+
+  def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True,
+               per_process: bool = False):
     self.directory = location(directory)  # a URL (gs://...) reaches orbax untouched
     needs_package(self.directory)
+    self.per_process = per_process
     # Reported once by the trainer; orbax deletes them (cleanup_tmp_directories).
     self.incomplete = sorted(n for n in listdir(self.directory) if TMP_MARKER in n)
+    handlers = None
+    extra = {}
+    if per_process:
+      me = jax.process_index()
+      mp = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
+                                              barrier_sync_key_prefix=f'local_tier_{me}')
+      registry = ocp.type_handlers.create_type_handler_registry(
+          (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None,
+                                                      use_replica_parallel=False)))
+      handlers = {'state': ocp.PyTreeCheckpointHandler(multiprocessing_options=mp,
+                                                        type_handler_registry=registry),
+                  'meta': ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+                  'data': grain.checkpoint.CheckpointHandler()}
+      extra = dict(multiprocessing_options=mp, enable_per_process_directory_creation=True,
+                   save_root_metadata=False)
+      epath.Path(self.directory).mkdir(parents=True, exist_ok=True)  # orbax leaves it to us
     self._options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
-        cleanup_tmp_directories=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=self._options)
+        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=not per_process,
+        cleanup_tmp_directories=True, **extra)
+    self.manager = ocp.CheckpointManager(self.directory, options=self._options,
+                                         item_handlers=handlers)
     # Async saves run on loops orbax makes in its own thread; they drain until close().
     _hold_draining_policy()
     self._holds_policy = True
@@ -197,7 +246,8 @@ class Checkpointer:
            force: bool = False) -> bool:
     """Starts a (possibly asynchronous) save; CheckpointError if this or the previous one failed."""
     self.wait()  # an error of the previous async save belongs to that step, not this one
-    items = {'state': ocp.args.StandardSave(state),
+    items = {'state': (ocp.args.PyTreeSave(state) if self.per_process
+                       else ocp.args.StandardSave(state)),
              'meta': ocp.args.JsonSave(meta or {})}
     if data_iter is not None:
       items['data'] = grain.checkpoint.CheckpointSave(data_iter)
@@ -228,39 +278,53 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_state, data_iter=None):
     """Restores onto the shardings carried by `abstract_state` (ShapeDtypeStructs)."""
-    items = {'state': ocp.args.StandardRestore(abstract_state), 'meta': ocp.args.JsonRestore()}
+    if self.per_process:
+      state = ocp.args.PyTreeRestore(
+          abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+    else:
+      state = ocp.args.StandardRestore(abstract_state)
+    items = {'state': state, 'meta': ocp.args.JsonRestore()}
     if data_iter is not None:
       items['data'] = grain.checkpoint.CheckpointRestore(data_iter)
     with draining_loops():
       out = self.manager.restore(step, args=ocp.args.Composite(**items))
     return out['state'], dict(out['meta'])
 
-  def restore_latest_good(self, abstract_state, data_iter=None, check_meta=None) -> Restored | None:
+  def restore_latest_good(self, abstract_state, data_iter=None, check_meta=None,
+                          steps=None) -> Restored | None:
     """The newest checkpoint that loads and matches its recorded fingerprints.
 
     check_meta(meta) may raise ConfigError (an incompatible run: never a fallback).
     Broken newer checkpoints are moved to `<workdir>/corrupt_checkpoints/` so later
     saves of those steps cannot collide with them; when none is good nothing is moved
     and CheckpointError lists why each failed. None when there is no checkpoint at all.
+    steps: the candidates (default: all of this directory's). With several processes, a
+    step counts only when every process loaded and verified it (they decide alike).
     """
-    steps = sorted(self.all_steps(), reverse=True)
+    steps = sorted(self.all_steps() if steps is None else steps, reverse=True)
     if not steps:
       return None
     broken = []
     for step in steps:
+      reason = None
       try:
         meta = self.read_meta(step)
         if check_meta is not None:
           check_meta(meta)
         state, meta = self.restore(step, abstract_state, data_iter)
-        verify(step, state, meta, data_iter)
       except ConfigError:
         raise
       except Exception as e:  # pylint: disable=broad-except
-        broken.append((step, short(e)))
-        continue
-      moved = self._quarantine([s for s, _ in broken]) if broken else None
-      return Restored(state, meta, step, broken, moved, self.directory)
+        reason = short(e)
+      if agreed(reason is None):  # the fingerprint below is a collective: all or none
+        try:
+          verify(step, state, meta, data_iter)
+        except Exception as e:  # pylint: disable=broad-except
+          reason = short(e)
+        if agreed(reason is None):
+          moved = self._quarantine([s for s, _ in broken]) if broken else None
+          return Restored(state, meta, step, broken, moved, self.directory)
+      broken.append((step, reason or 'failed to load on another process'))
     raise CheckpointError(
         f'no checkpoint in {self.directory} can be restored: '
         + '; '.join(f'step {s}: {r}' for s, r in broken)
@@ -269,7 +333,9 @@ class Checkpointer:
   def _quarantine(self, steps: list[int]) -> str:
     """Moves broken step directories out of the manager's sight (never deletes them)."""
     dest = f'{self.directory.rstrip("/").rsplit("/", 1)[0]}/{QUARANTINE_DIR}'
-    if jax.process_index() == 0:
+    if self.per_process:  # each process's own directory, moved by that process
+      dest = os.path.join(dest, os.path.basename(self.directory.rstrip('/')))
+    if jax.process_index() == 0 or self.per_process:
       stamp = time.strftime('%Y%m%d-%H%M%S')
       if is_url(dest):  # an object store: epath copies and deletes
         epath.Path(dest).mkdir(parents=True, exist_ok=True)
@@ -283,7 +349,7 @@ class Checkpointer:
           src = os.path.join(self.directory, str(step))
           if os.path.exists(src):
             shutil.move(src, os.path.join(dest, f'{step}-{stamp}'))
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 and not self.per_process:
       multihost_utils.sync_global_devices('mtp_jax_checkpoint_quarantine')
     self.manager.reload()
     return dest
@@ -316,11 +382,13 @@ class Checkpointer:
 
 class TieredCheckpointer:
   """Two tiers: the persistent checkpoints (`checkpoint_dir`, every checkpoint_every steps)
-  and frequent emergency saves on this host's local disk (`save(..., local=True)`), so a
-  preemption loses at most local_checkpoint_every steps. A step saved to the persistent
-  tier is not saved locally again; the local tier keeps its newest `local_keep` steps.
-  Restoring takes the newest good step of either tier. Everything else (`directory`,
-  `incomplete`, `wait`, ...) is the persistent tier's, plus the local one's where it matters.
+  and frequent emergency saves on each host's local disk (`save(..., local=True)`), so a
+  preemption loses at most local_checkpoint_every steps. The local tier is a per-process
+  Checkpointer: each process keeps its own shards in its own directory. A step saved to the
+  persistent tier is not saved locally again; the local tier keeps its newest steps.
+  Restoring takes the newest good step of either tier; a local step counts only when every
+  process has it. Everything else (`directory`, `incomplete`, `wait`, ...) is the persistent
+  tier's, plus the local one's where it matters.
   """
 
   def __init__(self, persistent: Checkpointer, local: Checkpointer):
@@ -329,12 +397,16 @@ class TieredCheckpointer:
     self.incomplete = persistent.incomplete + [f'{local.directory}/{n}' for n in local.incomplete]
     self.manager = persistent.manager
 
+  def local_steps(self) -> list[int]:
+    """The local tier's steps that every process holds (a collective)."""
+    return common_steps(self.local.all_steps())
+
   def latest_step(self) -> int | None:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
   def all_steps(self) -> list[int]:
-    return sorted(set(self.persistent.all_steps()) | set(self.local.all_steps()))
+    return sorted(set(self.persistent.all_steps()) | set(self.local_steps()))
 
   def read_meta(self, step: int | None = None) -> dict:
     step = self.latest_step() if step is None else step
@@ -347,14 +419,14 @@ class TieredCheckpointer:
 
   def restore_latest_good(self, abstract_state, data_iter=None, check_meta=None) -> Restored | None:
     """The newest good step across both tiers (the persistent one on a tie)."""
-    tiers = [(c.latest_step(), -i, c) for i, c in enumerate((self.persistent, self.local))
-             if c.latest_step() is not None]
+    candidates = [(self.persistent, self.persistent.all_steps()), (self.local, self.local_steps())]
+    tiers = [(max(steps), -i, tier, steps) for i, (tier, steps) in enumerate(candidates) if steps]
     best, last, errors = None, None, []
-    for newest, _, tier in sorted(tiers, key=lambda t: t[:2], reverse=True):
+    for newest, _, tier, steps in sorted(tiers, key=lambda t: t[:2], reverse=True):
       if best is not None and best[0].step >= newest:
         break  # nothing in this tier is newer than what was restored
       try:
-        last = (tier.restore_latest_good(abstract_state, data_iter, check_meta), tier)
+        last = (tier.restore_latest_good(abstract_state, data_iter, check_meta, steps), tier)
       except CheckpointError as e:
         errors.append(str(e))
         continue

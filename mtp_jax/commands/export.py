@@ -20,6 +20,7 @@ and a one-line error, before anything is restored.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import mtp_jax.commands.common as common
@@ -67,8 +68,11 @@ def export_and_report(args) -> int:
   print(f"Exported step {out['step']} ({out['params']:,} parameters, {mtp}) as "
         f"{out['layout']} to {out['out']}: {out['tensors']} tensors, "
         f"{out['bytes'] / 2**20:.1f} MiB{' (FP8)' if out['fp8'] else ''}")
-  print(f"Load it: transformers.AutoModelForCausalLM.from_pretrained({out['out']!r}); train "
-        f"from it: mtp-train --init_from hf:{out['out']}")
+  from mtp_jax.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  again = metrics_lib.train_from_command(args.workdir, os.path.normpath(out['out']) + '_train',
+                                         [f"--init_from=hf:{out['out']}"])
+  print(f"Load it: transformers.AutoModelForCausalLM.from_pretrained({out['out']!r})")
+  print(f'Train from it: {again}')
   return 0
 
 

@@ -7,14 +7,16 @@
 Prompts are seeded windows of documents of the workdir's own data (its train split by
 default; `--data source=jsonl --data path=...` reads another corpus, any data.* field),
 continuations are sampled from the newest checkpoint with mtp_jax's decoder, and
-OUT/data.jsonl holds one record per prompt (token ids of prompt + continuation). Train
-MTP modules on it with the overrides printed at the end (data.source=jsonl,
-data.path=OUT, data.tokens_key=tokens). Intentionally thin: parse flags, call
+OUT/data.jsonl holds one record per prompt (token ids of prompt + continuation). The last
+line is the command that trains MTP modules on it (the trunk's saved config with
+data.source=jsonl, data.path=OUT/data.jsonl, data.tokens_key=tokens, the trunk frozen and
+loaded from DIR, into OUT_mtp). Intentionally thin: parse flags, call
 mtp_jax.research.distill.self_distill. Bad input exits with code 2 and one line, before compiling.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import mtp_jax.commands.common as common
@@ -52,10 +54,27 @@ def self_distill(args) -> int:
       num_drafts=args.num_drafts, split=args.split)
   meta = distill.self_distill(args.workdir, args.out, settings, args.data,
                               notify=lambda s: print(s, file=sys.stderr))
-  flags = ' '.join(f'--config.{k}={v}' for k, v in meta['train_overrides'].items() if v != '')
   print(json.dumps(meta))
-  print(f'train on it: scripts/train.py ... {flags}', file=sys.stderr)
+  print(f'train MTP modules on it: {train_command(args.workdir, args.out, meta)}',
+        file=sys.stderr)
   return 0
+
+
+def train_command(workdir: str, out: str, meta: dict) -> str:
+  """The trunk's own config (its config.json) on the sampled data, the trunk frozen and
+  loaded from `workdir`, into OUT_mtp: a command that runs as printed."""
+  from mtp_jax.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  flags = [f'--init_from={workdir}', '--config.model.mtp.freeze_trunk=True']
+  try:
+    with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+      depth = json.load(f)['model']['mtp']['depth']
+  except (OSError, ValueError, KeyError, TypeError):
+    depth = 1
+  if not depth:  # a trunk without MTP modules: train one
+    flags.append('--config.model.mtp.depth=1')
+  flags += [f'--config.{k}={v}' for k, v in meta['train_overrides'].items() if v != '']
+  flags += [f'--config.{k}={v}' for k, v in meta.get('train_flags', {}).items()]
+  return metrics_lib.train_from_command(workdir, os.path.normpath(out) + '_mtp', flags)
 
 
 if __name__ == '__main__':

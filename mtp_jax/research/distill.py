@@ -25,9 +25,10 @@ import numpy as np
 
 from mtp_jax import config_lib
 from mtp_jax.checkpoint.reader import load_workdir
-from mtp_jax.data import pipeline, stdlib_dataset, tokenizers
+from mtp_jax.data import pipeline, stdlib_dataset, tokenizers, user_data
 from mtp_jax.decode.decoder import Decoder, check_request
-from mtp_jax.errors import RequestError
+from mtp_jax.errors import ConfigError, RequestError
+from mtp_jax.train import evaluation
 from mtp_jax.train_state.restore import restore_model_at
 
 DATA_FILE = 'data.jsonl'
@@ -186,6 +187,38 @@ def self_distill(workdir: str, out_dir: str, settings: Settings,
                           'data.tokens_key': 'tokens', 'data.text_key': 'text',
                           'data.tokenizer': d.tokenizer, 'data.spm_model': d.spm_model},
   }
+  held_out = _held_out_percent(config, meta['train_overrides'])
+  if held_out != d.validation_percent:  # few records: hold out enough for a validation split
+    meta['train_overrides']['data.validation_percent'] = held_out
+  if not _decode_eval_fits(config, meta['train_overrides'], tokenizer):
+    meta['train_flags'] = {'train.eval_decode_prompts': 0}  # records too short to prompt from
   with open(os.path.join(out_dir, META_FILE), 'w') as f:
     json.dump(meta, f, indent=1)
   return meta
+
+
+def _decode_eval_fits(config, overrides: dict, tokenizer) -> bool:
+  """Whether the trainer's decode evaluation (train.eval_decode_prompts) finds its prompts
+  in the written records' validation split (they need documents of 4 x the prompt length)."""
+  cfg = config.copy_and_resolve_references()
+  cfg.data.update({k.split('.', 1)[1]: v for k, v in overrides.items()})
+  try:
+    evaluation.training_prompts(cfg, tokenizer)
+  except ConfigError:
+    return False
+  return True
+
+
+def _held_out_percent(config, overrides: dict) -> float:
+  """The trunk's data.validation_percent, doubled (up to 50) until the written records'
+  validation split is not empty: records are split by hash, so a few may hold out none."""
+  d = config_lib.base_config().data
+  d.update({k.split('.', 1)[1]: v for k, v in overrides.items()})
+  percent = d.validation_percent = config.data.validation_percent
+  while percent < 50:
+    try:
+      user_data.data_source(d, 'validation')
+      break
+    except ConfigError:
+      percent = d.validation_percent = min(50, percent * 2)
+  return percent

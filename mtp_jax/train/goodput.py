@@ -9,8 +9,9 @@ work that is done again, counted as `lost`. metrics.jsonl gets `perf/time/<bucke
 attempt) and `perf/job_time/<bucket>` (all attempts), with `perf/goodput`, the job's share
 of training time.
 
-`host_spread` gathers each process's step time at a log line (a collective, so every
-process calls it at the same steps) and names the slowest host.
+`host_step_times` gathers each process's step time and input time at a log line (a
+collective, so every process calls it at the same steps); `straggler_line` names the slowest
+host. `host_totals` gathers each process's buckets for the final block and the last row.
 """
 from __future__ import annotations
 
@@ -89,21 +90,40 @@ def write_side_file(workdir: str, totals: dict) -> None:
   os.replace(path + '.tmp', path)
 
 
-def spread(times) -> dict:
-  """perf/ metrics of per-host step times (index = process)."""
+def spread(times, inputs=None) -> dict:
+  """perf/ metrics of per-host step times and (inputs) seconds a step spent on the host
+  drawing the batch (index = process)."""
   times = [float(t) for t in times]
   median = statistics.median(times)
-  slowest = int(np.argmax(times))
-  return {'perf/step_time_host_min': min(times), 'perf/step_time_host_max': max(times),
-          'perf/step_time_host_median': median, 'perf/slowest_host': float(slowest)}
+  out = {'perf/step_time_host_min': min(times), 'perf/step_time_host_max': max(times),
+         'perf/step_time_host_median': median, 'perf/slowest_host': float(np.argmax(times))}
+  if inputs is not None:
+    inputs = [float(t) for t in inputs]
+    out.update({'perf/input_time_host_max': max(inputs),
+                'perf/input_time_host_median': statistics.median(inputs),
+                'perf/slowest_input_host': float(np.argmax(inputs))})
+  return out
 
 
-def straggler_line(step: int, times) -> str | None:
-  """A line naming the slowest host when it is STRAGGLER_RATIO x slower than the median."""
+def straggler_line(step: int, times, inputs=None) -> str | None:
+  """A line naming the slowest host, or None.
+
+  Hosts in one job step in lockstep (every step's collectives wait for the last host), so
+  their step times are alike and a slow host shows in its own host-side work: the input
+  time a step (`inputs`), named when it exceeds the median host's by STRAGGLER_RATIO x and a
+  tenth of the step. Step times that differ that much are named too.
+  """
   times = [float(t) for t in times]
   if len(times) < 2:
     return None
   median = statistics.median(times)
+  if inputs is not None:
+    inputs = [float(t) for t in inputs]
+    slow, mid = int(np.argmax(inputs)), statistics.median(inputs)
+    if inputs[slow] >= STRAGGLER_RATIO * mid and inputs[slow] - mid > 0.1 * median:
+      return (f'step {step}: host {slow} is a straggler: {inputs[slow]:.3g} s a step drawing '
+              f'its input against a median of {mid:.3g} s over {len(times)} hosts '
+              f'(step time {median:.3g} s)')
   slowest = int(np.argmax(times))
   if times[slowest] < STRAGGLER_RATIO * median:
     return None
@@ -111,9 +131,32 @@ def straggler_line(step: int, times) -> str | None:
           f'a median of {median:.3g} s over {len(times)} hosts')
 
 
-def host_step_times(step_time: float) -> list[float]:
-  """Every process's step time (a collective with several processes)."""
+def host_step_times(step_time: float, input_time: float | None = None):
+  """Every process's step time (a collective with several processes); with `input_time`,
+  (step times, input times)."""
+  mine = [float(step_time)] + ([] if input_time is None else [float(input_time)])
   if jax.process_count() == 1:
-    return [float(step_time)]
-  gathered = multihost_utils.process_allgather(np.float32(step_time))
-  return [float(x) for x in np.asarray(gathered).ravel()]
+    rows = np.asarray([mine])
+  else:
+    rows = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.float32)))
+    rows = rows.reshape(jax.process_count(), len(mine))
+  times = [float(x) for x in rows[:, 0]]
+  return times if input_time is None else (times, [float(x) for x in rows[:, 1]])
+
+
+def host_totals(totals: dict) -> list[dict]:
+  """Every process's bucket totals (a collective with several processes), index = process."""
+  mine = np.asarray([float(totals.get(b, 0.0)) for b in BUCKETS], np.float32)
+  if jax.process_count() == 1:
+    rows = mine[None]
+  else:
+    rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+  return [dict(zip(BUCKETS, (float(x) for x in row))) for row in rows]
+
+
+def host_lines(per_host: list[dict]) -> list[str]:
+  """'host 1: compile 3.1 s, input 9.0 s, ...' for each process of a multi-process job."""
+  if len(per_host) < 2:
+    return []
+  return [f'host {i}: ' + ', '.join(f'{b} {t[b]:.1f} s' for b in BUCKETS if t[b] > 0)
+          for i, t in enumerate(per_host)]

@@ -138,10 +138,6 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
       config.train.local_checkpoint_dir or os.path.join(workdir, 'local_checkpoints')))
   try:  # fail before compiling anything, and before writing anything
     startup.check()
-    if config.train.local_checkpoint_every and jax.process_count() > 1:
-      raise config_lib.ConfigError(
-          'train.local_checkpoint_every: the local checkpoint tier is for single-process jobs '
-          '(each host of a multi-process job would hold only its own shards); set it to 0')
     data_changes = _check_resumable(config, config_dict,
                                     ckpt_reader.CheckpointReader(checkpoints_dir), init_from,
                                     workdir, new_data)
@@ -156,9 +152,11 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
     # Only under the lock: the writer's start-up removes incomplete saves.
     checkpointer = ckpt_store.Checkpointer(checkpoints_dir, max_to_keep=config.train.max_to_keep,
                                            async_save=config.train.async_checkpoint)
-    if config.train.local_checkpoint_every:  # the emergency tier on this host's disk
+    if config.train.local_checkpoint_every:  # the emergency tier: each process's own shards
+      own = (local_dir if jax.process_count() == 1
+             else os.path.join(local_dir, f'process_{jax.process_index()}'))
       checkpointer = ckpt_store.TieredCheckpointer(checkpointer, ckpt_store.Checkpointer(
-          local_dir, max_to_keep=2, async_save=config.train.async_checkpoint))
+          own, max_to_keep=2, async_save=config.train.async_checkpoint, per_process=True))
     if checkpointer.incomplete:
       notify(f'Ignoring incomplete checkpoint save(s) left by an interrupted run: '
              f'{", ".join(checkpointer.incomplete)} (removed).')
@@ -186,7 +184,8 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
     raise
   lock.release()
   if run.last_saved == config.train.steps:
-    notify(ledger.summary())
+    host_lines = goodput_lib.host_lines(goodput_lib.host_totals(ledger.job()))  # a collective
+    notify('\n'.join([ledger.summary(), *host_lines]))
     prompt = run.suggested_prompt(tokenizer)  # decode's cache holds data.seq_len positions
     room = config.data.seq_len - len(tokenizer.encode(prompt))
     notify(metrics_lib.final_block(workdir, run.last_saved, run.last_saved, prompt, room))
@@ -314,6 +313,7 @@ class _Run:
     self.new_data = False  # resume on another data stream: the iterator is not restored
     self.startup = None  # signals.StartupSignals of the start-up, until the first step
     self.ledger = goodput_lib.Ledger()  # _start gives the run's own
+    self._input_mark = 0.0  # the ledger's input seconds at the previous log line
 
   def _check_meta(self, meta):
     ckpt_compat.check_compatible(meta.get('config', {}), self.config_dict,
@@ -423,14 +423,20 @@ class _Run:
     out['perf/tokens_per_sec'] = done * tokens_per_step / max(elapsed, 1e-9)
     out['perf/step_time'] = elapsed / done
     out.update(self.mfu.metrics(out['perf/tokens_per_sec']))
-    times = goodput_lib.host_step_times(out['perf/step_time'])  # every process, same steps
+    inputs = (self.ledger.attempt['input'] - self._input_mark) / done  # this host's input wait
+    self._input_mark = self.ledger.attempt['input']
+    # Every process, same steps: the hosts' step and input times, the slowest one named.
+    times, inputs = goodput_lib.host_step_times(out['perf/step_time'], inputs)
     if len(times) > 1:
-      out.update(goodput_lib.spread(times))
-      straggler = goodput_lib.straggler_line(step, times)
+      out.update(goodput_lib.spread(times, inputs))
+      straggler = goodput_lib.straggler_line(step, times, inputs)
       if straggler:
         self.notify(straggler)
     self.ledger.lap('train')
     out.update(self.ledger.metrics())
+    if step == self.end_step and jax.process_count() > 1:  # each host's job time, once
+      for i, totals in enumerate(goodput_lib.host_totals(self.ledger.job())):
+        out.update({f'perf/host{i}_job_time/{b}': v for b, v in totals.items()})
     if jax.process_index() == 0:
       goodput_lib.write_side_file(self.workdir, self.ledger.job())
     self.writer.write(step, out)

@@ -277,6 +277,22 @@ def command(name: str) -> str:
   return shlex.quote(mine if rel.startswith('..') else rel)
 
 
+def train_from_command(workdir: str, new_workdir: str, flags=()) -> str:
+  """The training command that continues from a trained workdir: its saved config.json as
+  the config, into `new_workdir`, with `flags` ('--init_from ...', '--config.K=V'); a
+  checkpoint location the saved run named is reset, so the new run writes its own."""
+  try:
+    with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+      train = json.load(f).get('train', {})
+  except (OSError, ValueError, AttributeError):
+    train = {}
+  flags = list(flags) + [f'--config.train.{k}=' for k in ('checkpoint_dir', 'local_checkpoint_dir')
+                         if train.get(k)]
+  return ' '.join([command('mtp-train'), '--config',
+                   shlex.quote(os.path.join(workdir, 'config.json')), '--workdir',
+                   shlex.quote(new_workdir), *(shlex.quote(f) for f in flags)])
+
+
 def final_block(workdir: str, step: int, checkpoint: int | None, prompt: str = '',
                 room: int | None = None) -> str:
   """What a finished run says last: where it is, its last and best figures, what to run next

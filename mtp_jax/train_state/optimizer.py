@@ -11,15 +11,18 @@ from mtp_jax import config_lib
 
 
 def schedule_inputs(config) -> dict:
-  """The schedule's settings as arrays the compiled train step takes at run time.
+  """The optimizer's settings as arrays the compiled train step takes at run time.
 
-  train.steps, warmup_steps, lr and min_lr_ratio are inputs of the program, not constants
-  in it: a rerun that changes only them (the common "resume with more steps") loads the
-  compiled step from the persistent compilation cache.
+  train.steps, warmup_steps, lr, min_lr_ratio, b1, b2, weight_decay and grad_clip are inputs
+  of the program, not constants in it: a rerun that changes only them (the common "resume
+  with more steps") loads the compiled step from the persistent compilation cache. Whether
+  grad_clip is 0 (no clipping) is the one structural choice: it changes the optimizer state.
   """
   t = config.train
   return {'steps': np.int32(t.steps), 'warmup_steps': np.int32(t.warmup_steps),
-          'lr': np.float32(t.lr), 'min_lr_ratio': np.float32(t.min_lr_ratio)}
+          'lr': np.float32(t.lr), 'min_lr_ratio': np.float32(t.min_lr_ratio),
+          'b1': np.float32(t.b1), 'b2': np.float32(t.b2),
+          'weight_decay': np.float32(t.weight_decay), 'grad_clip': np.float32(t.grad_clip)}
 
 
 def lr_at(count, inputs: dict):
@@ -62,20 +65,41 @@ def _scale_by_runtime_lr(config) -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _with_runtime_settings(make, config) -> optax.GradientTransformationExtraArgs:
+  """The optax transformation `make(settings)` with its settings read from the update's
+  `schedule` argument (schedule_inputs of the step) when given, else the config's. Its
+  state's structure does not depend on the settings, so init uses the config's."""
+  default = schedule_inputs(config)
+
+  def init_fn(params):
+    return make(default).init(params)
+
+  def update_fn(updates, state, params=None, *, schedule=None, **extra):
+    del extra
+    return make(default if schedule is None else schedule).update(updates, state, params)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_matrix(params):
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
 def build_optimizer(config) -> optax.GradientTransformation:
   """AdamW with warmup + cosine, global-norm clipping; no decay on norms (1-D params).
 
-  optax.adamw's own chain, with the learning rate read from the update's `schedule`
-  argument when given (schedule_inputs), so the schedule is not compiled in.
+  optax.adamw's own chain (clip_by_global_norm, scale_by_adam, add_decayed_weights, the
+  learning rate), each reading its settings from the update's `schedule` argument when
+  given (schedule_inputs), so none of them is compiled in.
   """
-  t = config.train
   adamw = optax.chain(
-      optax.scale_by_adam(b1=t.b1, b2=t.b2),
-      optax.add_decayed_weights(t.weight_decay,
-                                lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),
+      _with_runtime_settings(lambda s: optax.scale_by_adam(b1=s['b1'], b2=s['b2']), config),
+      _with_runtime_settings(
+          lambda s: optax.add_decayed_weights(s['weight_decay'], _is_matrix), config),
       _scale_by_runtime_lr(config))
-  if t.grad_clip > 0:
-    return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw)
+  if config.train.grad_clip > 0:
+    return optax.chain(_with_runtime_settings(
+        lambda s: optax.clip_by_global_norm(s['grad_clip']), config), adamw)
   return adamw
 
 
