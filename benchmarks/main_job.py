@@ -34,6 +34,12 @@ HOSTS = {
         'eval/bpb_main': 3.29, 'eval/bpb_mtp_1': 2.92, 'eval/acc_main': 0.438,
         'eval/decode_accept_mtp_2': 0.85, 'eval/decode_accept_mtp_3': 0.84,
         'eval/decode_tau': 3.50},
+    'AMD EPYC, AVX2 only (2 vCPU)': {
+        'eval/bpb_main': 3.32, 'eval/bpb_mtp_1': 2.95, 'eval/bpb_mtp_2': 2.86,
+        'eval/bpb_mtp_3': 2.82, 'eval/acc_main': 0.422, 'eval/agree_mtp_1': 0.63,
+        'eval/agree_mtp_2': 0.61, 'eval/agree_mtp_3': 0.61, 'eval/decode_accept_mtp_1': 0.90,
+        'eval/decode_accept_mtp_2': 0.86, 'eval/decode_accept_mtp_3': 0.82,
+        'eval/decode_tau': 3.50},
 }
 # How far beyond the hosts' range a figure may fall, per kind of figure (README states it).
 SPREAD = {'bpb': 0.08, 'acc': 0.012, 'agree': 0.03, 'decode_accept': 0.04, 'decode_tau': 0.1}
