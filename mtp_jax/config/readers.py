@@ -2,6 +2,7 @@
 (target offsets, RoPE scaling, the profiler window, the decode prompt length)."""
 from __future__ import annotations
 
+import mtp_jax.config.kinds as kinds
 from mtp_jax.errors import ConfigError
 
 
@@ -22,8 +23,13 @@ def decode_prompt_len(config) -> int:
 
 
 def target_offsets(config) -> tuple:
-  """(1, o_1, ..., o_M): the target offset of every head of `config`, the main one first."""
+  """(1, o_1, ..., o_M): the target offset of every head of `config`, the main one first.
+  A head kind that predicts no tokens (TOP) ranks from the next token: offset 1 (as
+  ModelArgs.target_offsets reads it)."""
   mtp_depth = config.model.mtp.depth
+  kind = optional(config, 'model.mtp.kind', 'sequential')
+  if not kinds.MTP_HEADS[kind].predicts_tokens:
+    return (1,) * (mtp_depth + 1)
   offsets = tuple(optional(config, 'model.mtp.target_offsets', ()))
   return (1,) + (offsets or tuple(range(2, mtp_depth + 2)))
 

@@ -23,7 +23,6 @@ import mtp_jax.train.resilience as resilience
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.model import moe
-from mtp_jax.model import mtp as mtp_lib
 from mtp_jax.runtime import sharding
 from mtp_jax.train_state import state as state_lib
 from mtp_jax.train_state.optimizer import lr_at, schedule_inputs, trainable
@@ -46,8 +45,7 @@ def loss_args(config) -> loss_lib.LossArgs:
       curriculum=opt('model.mtp.curriculum', 'none'),
       curriculum_phase_steps=int(opt('model.mtp.curriculum_phase_steps', 0)),
       steps=int(config.train.steps),
-      # The model's own reading: a TOP head ranks from the next token (offset 1).
-      mtp_target_offsets=mtp_lib.ModelArgs.from_config(config).target_offsets()[1:],
+      mtp_target_offsets=config_lib.target_offsets(config)[1:],
       chunk=int(config.model.loss_chunk),
       mtp_targets=opt('loss.mtp_targets', 'data'),
       balance_weight=float(opt('model.moe.balance_loss_weight', 0.0)))
