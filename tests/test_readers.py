@@ -25,6 +25,8 @@ import pytest
 
 from helpers import REPO, load_config, write_jsonl
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax.checkpoint import reader as checkpoint_reader
+from mtp_jax.checkpoint import store as checkpoint_store
 from mtp_jax import cli, train_state
 from mtp_jax.model.mtp import shift_left
 from mtp_jax.train import resilience, train_and_evaluate
@@ -417,3 +419,42 @@ def test_exports_in_a_loop_beside_a_live_trainer(tmp_path, capfd):
   assert 'Traceback' not in err, err[-3000:]  # a read abandoned under a trainer stays quiet
   assert live >= 2, 'the trainer finished before the exports could race it'
   assert trainer.returncode == 0, trainer_err[-2000:]
+
+
+def test_a_read_finishing_after_its_loop_closed_is_dropped_quietly():
+  """A TensorStore read that becomes ready as its loop closes delivers into a closed loop
+  from a TensorStore thread; a checkpoint loop drops it instead of an "Exception ignored"."""
+  import asyncio  # pylint: disable=import-outside-toplevel
+  with checkpoint_store.draining_loops():
+    loop = asyncio.new_event_loop()
+  loop.close()
+  delivered = []
+  late = threading.Thread(target=lambda: delivered.append(
+      loop.call_soon_threadsafe(lambda: None)))
+  late.start()
+  late.join()
+  assert delivered == [None]
+  plain = asyncio.SelectorEventLoop()  # other loops still refuse, as asyncio does
+  plain.close()
+  with pytest.raises(RuntimeError, match='closed'):
+    plain.call_soon_threadsafe(lambda: None)
+
+
+def test_every_metadata_read_runs_on_a_checkpoint_loop(tiny_run, monkeypatch):
+  """Metadata reads (array order, numpy restores) run on orbax loops as restores do; a
+  plain loop abandoned mid-read is what reports a late delivery as "Exception ignored"."""
+  import asyncio  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  seen = []
+  metadata = ocp.PyTreeCheckpointHandler.metadata
+
+  def recording(self, directory):
+    seen.append(type(asyncio.get_event_loop_policy()).__name__)
+    return metadata(self, directory)
+
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'metadata', recording)
+  reader = ckpt_lib.CheckpointReader(os.path.join(tiny_run[0], 'checkpoints'))
+  step = reader.steps()[-1]
+  assert reader.tree_order(step)
+  checkpoint_reader._restore_as_numpy(reader._dir(step, 'state'))  # pylint: disable=protected-access
+  assert seen == ['_DrainingPolicy'] * 2

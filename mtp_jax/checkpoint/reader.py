@@ -185,10 +185,11 @@ class CheckpointReader:
     # The handler, not a PyTreeCheckpointer: that one also wants (and logs the lack of) a
     # step-level metadata file inside the item directory.
     handler = ocp.PyTreeCheckpointHandler()
-    try:
-      tree = handler.metadata(epath.Path(self._dir(step, 'state')))
-    finally:
-      handler.close()
+    with draining_loops():
+      try:
+        tree = handler.metadata(epath.Path(self._dir(step, 'state')))
+      finally:
+        handler.close()
     tree = getattr(tree, 'tree', tree)
     return sorted(leaf_paths(tree), key=_order_key)
 
@@ -234,25 +235,25 @@ def _restore_as_numpy(path: str):
   sharding file, which a process with fewer devices cannot (a 2-device trainer's step
   read from a 1-device process: 'sharding ... should be specified ... Got None')."""
   handler = ocp.PyTreeCheckpointHandler()
-  try:
-    meta = handler.metadata(epath.Path(path))
-    tree = getattr(meta, 'tree', meta)
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree,
-                        is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
-    with draining_loops():
+  with draining_loops():  # the metadata read runs on an orbax loop too
+    try:
+      meta = handler.metadata(epath.Path(path))
+      tree = getattr(meta, 'tree', meta)
+      args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree,
+                          is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
       return handler.restore(epath.Path(path), args=ocp.args.PyTreeRestore(restore_args=args))
-  finally:
-    handler.close()
+    finally:
+      handler.close()
 
 
 def restore_item(path: str, handler, args):
   """One item directory restored through its handler alone: a Checkpointer would also look
   for (and log the lack of) step-level metadata inside the item directory."""
-  try:
-    with draining_loops():
+  with draining_loops():
+    try:
       return handler.restore(epath.Path(path), args=args)
-  finally:
-    handler.close()
+    finally:
+      handler.close()
 
 
 def _reader_of(workdir: str, notify=warn) -> CheckpointReader:

@@ -49,6 +49,16 @@ class _DrainingLoop(asyncio.SelectorEventLoop):
     super().__init__()
     self.set_exception_handler(_quiet_sibling_failures)
 
+  def call_soon_threadsafe(self, callback, *args, context=None):
+    # A TensorStore read that became ready just as its task was cancelled still delivers
+    # its result from a TensorStore thread; once the loop is closed nothing awaits it.
+    try:
+      return super().call_soon_threadsafe(callback, *args, context=context)
+    except RuntimeError:
+      if not self.is_closed():
+        raise
+      return None
+
   def close(self):
     if not self.is_running() and not self.is_closed():
       pending = [t for t in asyncio.all_tasks(self) if not t.done()]
