@@ -5,6 +5,7 @@ exports of a live trainer's newest checkpoint succeed while it removes old ones.
 The corruption tests copy the test run's trained tiny workdir (conftest.tiny_run: steps 20
 and 40) and run scripts/decode.py and scripts/eval.py in-process, as test_eval.py does.
 """
+import asyncio
 import glob
 import hashlib
 import importlib
@@ -21,13 +22,14 @@ import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from helpers import REPO, load_config, write_jsonl
 from mtp_jax import checkpoint as ckpt_lib
+from mtp_jax import cli, train_state
 from mtp_jax.checkpoint import reader as checkpoint_reader
 from mtp_jax.checkpoint import store as checkpoint_store
-from mtp_jax import cli, train_state
 from mtp_jax.model.mtp import shift_left
 from mtp_jax.train import resilience, train_and_evaluate
 
@@ -424,7 +426,6 @@ def test_exports_in_a_loop_beside_a_live_trainer(tmp_path, capfd):
 def test_a_read_finishing_after_its_loop_closed_is_dropped_quietly():
   """A TensorStore read that becomes ready as its loop closes delivers into a closed loop
   from a TensorStore thread; a checkpoint loop drops it instead of an "Exception ignored"."""
-  import asyncio  # pylint: disable=import-outside-toplevel
   with checkpoint_store.draining_loops():
     loop = asyncio.new_event_loop()
   loop.close()
@@ -443,8 +444,6 @@ def test_a_read_finishing_after_its_loop_closed_is_dropped_quietly():
 def test_every_metadata_read_runs_on_a_checkpoint_loop(tiny_run, monkeypatch):
   """Metadata reads (array order, numpy restores) run on orbax loops as restores do; a
   plain loop abandoned mid-read is what reports a late delivery as "Exception ignored"."""
-  import asyncio  # pylint: disable=import-outside-toplevel
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   seen = []
   metadata = ocp.PyTreeCheckpointHandler.metadata
 
