@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
+from jax.experimental.pallas.ops.tpu.megablox import gmm
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from jax.sharding import NamedSharding
@@ -589,6 +590,35 @@ def test_splash_kernel_calls_are_counted_from_their_shapes(report):
   assert compiled.cost_analysis()['flops'] < 0.01 * got['flops']
   operands = 3 * h * t * d * 2
   assert got['hbm_bytes'] > 3 * operands  # q, k, v read by each pass, and the gradients
+
+
+def test_grouped_matmul_calls_are_counted_over_the_rows_they_compute(report):
+  """The TPU grouped matmul (megablox gmm, with its tgmm weight gradient) on a buffer of
+  1024 rows over 4 groups: counted over the whole buffer by default, and over the rows
+  received plus one tile per group where the caller says how many rows arrive."""
+  _, topo = report
+  device = aot.topology_devices(topo)[0]
+  m, k, n, groups = 1024, 256, 256, 4
+
+  def loss(x, w, sizes):
+    return gmm(x, w, sizes, jnp.bfloat16, (128, 128, 128)).astype(jnp.float32).sum()
+
+  one = jax.sharding.SingleDeviceSharding(device)
+  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=one),
+          jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16, sharding=one),
+          jax.ShapeDtypeStruct((groups,), jnp.int32, sharding=one))
+  with aot.traced_for('tpu'), no_jax_cache():
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+  text = aot.hlo_text(compiled)
+  whole = aot.analyze_hlo(text, 1).kernels['grouped_matmul']
+  assert set(whole['by_name']) == {'gmm', 'tgmm'}, whole
+  calls = whole['calls']  # forward, the input gradient (gmm) and the weight gradient (tgmm)
+  assert calls == 3 and whole['flops'] == calls * 2 * m * k * n, whole
+  received = aot.analyze_hlo(text, 1, grouped_rows=300).kernels['grouped_matmul']
+  assert received['flops'] == calls * 2 * (300 + groups * 128) * k * n, received
+  assert received['hbm_bytes'] < whole['hbm_bytes']
+  # more rows received than the buffer holds: the buffer bounds it
+  assert aot.analyze_hlo(text, 1, grouped_rows=4096).kernels['grouped_matmul'] == whole
 
 
 def test_the_splash_model_holds_the_expected_flops(report):

@@ -310,6 +310,35 @@ def test_grouped_product_forms_agree_with_rows_past_the_groups(form):
   assert not np.asarray(g[1])[31:].any()  # rows of no group get no gradient
 
 
+def test_unread_rows_past_the_groups_reach_no_row_and_no_weight():
+  """The TPU kernel (interpret mode) with rows past the groups left unmasked, as the
+  exchange hands them over: NaN in those rows of the input and of the output's cotangent
+  changes no row in a group, no weight gradient and no group row's input gradient."""
+  experts = build(n_routed_experts=8).layers[1].mlp.experts
+  rng = np.random.default_rng(3)
+  xs = rng.normal(size=(40, 32)).astype(np.float32)
+  sizes = jnp.array([3, 0, 9, 5, 1, 7, 0, 6], jnp.int32)
+  ct = rng.normal(size=(40, 32)).astype(np.float32)
+  garbage_xs, garbage_ct = xs.copy(), ct.copy()
+  garbage_xs[31:], garbage_ct[31:] = np.nan, np.nan
+  clean_ct = ct.copy()
+  clean_ct[31:] = 0
+
+  def run(xs, ct, **kw):
+    y, vjp = jax.vjp(lambda ws, xs: moe.grouped_products(xs, sizes, ws, **kw), _ws(experts),
+                     jnp.asarray(xs))
+    return y, vjp(jnp.asarray(ct))
+
+  y, (g_ws, g_xs) = run(garbage_xs, garbage_ct, form='gmm', interpret=True,
+                        rows_past_groups_read=False)
+  y_ref, (g_ws_ref, g_xs_ref) = run(xs, clean_ct, form='blocks')
+  np.testing.assert_allclose(np.asarray(y)[:31], np.asarray(y_ref)[:31], rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_ws), jax.tree.leaves(g_ws_ref)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(g_xs)[:31], np.asarray(g_xs_ref)[:31], rtol=1e-4,
+                             atol=1e-6)
+
+
 @pytest.mark.parametrize('shape,exchange', [((2, 2, 2), 'all_to_all'), ((8, 1, 1), 'all_to_all'),
                                             ((2, 2, 2), 'all_gather'), ((8, 1, 1), 'all_gather')])
 def test_expert_parallel_dispatch_equals_the_global_one(devices, shape, exchange):

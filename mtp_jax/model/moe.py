@@ -195,39 +195,48 @@ def _common_tile(a: int, b: int) -> int | None:
   return next((t for t in (512, 256, 128) if a % t == 0 and b % t == 0), None)
 
 
-def _gmm(a_BTEkxI: Array, w_ExIxO: Array, sizes_E: Array, interpret: bool = False) -> Array:
+def _gmm(a_BTEkxI: Array, w_ExIxO: Array, sizes_E: Array, interpret: bool = False,
+         mask: bool = True) -> Array:
   """The TPU grouped-matmul kernel (Pallas megablox): only the G groups' rows are
   computed, and its gradient for the weights is a grouped product too (`tgmm`). The
   kernel leaves rows past sum(sizes) unwritten, in its output and in its input's
-  gradient: both are masked to zero here."""
+  gradient; `mask`: both are masked to zero here. Without it they hold whatever was
+  there, which only a caller that never reads them may use: the kernel stores and the
+  weight gradient's loads select by group, so such rows reach no other row or weight."""
   # Deferred: the Pallas TPU kernels load only where this form is chosen.
   from jax.experimental.pallas.ops.tpu.megablox import gmm
   m, i = a_BTEkxI.shape
   tm = 128 if m >= 128 else max(8, 1 << (m - 1).bit_length())
   pad = -m % tm
-  valid = (jnp.arange(m + pad) < jnp.sum(sizes_E))[:, None]
-  a = jnp.where(valid, jnp.pad(a_BTEkxI, ((0, pad), (0, 0))), 0)
+  a = jnp.pad(a_BTEkxI, ((0, pad), (0, 0))) if pad else a_BTEkxI
+  if mask:
+    valid = (jnp.arange(m + pad) < jnp.sum(sizes_E))[:, None]
+    a = jnp.where(valid, a, 0)
   t = _common_tile(i, w_ExIxO.shape[2])
   tiling = (tm, t, t)  # the backward pass multiplies by the transpose with the same tiles
   out = gmm(a, w_ExIxO, sizes_E.astype(jnp.int32), a_BTEkxI.dtype, tiling, None, None, False,
             interpret)
-  return jnp.where(valid, out, 0)[:m]
+  return (jnp.where(valid, out, 0) if mask else out)[:m]
 
 
 def grouped_products(xs_BTEkxD: Array, sizes_E: Array, ws, form: str,
-                     interpret: bool = False, save: bool = True) -> Array:
+                     interpret: bool = False, save: bool = True,
+                     rows_past_groups_read: bool = True) -> Array:
   """[rows, D]: the SwiGLU of rows sorted by expert, expert e taking the sizes_E[e] rows after
   the groups before it; rows past sum(sizes_E) come out zero. `ws`: the gate, up and down
   kernels [E, D, F], [E, D, F], [E, F, D]; `form`: 'ragged', 'blocks' or 'gmm'. `save`:
   name the products EXPERT_SAVED_NAME (kept under remat='block'); off where M is a
-  worst-case buffer several times the rows computed, which keeping would hold."""
+  worst-case buffer several times the rows computed, which keeping would hold.
+  rows_past_groups_read=False: the caller never reads the rows past sum(sizes_E) (nor
+  their gradient), so the 'gmm' form leaves them as the kernel does (_gmm's mask: two
+  passes over the buffer per product saved)."""
   if form == 'gmm' and not all(_common_tile(*w.shape[1:]) for w in ws):
     form = 'ragged'  # the kernel tiles dims of multiples of 128 (here: sharded too finely)
   if form in ('ragged', 'gmm'):
     if form == 'ragged':
       mm = lambda a, w: jax.lax.ragged_dot(a, w, sizes_E)  # noqa: E731
     else:
-      mm = lambda a, w: _gmm(a, w, sizes_E, interpret)  # noqa: E731
+      mm = lambda a, w: _gmm(a, w, sizes_E, interpret, rows_past_groups_read)  # noqa: E731
     name = lambda a: checkpoint_name(a, EXPERT_SAVED_NAME) if save else a  # noqa: E731
     h_BTEkxF = jax.nn.silu(name(mm(xs_BTEkxD, ws[0]))) * name(mm(xs_BTEkxD, ws[1]))
     return name(mm(h_BTEkxF, ws[2]))
@@ -364,8 +373,11 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxEk: Array, gates_BxTxEk: Arra
     inverse_Y = moe_exchange.inverse_permutation(order_Y)
     sizes_Ed = jnp.bincount(key_Y, length=e_local + 1)[:e_local].astype(jnp.int32)
     # kept under remat only where a capacity factor bounds the buffer (dropless: X BT Ek rows)
+    # Rows nothing landed in sort past the groups; nothing reads them or their gradient
+    # (the reverse exchange sends back only the rows received).
     y_sorted_YxD = grouped_products(moe_exchange.take_rows(recv_YxD, order_Y, inverse_Y),
-                                    sizes_Ed, ws, form, save=capacity_factor > 0)
+                                    sizes_Ed, ws, form, save=capacity_factor > 0,
+                                    rows_past_groups_read=False)
     y_YxD = moe_exchange.take_rows(y_sorted_YxD, inverse_Y, order_Y)
     # The reverse exchange: each received slice back to its sender, where it came from.
     back_BTEkxD = moe_exchange.exchange(n * k, expert_axes, impl, y_YxD, back, there)

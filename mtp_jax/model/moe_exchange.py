@@ -98,12 +98,25 @@ def sent_rows(p: dict, dest_BTEk: Array) -> Array:
 def exchange(rows: int, axes, impl: str, operand: Array, there: tuple, back: tuple) -> Array:
   """operand's slices moved by ragged_exchange as `there` (input_offsets, send_sizes,
   output_offsets, recv_sizes) says, into a [rows, ...] buffer that is not initialised
-  first (jax.lax.empty: no fill pass; its rows nothing lands in hold whatever was there,
+  first (_buffer: no fill pass; its rows nothing lands in hold whatever was there,
   zero on CPU). `back` is the reverse exchange, which moves the gradient (the same
   slices, roles swapped): its rows of `operand` that were not sent get no defined
   gradient either, so a caller whose rows can be dropped masks them."""
-  out = jax.lax.empty((rows,) + operand.shape[1:], operand.dtype)
-  return ragged_exchange(operand, out, *there, axes, impl)
+  return ragged_exchange(operand, _buffer(rows, operand, there[0]), *there, axes, impl)
+
+
+def _buffer(rows: int, operand: Array, offsets: Array) -> Array:
+  """An uninitialised [rows, ...] receive buffer made inside the layer it serves.
+
+  jax.lax.empty has no inputs, so when the exchange runs in the body of a scan over layers
+  (model.scan_layers) and is differentiated, JAX's partial evaluation hoists it out of the
+  loop as a loop invariant; the collective writes its buffer in place, so the compiled
+  loop then copies the hoisted buffer on every iteration (on TPU a full read and write of
+  it per layer). Chosen by a condition on the exchange's own offsets (both branches the
+  same), the buffer depends on the layer's data and is allocated where it is used."""
+  shape = (rows,) + operand.shape[1:]
+  make = lambda: jax.lax.empty(shape, operand.dtype)  # noqa: E731
+  return jax.lax.cond(offsets[0] >= 0, make, make)
 
 
 def _exchange_fwd(rows, axes, impl, operand, there, back):

@@ -118,8 +118,11 @@ def _group_size(rest: str, num_devices: int) -> int:
   return 2 if m else num_devices
 
 
-def analyze_hlo(text: str, num_devices: int) -> HloStats:
-  """FLOPs, HBM bytes, collectives and kernel calls of a compiled (per-device) HLO module."""
+def analyze_hlo(text: str, num_devices: int, grouped_rows: int = 0) -> HloStats:
+  """FLOPs, HBM bytes, collectives and kernel calls of a compiled (per-device) HLO module.
+
+  grouped_rows: the rows a grouped-matmul call computes on average where its buffer is
+  larger (kernels.kernel_call), 0 when unknown."""
   comps, order, entry = read_computations(text)
   root = entry or (order[-1] if order else '')
   shapes = {name: typ for body in comps.values() for name, typ, *_ in body}
@@ -215,7 +218,7 @@ def analyze_hlo(text: str, num_devices: int) -> HloStats:
         flops, kind = gemm_flops(typ, rest, shapes), 'gemm'
       elif op == 'custom-call' and ('tpu_custom_call' in rest or '__cudnn$fmha' in rest
                                     or 'triton' in target):
-        call = _kernel(typ, rest, shapes, consts)
+        call = _kernel(typ, rest, shapes, consts, grouped_rows)
         stats.kernel_calls += k
         stats.kernel_flops += k * call.flops
         flops, kind = call.flops, call.kind
@@ -378,11 +381,12 @@ def _multiplicities(calls: dict, root: str) -> dict:
   return mult
 
 
-def _kernel(typ: str, rest: str, shapes: dict, consts: dict) -> kernels_lib.KernelCall:
+def _kernel(typ: str, rest: str, shapes: dict, consts: dict,
+            grouped_rows: int = 0) -> kernels_lib.KernelCall:
   target = _TARGET.search(rest)
   inputs = [(o, arrays(shapes.get(o, ''))) for o in operands(rest)]
   return kernels_lib.kernel_call(target.group(1) if target else '', rest, arrays(typ),
-                                 inputs, consts)
+                                 inputs, consts, grouped_rows)
 
 
 def _op_bytes(op: str, typ: str, rest: str, shapes: dict, comps: dict, fused: dict) -> float:

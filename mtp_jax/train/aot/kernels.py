@@ -18,7 +18,13 @@ shapes, per call:
                      dQ in another), its blocks read from the call's grid.
   cuDNN attention    `__cudnn$fmha*` (forward, and Backward), causal when its mask type says.
   grouped matmul     the Pallas TPU megablox kernels (gmm: [m, k] rows by their group's
-                     [k, n]; tgmm: the per-group [k, n] weight gradient): 2 m k n each.
+                     [k, n]; tgmm: the per-group [k, n] weight gradient): 2 m k n each,
+                     m the rows the kernel computes. Its grid runs over the tiles of the
+                     rows its groups hold, not over the whole buffer: where the caller
+                     says how many rows a call receives on average (`grouped_rows`: an
+                     expert-parallel exchange's receive buffer is sized for the worst case
+                     or the capacity factor), m = min(buffer rows, grouped_rows + one
+                     128-row tile per group), and only those rows are read and written.
 
 HBM bytes: the call's operands and results once; a TPU flash kernel also reads blocks
 again from HBM (its VMEM holds only the blocks in flight): a forward or dq pass the
@@ -88,12 +94,13 @@ def attention_pass_flops(pass_name: str, pairs: float, d_qk: int, d_v: int) -> f
 
 
 def kernel_call(target: str, text: str, outputs: list, operands: list,
-                constants: dict) -> KernelCall:
+                constants: dict, grouped_rows: int = 0) -> KernelCall:
   """The FLOPs and bytes of one custom call.
 
   target: its custom_call_target; text: the rest of its instruction; outputs: [(dtype,
   dims)] of its result arrays; operands: [(name, [(dtype, dims)])] in order; constants:
-  instruction name -> its integer values, where the HLO prints them."""
+  instruction name -> its integer values, where the HLO prints them; grouped_rows: the
+  rows a grouped-matmul call computes on average (0: its whole buffer)."""
   text = _BODY.sub('', text)
   io = sum(_bytes(a) for a in outputs) + sum(_bytes(a) for _, arrs in operands for a in arrs)
   floats = [arrs[0] for _, arrs in operands if len(arrs) == 1 and arrs[0][0] in _FLOAT]
@@ -103,7 +110,7 @@ def kernel_call(target: str, text: str, outputs: list, operands: list,
       return _splash(m.group(1), m.group(2), text, floats, operands, constants, io)
     m = _GMM.search(text)
     if m and len(floats) >= 2:
-      return _gmm(m.group(1), outputs, floats, io)
+      return _gmm(m.group(1), outputs, floats, io, grouped_rows)
     return KernelCall('other', _name(text), 0.0, io)
   if target.startswith('__cudnn$fmha') and len(floats) >= 3:
     return _cudnn(target, text, floats, io)
@@ -173,17 +180,24 @@ def _splash(name, pass_name, text, floats, operands, constants, io) -> KernelCal
                                                name), flops, io + max(0.0, extra), assumed)
 
 
-def _gmm(name, outputs, floats, io) -> KernelCall:
+_GROUP_TILE = 128  # rows of a grouped-matmul tile: a group's last tile is computed whole
+
+
+def _gmm(name, outputs, floats, io, grouped_rows: int = 0) -> KernelCall:
   out = max((a for a in outputs if a[0] in _FLOAT), key=lambda a: math.prod(a[1]),
             default=None)
   if out is None:
     return KernelCall('grouped_matmul', name, 0.0, io)
-  (_, lhs), (_, rhs) = floats[:2]
+  (lt, lhs), (rt, rhs) = floats[:2]
   if name == 'gmm':  # [m, k] x [groups, k, n] -> [m, n]
-    flops = 2.0 * math.prod(out[1]) * lhs[-1]
+    m, groups, row_arrays = lhs[0], rhs[0], ((lt, lhs), out)
+    flops_per_row = 2.0 * lhs[-1] * out[1][-1]
   else:  # tgmm: [k, m] x [m, n] -> [groups, k, n]
-    flops = 2.0 * lhs[0] * lhs[1] * rhs[-1]
-  return KernelCall('grouped_matmul', name, flops, io)
+    m, groups, row_arrays = lhs[1], out[1][0], ((lt, lhs), (rt, rhs))
+    flops_per_row = 2.0 * lhs[0] * rhs[-1]
+  rows = min(m, grouped_rows + groups * _GROUP_TILE) if grouped_rows else m
+  unread = sum(_bytes(a) for a in row_arrays) * (1 - rows / m)  # rows past its groups
+  return KernelCall('grouped_matmul', name, flops_per_row * rows, io - unread)
 
 
 def _cudnn(target, text, floats, io) -> KernelCall:

@@ -180,13 +180,13 @@ def hlo_text(compiled) -> str:
 
 
 def _program_report(compiled, lowered_s: float, compile_s: float, num_devices: int,
-                    chip, name: str = '') -> dict:
+                    chip, name: str = '', grouped_rows: int = 0) -> dict:
   text = hlo_text(compiled)
   if _DUMP['dir'] and name:
     os.makedirs(_DUMP['dir'], exist_ok=True)
     with open(os.path.join(_DUMP['dir'], f'{name}.hlo.txt'), 'w', encoding='utf-8') as f:
       f.write(text)
-  hlo = analyze_hlo(text, num_devices)
+  hlo = analyze_hlo(text, num_devices, grouped_rows)
   return {'lower_s': round(lowered_s, 2), 'compile_s': round(compile_s, 2),
           'memory': _memory(compiled), 'cost_analysis': _cost(compiled),
           'hlo_matmul_flops': hlo.matmul_flops, 'kernel_flops': hlo.kernel_flops,
@@ -200,7 +200,7 @@ def _program_report(compiled, lowered_s: float, compile_s: float, num_devices: i
 # compile-only executable back ("PjRtCompiler must be constructed with a Client"), so the
 # figures themselves are kept, keyed by everything that decides the compiled program.
 _CACHE = {'dir': None}
-_ANALYSIS_VERSION = '6'  # bump when the figures read from a compiled program change
+_ANALYSIS_VERSION = '7'  # bump when the figures read from a compiled program change
 
 
 def _libtpu_version() -> str:
@@ -221,8 +221,9 @@ def _cache_key(lowered_text: str, program: str, topo: Topology) -> str:
 
 
 def _compiled(fn, args, program: str, topo: Topology, num_devices: int, log,
-              hint: str = '') -> dict:
-  """Lowers and compiles `fn` (or reads a cached result of the same program) -> its report."""
+              hint: str = '', grouped_rows: int = 0) -> dict:
+  """Lowers and compiles `fn` (or reads a cached result of the same program) -> its report.
+  grouped_rows: the rows a grouped-matmul call receives on average (_grouped_rows)."""
   t0 = time.perf_counter()
   lowered = fn.lower(*args)
   lower_s = time.perf_counter() - t0
@@ -240,7 +241,8 @@ def _compiled(fn, args, program: str, topo: Topology, num_devices: int, log,
   compiled = _compile(lowered, program, topo, hint)
   compile_s = time.perf_counter() - t1
   log(f'{program}: lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s')
-  rep = _program_report(compiled, lower_s, compile_s, num_devices, topo.chip, program)
+  rep = _program_report(compiled, lower_s, compile_s, num_devices, topo.chip, program,
+                        grouped_rows)
   if path:
     os.makedirs(_CACHE['dir'], exist_ok=True)
     tmp = f'{path}.{os.getpid()}.tmp'
@@ -249,6 +251,18 @@ def _compiled(fn, args, program: str, topo: Topology, num_devices: int, log,
     os.replace(tmp, path)
   rep['cached'] = False
   return rep
+
+
+def _grouped_rows(config, batch: dict, microbatches: int) -> int:
+  """The (token, expert) rows an MoE layer's grouped matmul on one chip computes on average
+  in one microbatch: the chip's tokens times the experts per token. Each chip routes that
+  many rows and, over the chips, receives as many as it sends; the exchange's buffers are
+  larger (the worst case, or the capacity factor). 0 without MoE layers."""
+  if config.model.mlp != 'moe':
+    return 0
+  tokens = batch['tokens']
+  b, t = tokens.sharding.shard_shape(tokens.shape)
+  return b * t // microbatches * config.model.moe.num_experts_per_tok
 
 
 def _train_and_eval(config, devices, topo, programs, log) -> dict:
@@ -274,13 +288,13 @@ def _train_and_eval(config, devices, topo, programs, log) -> dict:
                    in_shardings=(shardings, batch_shardings), out_shardings=(shardings, rep),
                    donate_argnums=0)
       out['train'] = _compiled(fn, (abstract_state, batch), 'train', topo, len(devices), log,
-                               hint)
+                               hint, _grouped_rows(config, batch, config.train.grad_accum))
     if 'eval' in programs:
       fn = jax.jit(functools.partial(steps.eval_step, args, graphdef),
                    in_shardings=(shardings, batch_shardings, rep), out_shardings=rep)
       vocab = jax.ShapeDtypeStruct((config.model.vocab_size,), jnp.int32, sharding=rep)
       out['eval'] = _compiled(fn, (abstract_state, batch, vocab), 'eval', topo, len(devices),
-                              log, hint)
+                              log, hint, _grouped_rows(config, batch, 1))
   return out
 
 
