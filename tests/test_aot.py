@@ -8,6 +8,7 @@ also reads a synthetic module. Skipped, with the reason, only where libtpu canno
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -196,7 +197,7 @@ def test_multislice_mesh_spans_the_slices_with_the_data_axis(report):
   assert slices == [[0] * 8, [1] * 8]
 
 
-def test_moe_experts_are_multiplied_where_they_are_stored(report):
+def test_moe_experts_are_multiplied_where_they_are_stored(report, tmp_path):
   """A small DeepSeekMoE step on the same slice (8 routed experts over 'data', 4 per chip):
   it fits, each chip multiplies its own experts' rows in the TPU grouped-matmul kernel
   (forward, its recomputation under remat 'block' -- without a capacity factor the
@@ -208,15 +209,28 @@ def test_moe_experts_are_multiplied_where_they_are_stored(report):
   m.mlp, m.mtp.depth = 'moe', 0
   m.moe.first_k_dense, m.moe.n_routed_experts, m.moe.num_experts_per_tok = 0, 8, 2
   m.moe.moe_intermediate_size, m.moe.n_shared_experts = 256, 1  # 128 per tensor shard
-  rep = aot.compile_report(c, topo, programs=('train',), devices=aot.topology_devices(topo))
+  rep = aot.compile_report(c, topo, programs=('train',), devices=aot.topology_devices(topo),
+                           dump_dir=str(tmp_path))
   kernel = next(v for k, v in rep['params'].items() if k.endswith('experts.gate_proj.value'))
   assert eval(kernel['spec'])[0] == 'data'  # noqa: S307
   assert kernel['bytes_per_chip'] == 8 * 256 * 256 * 4 // 8  # 4 experts, a quarter of each
   train = rep['train']
   assert train['fits']
-  assert train['kernel_calls'] == 2 * 3 * 4, train['kernel_calls']  # layers x products x 4
+  # layers x products (gate and up joined, down) x 4
+  assert train['kernel_calls'] == 2 * 2 * 4, train['kernel_calls']
   assert train['kernels']['grouped_matmul']['flops'] > 0
   assert train['collectives']['ragged-all-to-all']['count'] > 0, train['collectives']
+  # Each exchange writes into a buffer allocated in its own layer: none is a copy of a
+  # loop-carried buffer (what a receive buffer hoisted out of the scan of layers becomes).
+  with open(tmp_path / 'train.hlo.txt', encoding='utf-8') as f:
+    defs = {m.group(1): m.group(2) for m in re.finditer(
+        r'^\s*(?:ROOT )?%(\S+) = [^=]*? ([\w-]+)\(', f.read(), re.M)}
+  with open(tmp_path / 'train.hlo.txt', encoding='utf-8') as f:
+    buffers = re.findall(r'ragged-all-to-all\(%[^,]+, %([^,\s]+)', f.read())
+  assert buffers
+  with open(tmp_path / 'train.hlo.txt', encoding='utf-8') as f:
+    copied = dict(re.findall(r'^\s*%(\S+) = \S+ copy\(%([^)]+)\)', f.read(), re.M))
+  assert not [b for b in buffers if b in copied and defs.get(copied[b]) == 'get-tuple-element']
 
 
 # -- the HLO reader ------------------------------------------------------------------------

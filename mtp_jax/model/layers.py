@@ -315,6 +315,28 @@ def _swiglu_bwd(res, dh):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+@jax.custom_vjp
+def swiglu_joined(gu: Array) -> Array:
+  """swiglu of the two halves of the last axis, [..., 2F] -> [..., F]: for a product that
+  makes gate and up in one matmul (the joined weights), whose gradient is then one
+  [..., 2F] array and the input's gradient one matmul, not two summed."""
+  f = gu.shape[-1] // 2
+  return jax.nn.silu(gu[..., :f]) * gu[..., f:]
+
+
+def _swiglu_joined_fwd(gu):
+  return swiglu_joined(gu), gu
+
+
+def _swiglu_joined_bwd(gu, dh):
+  f = gu.shape[-1] // 2
+  dg, du = _swiglu_bwd((gu[..., :f], gu[..., f:]), dh)
+  return (jnp.concatenate([dg, du], axis=-1),)
+
+
+swiglu_joined.defvjp(_swiglu_joined_fwd, _swiglu_joined_bwd)
+
+
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
 

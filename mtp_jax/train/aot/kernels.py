@@ -192,9 +192,11 @@ def _gmm(name, outputs, floats, io, grouped_rows: int = 0) -> KernelCall:
   if name == 'gmm':  # [m, k] x [groups, k, n] -> [m, n]
     m, groups, row_arrays = lhs[0], rhs[0], ((lt, lhs), out)
     flops_per_row = 2.0 * lhs[-1] * out[1][-1]
-  else:  # tgmm: [k, m] x [m, n] -> [groups, k, n]
-    m, groups, row_arrays = lhs[1], out[1][0], ((lt, lhs), (rt, rhs))
-    flops_per_row = 2.0 * lhs[0] * rhs[-1]
+  else:  # tgmm: [m, k] (or [k, m]) x [m, n] -> [groups, k, n]
+    m = rhs[0]
+    k = lhs[1] if lhs[0] == m else lhs[0]
+    groups, row_arrays = out[1][0], ((lt, lhs), (rt, rhs))
+    flops_per_row = 2.0 * k * rhs[-1]
   rows = min(m, grouped_rows + groups * _GROUP_TILE) if grouped_rows else m
   unread = sum(_bytes(a) for a in row_arrays) * (1 - rows / m)  # rows past its groups
   return KernelCall('grouped_matmul', name, flops_per_row * rows, io - unread)
