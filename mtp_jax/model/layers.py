@@ -287,56 +287,6 @@ class Attention(nnx.Module):
     return decode_dot(out, self.o_t[...]).reshape(b, t, d), (k_cache, v_cache)
 
 
-@jax.custom_vjp
-def swiglu(g: Array, u: Array) -> Array:
-  """silu(g) * u, whose gradients (dg, du) are formed once, in one elementwise pass.
-
-  Differentiated as written, XLA fuses the SiLU derivative into each backward matmul that
-  reads dg or du (the weight gradients and the input gradient), where TPU recomputes it
-  per output tile; the TPU compiler prices those matmul fusions well above the matmuls.
-  Here dg and du are computed in float32 and stored in the inputs' dtype behind an
-  optimization barrier, so the matmuls read plain operands."""
-  return jax.nn.silu(g) * u
-
-
-def _swiglu_fwd(g, u):
-  return swiglu(g, u), (g, u)
-
-
-def _swiglu_bwd(res, dh):
-  g, u = res
-  g32, u32, dh32 = (a.astype(jnp.float32) for a in (g, u, dh))
-  sig = jax.nn.sigmoid(g32)
-  dg = dh32 * u32 * sig * (1 + g32 * (1 - sig))
-  du = dh32 * g32 * sig
-  return jax.lax.optimization_barrier((dg.astype(g.dtype), du.astype(u.dtype)))
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
-@jax.custom_vjp
-def swiglu_joined(gu: Array) -> Array:
-  """swiglu of the two halves of the last axis, [..., 2F] -> [..., F]: for a product that
-  makes gate and up in one matmul (the joined weights), whose gradient is then one
-  [..., 2F] array and the input's gradient one matmul, not two summed."""
-  f = gu.shape[-1] // 2
-  return jax.nn.silu(gu[..., :f]) * gu[..., f:]
-
-
-def _swiglu_joined_fwd(gu):
-  return swiglu_joined(gu), gu
-
-
-def _swiglu_joined_bwd(gu, dh):
-  f = gu.shape[-1] // 2
-  dg, du = _swiglu_bwd((gu[..., :f], gu[..., f:]), dh)
-  return (jnp.concatenate([dg, du], axis=-1),)
-
-
-swiglu_joined.defvjp(_swiglu_joined_fwd, _swiglu_joined_bwd)
-
-
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -359,8 +309,8 @@ class MLP(nnx.Module):
   def __call__(self, x_BxTxD):
     b, t, _ = x_BxTxD.shape
     x_BTxD = x_BxTxD.reshape(b * t, -1)
-    h_BTxF = swiglu(project(x_BTxD, self.gate_proj.kernel, self.dtype),
-                    project(x_BTxD, self.up_proj.kernel, self.dtype))
+    h_BTxF = (jax.nn.silu(project(x_BTxD, self.gate_proj.kernel, self.dtype))
+              * project(x_BTxD, self.up_proj.kernel, self.dtype))
     h_BTxF = checkpoint_name(constrain(h_BTxF, ('batch', 'act_mlp')), MLP_SAVED_NAME)
     return project(h_BTxF, self.down_proj.kernel, self.dtype).reshape(b, t, -1)
 

@@ -241,7 +241,9 @@ def grouped_products(xs_BTEkxD: Array, sizes_E: Array, ws, form: str,
     # gate and up as one product by the joined [E, D, 2F] weights: the rows' gradient is
     # then one grouped product, not two summed over the whole buffer
     w_ExDx2F = jnp.concatenate([ws[0], ws[1]], axis=-1)
-    h_BTEkxF = layers.swiglu_joined(name(mm(xs_BTEkxD, w_ExDx2F)))
+    gu_BTEkx2F = name(mm(xs_BTEkxD, w_ExDx2F))
+    f = ws[0].shape[-1]
+    h_BTEkxF = jax.nn.silu(gu_BTEkx2F[:, :f]) * gu_BTEkx2F[:, f:]
     return name(mm(h_BTEkxF, ws[2]))
   m, d = xs_BTEkxD.shape
   e = sizes_E.shape[0]
