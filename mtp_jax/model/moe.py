@@ -238,12 +238,7 @@ def grouped_products(xs_BTEkxD: Array, sizes_E: Array, ws, form: str,
     else:
       mm = lambda a, w: _gmm(a, w, sizes_E, interpret, rows_past_groups_read)  # noqa: E731
     name = lambda a: checkpoint_name(a, EXPERT_SAVED_NAME) if save else a  # noqa: E731
-    # gate and up as one product by the joined [E, D, 2F] weights: the rows' gradient is
-    # then one grouped product, not two summed over the whole buffer
-    w_ExDx2F = jnp.concatenate([ws[0], ws[1]], axis=-1)
-    gu_BTEkx2F = name(mm(xs_BTEkxD, w_ExDx2F))
-    f = ws[0].shape[-1]
-    h_BTEkxF = jax.nn.silu(gu_BTEkx2F[:, :f]) * gu_BTEkx2F[:, f:]
+    h_BTEkxF = jax.nn.silu(name(mm(xs_BTEkxD, ws[0]))) * name(mm(xs_BTEkxD, ws[1]))
     return name(mm(h_BTEkxF, ws[2]))
   m, d = xs_BTEkxD.shape
   e = sizes_E.shape[0]
