@@ -621,7 +621,7 @@ def test_grouped_matmul_calls_are_counted_over_the_rows_they_compute(report):
           jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16, sharding=one),
           jax.ShapeDtypeStruct((groups,), jnp.int32, sharding=one))
   with aot.traced_for('tpu'), no_jax_cache():
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
   text = aot.hlo_text(compiled)
   whole = aot.analyze_hlo(text, 1).kernels['grouped_matmul']
   assert set(whole['by_name']) == {'gmm', 'tgmm'}, whole
