@@ -102,21 +102,23 @@ def exchange(rows: int, axes, impl: str, operand: Array, there: tuple, back: tup
   zero on CPU). `back` is the reverse exchange, which moves the gradient (the same
   slices, roles swapped): its rows of `operand` that were not sent get no defined
   gradient either, so a caller whose rows can be dropped masks them."""
-  return ragged_exchange(operand, _buffer(rows, operand, there[0]), *there, axes, impl)
+  return ragged_exchange(operand, _buffer(rows, operand), *there, axes, impl)
 
 
-def _buffer(rows: int, operand: Array, offsets: Array) -> Array:
+def _buffer(rows: int, operand: Array) -> Array:
   """An uninitialised [rows, ...] receive buffer made inside the layer it serves.
 
   jax.lax.empty has no inputs, so when the exchange runs in the body of a scan over layers
   (model.scan_layers) and is differentiated, JAX's partial evaluation hoists it out of the
   loop as a loop invariant; the collective writes its buffer in place, so the compiled
   loop then copies the hoisted buffer on every iteration (on TPU a full read and write of
-  it per layer). Chosen by a condition on the exchange's own offsets (both branches the
-  same), the buffer depends on the layer's data and is allocated where it is used."""
+  it per layer). Chosen by a condition on one element of the rows being sent (both
+  branches the same), the buffer depends on the layer's data and is allocated where it is
+  used, once those rows exist, which keeps its lifetime short."""
   shape = (rows,) + operand.shape[1:]
   make = lambda: jax.lax.empty(shape, operand.dtype)  # noqa: E731
-  return jax.lax.cond(offsets[0] >= 0, make, make)
+  first = operand.ravel()[0]
+  return jax.lax.cond(first == first, make, make)  # true unless NaN; either way the same
 
 
 def _exchange_fwd(rows, axes, impl, operand, there, back):
