@@ -3,6 +3,7 @@
 Every run uses tiny.py with the same train fields as test_train.py's exact-resume test,
 so the persistent compilation cache compiles the train step once for the whole test run.
 """
+import errno
 import glob
 import json
 import os
@@ -23,7 +24,9 @@ import pytest
 from helpers import REPO, quiet_tiny
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli
+from mtp_jax.checkpoint import store as ckpt_store
 from mtp_jax.config_lib import ConfigError
+from mtp_jax.train import goodput as goodput_lib
 from mtp_jax.train import metrics as metrics_lib
 from mtp_jax.train import resilience, train_and_evaluate
 from mtp_jax.train import steps as steps_lib
@@ -373,10 +376,29 @@ def small_tmpfs(tmp_path):
   subprocess.run(['umount', '-l', str(mnt)], check=False)
 
 
+@pytest.mark.parametrize('side_write_first', [False, True])
 def test_disk_full_during_save_is_reported_and_the_last_checkpoint_survives(
-    devices, stdlib_data_dir, reference, small_tmpfs):
+    devices, stdlib_data_dir, reference, small_tmpfs, monkeypatch, side_write_first):
+  """side_write_first: goodput.json's rewrite beside the save of step 4 finds the disk full
+  before that save has failed; the lost checkpoint is still what the one line names."""
   workdir = small_tmpfs / 'run'
   ballast = small_tmpfs / 'ballast'
+  if side_write_first:
+    save, write_side_file = ckpt_store.Checkpointer.save, goodput_lib.write_side_file
+    in_flight = []
+
+    def noting_save(self, step, *args, **kw):
+      out = save(self, step, *args, **kw)
+      in_flight.append(step)
+      return out
+
+    def full_while_step_4_saves(directory, totals):
+      if 4 in in_flight:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+      write_side_file(directory, totals)
+
+    monkeypatch.setattr(ckpt_store.Checkpointer, 'save', noting_save)
+    monkeypatch.setattr(goodput_lib, 'write_side_file', full_while_step_4_saves)
 
   def fill_disk(step, batch):
     if step == 3:  # leave 256 KiB: metric lines still fit, the ~2.8 MB checkpoint does not
@@ -399,6 +421,7 @@ def test_disk_full_during_save_is_reported_and_the_last_checkpoint_survives(
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['2', '4.orbax-checkpoint-tmp']
 
   os.remove(ballast)  # space freed: the same command resumes at 2 and ends where it should
+  monkeypatch.undo()
   run(config, workdir, devices)
   assert_same_leaves(saved_params(str(workdir)), reference['params'])
 

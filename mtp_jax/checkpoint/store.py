@@ -163,7 +163,7 @@ def short(e: BaseException, limit: int = 300) -> str:
   return f'{type(e).__name__}: {text}'
 
 
-def _is_disk_full(e: BaseException) -> bool:
+def is_disk_full(e: BaseException) -> bool:
   text = str(e)
   return (getattr(e, 'errno', None) == 28 or 'No space left on device' in text
           or "os_error_code='28'" in text)
@@ -272,7 +272,7 @@ class Checkpointer:
     return saved
 
   def _save_error(self, step: int, e: BaseException) -> CheckpointError:
-    what = 'disk full: ' if _is_disk_full(e) else ''
+    what = 'disk full: ' if is_disk_full(e) else ''
     return CheckpointError(
         f'{what}could not save the checkpoint of step {step} in {self.directory} ({short(e)}); '
         'earlier checkpoints are intact, and rerunning the same command resumes from the '

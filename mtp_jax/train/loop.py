@@ -445,6 +445,18 @@ class _Run:
     window.reset()
     self.last = out
 
+  def _disk_full_save_error(self, e: BaseException) -> ckpt_store.CheckpointError | None:
+    """When a small write of the loop (metrics.jsonl, goodput.json, config.json) finds the
+    disk full, an asynchronous save in flight has usually failed on it first: its error
+    names the step that was lost and is the one to report."""
+    if not (isinstance(e, OSError) and ckpt_store.is_disk_full(e)):
+      return None
+    try:
+      self.checkpointer.wait()
+    except ckpt_store.CheckpointError as save_error:
+      return save_error
+    return None
+
   def _before_first_step(self, guard: resilience.PreemptionGuard):
     """A signal that came during start-up (before or after the guard took over) ends the
     run here, untrained, as one at any earlier safe point does."""
@@ -531,7 +543,9 @@ class _Run:
       self.checkpointer.wait()  # a failed last save is an error, not a silent loss
       ledger.lap('save')
     except BaseException as e:
-      error = e
+      error = self._disk_full_save_error(e) or e
+      if error is not e:
+        raise error from e
       raise
     finally:  # every closer runs; a failure surfaces unless another error is already on its way
       guard.uninstall()
