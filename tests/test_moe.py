@@ -463,37 +463,41 @@ def test_fp8_block_dequantisation():
 
 
 # -- the expert-parallel exchange (mtp_jax/model/moe_exchange.py) -------------------------------
-def _who_sends_what(idx_XsxBTxEk, n_dev, e_local, rows):
-  """numpy: per device, the rows it sends to each device (its rows sorted by expert), where
-  each slice starts in its own buffer and lands in the receiver's R-row buffer (filled
-  from the senders p, p + 1, ... for receiver p), cut at R."""
+def _who_sends_what(idx_XsxBTxEk, n_dev, e_local, rows, block):
+  """numpy: per device, the rows it sends to each device (its rows sorted by expert, each
+  device's slice padded to whole blocks in its send buffer): the slice's offset, the rows
+  moved (its kept rows, padded to whole blocks), where they land in the receiver's buffer
+  (filled from the senders p, p + 1, ... for receiver p, each slice on a block; at most R
+  real rows kept) and the rows dropped."""
   q_n = idx_XsxBTxEk.shape[0]
+  up = lambda a: -(-a // block) * block  # noqa: E731
   sent = np.zeros((q_n, n_dev), int)
   for q in range(q_n):
     for e in idx_XsxBTxEk[q].reshape(-1):
       sent[q, e // e_local] += 1
-  in_off, send, out_off, dropped = (np.zeros((q_n, n_dev), int) for _ in range(4))
+  in_off, moved, out_off, kept = (np.zeros((q_n, n_dev), int) for _ in range(4))
   for q in range(q_n):
-    in_off[q] = np.concatenate([[0], np.cumsum(sent[q])[:-1]])
+    in_off[q] = np.concatenate([[0], np.cumsum(up(sent[q]))[:-1]])
   for p in range(n_dev):
-    filled = 0
+    real, slots = 0, 0
     for q in [(p + j) % q_n for j in range(q_n)]:  # receiver p fills from sender p on
-      out_off[q, p] = min(filled, rows)
-      send[q, p] = max(0, min(sent[q, p], rows - filled))
-      dropped[q, p] = sent[q, p] - send[q, p]
-      filled += sent[q, p]
-  return in_off, send, out_off, dropped
+      kept[q, p] = max(0, min(sent[q, p], rows - real))
+      out_off[q, p], moved[q, p] = slots, up(kept[q, p])
+      real, slots = real + sent[q, p], slots + moved[q, p]
+  return in_off, moved, out_off, kept, sent - kept
 
 
 def _split(mesh, a):
   return jax.device_put(jnp.asarray(a), jax.sharding.NamedSharding(mesh, P('x')))
 
 
+@pytest.mark.parametrize('block', [1, 16])
 @pytest.mark.parametrize('rows', [None, 10])
-def test_exchange_offsets_and_sizes_match_numpy(devices, rows):
+def test_exchange_offsets_and_sizes_match_numpy(devices, rows, block):
   """Each of 8 devices computes, from its own expert counts and the all-gathered ones, the
   offsets and sizes of ragged_all_to_all: they equal the numpy account of who sends what
-  to whom (dropless buffer, and a 10-row buffer that cuts slices)."""
+  to whom (dropless buffer, and a 10-row buffer that cuts slices), row by row and in
+  blocks of 16 rows; every slice fits the padded buffers."""
   n_dev, e_local, n, k = 8, 2, 6, 2
   rng = np.random.default_rng(5)
   idx = np.stack([np.stack([rng.choice(n_dev * e_local, k, replace=False) for _ in range(n)])
@@ -501,26 +505,31 @@ def test_exchange_offsets_and_sizes_match_numpy(devices, rows):
   r = rows or moe_exchange.buffer_rows(n, k, n_dev, e_local, 0.0)
   assert rows or r == n_dev * n * k  # min(K, E / P) = 2 rows per token at most
   mesh = jax.make_mesh((n_dev,), ('x',), devices=devices)
+  names = ('input_offsets', 'send_sizes', 'output_offsets', 'recv_sizes', 'kept', 'dropped')
 
   def local(idx_BTxEk):
     counts = jnp.bincount(idx_BTxEk.reshape(-1), length=n_dev * e_local).reshape(n_dev, e_local)
     all_counts = jax.lax.all_gather(counts, 'x')
-    p = moe_exchange.plan(counts, all_counts, jax.lax.axis_index('x'), r)
-    return tuple(p[name][None] for name in ('input_offsets', 'send_sizes', 'output_offsets',
-                                            'recv_sizes', 'dropped'))
+    p = moe_exchange.plan(counts, all_counts, jax.lax.axis_index('x'), r, block)
+    return tuple(p[name][None] for name in names)
 
   run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P('x'), out_specs=P('x')))
-  in_off, send, out_off, recv, dropped = (np.asarray(a) for a in run(
+  in_off, send, out_off, recv, kept, dropped = (np.asarray(a) for a in run(
       _split(mesh, idx.reshape(n_dev * n, k))))
-  ref_in, ref_send, ref_out, ref_dropped = _who_sends_what(idx, n_dev, e_local, r)
+  ref_in, ref_moved, ref_out, ref_kept, ref_dropped = _who_sends_what(idx, n_dev, e_local, r,
+                                                                      block)
   np.testing.assert_array_equal(in_off, ref_in)
-  np.testing.assert_array_equal(send, ref_send)
+  np.testing.assert_array_equal(send, ref_moved)
   np.testing.assert_array_equal(out_off, ref_out)
-  np.testing.assert_array_equal(recv, ref_send.T)  # what q sends p is what p receives from q
+  np.testing.assert_array_equal(recv, ref_moved.T)  # what q sends p is what p receives from q
+  np.testing.assert_array_equal(kept, ref_kept)
   np.testing.assert_array_equal(dropped.reshape(-1), ref_dropped.sum(1))
   assert (ref_dropped.sum() > 0) == (rows is not None)
   if rows:  # every receiver overflows here, and each cuts a different sender's rows
     assert np.count_nonzero(ref_dropped.sum(1)) > n_dev // 2
+  assert (in_off % block == 0).all() and (out_off % block == 0).all()
+  assert (in_off + send <= moe_exchange.padded_rows(n * k, n_dev, block)).all()
+  assert (out_off + send <= moe_exchange.padded_rows(r, n_dev, block)).all()
 
 
 def test_exchange_emulation_moves_the_rows_numpy_says(devices):

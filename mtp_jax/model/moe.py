@@ -355,8 +355,6 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxEk: Array, gates_BxTxEk: Arra
     e_local = ws[0].shape[0]
     flat_BTEk = idx.reshape(-1)
     order_BTEk = jnp.argsort(flat_BTEk, stable=True)  # by expert, so by destination device
-    token_BTEk = order_BTEk // k
-    xs_BTEkxD = x[token_BTEk].astype(dtype)
     counts_XxEd = jnp.bincount(flat_BTEk, length=n_dev * e_local).astype(jnp.int32).reshape(
         n_dev, e_local)
     all_counts_XsxXxEd = jax.lax.all_gather(counts_XxEd, expert_axes)
@@ -365,10 +363,17 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxEk: Array, gates_BxTxEk: Arra
     p = moe_exchange.plan(counts_XxEd, all_counts_XsxXxEd, me, rows)
     there = (p['input_offsets'], p['send_sizes'], p['output_offsets'], p['recv_sizes'])
     back = (p['recv_offsets'], p['recv_sizes'], p['sender_offsets'], p['send_sizes'])
-    # Buffers the exchange does not zero first: rows nothing lands in are sorted past the
-    # groups (key Ed), which the grouped product masks, and are never sent back.
-    recv_YxD = moe_exchange.exchange(rows, expert_axes, impl, xs_BTEkxD, there, back)
-    key_Y = moe_exchange.received_experts(p, all_counts_XsxXxEd[:, me], rows)
+    # The send buffer S: the sorted rows, each destination's slice padded to whole blocks;
+    # a padding row reads token n (out of range: zeros) and its gradient goes nowhere.
+    send_rows = moe_exchange.padded_rows(n * k, n_dev)
+    slot_BTEk = moe_exchange.send_slots(p, flat_BTEk[order_BTEk] // e_local)
+    token_S = jnp.full((send_rows,), n, jnp.int32).at[slot_BTEk].set(order_BTEk // k)
+    xs_SxD = x.at[token_S].get(mode='fill', fill_value=0).astype(dtype)
+    # Buffers the exchange does not zero first: rows nothing lands in (and padding) are
+    # sorted past the groups (key Ed), which nothing reads, and come back to padding rows.
+    recv_rows = moe_exchange.padded_rows(rows, n_dev)
+    recv_YxD = moe_exchange.exchange(recv_rows, expert_axes, impl, xs_SxD, there, back)
+    key_Y = moe_exchange.received_experts(p, all_counts_XsxXxEd[:, me], recv_rows)
     order_Y = jnp.argsort(key_Y, stable=True)
     inverse_Y = moe_exchange.inverse_permutation(order_Y)
     sizes_Ed = jnp.bincount(key_Y, length=e_local + 1)[:e_local].astype(jnp.int32)
@@ -380,13 +385,15 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxEk: Array, gates_BxTxEk: Arra
                                     rows_past_groups_read=False)
     y_YxD = moe_exchange.take_rows(y_sorted_YxD, inverse_Y, order_Y)
     # The reverse exchange: each received slice back to its sender, where it came from.
-    back_BTEkxD = moe_exchange.exchange(n * k, expert_axes, impl, y_YxD, back, there)
+    back_SxD = moe_exchange.exchange(send_rows, expert_axes, impl, y_YxD, back, there)
     # back in token order, each token's Ek rows side by side ([BT, Ek D], compute dtype),
     # and its gated sum over them as Ek slices of that row added elementwise (float32
     # products and sums, as a matmul accumulates). On TPU this is one elementwise pass; a
     # reduction over the Ek axis of [BT, Ek, D] is priced about three times as much.
     inverse_BTEk = moe_exchange.inverse_permutation(order_BTEk)
-    back_BTxEkD = moe_exchange.take_rows(back_BTEkxD, inverse_BTEk, order_BTEk).reshape(n, k * d)
+    at_BTEk = slot_BTEk[inverse_BTEk]  # where each (token, expert) row came back
+    back_BTxEkD = moe_exchange.take_rows(back_SxD, at_BTEk, moe_exchange.slot_sources(
+        at_BTEk, send_rows)).reshape(n, k * d)
     sent_BTxEk = None
     if capacity_factor > 0:  # dropped rows came back as nothing: they add zero
       sent_BTEk = moe_exchange.sent_rows(p, flat_BTEk[order_BTEk] // e_local)

@@ -43,6 +43,10 @@ from mtp_jax.config import kinds
 Array = jax.Array
 
 EXCHANGES = kinds.MOE_EXCHANGES  # model.moe.exchange's names (config/kinds.py)
+# Rows move in blocks of this many: a bfloat16 row block of a TPU tile is 16 rows, and a
+# collective whose slices start and end on tiles moves them where they are, where
+# row-granular slices make the compiler change the buffers' layout around it (copies).
+BLOCK_ROWS = 16
 
 
 def exchange_impl() -> str:
@@ -52,46 +56,85 @@ def exchange_impl() -> str:
 
 def buffer_rows(n_tokens: int, k: int, devices: int, local_experts: int,
                 capacity_factor: float) -> int:
-  """Y, the receive buffer's rows (module docstring): the worst case when dropless."""
+  """R, the real rows a device's receive buffer keeps (module docstring): the worst case
+  when dropless. The buffer itself has padded_rows(R, X) rows."""
   worst = devices * n_tokens * min(k, local_experts)
   if capacity_factor <= 0:
     return worst
   return min(worst, math.ceil(capacity_factor * n_tokens * k / 8) * 8)
 
 
-def plan(counts_XxEd: Array, all_counts_XsxXxEd: Array, me: Array, rows: int) -> dict:
+def padded_rows(rows: int, devices: int, block: int = BLOCK_ROWS) -> int:
+  """The rows of a buffer that holds `rows` real rows in `devices` slices that each start
+  and end on a multiple of `block` (a slice's padding: up to block - 1 rows)."""
+  return _round_up(rows + devices * (block - 1), block)
+
+
+def _round_up(a, m: int):
+  return (a + m - 1) // m * m
+
+
+def plan(counts_XxEd: Array, all_counts_XsxXxEd: Array, me: Array, rows: int,
+         block: int = BLOCK_ROWS) -> dict:
   """Offsets and sizes of the forward exchange for device `me` from its own counts
   [X, Ed] (rows it routes to each device's Ed local experts) and everyone's [Xs, X, Ed];
-  `rows` = Y. Slices cut at Y are accounted in 'dropped' (this device's rows).
+  `rows` = R real rows kept per receiver. Rows past R are accounted in 'dropped' (this
+  device's rows).
 
-  Receiver x fills its buffer from the senders in the order x, x + 1, ... (mod X): where a
-  buffer overflows, the rows cut are those of the sender just before x, a different
-  sender for every receiver, so no data shard always loses its rows."""
+  Receiver x takes the senders' rows in the order x, x + 1, ... (mod X): where more than R
+  arrive, the rows cut are those of the sender just before x, a different sender for every
+  receiver, so no data shard always loses its rows. Every slice moves in whole blocks of
+  `block` rows: it starts on a block in both buffers, and its last block is filled up with
+  padding rows that nothing reads. The collective's offsets and sizes are in rows
+  ('input_offsets', 'send_sizes', 'output_offsets', 'recv_sizes'; 'recv_offsets' and
+  'sender_offsets' for the reverse exchange); 'kept' [X] and 'received' [Xs] count the
+  real rows of the slices this device sends and receives, 'first' [X] is where the rows
+  for each device start among its rows sorted by destination."""
   sent_XsxX = jnp.sum(all_counts_XsxXxEd, axis=-1)
   n = sent_XsxX.shape[0]
   # rank_XsxX[xs, x] = (xs - x) mod X: sender xs's place in receiver x's filling order
   rank_XsxX = (jnp.arange(n)[:, None] - jnp.arange(n)[None, :]) % n
   sender_JxX = (jnp.arange(n)[:, None] + jnp.arange(n)[None, :]) % n  # the j-th, for x
-  in_order_JxX = jnp.take_along_axis(sent_XsxX, sender_JxX, axis=0)
-  before_JxX = jnp.cumsum(in_order_JxX, axis=0) - in_order_JxX
-  out_off_XsxX = jnp.take_along_axis(before_JxX, rank_XsxX, axis=0)
-  kept_XsxX = jnp.clip(rows - out_off_XsxX, 0, sent_XsxX)
-  out_off_XsxX = jnp.minimum(out_off_XsxX, rows)
-  in_off_XsxX = jnp.cumsum(sent_XsxX, axis=1) - sent_XsxX
+
+  def ahead(a_XsxX):  # for each (xs, x): the sum of a over the senders before xs, for x
+    in_order_JxX = jnp.take_along_axis(a_XsxX, sender_JxX, axis=0)
+    before_JxX = jnp.cumsum(in_order_JxX, axis=0) - in_order_JxX
+    return jnp.take_along_axis(before_JxX, rank_XsxX, axis=0)
+
+  kept_XsxX = jnp.clip(rows - ahead(sent_XsxX), 0, sent_XsxX)
+  moved_XsxX = _round_up(kept_XsxX, block)
+  out_off_XsxX = ahead(moved_XsxX)
+  room_XsxX = _round_up(sent_XsxX, block)  # the send buffer: each destination's rows padded
+  in_off_XsxX = jnp.cumsum(room_XsxX, axis=1) - room_XsxX
   send_X = jnp.sum(counts_XxEd, axis=-1)
   return {
-      'input_offsets': in_off_XsxX[me], 'send_sizes': kept_XsxX[me],
-      'output_offsets': out_off_XsxX[me], 'recv_sizes': kept_XsxX[:, me],
+      'input_offsets': in_off_XsxX[me], 'send_sizes': moved_XsxX[me],
+      'output_offsets': out_off_XsxX[me], 'recv_sizes': moved_XsxX[:, me],
       'recv_offsets': out_off_XsxX[:, me], 'sender_offsets': in_off_XsxX[:, me],
+      'kept': kept_XsxX[me], 'received': kept_XsxX[:, me],
+      'first': jnp.cumsum(send_X) - send_X,
       'dropped': jnp.sum(send_X - kept_XsxX[me]),
   }
 
 
-def sent_rows(p: dict, dest_BTEk: Array) -> Array:
-  """[BT Ek] bool: which of this device's rows (sorted by destination, dest_BTEk each
-  one's device) the forward exchange sends; the others are dropped."""
-  first_BTEk = p['input_offsets'][dest_BTEk]
-  return jnp.arange(dest_BTEk.shape[0]) - first_BTEk < p['send_sizes'][dest_BTEk]
+def send_slots(p: dict, dest_N: Array) -> Array:
+  """[N]: the send-buffer row of each of this device's N rows sorted by destination
+  (dest_N: each one's device)."""
+  return p['input_offsets'][dest_N] + jnp.arange(dest_N.shape[0]) - p['first'][dest_N]
+
+
+def slot_sources(slots_N: Array, size: int) -> Array:
+  """[size]: for each buffer row, which of the N rows sits there (slots_N: each row's
+  buffer row); N for a padding row."""
+  n = slots_N.shape[0]
+  return jnp.full((size,), n, slots_N.dtype).at[slots_N].set(
+      jnp.arange(n, dtype=slots_N.dtype))
+
+
+def sent_rows(p: dict, dest_N: Array) -> Array:
+  """[N] bool: which of this device's rows (sorted by destination, dest_N each one's
+  device) the forward exchange keeps; the others are dropped."""
+  return jnp.arange(dest_N.shape[0]) - p['first'][dest_N] < p['kept'][dest_N]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -142,8 +185,10 @@ def inverse_permutation(order: Array) -> Array:
 
 @jax.custom_vjp
 def take_rows(x: Array, order: Array, inverse: Array) -> Array:
-  """x[order] for a permutation `order` of x's rows (inverse = inverse_permutation(order)):
-  its gradient is the gather ct[inverse], not a scatter into a zero-filled buffer."""
+  """x[order], where `order` picks each of x's rows at most once and `inverse` [rows of x]
+  says where each landed (an index past the output for a row not picked: a padding row):
+  its gradient is the gather ct[inverse], zero for rows not picked, not a scatter into a
+  zero-filled buffer."""
   return x[order]
 
 
@@ -154,7 +199,7 @@ def _take_rows_fwd(x, order, inverse):
 def _take_rows_bwd(res, ct):
   order, inverse = res
   zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-  return ct[inverse], zero(order), zero(inverse)
+  return ct.at[inverse].get(mode='fill', fill_value=0), zero(order), zero(inverse)
 
 
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
@@ -165,9 +210,13 @@ def ragged_exchange(operand_BTEkxD: Array, output_YxD: Array, input_offsets: Arr
                     impl: str) -> Array:
   """jax.lax.ragged_all_to_all over the mesh axes `axes` (inside shard_map), or its CPU
   emulation (impl 'emulate'): the same rows to the same places."""
-  if impl == 'collective':
-    return jax.lax.ragged_all_to_all(operand_BTEkxD, output_YxD, input_offsets, send_sizes,
-                                     output_offsets, recv_sizes, axis_name=axes)
+  if impl == 'collective':  # in blocks of BLOCK_ROWS rows: plan's offsets and sizes are whole blocks
+    blocks = lambda a: a.reshape((a.shape[0] // BLOCK_ROWS, BLOCK_ROWS) + a.shape[1:])  # noqa: E731
+    out = jax.lax.ragged_all_to_all(
+        blocks(operand_BTEkxD), blocks(output_YxD),
+        *(a // BLOCK_ROWS for a in (input_offsets, send_sizes, output_offsets, recv_sizes)),
+        axis_name=axes)
+    return out.reshape(output_YxD.shape)
   me = jax.lax.axis_index(axes)
   src_XsxBTEkxD = jax.lax.all_gather(operand_BTEkxD, axes)
   in_off_XsxX, sizes_XsxX, out_off_XsxX = (jax.lax.all_gather(a, axes) for a in
@@ -181,10 +230,10 @@ def ragged_exchange(operand_BTEkxD: Array, output_YxD: Array, input_offsets: Arr
 
 
 def received_experts(p: dict, counts_XsxEd: Array, rows: int) -> Array:
-  """[Y]: the local expert of each receive-buffer row (Ed for rows nothing landed in);
-  counts_XsxEd: the rows each sender routes to this device's experts."""
+  """[rows]: the local expert of each receive-buffer row (Ed for rows nothing landed in
+  and for padding); counts_XsxEd: the rows each sender routes to this device's experts."""
   r_Y = jnp.arange(rows)
-  start_Xs, size_Xs = p['recv_offsets'], p['recv_sizes']
+  start_Xs, size_Xs = p['recv_offsets'], p['received']
   inside_YxXs = (r_Y[:, None] >= start_Xs) & (r_Y[:, None] < start_Xs + size_Xs)
   q_Y = jnp.argmax(inside_YxXs, axis=1)
   i_Y = r_Y - start_Xs[q_Y]
