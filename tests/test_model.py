@@ -99,3 +99,18 @@ def test_forward_matches_numpy(kind):
     np.testing.assert_allclose(np.asarray(hs[k][0]), want[k], rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(logits[k][0]),
                                ref.head_logits(params, want[k], k), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_rope_halves_swapped_by_matmul_equal_the_slices_bit_for_bit(dtype):
+  """apply_rope's matmul swap (the TPU kernels' layers use it) gives the slice form's
+  values exactly, at head width 128 (llama-3 scaling) and MLA's rope width 64."""
+  from mtp_jax.model import layers
+  rng = np.random.default_rng(0)
+  pos = jnp.asarray(rng.integers(0, 8192, size=(2, 5)))
+  for h, scaling in [(128, ('llama3', 8.0, 1.0, 4.0, 8192)), (64, ())]:
+    x = jnp.asarray(rng.normal(size=(2, 5, 3, h)) * 10, dtype)
+    want = jax.jit(lambda x, p: layers.apply_rope(x, p, 500000.0, scaling))(x, pos)
+    got = jax.jit(lambda x, p: layers.apply_rope(x, p, 500000.0, scaling, True))(x, pos)
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

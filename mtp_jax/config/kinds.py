@@ -30,6 +30,8 @@ class AttentionFacts:
   takes_rope_scaling: bool  # its RoPE follows model.rope_scaling
   takes_qkv_bias: bool  # model.attention_bias adds q/k/v biases
   hf_layouts: tuple[str, ...] = ()  # the export layouts that hold it (interop/layouts.py)
+  # model arguments -> (query and key heads RoPE rotates per token, the rotated width)
+  rotated: Callable[[Any], tuple[int, int]] | None = None
 
   def softmax_scale(self, args) -> float:
     """1 / sqrt(query/key head width): the scale of q k^T before the softmax."""
@@ -58,11 +60,13 @@ class HeadFacts:
 ATTENTION = {
     'gqa': AttentionFacts('mtp_jax.model.layers.Attention', 'GQA',
                           lambda a: (a.head_dim, a.head_dim), takes_rope_scaling=True,
-                          takes_qkv_bias=True, hf_layouts=('llama', 'mimo')),
+                          takes_qkv_bias=True, hf_layouts=('llama', 'mimo'),
+                          rotated=lambda a: (a.n_heads + a.n_kv_heads, a.head_dim)),
     'mla': AttentionFacts('mtp_jax.model.mla.MLAttention', 'MLA',
                           lambda a: (a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim),
                           takes_rope_scaling=False, takes_qkv_bias=False,
-                          hf_layouts=('deepseek_v3',)),
+                          hf_layouts=('deepseek_v3',),
+                          rotated=lambda a: (a.n_heads + 1, a.qk_rope_head_dim)),
 }
 MLP = {
     'dense': MLPFacts('mtp_jax.model.layers.MLP', 'dense SwiGLU',

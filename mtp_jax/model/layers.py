@@ -12,6 +12,7 @@ from typing import ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -140,15 +141,36 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple = ()) -> Array:
 
 
 def apply_rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float,
-               scaling: tuple = ()) -> Array:
-  """Rotary embedding (rotate-half form) at the given integer positions (see rope_inv_freq)."""
-  inv_freq = rope_inv_freq(x_BxTxNxH.shape[-1], theta, scaling)
+               scaling: tuple = (), swap_by_matmul: bool = False) -> Array:
+  """Rotary embedding (rotate-half form) at the given integer positions (see rope_inv_freq).
+
+  swap_by_matmul: the two halves of each head swapped by a product with an [H, H]
+  permutation matrix instead of by slices and a concatenation. The values are the same
+  bit for bit (each output is one input times 1, summed in float32 at full precision),
+  and the whole head stays one full-width elementwise pass. On TPU (ROPE_MATMUL_CORES)
+  the half-width slices are what a step pays for: 40 ms of the 1B pod step
+  (docs/scaling.md), against a product the matrix unit does on the side; on CPU the
+  product costs more than the slices.
+  """
+  h = x_BxTxNxH.shape[-1]
+  inv_freq = rope_inv_freq(h, theta, scaling)
   angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
   sin = jnp.sin(angles_BxTxF)[:, :, None, :]
   cos = jnp.cos(angles_BxTxF)[:, :, None, :]
-  x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  if not swap_by_matmul:
+    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxH.dtype)
+  swap_HxH = np.roll(np.eye(h, dtype=np.float32), h // 2, axis=0)  # [x1, x2] -> [x2, x1]
+  swapped = jnp.einsum('btnh,hg->btng', x_BxTxNxH, jnp.asarray(swap_HxH, x_BxTxNxH.dtype),
+                       precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  out = (x_BxTxNxH.astype(jnp.float32) * jnp.concatenate([cos, cos], axis=-1)
+         + swapped * jnp.concatenate([-sin, sin], axis=-1))
   return out.astype(x_BxTxNxH.dtype)
+
+
+# The attention cores whose layers swap RoPE's halves by a matmul (apply_rope): TPU's.
+ROPE_MATMUL_CORES = ('splash',)
 
 
 class Attention(nnx.Module):
@@ -200,7 +222,8 @@ class Attention(nnx.Module):
 
   def rope(self, x_BxTxNxH, positions_BxT):
     """apply_rope with this layer's theta and scaling."""
-    return apply_rope(x_BxTxNxH, positions_BxT, self.rope_theta, self.rope_scaling)
+    return apply_rope(x_BxTxNxH, positions_BxT, self.rope_theta, self.rope_scaling,
+                      self.impl in ROPE_MATMUL_CORES)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_Bx1xTxS, cache=None, cache_index_B=None):
     """Attention over x (cache=None) or over a cache the new keys are written into.

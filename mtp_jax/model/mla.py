@@ -118,6 +118,7 @@ class MLAttention(nnx.Module):
     # the core without a cache: the Pallas kernels where attention_impl picks one, else
     # jax.nn.dot_product_attention (MLA has no blocked form; 'blocked' runs the library call)
     self.impl = attn_lib.attention_impl(cfg)
+    self.rope_by_matmul = self.impl in layers.ROPE_MATMUL_CORES
     self.kernel_blocks = (getattr(cfg, 'attention_block_q', 512),
                           getattr(cfg, 'attention_block_kv', 512))
 
@@ -138,7 +139,7 @@ class MLAttention(nnx.Module):
     b, t = positions_BxT.shape
     c_kv = self.kv_a_layernorm(kv_a_BTxC[:, :kvr]).reshape(b, t, kvr)
     k_rope = layers.apply_rope(kv_a_BTxC[:, kvr:].reshape(b, t, 1, dr), positions_BxT,
-                               self.rope_theta)
+                               self.rope_theta, swap_by_matmul=self.rope_by_matmul)
     return jnp.concatenate([c_kv, k_rope[:, :, 0].astype(c_kv.dtype)], axis=-1)
 
   def empty_cache(self, batch: int, slots: int, layout: str) -> tuple:
@@ -164,7 +165,8 @@ class MLAttention(nnx.Module):
     else:
       q = layers.project(x_BTxD, self.q_proj.kernel, self.dtype)
     q_BxTxNxH = q.reshape(b, t, n, dn + dr)
-    q_rope = layers.apply_rope(q_BxTxNxH[..., dn:], positions_BxT, self.rope_theta)
+    q_rope = layers.apply_rope(q_BxTxNxH[..., dn:], positions_BxT, self.rope_theta,
+                               swap_by_matmul=self.rope_by_matmul)
     latent_BxTxC = self._latent(
         layers.project(x_BTxD, self.kv_a_proj_with_mqa.kernel, self.dtype), positions_BxT)
     scale = self.softmax_scale
@@ -240,7 +242,8 @@ class MLAttention(nnx.Module):
     # one in-place update per row for few rows.
     latent_BxSxC = decode_ops.write_heads_major(cache[0], latent[:, None], cache_index_B, axis=1)
     q_lat = _head_dot(q_BxTxNxH[..., :dn], self.kb_t[...])
-    q_rope = layers.apply_rope(q_BxTxNxH[..., dn:], positions_BxT, self.rope_theta)
+    q_rope = layers.apply_rope(q_BxTxNxH[..., dn:], positions_BxT, self.rope_theta,
+                               swap_by_matmul=self.rope_by_matmul)
     lat = latent_attention(q_lat, q_rope, latent_BxSxC, mask_Bx1xTxS, self.softmax_scale)
     if self.absorb_output:
       out = decode_ops.decode_dot(lat.reshape(b * t, n * kvr), self.vo_t[...])

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import mtp_jax.train.aot.kernels as kernels_lib
+from mtp_jax.model.layers import ROPE_MATMUL_CORES
 from mtp_jax.model.mtp import ModelArgs, block_classes
 from mtp_jax.train import flops as flops_lib
 from mtp_jax.train.aot.devices import Topology
@@ -86,13 +87,15 @@ def add_figures(report: dict, config, topo: Topology) -> None:
 
 
 def _attention_parts(args, t: int) -> list:
-  """[(non-causal forward attention FLOPs per token, D_qk, D_v)] of the trunk layers and
-  the MTP blocks."""
+  """[(non-causal forward attention FLOPs per token, D_qk, D_v, FLOPs per token of the
+  forward RoPE half swap by matmul)] of the trunk layers and the MTP blocks."""
   parts = []
   for layer in list(range(args.n_layers)) + [args.n_layers] * args.mtp_depth:
     attn_cls, _ = block_classes(args, layer)
     d_qk, d_v = attn_cls.facts.head_widths(args)
-    parts.append((flops_lib.layer_flops(args, layer, t, causal=False)[1], d_qk, d_v))
+    heads, width = attn_cls.facts.rotated(args) if attn_cls.facts.rotated else (0, 0)
+    parts.append((flops_lib.layer_flops(args, layer, t, causal=False)[1], d_qk, d_v,
+                  2.0 * heads * width * width))
   return parts
 
 
@@ -111,6 +114,8 @@ def expected_compiled_flops(config, attention_core: str = 'xla') -> dict:
     triton  likewise with the library's blocks (128 forward, 32 backward); its one backward
             kernel recomputes QKᵀ and dP in both loops;
     cudnn   its forward and a backward that recomputes QKᵀ once;
+  with splash the layers swap RoPE's halves by a matmul (layers.apply_rope): 2 R^2 per
+  rotated query / key head and token, forward and input gradient;
   under 'full' the whole block forward again (a kernel's forward pass for its attention);
   with model.loss_chunk > 0 the vocab projection again (its chunks are rematerialised
   so no [B, T, V] logits are kept).
@@ -119,7 +124,7 @@ def expected_compiled_flops(config, attention_core: str = 'xla') -> dict:
   t = config.data.seq_len
   full = flops_lib.flops_per_token(args, t, causal=False)
   parts = _attention_parts(args, t)
-  dense = sum(a for a, _, _ in parts)  # forward, the full T x T
+  dense = sum(part[0] for part in parts)  # forward, the full T x T
   remat = config.model.remat
   if attention_core == 'xla':
     attention_train, attention_again = 3.0 * dense, dense
@@ -134,7 +139,7 @@ def expected_compiled_flops(config, attention_core: str = 'xla') -> dict:
     else:
       passes = (('fwd', 128, 128), ('cudnn_bwd', 128, 128))
     attention_train = attention_again = 0.0
-    for a, d_qk, d_v in parts:
+    for a, d_qk, d_v, _ in parts:
       pairs = a / kernels_lib.attention_pass_flops('fwd', 1.0, d_qk, d_v)  # per token
       for name, bq, bkv in passes:
         frac = kernels_lib.causal_kept_fraction(t, t, min(bq, t), min(bkv, t))
@@ -143,9 +148,13 @@ def expected_compiled_flops(config, attention_core: str = 'xla') -> dict:
         attention_again += flops if name == 'fwd' else 0.0
     if remat.startswith('block'):
       attention_again = 0.0
-  train = full.train - 3.0 * dense + attention_train
+  # the layers of a TPU kernel swap RoPE's halves by a matmul (layers.ROPE_MATMUL_CORES):
+  # forward and its input gradient, and the forward again under 'full'
+  swap = sum(part[3] for part in parts) if attention_core in ROPE_MATMUL_CORES else 0.0
+  train = full.train - 3.0 * dense + attention_train + 2.0 * swap
   again = (attention_again if remat.startswith('block') else
-           full.forward - full.vocab - dense + attention_again if remat == 'full' else 0.0)
+           full.forward - full.vocab - dense + attention_again + swap if remat == 'full'
+           else 0.0)
   if config.model.loss_chunk:
     again += full.vocab
   return {'noncausal_train': full.train, 'recomputed_forward': again,
