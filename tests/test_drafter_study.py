@@ -184,7 +184,7 @@ def test_each_seed_is_its_trunk_then_every_arm_started_from_it(tmp_path):
   assert [r.variant for r in ablation_lib.make_runs(only)] == ['trunk', 'shared']
 
 
-@pytest.mark.slow  # about 4 minutes at load 3 on 2 cores: 2 seeds x 3 tiny runs, 3 programs
+@pytest.mark.slow  # 258 s at load 5 on 2 cores: 2 seeds x 3 tiny runs, 3 programs
 def test_the_group_runs_on_one_frozen_trunk_resumes_and_tabulates(stdlib_data_dir, tmp_path):
   """--smoke, 2 seeds, ref and shared: every arm starts from its seed's trunk and keeps it
   frozen (the main head's held-out bpb of every arm is the trunk's, bit for bit); the arms
@@ -215,3 +215,33 @@ def test_the_group_runs_on_one_frozen_trunk_resumes_and_tabulates(stdlib_data_di
   before = open(os.path.join(out, 'drafter.json')).read()
   assert A.main(argv) == 0  # everything asked for finished: nothing trains
   assert open(os.path.join(out, 'drafter.json')).read() == before
+
+
+def test_design_command_adds_the_drafter_design_and_keeps_the_rest(tmp_path, monkeypatch,
+                                                                    capsys):
+  """`--design --groups drafter` writes design.json's `drafter` key (the families the tables
+  then read, the seeds, the wall time from the measured seconds, the command) and leaves
+  every other key as it was; the measuring is stubbed here (the sized design's test runs it)."""
+  research = ablation_lib.research
+  monkeypatch.setattr(research, 'measure_step_seconds', lambda c, n: 0.5 if c.model.mtp.depth
+                      else 0.25)
+  monkeypatch.setattr(research, 'measure_eval_seconds', lambda c, **kw: 2.0)
+  (tmp_path / 'design.json').write_text(json.dumps({'steps': 1010, 'seeds': 7}))
+  assert A.main(['--design', '--groups', 'drafter', '--out', str(tmp_path),
+                 '--workdir', 'runs/drafter/workdirs']) == 0
+  whole = json.loads((tmp_path / 'design.json').read_text())
+  assert (whole['steps'], whole['seeds']) == (1010, 7)
+  d = whole['drafter']
+  n = d['seeds']
+  assert n >= design_lib.DRAFTER_MIN_SEEDS and d['spread']['group'] == 'sized'
+  per_seed = (DRAFTER.TRUNK_STEPS * 0.25 + 2.0
+              + len(DRAFTER.ARMS) * (DRAFTER.ARM_STEPS * 0.5 + 2.0))
+  assert d['per_seed_seconds'] == pytest.approx(per_seed)
+  assert d['wall_seconds'] == pytest.approx(n * per_seed)
+  assert d['command'] == (f'mtp-ablation --groups drafter --seeds '
+                          f'{",".join(map(str, range(n)))} --out {tmp_path} '
+                          '--workdir runs/drafter/workdirs')
+  assert tables.declared_drafter_families(str(tmp_path)) == {
+      k: [tuple(t) for t in v] for k, v in design_lib.DRAFTER_FAMILIES.items()}
+  printed = capsys.readouterr().out
+  assert 'primary endpoint tau_T1' in printed and d['command'] in printed
