@@ -142,3 +142,15 @@ def test_shared_drafter_decodes_losslessly_and_restores(trained_shared):
   for a, b in zip(jax.tree.leaves(nnx.state(restored, nnx.Param)),
                   jax.tree.leaves(nnx.state(model, nnx.Param))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_export_layouts_with_one_layer_per_depth_refuse_a_shared_module():
+  """The MTP layouts hold one layer per depth: a shared module is refused in one line;
+  --layout llama (the trunk) is written."""
+  from mtp_jax.interop import layouts
+  from mtp_jax.interop.safetensors_io import InteropError
+  args = ModelArgs.from_config(shared_config(3))
+  with pytest.raises(InteropError, match='model.mtp.share_modules') as e:
+    layouts.check_layout(args, 'mimo')
+  assert '\n' not in str(e.value)
+  layouts.check_layout(args, 'llama')
