@@ -159,7 +159,7 @@ def mtp_fields() -> ml_collections.ConfigDict:
   # (a leap depth cannot propose the next token): the decoder drafts with those.
   mtp.target_offsets = ()
   # Leap depths that read no token their leap skips: depth k reads t_(i+a_k), a_k the
-  # longest run 1..a of offsets that some head up to depth k predicts (at most o_k - 1),
+  # longest run 1..a of offsets that a head before depth k predicts (at most o_k - 1),
   # instead of t_(i+o_k-1), the token just before its target, which a leap skips. Causal
   # attention also shows position i the tokens its neighbours read (t_(i+a-1), ...), so a
   # run from 1 is the only input that leaks no skipped token. Adjacent depths are unchanged.

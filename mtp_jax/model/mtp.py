@@ -115,10 +115,11 @@ class ModelArgs:
 
   def input_offsets(self) -> tuple:
     """(a_1, ..., a_M): depth k reads the token t_(i+a_k). o_k - 1, the token just before
-    its target, unless strict_leaps: then the longest run 1..a of offsets that some head up
-    to depth k predicts, at most o_k - 1, so a leap depth reads no token its leap skips
-    (causal attention shows position i its neighbours' inputs t_(i+a-1), t_(i+a-2), ...,
-    so only such a run leaks none). Equal to o_k - 1 for every adjacent depth."""
+    its target, unless strict_leaps: then the longest run 1..a of offsets that a head
+    before depth k predicts (1, o_1, ..., o_(k-1)), at most o_k - 1, so a leap depth reads
+    no token its leap skips (causal attention shows position i its neighbours' inputs
+    t_(i+a-1), t_(i+a-2), ..., so only such a run leaks none). Equal to o_k - 1 for every
+    adjacent depth."""
     offsets = self.target_offsets()
     if not self.strict_leaps:
       return tuple(o - 1 for o in offsets[1:])

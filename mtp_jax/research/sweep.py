@@ -68,7 +68,7 @@ class Run:
   init_from: str = ''
   # Keeps the run's final state in this checkpoints directory (its config in the meta,
   # fingerprinted), for runs that start from it; `final_needed`: a finished run whose
-  # final state is gone is trained again (deterministic: the same result).
+  # final state is gone is trained again from its seed.
   keep_final: str = ''
   final_needed: bool = False
 
