@@ -13,6 +13,7 @@ import jax
 import orbax.checkpoint as ocp
 
 import mtp_jax
+from mtp_jax import config_lib
 from mtp_jax.checkpoint.compat import config_diffs
 from mtp_jax.checkpoint.reader import (
   CheckpointReader,
@@ -61,15 +62,20 @@ def check_init_from(source: str, config, config_dict: dict,
   except CheckpointError as e:
     raise CheckpointError(f'--init_from {source!r}: {e}') from e
   saved = meta.get('config', {})
-  # Only the optimizer differs with freeze_trunk, and it starts fresh here anyway.
+  # Only the optimizer differs with freeze_trunk, and it starts fresh here anyway; the MTP
+  # modules' layout (depths, kind, sharing, what they read) is the new run's own.
   diffs = config_diffs(saved, config_dict,
-                       ignore={'mtp.depth', 'mtp.kind', 'mtp.freeze_trunk'})
+                       ignore={'mtp.depth', 'mtp.kind', 'mtp.freeze_trunk', 'mtp.share_modules',
+                               'mtp.target_offsets', 'mtp.strict_leaps'})
   if diffs:
     raise ConfigError(f'--init_from {directory}/{step}: the trunk differs from this config: '
                       + '; '.join(diffs))
-  same_kind = saved['model']['mtp']['kind'] == config.model.mtp.kind
-  keep = min(int(saved['model']['mtp']['depth']), config.model.mtp.depth) if same_kind else 0
-  return directory, step, keep
+  old_mtp = saved['model']['mtp']
+  share = bool(config_lib.optional(config, 'model.mtp.share_modules', False))
+  same_kind = (old_mtp['kind'] == config.model.mtp.kind
+               and bool(old_mtp.get('share_modules', False)) == share)
+  keep = min(int(old_mtp['depth']), config.model.mtp.depth) if same_kind else 0
+  return directory, step, (min(keep, 1) if share else keep)
 
 
 def init_from(source: str, config, config_dict: dict, state, abstract_state,
@@ -117,7 +123,10 @@ def init_from(source: str, config, config_dict: dict, state, abstract_state,
   flat, treedef = jax.tree_util.tree_flatten_with_path(state)
   state = jax.tree_util.tree_unflatten(treedef, [
       loaded.get(path_names(p), x) for p, x in flat])
-  fresh = config.model.mtp.depth - keep
+  modules = (min(config.model.mtp.depth, 1)
+             if config_lib.optional(config, 'model.mtp.share_modules', False)
+             else config.model.mtp.depth)
+  fresh = modules - keep
   desc = (f'Initialised from {directory}/{step}: trunk, embedding and head'
           + (f' + MTP depths 1..{keep}' if keep else '')
           + f' loaded ({len(loaded)} arrays); '

@@ -26,6 +26,11 @@ Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
 - `bpe_names`: configs/induction_bpe.py's M = 0 / n = 2 / sequential M = 1 at each trunk
   size (`<variant>@<size>`), trained on stories with ordinary names and tested on random
   names of two tokens of the task's own trained BPE, as Gloeckle et al. ran it.
+- `drafter`: configs/drafter.py's drafters on a fixed verifier: per seed one next-token
+  trunk (`trunk`), then each arm's MTP modules trained on it frozen (three chained
+  modules `ref`, one shared module `shared`, self-generated targets, decaying lambda,
+  curricula, strict leap offsets); endpoints tau at T = 1 (primary) and T = 0.7 against
+  `ref`, declared in mtp_jax/research/design.py. `--design --groups drafter` sizes it.
 
 Each run writes OUT/<group>/<variant>_s<seed>.json when it finishes; a run whose JSON
 exists is skipped, an interrupted one resumes from its last checkpoint in WORKDIR. The
@@ -42,6 +47,7 @@ from mtp_jax.research.tables import (
   ABLATION,
   BPE_NAMES,
   DEFAULT_GROUPS,
+  DRAFTER,
   GROUPS,
   INDUCTION,
   NAMES,
@@ -65,8 +71,9 @@ def parse(argv):
   p.add_argument('--temperatures', default='0,1,0.7',
                  help='decode temperatures of the lm runs (0 = greedy)')
   p.add_argument('--design', action='store_true',
-                 help='size the sized sweep: measure step times briefly, print the design, '
-                      'write OUT/design.json; trains nothing')
+                 help='size the sized sweep (with --groups drafter: the drafter study): '
+                      'measure step times briefly, print the design, write OUT/design.json; '
+                      'trains nothing')
   p.add_argument('--spread_from', default=os.path.join(REPO, 'benchmarks', 'research'),
                  help='the committed sweep whose seed spread sizes the design')
   p.add_argument('--budget_hours', type=float, default=2.0, help='--design: the time budget')
@@ -95,7 +102,7 @@ def parse(argv):
     p.error(f'unknown group(s) {bad}; choose from {", ".join(GROUPS)}')
   args.variants = args.variants.split(',') if args.variants else []
   known = set(ABLATION.VARIANTS) | set(INDUCTION.VARIANTS) | set(ABLATION.SIZED_VARIANTS) \
-      | set(NAMES.VARIANTS) | set(BPE_NAMES.VARIANTS)
+      | set(NAMES.VARIANTS) | set(BPE_NAMES.VARIANTS) | set(DRAFTER.ARMS)
   bad = [v for v in args.variants if v not in known]
   if bad:
     p.error(f'unknown variant(s) {bad}; choose from {", ".join(sorted(known))}')

@@ -158,6 +158,17 @@ def mtp_fields() -> ml_collections.ConfigDict:
   # t_(i+o_k-1), the token before its target. Only depths 1..c with o_k = k + 1 can draft
   # (a leap depth cannot propose the next token): the decoder drafts with those.
   mtp.target_offsets = ()
+  # Leap depths that read no token their leap skips: depth k reads t_(i+a_k), a_k the
+  # longest run 1..a of offsets that a head before depth k predicts (at most o_k - 1),
+  # instead of t_(i+o_k-1), the token just before its target, which a leap skips. Causal
+  # attention also shows position i the tokens its neighbours read (t_(i+a-1), ...), so a
+  # run from 1 is the only input that leaks no skipped token. Adjacent depths are unchanged.
+  mtp.strict_leaps = False
+  # One MTP module whose weights serve every depth (FastMTP's recursive drafter): depth k
+  # runs the same module on h^{k-1} and t_(i+k); the compute is per depth, the parameters
+  # are one module's (model.scan_layers leaves its depths unrolled). Sequential kind, depth
+  # >= 2 and a dense MTP block only (an MoE block's routing statistics are per call).
+  mtp.share_modules = False
   mtp.detach_trunk = False  # stop_gradient on h^0 only where it enters depth 1 (Emb, OutHead still shared)
   # MTP as a pure add-on during joint training: the MTP losses send no gradient into the
   # trunk's hidden state h^0, the shared Emb (the MTP inputs t_(i+k)) or the shared OutHead;

@@ -114,6 +114,7 @@ def _validate_mtp(config) -> None:
   for name in ('detach_trunk', 'stop_gradient', 'freeze_trunk'):
     require(isinstance(mtp[name], bool),
              f'model.mtp.{name} must be True or False, got {mtp[name]!r}')
+  _validate_shared_modules(config)
   require(not mtp.freeze_trunk or mtp.depth > 0,
            'model.mtp.freeze_trunk trains only the MTP modules, but model.mtp.depth is 0: '
            'set model.mtp.depth >= 1')
@@ -122,6 +123,27 @@ def _validate_mtp(config) -> None:
     require(len(mtp.weights) == mtp.depth,
              f'model.mtp.weights has {len(mtp.weights)} entries but model.mtp.depth is {mtp.depth}')
     require(all(w >= 0 for w in mtp.weights), f'model.mtp.weights must be >= 0, got {mtp.weights}')
+
+
+def _validate_shared_modules(config) -> None:
+  """model.mtp.share_modules and model.mtp.strict_leaps (one-line errors)."""
+  mtp = config.model.mtp
+  share = optional(config, 'model.mtp.share_modules', False)
+  for name, value in (('share_modules', share),
+                      ('strict_leaps', optional(config, 'model.mtp.strict_leaps', False))):
+    require(isinstance(value, bool), f'model.mtp.{name} must be True or False, got {value!r}')
+  if not share:
+    return
+  require(mtp.kind == 'sequential',
+          f'model.mtp.share_modules reuses one chained module at every depth: it needs '
+          f"model.mtp.kind 'sequential', got {mtp.kind!r}")
+  require(mtp.depth >= 2, 'model.mtp.share_modules needs model.mtp.depth >= 2 (one depth '
+          f'has nothing to share), got {mtp.depth!r}')
+  mlp = mtp.block_mlp or (config.model.mlp if config.model.mlp != 'moe'
+                          or config.model.n_layers >= config.model.moe.first_k_dense
+                          else 'dense')
+  require(mlp != 'moe', 'model.mtp.share_modules needs a dense MTP block: an MoE block\'s '
+          "routing statistics are per call (set model.mtp.block_mlp = 'dense')")
 
 
 def _validate_head(config, head: kinds.HeadFacts) -> None:

@@ -129,7 +129,8 @@ class Source:
 def _full_args(args: ModelArgs, mtp_depth: int) -> ModelArgs:
   """args with the checkpoint's MTP depths, sequential, in the layout's block kinds."""
   return dataclasses.replace(args, mtp_depth=mtp_depth, mtp_kind='sequential',
-                             mtp_block_attention='', mtp_block_mlp='')
+                             mtp_block_attention='', mtp_block_mlp='', share_modules=False,
+                             strict_leaps=False)
 
 
 def _shape_error(where: str, t: Tensor, shape: tuple, args: ModelArgs) -> InteropError:
@@ -192,7 +193,7 @@ def _checked_source(reader, cfg: dict, args: ModelArgs, where: str, all_depths: 
   layout = hf_config.LAYOUT_OF[family]
   ckpt_depth = fields['mtp.depth'] if layout != 'llama' else 0
   full = layouts.tensor_table(_full_args(args, ckpt_depth), layout, depths=ckpt_depth)
-  wanted = args.mtp_depth if args.mtp_head().hf_layer else 0
+  wanted = args.mtp_modules() if args.mtp_head().hf_layer else 0  # shared: layer 1 only
   depths = min(wanted, ckpt_depth) if not all_depths else ckpt_depth
   for k in range(1, depths + 1):
     pre = layouts.mtp_prefix(layout, args, k) + '.'

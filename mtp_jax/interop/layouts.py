@@ -106,6 +106,10 @@ def check_layout(args: ModelArgs, layout: str) -> None:
     raise InteropError(f'the {layout} layout\'s MTP layers predict the adjacent tokens; this '
                        f'model has leap targets model.mtp.target_offsets '
                        f'{args.mtp_target_offsets} (--layout llama writes the trunk)')
+  if layout != 'llama' and args.mtp_depth and args.share_modules:
+    raise InteropError(f'the {layout} layout holds one MTP layer per depth; this model shares '
+                       'one module across its depths (model.mtp.share_modules; --layout llama '
+                       'writes the trunk)')
   blocks = [block_kinds(args, i) for i in range(args.n_layers + (args.mtp_depth > 0))]
   if layout == 'llama':
     blocks = blocks[:args.n_layers]

@@ -55,6 +55,8 @@ class ModelArgs:
   detach_trunk: bool = False
   stop_gradient: bool = False  # MTP losses reach neither h^0 nor Emb nor OutHead (config_lib)
   mtp_target_offsets: tuple = ()  # o_1..o_M: depth k predicts t_(i+o_k); () = k + 1
+  strict_leaps: bool = False  # a leap depth reads no token its leap skips (input_offsets)
+  share_modules: bool = False  # one MTP module serves every depth (FastMTP's recursion)
   top_window: int = 16  # mtp_kind 'top': W, the upcoming tokens its ranking target orders
   remat: str = 'none'  # none | block | full (see remat_policy); never changes parameters
   scan_layers: bool = False  # lax.scan over trunk blocks and MTP depths; never changes parameters
@@ -111,6 +113,33 @@ class ModelArgs:
       return (1,) * (self.mtp_depth + 1)
     return (1,) + (tuple(self.mtp_target_offsets) or tuple(range(2, self.mtp_depth + 2)))
 
+  def input_offsets(self) -> tuple:
+    """(a_1, ..., a_M): depth k reads the token t_(i+a_k). o_k - 1, the token just before
+    its target, unless strict_leaps: then the longest run 1..a of offsets that a head
+    before depth k predicts (1, o_1, ..., o_(k-1)), at most o_k - 1, so a leap depth reads
+    no token its leap skips (causal attention shows position i its neighbours' inputs
+    t_(i+a-1), t_(i+a-2), ..., so only such a run leaks none). Equal to o_k - 1 for every
+    adjacent depth."""
+    offsets = self.target_offsets()
+    if not self.strict_leaps:
+      return tuple(o - 1 for o in offsets[1:])
+    out = []
+    for k in range(1, self.mtp_depth + 1):
+      known, a = set(offsets[:k]), 0
+      while a + 1 in known and a + 1 < offsets[k]:
+        a += 1
+      out.append(a)
+    return tuple(out)
+
+  def mtp_modules(self) -> int:
+    """How many MTP modules hold parameters: one under share_modules, else one per depth."""
+    return min(self.mtp_depth, 1) if self.share_modules else self.mtp_depth
+
+  def module_index(self, k: int) -> int:
+    """The index into MTPModel.mtp of depth k's module (k > M: the last, for recursive
+    drafts; every depth the one module under share_modules)."""
+    return 0 if self.share_modules else min(k, self.mtp_depth) - 1
+
   def mtp_head(self) -> type:
     """The class of the MTP modules (MTP_KINDS[mtp_kind]): what they read and can draft."""
     return MTP_KINDS[self.mtp_kind]
@@ -134,7 +163,8 @@ _MOE_FIELDS = ('n_routed_experts', 'n_shared_experts', 'num_experts_per_tok',
 _CONFIG_PATHS = {
     'mtp_depth': 'mtp.depth', 'mtp_kind': 'mtp.kind', 'detach_trunk': 'mtp.detach_trunk',
     'stop_gradient': 'mtp.stop_gradient', 'mtp_target_offsets': 'mtp.target_offsets',
-    'top_window': 'mtp.top_window',
+    'top_window': 'mtp.top_window', 'strict_leaps': 'mtp.strict_leaps',
+    'share_modules': 'mtp.share_modules',
     'mtp_block_attention': 'mtp.block_attention',
     'mtp_block_mlp': 'mtp.block_mlp', 'moe_dispatch': 'moe.dispatch',
     'moe_exchange': 'moe.exchange', 'moe_capacity_factor': 'moe.capacity_factor',
@@ -433,7 +463,7 @@ class MTPModel(nnx.Module):
             kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ('embed', 'vocab')),
             rngs=rngs)
       head = args.mtp_head()
-      self.mtp = nnx.List([head(args, rngs) for _ in range(args.mtp_depth)])
+      self.mtp = nnx.List([head(args, rngs) for _ in range(args.mtp_modules())])
 
   # -- pieces, also used by the decoder ----------------------------------------------
   def embed_tokens(self, tokens_BxT: Array) -> Array:
@@ -441,7 +471,7 @@ class MTPModel(nnx.Module):
 
   def head_norm(self, k: int) -> nnx.RMSNorm:
     """The norm before OutHead: the final norm (k = 0) or depth k's shared_head.norm."""
-    return self.norm if k == 0 else self.mtp[k - 1].shared_head.norm
+    return self.norm if k == 0 else self.mtp_module(k).shared_head.norm
 
   def output_kernel(self) -> Array:
     """OutHead as a [D, V] matrix (the embedding transposed when tied)."""
@@ -467,7 +497,7 @@ class MTPModel(nnx.Module):
   def mtp_step(self, k: int, h_prev_BxTxD, tokens_BxT, positions_BxT, mask, cache=None,
                cache_index_B=None):
     """h^k from h^{k-1} (sequential) or h^0 (parallel); tokens_BxT are t_{i+k} at i."""
-    module = self.mtp[k - 1]
+    module = self.mtp_module(k)
     x = module.block_input(h_prev_BxTxD, tokens_BxT, self.embed_tokens)
     return module.block(x, positions_BxT, mask, cache, cache_index_B)
 
@@ -501,8 +531,9 @@ class MTPModel(nnx.Module):
                  for k in range(1, num_drafts + 1))
 
   def mtp_module(self, k: int):
-    """Module of drafting depth k; depths past M reuse the last module (recursive drafts)."""
-    return self.mtp[min(k, self.args.mtp_depth) - 1]
+    """Module of depth k; depths past M reuse the last module (recursive drafts), and under
+    share_modules every depth runs the one module."""
+    return self.mtp[self.args.module_index(k)]
 
   def decode_embed(self, tokens_BxT: Array) -> Array:
     """Emb rows in the activations' dtype (gathering first: the table may be bfloat16)."""
@@ -536,9 +567,9 @@ class MTPModel(nnx.Module):
                segment_ids_BxT: Array | None = None) -> list[Array]:
     """Hidden states [h^0, h^1, ..., h^M], each [B, T, D], for teacher-forced training.
 
-    Sequential depth k reads the true tokens t_{i+o_k-1} (shifted left by o_k - 1, o_k = k + 1
-    unless model.mtp.target_offsets says otherwise; the tail is padding and is masked out
-    by the loss).
+    Sequential depth k reads the true tokens t_{i+a_k} (shifted left by a_k = o_k - 1,
+    o_k = k + 1 unless model.mtp.target_offsets says otherwise; strict_leaps:
+    ModelArgs.input_offsets; the tail is padding and is masked out by the loss).
     """
     b, t = tokens_BxT.shape[:2]
     if positions_BxT is None:
@@ -550,13 +581,13 @@ class MTPModel(nnx.Module):
     hiddens = [h0]
     detach = self.args.detach_trunk or self.args.stop_gradient
     h = jax.lax.stop_gradient(h0) if detach else h0
-    if self.args.scan_layers and self.args.mtp_depth > 1:
+    if self.args.scan_layers and self.args.mtp_depth > 1 and not self.args.share_modules:
       return hiddens + self._scan_depths(h, tokens_BxT, positions_BxT, mask)
-    offsets = self.args.target_offsets()
+    reads = self.args.input_offsets()
     chained = self.args.mtp_head().chained
     for k in range(1, self.args.mtp_depth + 1):
-      module = self.mtp[k - 1]
-      x = module.block_input(h, shift_left(tokens_BxT, offsets[k] - 1), self.mtp_embed)
+      module = self.mtp_module(k)  # shared: one module's parameters, its gradient summed
+      x = module.block_input(h, shift_left(tokens_BxT, reads[k - 1]), self.mtp_embed)
       if not module.has_block:  # TOP: its head reads h^0 itself
         hiddens.append(x)
         continue
@@ -575,8 +606,7 @@ class MTPModel(nnx.Module):
     graphdef, _ = nnx.split(self.mtp[0])
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in self.mtp])
     chained = self.args.mtp_head().chained
-    tokens_MxBxT = jnp.stack([shift_left(tokens_BxT, o - 1)
-                              for o in self.args.target_offsets()[1:]])
+    tokens_MxBxT = jnp.stack([shift_left(tokens_BxT, a) for a in self.args.input_offsets()])
 
     def body(h, xs):
       state, tokens = xs

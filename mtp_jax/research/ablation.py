@@ -6,16 +6,27 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import mtp_jax.research.design as design_lib
 import mtp_jax.research.heldout as heldout
+import mtp_jax.research.results as results_lib
 import mtp_jax.research.sweep as research
 import mtp_jax.research.tables as tables
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import induction
 from mtp_jax.errors import RequestError
-from mtp_jax.research.tables import ABLATION, BPE_NAMES, CONFIGS, INDUCTION, NAMES, SIZED_BUDGETS
+from mtp_jax.research.tables import (
+  ABLATION,
+  BPE_NAMES,
+  CONFIGS,
+  DRAFTER,
+  DRAFTER_EVAL,
+  INDUCTION,
+  NAMES,
+  SIZED_BUDGETS,
+)
 
 
 def group_variants(args, group: str) -> list[str]:
@@ -63,6 +74,35 @@ def sized_steps(args) -> int:
     return int(json.load(f)['steps'])
 
 
+def drafter_runs(args, seed: int) -> list:
+  """One seed of the drafter study: its trunk (kept at its end while an arm of the seed
+  still needs it) and the arms --variants keeps, each started from that trunk."""
+  opt = ',smoke' if args.smoke else ''
+  trunk_dir = os.path.join(args.workdir, 'drafter', f'{DRAFTER.TRUNK}_s{seed}_final')
+  every = 4 if args.smoke else 100
+
+  def config(v):
+    c = DRAFTER.get_config(v + opt)
+    c.seed, c.data.shuffle_seed = seed, seed
+    if args.data_dir:
+      c.data.data_dir = args.data_dir
+    return c
+
+  arms = []
+  for v in DRAFTER.ARMS:
+    if not args.variants or v in args.variants:
+      c = config(v)
+      arms.append(research.Run('drafter', v, seed, c, eval_at={DRAFTER_EVAL: int(c.train.steps)},
+                               save_every=every, init_from=trunk_dir))
+  c = config(DRAFTER.TRUNK)
+  pending = any(results_lib.find_result(args.out, 'drafter', r.variant, seed) is None
+                for r in arms)
+  trunk = research.Run('drafter', DRAFTER.TRUNK, seed, c,
+                       eval_at={DRAFTER_EVAL: int(c.train.steps)}, save_every=every,
+                       keep_final=trunk_dir, final_needed=pending)
+  return [trunk] + arms
+
+
 def make_runs(args):
   """Every Run of the sweep, seed-major (a partial sweep has every variant's first seeds)."""
   opt = ',smoke' if args.smoke else ''
@@ -71,6 +111,9 @@ def make_runs(args):
                      group_variants(args, 'sized')) if 'sized' in args.groups else []
   for seed in args.seeds:
     for group in args.groups:
+      if group == 'drafter':
+        runs += drafter_runs(args, seed)
+        continue
       if group == 'sized':
         for v, budget, steps in sized:
           c = ABLATION.get_config(v + ',decay' + opt)
@@ -120,7 +163,7 @@ def make_runs(args):
 def make_sweep(args, runs):
   sweep = research.Sweep(args.workdir, args.out,
                          log=lambda s: print(s, file=sys.stderr, flush=True))
-  lm = [r for r in runs if r.kind == 'lm' and not sweep.finished(r)]
+  lm = [r for r in runs if r.kind == 'lm' and sweep.to_run(r)]
   if lm:
     data_checks.validate_data(lm[0].config)  # prepares the stdlib data set once
     rule = heldout.HeldoutRule(cap_bytes=200_000) if args.smoke else heldout.HeldoutRule()
@@ -211,9 +254,71 @@ def make_design(args) -> dict:
   return design
 
 
+def drafter_command(seeds: int, out: str, workdir: str) -> str:
+  return (f'mtp-ablation --groups drafter --seeds {",".join(str(s) for s in range(seeds))} '
+          f'--out {out} --workdir {workdir}')
+
+
+def make_drafter_design(args) -> dict:
+  """--design --groups drafter: the study's seeds at its spread (its own runs once it has
+  some, else the committed sweep's tau spread) and its wall time from step and evaluation
+  times measured briefly (the trunk, and ref for every arm: they cost the same)."""
+  design = design_lib.drafter_design(design_lib.drafter_spread(args.out, args.spread_from))
+  opt = ',smoke' if args.smoke else ''
+  load = os.getloadavg()
+  step_s, eval_s = {}, {}
+  for v in (DRAFTER.TRUNK, DRAFTER.BASELINE):
+    c = DRAFTER.get_config(v + opt)
+    print(f'measuring drafter {v} ...', file=sys.stderr, flush=True)
+    step_s[v] = research.measure_step_seconds(c, args.measure_steps)
+    eval_s[v] = research.measure_eval_seconds(
+        c, eval_batches=2 if args.smoke else 32, sets=2, num_prompts=2 if args.smoke else 16,
+        prompt_len=16 if args.smoke else 64, new_tokens=8 if args.smoke else 64,
+        temperatures=args.temperatures)
+  trunk, arm = DRAFTER.get_config(DRAFTER.TRUNK + opt), DRAFTER.get_config(DRAFTER.BASELINE + opt)
+  per_seed = (trunk.train.steps * step_s[DRAFTER.TRUNK] + eval_s[DRAFTER.TRUNK]
+              + len(DRAFTER.ARMS) * (arm.train.steps * step_s[DRAFTER.BASELINE]
+                                     + eval_s[DRAFTER.BASELINE]))
+  design.update(step_seconds=step_s, eval_seconds=eval_s, per_seed_seconds=per_seed,
+                wall_seconds=design['seeds'] * per_seed,
+                load_average={'before': list(load), 'after': list(os.getloadavg())},
+                command=drafter_command(design['seeds'], args.out, args.workdir))
+  return design
+
+
+def write_drafter_design(args) -> int:
+  """OUT/design.json gains (or replaces) its `drafter` key; every other key stays."""
+  design = make_drafter_design(args)
+  path = design_path(args.out)
+  whole = {}
+  if os.path.isfile(path):
+    with open(path) as f:
+      whole = json.load(f)
+  whole['drafter'] = design
+  os.makedirs(args.out, exist_ok=True)
+  with open(path, 'w') as f:
+    json.dump(whole, f, indent=1, default=tables.json_default)
+  print(design_lib.describe_drafter(design))
+  return 0
+
+
+def remove_spent_trunks(args) -> None:
+  """The drafter trunks' kept final states once every arm of their seed has finished."""
+  if 'drafter' not in args.groups:
+    return
+  for seed in args.seeds:
+    trunk = drafter_runs(args, seed)[0]
+    done = all(results_lib.find_result(args.out, 'drafter', v, seed) is not None
+               for v in DRAFTER.ARMS)  # every arm, not only those --variants keeps
+    if done and research.has_final(trunk):
+      shutil.rmtree(trunk.keep_final, ignore_errors=True)
+
+
 def run(args) -> int:
   """mtp-ablation after its flags parse: --design, else the runs (unless --no_run), then the
   tables."""
+  if args.design and 'drafter' in args.groups:
+    return write_drafter_design(args)
   if args.design:
     design = make_design(args)
     os.makedirs(args.out, exist_ok=True)
@@ -235,5 +340,6 @@ def run(args) -> int:
     sweep = make_sweep(args, runs)
     for run in runs:
       sweep.run(run)
+    remove_spent_trunks(args)
   print(tables.write_summary(args.out, set(args.seeds)))
   return 0

@@ -49,6 +49,28 @@ FAMILIES = {
 # equal tokens (and equal FLOPs), until the minimum detectable effect is TARGET_MDE.
 MAIN_HEAD_ARMS = ('d0', 'd1', 'd3', 'd3r', 't1')
 
+# The drafter study (configs/drafter.py), declared before its runs: per seed one frozen
+# next-token trunk and a drafter per arm on it. The primary endpoint is tau (tokens per
+# verify step) of free-running self-speculative decoding at T = 1 from the held-out
+# prompts, the secondary tau at T = 0.7; each is one Holm family of every arm against
+# the reference drafter `ref`.
+DRAFTER_REFERENCE = 'ref'
+DRAFTER_ARMS = ('shared', 'self', 'lamdecay', 'fwd', 'rev', 'leap')
+DRAFTER_ENDPOINTS = {'primary': 'tau_T1', 'secondary': 'tau_T0.7'}
+DRAFTER_FAMILIES = {
+    'drafter arms against the reference, tau at T = 1 (primary)': [
+        (a, DRAFTER_REFERENCE, 'tau_T1') for a in DRAFTER_ARMS],
+    'drafter arms against the reference, tau at T = 0.7 (secondary)': [
+        (a, DRAFTER_REFERENCE, 'tau_T0.7') for a in DRAFTER_ARMS],
+}
+DRAFTER_TARGET_MDE = 0.1  # tokens per verify step: a tenth of a token a step
+DRAFTER_MIN_SEEDS = 10
+# The planning spread: the committed sized sweep's paired tau differences between its
+# M = 3 sequential arms (each curriculum against static d3, equal tokens). Their trunks
+# differ by arm; the study's arms share one frozen trunk, so its spread is expected to be
+# smaller and the seeds below are an upper bound under that expectation.
+DRAFTER_SPREAD_PAIRS = (('d3f', 'd3'), ('d3r', 'd3'))
+
 TARGET_MDE = 0.05  # bits per byte
 ALPHA, POWER = 0.05, 0.8
 MIN_SEEDS = 5
@@ -244,3 +266,105 @@ def describe_main_head(d: dict) -> str:
       f"upper bound; {d['seeds_familywise']} at alpha / {d['family_size']} (Holm's first "
       'step over the family).',
       f"Run: {d['command']}"])
+
+
+def committed_tau_spread(out_dir: str, pairs=DRAFTER_SPREAD_PAIRS, metrics=None,
+                         budget: str = 'equal_tokens') -> dict:
+  """The paired spread of tau in a committed sweep (OUT/sized.json, else lm.json): see
+  tau_spread."""
+  group, by = committed_evals(out_dir)
+  metrics = tuple(DRAFTER_ENDPOINTS.values()) if metrics is None else metrics
+  return tau_spread(group, by, pairs, metrics, budget)
+
+
+def drafter_spread(out_dir: str, spread_from: str, min_seeds: int = 3) -> dict:
+  """The drafter study's own paired spread (OUT/drafter.json, every arm against the
+  reference) once it has at least `min_seeds` seeds of the reference and an arm; before
+  that the planning spread of the committed sweep under `spread_from`
+  (committed_tau_spread)."""
+  runs = results_lib.load_results(out_dir, 'drafter')
+  by = {(r['variant'], budget, r['seed']): r for r in runs for budget in r['evals']}
+  ref = {s for v, _, s in by if v == DRAFTER_REFERENCE}
+  if any(len(ref & {s for v, _, s in by if v == a}) >= min_seeds for a in DRAFTER_ARMS):
+    return tau_spread('drafter', by, [(a, DRAFTER_REFERENCE) for a in DRAFTER_ARMS],
+                      tuple(DRAFTER_ENDPOINTS.values()), 'end')
+  return committed_tau_spread(spread_from)
+
+
+def tau_spread(group: str, by: dict, pairs, metrics, budget: str) -> dict:
+  """Per metric (tau_<temperature>), the sd of the per-seed paired differences of each pair
+  (variant, reference) at `budget` in `by` {(variant, budget, seed): run}, pooled
+  (stats.pooled_sd)."""
+  out = {'group': group, 'pairs': [list(p) for p in pairs], 'budget': budget, 'metrics': {}}
+  for metric in metrics:
+    temp = metric.split('_', 1)[1]
+    groups, each = [], {}
+    for v, ref in pairs:
+      diffs = []
+      for (name, b, seed), run in sorted(by.items(), key=lambda kv: kv[0][2]):
+        other = by.get((ref, b, seed))
+        if name != v or b != budget or other is None:
+          continue
+        diffs.append(run['evals'][b]['decode'][temp]['tau']
+                     - other['evals'][b]['decode'][temp]['tau'])
+      if len(diffs) > 1:
+        groups.append(diffs)
+        each[f'{v} - {ref}'] = stats.mean_std(diffs)[1]
+    sd, dof = stats.pooled_sd(groups)
+    out['metrics'][metric] = {'pooled_sd': sd, 'dof': dof, 'comparisons': each,
+                              'seeds': max((len(g) for g in groups), default=0)}
+  return out
+
+
+def drafter_design(spread: dict, target: float = DRAFTER_TARGET_MDE,
+                   min_seeds: int = DRAFTER_MIN_SEEDS, families=None) -> dict:
+  """The seeds of the drafter study, per endpoint at the planning spread (`spread`:
+  committed_tau_spread): the fewest whose minimum detectable paired effect in tau is <=
+  `target` at alpha ALPHA (power POWER) and at alpha / m (Holm's first step over the m arms
+  of the endpoint's family), at the spread and at its one-sided 95 % upper bound; the
+  chosen seeds (the primary endpoint's at alpha, at least min_seeds: the criterion
+  main_head_design states) and the minimum detectable effect at them, at alpha and at
+  alpha / m."""
+  families = DRAFTER_FAMILIES if families is None else families
+  out = {'reference': DRAFTER_REFERENCE, 'arms': list(DRAFTER_ARMS),
+         'endpoints': dict(DRAFTER_ENDPOINTS), 'families': families, 'target_mde': target,
+         'alpha': ALPHA, 'power': POWER, 'min_seeds': min_seeds, 'spread': spread,
+         'per_endpoint': {}}
+  for role, metric in DRAFTER_ENDPOINTS.items():
+    sp = spread['metrics'][metric]
+    sd, dof = sp['pooled_sd'], sp['dof']
+    upper = sd * math.sqrt(dof / scipy_stats.chi2.ppf(0.05, dof)) if dof else math.inf
+    m = max(1, sum(1 for tests in families.values() for t in tests if t[2] == metric))
+    out['per_endpoint'][metric] = {
+        'role': role, 'pooled_sd': sd, 'dof': dof, 'pooled_sd_upper95': upper,
+        'family_size': m,
+        'seeds_for_target': stats.seeds_for_effect(target, sd, ALPHA, POWER),
+        'seeds_familywise': stats.seeds_for_effect(target, sd, ALPHA / m, POWER),
+        'seeds_at_upper_sd': stats.seeds_for_effect(target, upper, ALPHA / m, POWER)}
+  primary = out['per_endpoint'][DRAFTER_ENDPOINTS['primary']]
+  n = max(min_seeds, primary['seeds_for_target'])  # the stated criterion, as main_head_design
+  out['seeds'] = n
+  for v in out['per_endpoint'].values():
+    v['mde_at_seeds'] = stats.min_detectable_effect(v['pooled_sd'], n, ALPHA, POWER)
+    v['mde_at_seeds_familywise'] = stats.min_detectable_effect(
+        v['pooled_sd'], n, ALPHA / v['family_size'], POWER)
+  return out
+
+
+def describe_drafter(d: dict) -> str:
+  """drafter_design's result as the lines the command prints."""
+  lines = []
+  for metric, v in d['per_endpoint'].items():
+    lines.append(
+        f"Drafter study, {v['role']} endpoint {metric}: paired sd {v['pooled_sd']:.4f} "
+        f"({v['dof']} dof, 95 % upper bound {v['pooled_sd_upper95']:.4f}); minimum "
+        f"detectable effect <= {d['target_mde']} tokens per verify step: "
+        f"{v['seeds_for_target']} seeds at alpha {d['alpha']}, {v['seeds_familywise']} at "
+        f"alpha / {v['family_size']}, {v['seeds_at_upper_sd']} at the upper bound; at "
+        f"{d['seeds']} seeds: {v['mde_at_seeds']:.3f} ({v['mde_at_seeds_familywise']:.3f} "
+        'family-wise).')
+  if 'wall_seconds' in d:
+    lines.append(f"Estimated {d['wall_seconds'] / 3600:.1f} h ({d['per_seed_seconds']:.0f} s a "
+                 'seed: the trunk and every arm, with their evaluations).')
+  lines.append(f"Run: {d['command']}")
+  return '\n'.join(lines)

@@ -33,6 +33,8 @@ from flax import nnx
 
 import mtp_jax.research.results as results_lib
 from mtp_jax import config_lib
+from mtp_jax.checkpoint import integrity
+from mtp_jax.checkpoint import partial as partial_restore
 from mtp_jax.checkpoint.store import Checkpointer
 from mtp_jax.data import induction, pipeline, tokenizers
 from mtp_jax.errors import RequestError
@@ -61,6 +63,14 @@ class Run:
   task: dict = dataclasses.field(default_factory=dict)  # 'induction': InductionTask fields
   log_every: int = 10
   save_every: int = 50
+  # Starts from another run's final state (a checkpoints directory that `keep_final` of
+  # that run wrote), as --init_from starts a run: model.mtp.freeze_trunk drafters.
+  init_from: str = ''
+  # Keeps the run's final state in this checkpoints directory (its config in the meta,
+  # fingerprinted), for runs that start from it; `final_needed`: a finished run whose
+  # final state is gone is trained again from its seed.
+  keep_final: str = ''
+  final_needed: bool = False
 
   @property
   def name(self) -> str:
@@ -72,8 +82,12 @@ class Run:
 
 
 def flops_per_step(config) -> float:
+  """Training FLOPs of one step (a frozen trunk runs forward only: train_frozen_trunk)."""
   tokens = config.data.batch_size * config.data.seq_len
-  return float(flops_lib.config_flops_per_token(config).train * tokens)
+  per = flops_lib.config_flops_per_token(config)
+  if config_lib.optional(config, 'model.mtp.freeze_trunk', False):
+    return float(per.train_frozen_trunk(config.model.mtp.depth) * tokens)
+  return float(per.train * tokens)
 
 
 class LMEvaluator:
@@ -214,6 +228,11 @@ class Sweep:
   def finished(self, run: Run) -> bool:
     return self.saved(run) is not None
 
+  def to_run(self, run: Run) -> bool:
+    """Whether run() trains it: unfinished, or finished without the final state it keeps
+    for runs still to start from it."""
+    return not self.finished(run) or (run.final_needed and not has_final(run))
+
   def _setup(self, run: Run):
     key = (run.group, run.variant)
     if key not in self._setups:
@@ -224,7 +243,7 @@ class Sweep:
 
   def run(self, run: Run) -> dict:
     saved = self.saved(run)
-    if saved is not None:
+    if saved is not None and not self.to_run(run):
       self.log(f'{run.group}/{run.name}: finished, not rerun ({self.result_path(run)})')
       return saved
     config = _resolved(run.config)
@@ -248,6 +267,11 @@ class Sweep:
       start, result = int(meta['step']), meta['result']
       window = [np.asarray(w) for w in meta['window']]
       self.log(f'{run.group}/{run.name}: resumed at step {start}')
+    elif run.init_from:
+      state, desc = partial_restore.init_from(run.init_from, config, _config_dict(config), state,
+                                              ts.abstract_state, notify=lambda text: None)
+      del desc
+      result['init_from'] = os.path.relpath(run.init_from, self.workdir)  # no machine paths
     per_step = flops_per_step(config)
     ind_eval = self.induction_evals.get(run.group, self.induction_eval)
     if run.kind == 'induction' and start == 0:
@@ -298,12 +322,23 @@ class Sweep:
       out['evaluation'] = self.lm_eval.describe
     else:
       out['task'] = dict(run.task)
+    if run.keep_final:  # before the result: a run whose result exists has its final state
+      final = Checkpointer(run.keep_final, max_to_keep=1, async_save=False)
+      final.save(run.steps, state, meta={'step': run.steps, 'config': _config_dict(config),
+                                         **integrity.integrity_meta(state)}, force=True)
+      final.close()
     results_lib.save_result(self.out_dir, run.group, out)
     ckpt.close()
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     self.log(f'{run.group}/{run.name}: done, {result["train_seconds"]:.0f} s of training '
              f'steps -> {self.result_path(run)}')
     return out
+
+
+def has_final(run: Run) -> bool:
+  """Whether the run's keep_final directory holds a saved state."""
+  d = run.keep_final
+  return bool(d) and os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d))
 
 
 def _resolved(config):

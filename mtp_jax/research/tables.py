@@ -22,7 +22,7 @@ from mtp_jax.data import induction
 # The checkout this package is installed from (pip install -e .): configs/ lives there.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-GROUPS = ('lm', 'induction', 'sized', 'names', 'bpe_names')
+GROUPS = ('lm', 'induction', 'sized', 'names', 'bpe_names', 'drafter')
 DEFAULT_GROUPS = ('lm', 'induction')
 SIZED_BUDGETS = {'tokens': 'equal_tokens', 'flops': 'equal_flops'}  # variant suffix -> budget
 BUDGETS = {'equal_flops': 'equal training FLOPs', 'equal_tokens': 'equal training tokens'}
@@ -38,7 +38,10 @@ ABLATION = load_config_module('ablation')
 INDUCTION = load_config_module('induction')
 NAMES = load_config_module('induction_names')
 BPE_NAMES = load_config_module('induction_bpe')
-CONFIGS = {'lm': ABLATION, 'induction': INDUCTION, 'names': NAMES, 'bpe_names': BPE_NAMES}
+DRAFTER = load_config_module('drafter')
+DRAFTER_EVAL = 'end'  # a drafter run's one evaluation, at its last step
+CONFIGS = {'lm': ABLATION, 'induction': INDUCTION, 'names': NAMES, 'bpe_names': BPE_NAMES,
+           'drafter': DRAFTER}
 
 
 def lm_metrics(r: dict, budget: str) -> dict:
@@ -185,7 +188,72 @@ def tabulate(out_dir: str, seeds=None) -> dict:
     kind = task.pop('kind')
     chance = induction.make_task(128, kind, **task).chance()
     summary['bpe_names'] = tabulate_names(bpe, BPE_NAMES, chance)
+  drafter = [r for r in results_lib.load_results(out_dir, 'drafter')
+             if seeds is None or r['seed'] in seeds]
+  if drafter:
+    summary['drafter'] = tabulate_drafter(drafter, declared_drafter_families(out_dir))
   return summary
+
+
+def declared_drafter_families(out_dir: str) -> dict:
+  """The drafter study's test families: OUT/design.json's (`drafter`), as
+  `mtp-ablation --design --groups drafter` wrote them before the runs, else design_lib's."""
+  path = os.path.join(out_dir, 'design.json')
+  declared = {}
+  if os.path.isfile(path):
+    with open(path) as f:
+      declared = json.load(f).get('drafter', {})
+  return {name: [tuple(t) for t in tests]
+          for name, tests in declared.get('families', design_lib.DRAFTER_FAMILIES).items()}
+
+
+def tabulate_drafter(runs: list[dict], families: dict | None = None) -> dict:
+  """The drafter study: per run variant (the trunk, then every arm) the mean ± std over
+  seeds of its figures at its end; per declared family (design_lib.DRAFTER_FAMILIES) the
+  paired tests against the reference (same seed = same frozen trunk) with Holm's
+  correction within the family; per endpoint the minimum detectable paired effect at the
+  pooled sd of the family's differences and its fewest seeds."""
+  families = design_lib.DRAFTER_FAMILIES if families is None else families
+  by = {}
+  for r in runs:
+    by.setdefault(r['variant'], []).append(r)
+  table = {}
+  for v in [v for v in DRAFTER.VARIANTS if v in by]:
+    rs = by[v]
+    mtp = rs[0]['config']['model']['mtp']
+    table[v] = {'depth': rs[0]['depth'], 'mtp_kind': rs[0]['mtp_kind'],
+                'share_modules': bool(mtp.get('share_modules', False)),
+                'target_offsets': list(mtp.get('target_offsets', [])),
+                'curriculum': mtp.get('curriculum', 'none'),
+                'mtp_targets': rs[0]['config'].get('loss', {}).get('mtp_targets', 'data'),
+                'lambda': [mtp.get('lambda_schedule', 'step'), list(mtp['lambda_values'])],
+                'seeds': sorted(r['seed'] for r in rs),
+                'metrics': aggregate({r['seed']: lm_metrics(r, DRAFTER_EVAL) for r in rs})}
+  tests, mde = {}, {}
+  for family, members in families.items():
+    names, diffs = [], []
+    for v, ref, metric in members:
+      if v not in table or ref not in table:
+        continue
+      a, b = table[v]['metrics'].get(metric), table[ref]['metrics'].get(metric)
+      t = paired_test(a['per_seed'], b['per_seed']) if a and b else None
+      if t is None:
+        continue
+      name = f'{v} - {ref} {metric}'
+      tests[name] = {**t, 'family': family}
+      names.append(name)
+      diffs.append([a['per_seed'][s] - b['per_seed'][s] for s in a['per_seed']
+                    if a['per_seed'][s] is not None and b['per_seed'].get(s) is not None])
+    for name, adj in zip(names, stats.holm([tests[n]['p'] for n in names])):
+      tests[name].update(p_holm=adj, family_size=len(names))
+    sd, dof = stats.pooled_sd(diffs)
+    if dof:
+      n = min(len(d) for d in diffs)
+      mde[family] = {'metric': members[0][2], 'pooled_sd': sd, 'dof': dof, 'n': n,
+                     'mde': stats.min_detectable_effect(sd, n),
+                     'mde_familywise': stats.min_detectable_effect(sd, n, 0.05 / len(names))}
+  return {'table': table, 'tests': tests, 'mde': mde,
+          'endpoints': dict(design_lib.DRAFTER_ENDPOINTS)}
 
 
 def declared_design(out_dir: str) -> tuple[dict, tuple]:
@@ -440,7 +508,65 @@ def markdown(summary: dict) -> str:
     out += [''] + markdown_names(summary['names'])
   if summary.get('bpe_names'):
     out += [''] + markdown_names(summary['bpe_names'], BPE_TITLE)
+  if summary.get('drafter'):
+    out += [''] + markdown_drafter(summary['drafter'])
   return '\n'.join(out)
+
+
+def _drafter_label(v: str, row: dict) -> str:
+  """What a drafter row is: its heads and what it changes against the reference."""
+  if not row['depth']:
+    return f'{v} (the frozen next-token trunk)'
+  parts = [f"M = {row['depth']} {row['mtp_kind']}"]
+  if row.get('share_modules'):
+    parts.append('one shared module')
+  if row.get('target_offsets'):
+    parts.append('leap offsets ' + '/'.join(map(str, row['target_offsets'])))
+  if row.get('mtp_targets', 'data') != 'data':
+    parts.append(f"{row['mtp_targets']} targets")
+  if row.get('lambda', ['step'])[0] != 'step':
+    parts.append('lambda ' + ' -> '.join(f'{x:g}' for x in row['lambda'][1]))
+  if row.get('curriculum', 'none') != 'none':
+    parts.append(f"{row['curriculum']} curriculum")
+  return f"{v} ({', '.join(parts)})"
+
+
+def markdown_drafter(drafter: dict) -> list[str]:
+  table = drafter['table']
+  ns = sorted({len(row['seeds']) for row in table.values()})
+  ep = drafter['endpoints']
+  out = [f'**Drafters on a frozen verifier** (one next-token trunk per seed, every arm\'s '
+         f'MTP modules trained on it; mean ± std over seeds, n = {"/".join(map(str, ns))}; '
+         f"primary endpoint {ep['primary']}, secondary {ep['secondary']}; tau = tokens per "
+         'verify step from the held-out prompts)', '',
+         '| arm | steps | held-out bpb (main head) | agreement per depth | tau greedy | '
+         'tau T = 1 | tau T = 0.7 | acceptance per depth, T = 1 |',
+         '|---|---|---|---|---|---|---|---|']
+  for v, row in table.items():
+    m = row['metrics']
+    agree = ' / '.join(_pm(m[f'heldout_agree_{k}'], '{:.2f}')
+                       for k in range(1, row['depth'] + 1) if f'heldout_agree_{k}' in m)
+    taus = [_pm(m.get(f'tau_{t}'), '{:.2f}') if f'tau_{t}' in m else 'n.a.' for t in TEMPS]
+    acc = ' / '.join(f'{m[f"accept_T1_{k}"]["mean"]:.2f}' for k in range(1, 9)
+                     if f'accept_T1_{k}' in m)
+    out.append(f'| {_drafter_label(v, row)} | {_pm(m["steps"], "{:.0f}")} | '
+               f'{_pm(m["heldout_bpb"])} | {agree or "n.a."} | {" | ".join(taus)} | '
+               f'{acc or "n.a."} |')
+  out.append('')
+  for family, d in drafter['mde'].items():
+    out.append(f"Minimum detectable paired effect on {d['metric']}, family \"{family}\" "
+               f"(alpha 0.05, power 0.8, n = {d['n']}): {d['mde']:.3f} tokens per verify step "
+               f"({d['mde_familywise']:.3f} at Holm's first step; pooled sd "
+               f"{d['pooled_sd']:.4f}, {d['dof']} dof).")
+  families = {}
+  for name, t in drafter['tests'].items():
+    families.setdefault(t['family'], []).append(name)
+  for family, names in families.items():
+    out += ['', f'Paired differences, family "{family}" (Holm\'s correction over its '
+            f'{len(names)} tests; positive tau = more tokens per verify step than ref):', '']
+    out += [_test_line(name, drafter['tests'][name], '{:+.3f}') for name in names]
+  out.append('')
+  return out
 
 
 ALPHA = 0.05  # the family-wise level the tables judge Holm-adjusted p against

@@ -64,7 +64,11 @@ def layer_flops(args, layer: int, seq_len: int, causal: bool = True) -> tuple[fl
 
 
 def flops_per_token(args, seq_len: int, causal: bool = True) -> FlopsPerToken:
-  """FLOPs per token of `args` (a model.ModelArgs) on sequences of seq_len tokens."""
+  """FLOPs per token of `args` (a model.ModelArgs) on sequences of seq_len tokens.
+
+  Every MTP term is per depth: under model.mtp.share_modules the one module runs at each
+  of the M depths, so it costs what M modules cost (its parameters are counted once by
+  model.count_params, not here)."""
   per_layer = [layer_flops(args, i, seq_len, causal) for i in range(args.n_layers + 1)]
   mtp_depth = args.mtp_depth
   head = args.mtp_head()
