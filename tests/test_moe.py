@@ -638,3 +638,30 @@ def test_remat_block_saves_the_expert_products():
   block = products(remat_policy('block'))
   assert block == products(jax.checkpoint_policies.everything_saveable)
   assert block < products(without_name)
+
+
+def test_token_rows_gradient_reads_only_the_slots_sent():
+  """moe_exchange.token_rows: forward, each slot holds its token's row; backward, a token's
+  gradient is the sum of its sent slots' cotangents, with NaN in the padding slots and in
+  a dropped row's slot (what an exchange leaves there on TPU) never read."""
+  rng = np.random.default_rng(3)
+  n, k, d, s = 5, 2, 4, 16
+  x = jnp.asarray(rng.normal(size=(n, d)).astype(np.float32))
+  slots = rng.permutation(s)[:n * k].reshape(n, k)  # the other 6 slots: padding
+  token_S = np.zeros(s, np.int32)
+  token_S[slots.reshape(-1)] = np.repeat(np.arange(n), k)
+  sent = np.ones((n, k), bool)
+  sent[2, 1] = False  # dropped by the exchange
+  ct = rng.normal(size=(s, d)).astype(np.float32)
+  ct[np.setdiff1d(np.arange(s), slots.reshape(-1))] = np.nan
+  ct[slots[2, 1]] = np.nan
+  fwd = lambda x: moe_exchange.token_rows(x, jnp.asarray(token_S), jnp.asarray(slots),  # noqa: E731
+                                          jnp.asarray(sent), jnp.bfloat16)
+  out, vjp = jax.vjp(fwd, x)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out, np.float32)[slots[:, 1]],
+                                np.asarray(x.astype(jnp.bfloat16), np.float32))
+  (gx,) = vjp(jnp.asarray(ct, jnp.bfloat16))
+  want = sum(np.where(sent[:, j:j + 1], np.asarray(jnp.asarray(ct, jnp.bfloat16), np.float32)
+                      [slots[:, j]], 0.0) for j in range(k))
+  np.testing.assert_allclose(np.asarray(gx), want, rtol=1e-6)

@@ -363,14 +363,20 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxEk: Array, gates_BxTxEk: Arra
     p = moe_exchange.plan(counts_XxEd, all_counts_XsxXxEd, me, rows)
     there = (p['input_offsets'], p['send_sizes'], p['output_offsets'], p['recv_sizes'])
     back = (p['recv_offsets'], p['recv_sizes'], p['sender_offsets'], p['send_sizes'])
-    # The send buffer S: the sorted rows, each destination's slice padded to whole blocks;
-    # a padding row reads token n (out of range: zeros) and its gradient goes nowhere.
+    # The send buffer S: the sorted rows, each destination's slice padded to whole blocks
+    # (a padding row holds token 0's row; nothing reads it or its gradient).
     send_rows = moe_exchange.padded_rows(n * k, n_dev)
     slot_BTEk = moe_exchange.send_slots(p, flat_BTEk[order_BTEk] // e_local)
-    token_S = jnp.full((send_rows,), n, jnp.int32).at[slot_BTEk].set(order_BTEk // k)
-    xs_SxD = x.at[token_S].get(mode='fill', fill_value=0).astype(dtype)
+    inverse_BTEk = moe_exchange.inverse_permutation(order_BTEk)
+    at_BTEk = slot_BTEk[inverse_BTEk]  # the slot of each (token, expert) row
+    token_S = jnp.zeros((send_rows,), jnp.int32).at[slot_BTEk].set(order_BTEk // k)
+    sent_BTxEk = None
+    if capacity_factor > 0:  # the rows past a receiver's R: dropped
+      sent_BTEk = moe_exchange.sent_rows(p, flat_BTEk[order_BTEk] // e_local)
+      sent_BTxEk = sent_BTEk[inverse_BTEk].reshape(n, k)
+    xs_SxD = moe_exchange.token_rows(x, token_S, at_BTEk.reshape(n, k), sent_BTxEk, dtype)
     # Buffers the exchange does not zero first: rows nothing lands in (and padding) are
-    # sorted past the groups (key Ed), which nothing reads, and come back to padding rows.
+    # sorted past the groups (key Ed), which nothing reads, and go back to padding rows.
     recv_rows = moe_exchange.padded_rows(rows, n_dev)
     recv_YxD = moe_exchange.exchange(recv_rows, expert_axes, impl, xs_SxD, there, back)
     key_Y = moe_exchange.received_experts(p, all_counts_XsxXxEd[:, me], recv_rows)
@@ -390,14 +396,8 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxEk: Array, gates_BxTxEk: Arra
     # and its gated sum over them as Ek slices of that row added elementwise (float32
     # products and sums, as a matmul accumulates). On TPU this is one elementwise pass; a
     # reduction over the Ek axis of [BT, Ek, D] is priced about three times as much.
-    inverse_BTEk = moe_exchange.inverse_permutation(order_BTEk)
-    at_BTEk = slot_BTEk[inverse_BTEk]  # where each (token, expert) row came back
     back_BTxEkD = moe_exchange.take_rows(back_SxD, at_BTEk, moe_exchange.slot_sources(
         at_BTEk, send_rows)).reshape(n, k * d)
-    sent_BTxEk = None
-    if capacity_factor > 0:  # dropped rows came back as nothing: they add zero
-      sent_BTEk = moe_exchange.sent_rows(p, flat_BTEk[order_BTEk] // e_local)
-      sent_BTxEk = sent_BTEk[inverse_BTEk].reshape(n, k)
     gates_BTxEk = gates.astype(jnp.float32)
     y_BTxD = jnp.zeros((n, d), jnp.float32)
     for j in range(k):

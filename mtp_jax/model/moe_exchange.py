@@ -125,10 +125,41 @@ def send_slots(p: dict, dest_N: Array) -> Array:
 
 def slot_sources(slots_N: Array, size: int) -> Array:
   """[size]: for each buffer row, which of the N rows sits there (slots_N: each row's
-  buffer row); N for a padding row."""
+  buffer row); 0 for a padding row (take_rows' `inverse` for a buffer made by slots_N)."""
   n = slots_N.shape[0]
-  return jnp.full((size,), n, slots_N.dtype).at[slots_N].set(
-      jnp.arange(n, dtype=slots_N.dtype))
+  return jnp.zeros((size,), slots_N.dtype).at[slots_N].set(jnp.arange(n, dtype=slots_N.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def token_rows(x_BTxD: Array, token_S: Array, slots_BTxEk: Array, sent_BTxEk, dtype) -> Array:
+  """The send buffer [S, D] in `dtype`: row s is token token_S[s]'s row (padding rows: any
+  token). Its gradient for token t is the sum of the rows in its Ek slots slots_BTxEk[t]
+  (Ek gathers, no scatter; the padding rows' cotangents are never read), over the slots
+  the exchange sent (sent_BTxEk; None: all): a row it dropped gets no defined gradient
+  from the exchange."""
+  del slots_BTxEk, sent_BTxEk
+  return x_BTxD[token_S].astype(dtype)
+
+
+def _token_rows_fwd(x_BTxD, token_S, slots_BTxEk, sent_BTxEk, dtype):
+  out = token_rows(x_BTxD, token_S, slots_BTxEk, sent_BTxEk, dtype)
+  return out, (token_S, slots_BTxEk, sent_BTxEk, jnp.zeros((0,), x_BTxD.dtype))
+
+
+def _token_rows_bwd(dtype, res, ct_SxD):
+  del dtype
+  token_S, slots_BTxEk, sent_BTxEk, x_kind = res  # x_kind: x's dtype, no elements
+  grad = 0.0
+  for j in range(slots_BTxEk.shape[1]):  # float32 sums, as a matmul accumulates
+    term = ct_SxD[slots_BTxEk[:, j]].astype(jnp.float32)
+    if sent_BTxEk is not None:
+      term = jnp.where(sent_BTxEk[:, j:j + 1], term, 0.0)
+    grad = grad + term
+  zero = lambda a: None if a is None else np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+  return grad.astype(x_kind.dtype), zero(token_S), zero(slots_BTxEk), zero(sent_BTxEk)
+
+
+token_rows.defvjp(_token_rows_fwd, _token_rows_bwd)
 
 
 def sent_rows(p: dict, dest_N: Array) -> Array:
@@ -185,10 +216,10 @@ def inverse_permutation(order: Array) -> Array:
 
 @jax.custom_vjp
 def take_rows(x: Array, order: Array, inverse: Array) -> Array:
-  """x[order], where `order` picks each of x's rows at most once and `inverse` [rows of x]
-  says where each landed (an index past the output for a row not picked: a padding row):
-  its gradient is the gather ct[inverse], zero for rows not picked, not a scatter into a
-  zero-filled buffer."""
+  """x[order], where `order` picks each of x's rows at most once and inverse[r] is where
+  x's row r landed: its gradient is the gather ct[inverse], not a scatter into a
+  zero-filled buffer. A row of x that `order` does not pick (padding) gets whichever row
+  its `inverse` entry names: callers use that only where nothing reads those rows."""
   return x[order]
 
 
@@ -199,7 +230,7 @@ def _take_rows_fwd(x, order, inverse):
 def _take_rows_bwd(res, ct):
   order, inverse = res
   zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-  return ct.at[inverse].get(mode='fill', fill_value=0), zero(order), zero(inverse)
+  return ct[inverse], zero(order), zero(inverse)
 
 
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
