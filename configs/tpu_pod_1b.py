@@ -12,7 +12,7 @@ over 16 chips, two data-parallel replicas. Checked before renting the slice:
   python scripts/aot_compile.py --config configs/tpu_pod_1b.py --topology v5p-64
 
 compiles the train step (all 18 layers, scanned, remat block_mlp, splash attention) to
-40.9 GiB per chip of a v5p's 95 (docs/scaling.md has the figures).
+41.1 GiB per chip of a v5p's 95 (docs/scaling.md has the figures).
 """
 import os
 
@@ -33,8 +33,8 @@ def get_config():
   m.n_kv_heads = 8  # GQA
   m.head_dim = 128
   m.mlp_dim = 5632
-  # block's matmul outputs and the SwiGLU product: 40.9 GiB per chip (34.1 under block),
-  # the compiler's price 887 ms against block's 920 (docs/scaling.md, the remat table)
+  # block's matmul outputs and the SwiGLU product: 41.1 GiB per chip, the compiler's
+  # price 847 ms (block: 34.1 GiB and dearer; docs/scaling.md, the remat table)
   m.remat = 'block_mlp'
   d = c.data
   d.batch_size = 256  # 1M tokens per step; 8 per chip
