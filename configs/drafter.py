@@ -11,7 +11,8 @@ the trunk's final state as --init_from starts a run), for ARM_STEPS steps of the
 - `shared`: one sequential module whose weights serve all three depths
   (model.mtp.share_modules; FastMTP's recursive drafter);
 - `self`: ref trained on the trunk's own greedy tokens (loss.mtp_targets 'self');
-- `lamdecay`: ref with lambda decayed linearly 0.3 -> 0.1 over the run (DeepSeek-V3's);
+- `lamdecay`: ref with lambda decayed linearly 0.3 -> 0.1 over the run (DeepSeek-V3's values;
+  it switched once, after 10 T of its 14.8 T tokens);
 - `fwd`, `rev`: ref under the forward / reverse depth curriculum (model.mtp.curriculum);
 - `leap`: leap targets o = (2, 4, 6) whose depths read no token their leap skips
   (model.mtp.strict_leaps); only depth 1 (o = 2) can draft.
