@@ -197,7 +197,8 @@ def test_stop_reaches_every_slice_it_can_and_names_the_one_it_cannot(pod):
   assert stop.returncode == 1
   assert stop.stderr.strip().splitlines()[-1] == (
       'error: could not reach pod-0 to stop it (the other slices were stopped)')
-  _until(lambda: not any(_trainer_pid(h) for h in homes[1]), 'slice 1 to stop')
+  # stopped: the worker's wrapper writes the exit status just after its trainer ends
+  _until(lambda: all((h / 'mtp_jax_train.exit').exists() for h in homes[1]), 'slice 1 to stop')
   assert all((h / 'mtp_jax_train.exit').read_text().strip() == '0' for h in homes[1])
   assert all(_trainer_pid(h) for h in homes[0])
   (root / 'slices' / 'pod-0' / 'unreachable').unlink()
