@@ -207,6 +207,29 @@ def declared_drafter_families(out_dir: str) -> dict:
           for name, tests in declared.get('families', design_lib.DRAFTER_FAMILIES).items()}
 
 
+def family_tests(table: dict, families: dict) -> tuple[dict, dict]:
+  """The paired test (paired_test) of every declared comparison (v, ref, metric) whose two
+  variants have the metric, named 'v - ref metric' and Holm-adjusted within its family
+  (p_holm, family_size); and per family the comparisons tested, as (v, ref, metric, v's
+  per-seed values, ref's)."""
+  tests, done = {}, {}
+  for family, members in families.items():
+    rows = done.setdefault(family, [])
+    for v, ref, metric in members:
+      if v not in table or ref not in table:
+        continue
+      a, b = table[v]['metrics'].get(metric), table[ref]['metrics'].get(metric)
+      t = paired_test(a['per_seed'], b['per_seed']) if a and b else None
+      if t is None:
+        continue
+      tests[f'{v} - {ref} {metric}'] = {**t, 'family': family}
+      rows.append((v, ref, metric, a['per_seed'], b['per_seed']))
+    names = [f'{v} - {ref} {metric}' for v, ref, metric, _, _ in rows]
+    for name, adj in zip(names, stats.holm([tests[n]['p'] for n in names])):
+      tests[name].update(p_holm=adj, family_size=len(names))
+  return tests, done
+
+
 def tabulate_drafter(runs: list[dict], families: dict | None = None) -> dict:
   """The drafter study: per run variant (the trunk, then every arm) the mean ± std over
   seeds of its figures at its end; per declared family (design_lib.DRAFTER_FAMILIES) the
@@ -229,29 +252,17 @@ def tabulate_drafter(runs: list[dict], families: dict | None = None) -> dict:
                 'lambda': [mtp.get('lambda_schedule', 'step'), list(mtp['lambda_values'])],
                 'seeds': sorted(r['seed'] for r in rs),
                 'metrics': aggregate({r['seed']: lm_metrics(r, DRAFTER_EVAL) for r in rs})}
-  tests, mde = {}, {}
-  for family, members in families.items():
-    names, diffs = [], []
-    for v, ref, metric in members:
-      if v not in table or ref not in table:
-        continue
-      a, b = table[v]['metrics'].get(metric), table[ref]['metrics'].get(metric)
-      t = paired_test(a['per_seed'], b['per_seed']) if a and b else None
-      if t is None:
-        continue
-      name = f'{v} - {ref} {metric}'
-      tests[name] = {**t, 'family': family}
-      names.append(name)
-      diffs.append([a['per_seed'][s] - b['per_seed'][s] for s in a['per_seed']
-                    if a['per_seed'][s] is not None and b['per_seed'].get(s) is not None])
-    for name, adj in zip(names, stats.holm([tests[n]['p'] for n in names])):
-      tests[name].update(p_holm=adj, family_size=len(names))
+  tests, done = family_tests(table, families)
+  mde = {}
+  for family, rows in done.items():
+    diffs = [[a[s] - b[s] for s in a if a[s] is not None and b.get(s) is not None]
+             for *_, a, b in rows]
     sd, dof = stats.pooled_sd(diffs)
     if dof:
       n = min(len(d) for d in diffs)
-      mde[family] = {'metric': members[0][2], 'pooled_sd': sd, 'dof': dof, 'n': n,
+      mde[family] = {'metric': families[family][0][2], 'pooled_sd': sd, 'dof': dof, 'n': n,
                      'mde': stats.min_detectable_effect(sd, n),
-                     'mde_familywise': stats.min_detectable_effect(sd, n, 0.05 / len(names))}
+                     'mde_familywise': stats.min_detectable_effect(sd, n, 0.05 / len(rows))}
   return {'table': table, 'tests': tests, 'mde': mde,
           'endpoints': dict(design_lib.DRAFTER_ENDPOINTS)}
 
@@ -317,24 +328,12 @@ def tabulate_sized(runs: list[dict], families: dict | None = None, arms=None) ->
                   'seeds': sorted(r['seed'] for r in rs),
                   'metrics': aggregate({r['seed']: lm_metrics(r, next(iter(r['evals'])))
                                         for r in rs})}
-    tests, pooled = {}, {'stdlib_bpb': [], 'heldout_bpb': []}
-    for family, members in families.items():
-      names = []
-      for v, ref, metric in members:
-        if v not in table or ref not in table:
-          continue
-        a, b = table[v]['metrics'].get(metric), table[ref]['metrics'].get(metric)
-        t = paired_test(a['per_seed'], b['per_seed']) if a and b else None
-        if t is None:
-          continue
-        name = f'{v} - {ref} {metric}'
-        tests[name] = {**t, 'family': family}
-        names.append(name)
+    tests, done = family_tests(table, families)
+    pooled = {'stdlib_bpb': [], 'heldout_bpb': []}
+    for rows in done.values():
+      for v, ref, metric, a, b in rows:
         if ref == ABLATION.BASELINE and metric in pooled and v in arms:
-          pooled[metric].append([a['per_seed'][s] - b['per_seed'][s]
-                                 for s in a['per_seed'] if s in b['per_seed']])
-      for name, adj in zip(names, stats.holm([tests[n]['p'] for n in names])):
-        tests[name].update(p_holm=adj, family_size=len(names))
+          pooled[metric].append([a[s] - b[s] for s in a if s in b])
     design = {}
     for metric, groups in pooled.items():
       sd, dof = stats.pooled_sd(groups)
