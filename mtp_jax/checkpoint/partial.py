@@ -24,6 +24,7 @@ from mtp_jax.checkpoint.reader import (
   warn,
 )
 from mtp_jax.checkpoint.store import CheckpointError
+from mtp_jax.config import kinds
 from mtp_jax.errors import ConfigError
 
 
@@ -75,7 +76,7 @@ def check_init_from(source: str, config, config_dict: dict,
   same_kind = (old_mtp['kind'] == config.model.mtp.kind
                and bool(old_mtp.get('share_modules', False)) == share)
   keep = min(int(old_mtp['depth']), config.model.mtp.depth) if same_kind else 0
-  return directory, step, (min(keep, 1) if share else keep)
+  return directory, step, kinds.mtp_module_count(keep, share)
 
 
 def init_from(source: str, config, config_dict: dict, state, abstract_state,
@@ -123,10 +124,8 @@ def init_from(source: str, config, config_dict: dict, state, abstract_state,
   flat, treedef = jax.tree_util.tree_flatten_with_path(state)
   state = jax.tree_util.tree_unflatten(treedef, [
       loaded.get(path_names(p), x) for p, x in flat])
-  modules = (min(config.model.mtp.depth, 1)
-             if config_lib.optional(config, 'model.mtp.share_modules', False)
-             else config.model.mtp.depth)
-  fresh = modules - keep
+  fresh = kinds.mtp_module_count(
+      config.model.mtp.depth, config_lib.optional(config, 'model.mtp.share_modules', False)) - keep
   desc = (f'Initialised from {directory}/{step}: trunk, embedding and head'
           + (f' + MTP depths 1..{keep}' if keep else '')
           + f' loaded ({len(loaded)} arrays); '

@@ -79,6 +79,12 @@ MTP_HEADS = {
     'top': HeadFacts('mtp_jax.model.mtp.TokenOrderHead', max_depth=1, predicts_tokens=False),
 }
 
+def mtp_module_count(depth: int, share_modules: bool) -> int:
+  """How many MTP modules hold parameters: one that every depth runs under
+  model.mtp.share_modules, else one per depth."""
+  return min(depth, 1) if share_modules else depth
+
+
 # The names alone, as the config checks list them.
 ATTENTION_KINDS = tuple(ATTENTION)
 MLP_KINDS = tuple(MLP)

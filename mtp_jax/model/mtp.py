@@ -25,6 +25,7 @@ import mtp_jax.model.layers as layers
 import mtp_jax.model.matmul as matmul
 import mtp_jax.model.moe as moe
 from mtp_jax import config_lib
+from mtp_jax.config import kinds
 from mtp_jax.errors import ConfigError
 from mtp_jax.model.kind_classes import ATTENTION_KINDS, MLP_KINDS, MTP_KINDS
 from mtp_jax.runtime import peak as peak_lib
@@ -133,7 +134,7 @@ class ModelArgs:
 
   def mtp_modules(self) -> int:
     """How many MTP modules hold parameters: one under share_modules, else one per depth."""
-    return min(self.mtp_depth, 1) if self.share_modules else self.mtp_depth
+    return kinds.mtp_module_count(self.mtp_depth, self.share_modules)
 
   def module_index(self, k: int) -> int:
     """The index into MTPModel.mtp of depth k's module (k > M: the last, for recursive
