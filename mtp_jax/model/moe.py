@@ -366,13 +366,14 @@ def expert_parallel_swiglu(x_BxTxD: Array, idx_BxTxEk: Array, gates_BxTxEk: Arra
     # The send buffer S: the sorted rows, each destination's slice padded to whole blocks
     # (a padding row holds token 0's row; nothing reads it or its gradient).
     send_rows = moe_exchange.padded_rows(n * k, n_dev)
-    slot_BTEk = moe_exchange.send_slots(p, flat_BTEk[order_BTEk] // e_local)
+    dest_BTEk = flat_BTEk[order_BTEk] // e_local  # each sorted row's device
+    slot_BTEk = moe_exchange.send_slots(p, dest_BTEk)
     inverse_BTEk = moe_exchange.inverse_permutation(order_BTEk)
     at_BTEk = slot_BTEk[inverse_BTEk]  # the slot of each (token, expert) row
     token_S = jnp.zeros((send_rows,), jnp.int32).at[slot_BTEk].set(order_BTEk // k)
     sent_BTxEk = None
     if capacity_factor > 0:  # the rows past a receiver's R: dropped
-      sent_BTEk = moe_exchange.sent_rows(p, flat_BTEk[order_BTEk] // e_local)
+      sent_BTEk = moe_exchange.sent_rows(p, dest_BTEk)
       sent_BTxEk = sent_BTEk[inverse_BTEk].reshape(n, k)
     xs_SxD = moe_exchange.token_rows(x, token_S, at_BTEk.reshape(n, k), sent_BTxEk, dtype)
     # Buffers the exchange does not zero first: rows nothing lands in (and padding) are

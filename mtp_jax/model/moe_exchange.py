@@ -11,12 +11,14 @@ slice, and sends each row once, to the device that holds its expert:
   in_off[xs, x]     = sum_{x' < x} sent[xs, x']  where device xs's slice for x starts
   out_off[xs, x]    = sum_{xs' < xs} sent[xs', x]  where it lands in x's receive buffer
 
-The receive buffer holds Y rows. Dropless (capacity_factor 0): Y = X BT min(Ek, Ed), the
-most rows a device can be sent (every token of the group choosing min(Ek, Ed) of its
+Every slice moves in whole blocks of BLOCK_ROWS rows (plan): the offsets above are taken
+over the slices rounded up to blocks, and the buffers hold the padding (padded_rows).
+The receive buffer keeps R real rows. Dropless (capacity_factor 0): R = X BT min(Ek, Ed),
+the most rows a device can be sent (every token of the group choosing min(Ek, Ed) of its
 experts), so nothing is ever dropped; the buffer is that large but the grouped-matmul
-kernel computes only the rows received. With a capacity factor c > 0, Y = c BT Ek rounded
+kernel computes only the rows received. With a capacity factor c > 0, R = c BT Ek rounded
 up to 8 (the mean a device receives is BT Ek): receiver x takes the senders' slices in
-the order x, x + 1, ... (mod X), a slice that would run past Y is cut at Y, and its last
+the order x, x + 1, ... (mod X), a slice that would run past R is cut there, and its last
 rows (the highest local experts of the senders last in x's order) are dropped, return
 zero and are counted; as each receiver starts from a different sender, the rows cut come
 from different data shards. The gated outputs travel back by the reverse exchange (the
