@@ -566,6 +566,27 @@ def test_scanned_and_unscanned_layers_count_the_same(report):
   assert scanned['estimate']['hbm_bytes'] == scanned['hbm_bytes']
 
 
+def test_a_fused_splash_backward_is_counted_with_its_dq():
+  """splash's fused backward (BlockSizes(use_fused_bwd_kernel=True)) forms dQ in the dkv
+  pass and returns its partial sums per key block as an extra result; its metadata does
+  not say so. The result's shape tells: the pass is then counted with dQ's matmul."""
+  from mtp_jax.train.aot import kernels
+  heads, t, d = 4, 256, 128
+  q = ('bf16', [heads, t, d])
+  operands = [('data_next', [('s8', [1, 2, 2])]), ('block_mask', [('s8', [1, 2, 2])]),
+              ('q', [q]), ('k', [q]), ('v', [q])]
+  text = ('splash_mha_dkv.1 = custom-call(...), kernel_metadata={"xprof_metadata":'
+          '"{\\"block_q_dkv\\": 128, \\"block_kv_dkv\\": 128}"}')
+  constants = {'block_mask': [1, 0, 1, 1]}
+  split = kernels.kernel_call('tpu_custom_call', text, [q, q], operands, constants)
+  fused = kernels.kernel_call('tpu_custom_call', text, [q, q, ('bf16', [2, heads, t, d])],
+                              operands, constants)
+  pairs = heads * t * t * 3 / 4
+  assert split.flops == 2 * pairs * (2 * d + 2 * d)  # QK^T and dP again, dK, dV
+  assert fused.flops == 2 * pairs * (3 * d + 2 * d)  # and dQ
+  assert split.name == fused.name == 'splash_mha_dkv'
+
+
 def test_splash_kernel_calls_are_counted_from_their_shapes(report):
   """A causal splash attention (Pallas TPU kernel, one sequence per chip inside shard_map)
   compiled for the slice: its forward, dq and dkv calls and their FLOPs, which

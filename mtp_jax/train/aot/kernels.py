@@ -8,7 +8,8 @@ shapes, per call:
                      splash_{mha,mqa}_*{fwd,dq,dkv}): every (query block, key block) pair its
                      block mask keeps costs the block's matmuls: forward QKᵀ and PV; dq
                      recomputes QKᵀ and forms dP and dQ; dkv recomputes QKᵀ and dP and forms
-                     dK and dV. The block mask is an operand of the call, read where it is a
+                     dK and dV (and dQ too in the fused backward, whose extra result holds
+                     dQ's partial sums per key block). The block mask is an operand of the call, read where it is a
                      constant; where it reaches the call through a loop (a scanned layer's
                      call) its shape gives the block grid and the kept pairs are a causal
                      mask's (the lower triangle of blocks, diagonal blocks whole), counted
@@ -107,7 +108,7 @@ def kernel_call(target: str, text: str, outputs: list, operands: list,
   if target == 'tpu_custom_call':
     m = _SPLASH.search(text)
     if m and len(floats) >= 3:
-      return _splash(m.group(1), m.group(2), text, floats, operands, constants, io)
+      return _splash(m.group(1), m.group(2), text, floats, operands, constants, io, outputs)
     m = _GMM.search(text)
     if m and len(floats) >= 2:
       return _gmm(m.group(1), outputs, floats, io, grouped_rows)
@@ -132,7 +133,7 @@ def _name(text: str) -> str:
   return m.group(1).rsplit('/', 2)[-2] if m and '/' in m.group(1) else ''
 
 
-def _splash(name, pass_name, text, floats, operands, constants, io) -> KernelCall:
+def _splash(name, pass_name, text, floats, operands, constants, io, outputs) -> KernelCall:
   meta = {}
   m = _XPROF.search(text)
   if m:
@@ -164,7 +165,10 @@ def _splash(name, pass_name, text, floats, operands, constants, io) -> KernelCal
     suffix = {'fwd': '', 'dq': '_dq', 'dkv': '_dkv'}[pass_name]
     frac, assumed = causal_kept_fraction(t_q, t_kv, meta.get(f'block_q{suffix}', 512),
                                          meta.get(f'block_kv{suffix}', 512)), True
-  fused = pass_name == 'dkv' and meta.get('use_fused_bwd_kernel', False)
+  # the fused backward (dQ formed in the dkv pass) returns dQ's partial sums, one per key
+  # block: q's dims with the key-block count before the heads
+  fused = pass_name == 'dkv' and (meta.get('use_fused_bwd_kernel', False) or any(
+      len(dims) == len(q) + 1 and tuple(dims[-3:]) == tuple(q[-3:]) for _, dims in outputs))
   pairs = heads * t_q * t_kv * frac
   flops = attention_pass_flops('dkv_fused' if fused else pass_name, pairs, d_qk, d_v)
   size = _size(floats[0][0])
