@@ -114,3 +114,32 @@ def test_rope_halves_swapped_by_matmul_equal_the_slices_bit_for_bit(dtype):
     got = jax.jit(lambda x, p: layers.apply_rope(x, p, 500000.0, scaling, True))(x, pos)
     assert got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_the_norm_backward_reads_its_cotangent_written_out_on_tpu_only():
+  """RMSNorm's closed-form backward puts an optimization barrier on its incoming gradient
+  in a program traced for TPU (matmul.unfused_cotangent: the compiler would otherwise fuse
+  the norm's float32 backward into the matmul that made dy), and none on CPU; the values
+  are the same either way."""
+  from mtp_jax.model import layers
+  from mtp_jax.train.aot.devices import traced_for
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(4, 16)), jnp.float32)
+  scale = jnp.asarray(rng.normal(size=(16,)), jnp.float32)
+
+  def loss(x, scale):
+    return jnp.sum(jnp.sin(layers.rms_normalize(x, scale, 1e-6, jnp.float32)))
+
+  grad = jax.grad(loss, argnums=(0, 1))
+  assert 'optimization_barrier' not in str(jax.make_jaxpr(grad)(x, scale))
+  jax.clear_caches()  # the backward's trace is cached per function, whatever the backend
+  with traced_for('tpu'):
+    tpu_jaxpr = str(jax.make_jaxpr(grad)(x, scale))
+    tpu_grads = jax.jit(grad).lower(x, scale)  # traced for TPU, compiled for nothing
+  assert tpu_jaxpr.count('optimization_barrier') == 1
+  assert 'optimization_barrier' in tpu_grads.as_text()
+  jax.clear_caches()
+  want = jax.grad(lambda x, s: jnp.sum(jnp.sin(layers.rms_normalize_autodiff(
+      x, s, 1e-6, jnp.float32))), argnums=(0, 1))(x, scale)
+  for g, w in zip(grad(x, scale), want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)

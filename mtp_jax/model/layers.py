@@ -71,6 +71,7 @@ def _rms_vjp_fwd(x, scale, eps, dtype):
 def _rms_vjp_bwd(eps, dtype, res, dy):
   x, r, scale = res
   d = x.shape[-1]
+  dy = matmul.unfused_cotangent(dy)
   x_hat = x.astype(jnp.float32) * r
   dy, scale32 = dy.astype(jnp.float32), scale.astype(jnp.float32)
   # mean(x_hat * scale * dy) as (x_hat dy) . scale / d, a matrix-vector product: the scale

@@ -31,6 +31,24 @@ Array = jax.Array
 BF16 = jnp.dtype(jnp.bfloat16)
 
 
+# Backends whose compiler fuses the elementwise backward that follows a matmul into that
+# matmul's output (unfused_cotangent): TPU's.
+UNFUSED_COTANGENT_BACKENDS = ('tpu',)
+
+
+def unfused_cotangent(ct: Array) -> Array:
+  """ct itself, written out whole before the elementwise backward that reads it (an
+  optimization barrier) where the backend is in UNFUSED_COTANGENT_BACKENDS.
+
+  The TPU compiler otherwise fuses a norm's or an attention kernel's elementwise backward
+  (float32 row reductions) into the output of the matmul that produced its cotangent, and
+  prices that fusion at about twice the matmul alone; a separate elementwise pass over the
+  written cotangent costs less (docs/scaling.md)."""
+  if jax.default_backend() in UNFUSED_COTANGENT_BACKENDS:
+    return jax.lax.optimization_barrier(ct)
+  return ct
+
+
 def bf16_kernels(dtype) -> bool:
   """Whether products in compute `dtype` take the CPU bf16 form (`_bf16_dot`) here."""
   return jnp.dtype(dtype) == BF16 and jax.default_backend() == 'cpu'
