@@ -34,7 +34,7 @@ def get_config():
   m.head_dim = 128
   m.mlp_dim = 5632
   # block's matmul outputs and the SwiGLU product: 41.1 GiB per chip, the compiler's
-  # price 847 ms (block: 34.1 GiB and dearer; docs/scaling.md, the remat table)
+  # price 832 ms (block: 34.1 GiB and dearer; docs/scaling.md, the remat table)
   m.remat = 'block_mlp'
   d = c.data
   d.batch_size = 256  # 1M tokens per step; 8 per chip
