@@ -40,10 +40,10 @@ def unfused_cotangent(ct: Array) -> Array:
   """ct itself, written out whole before the elementwise backward that reads it (an
   optimization barrier) where the backend is in UNFUSED_COTANGENT_BACKENDS.
 
-  The TPU compiler otherwise fuses a norm's or an attention kernel's elementwise backward
-  (float32 row reductions) into the output of the matmul that produced its cotangent, and
-  prices that fusion at about twice the matmul alone; a separate elementwise pass over the
-  written cotangent costs less (docs/scaling.md)."""
+  Used by the RMSNorm backward (layers._rms_vjp_bwd): the TPU compiler otherwise fuses
+  its float32 row reductions into the output of the matmul that produced dy and prices
+  that fusion at about twice the matmul alone; a separate pass over the written dy costs
+  less (docs/scaling.md, which also prices the places where it does not pay)."""
   if jax.default_backend() in UNFUSED_COTANGENT_BACKENDS:
     return jax.lax.optimization_barrier(ct)
   return ct

@@ -9,11 +9,11 @@ shapes, per call:
                      block mask keeps costs the block's matmuls: forward QKᵀ and PV; dq
                      recomputes QKᵀ and forms dP and dQ; dkv recomputes QKᵀ and dP and forms
                      dK and dV (and dQ too in the fused backward, whose extra result holds
-                     dQ's partial sums per key block). The block mask is an operand of the call, read where it is a
-                     constant; where it reaches the call through a loop (a scanned layer's
-                     call) its shape gives the block grid and the kept pairs are a causal
-                     mask's (the lower triangle of blocks, diagonal blocks whole), counted
-                     in `causal_assumed`.
+                     dQ's partial sums per key block). The block mask is an operand of the
+                     call, read where it is a constant; where it reaches the call through a
+                     loop (a scanned layer's call) its shape gives the block grid and the
+                     kept pairs are a causal mask's (the lower triangle of blocks, diagonal
+                     blocks whole), counted in `causal_assumed`.
   Triton attention   the Pallas GPU flash kernel (`__gpu$xla.gpu.triton` calls of
                      mha_forward / mha_backward; the backward forms dK, dV in one loop and
                      dQ in another), its blocks read from the call's grid.
