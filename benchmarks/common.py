@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 
@@ -126,7 +127,7 @@ class Run:
   def envelope(self) -> dict:
     argv = [a.replace(REPO + os.sep, '') for a in self.argv]
     return {'benchmark': self.name,
-            'command': ' '.join([f'python {self.script}', *argv]),
+            'command': shlex.join(['python', self.script, *argv]),  # pastes into a shell
             **commit(), 'machine': machine(),
             'load_average': {'start': self.load_start, 'end': load_average()},
             'peak': peak(), 'date': self.started, 'smoke': self.smoke,

@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 
 import pytest
@@ -50,6 +51,8 @@ def smoke(name, tmp_path, *argv, benchmark=None) -> dict:
   assert set(ENVELOPE) <= set(doc), set(ENVELOPE) - set(doc)
   assert doc['benchmark'] == (benchmark or name) and doc['smoke'] is True
   assert doc['command'].split()[1].endswith(f'{name}.py') and '--smoke' in doc['command']
+  # the recorded command pastes into a shell as it was run (a tree's ';' included)
+  assert shlex.split(doc['command'])[2:] == ['--smoke', '--out', str(out), *argv]
   assert doc['machine']['cores'] >= 1 and doc['machine']['cpu']
   assert len(doc['load_average']['start']) == 3 and len(doc['load_average']['end']) == 3
   assert doc['peak']['gflops'] == pytest.approx(100.0)
@@ -127,7 +130,7 @@ def test_decode_speed(tmp_path):
 
 
 def test_tree_decode(tmp_path):
-  r = smoke('tree_decode', tmp_path)
+  r = smoke('tree_decode', tmp_path, '--trees', '0;1;0.0')  # --smoke decodes `2,1`
   rows = {row['variant']: row for row in r['results']}
   assert set(rows) == {'ar', 'chain', '2,1'}
   assert rows['2,1']['identical_to_ar'] is True and rows['chain']['identical_to_ar'] is True
