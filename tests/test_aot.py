@@ -26,6 +26,7 @@ from mtp_jax.commands import aot_compile
 from mtp_jax.errors import RequestError
 from mtp_jax.runtime import sharding
 from mtp_jax.train import aot
+from mtp_jax.train.aot import report as report_lib
 from mtp_jax.train.aot.devices import no_jax_cache
 
 TOPOLOGY = 'v5e-8'
@@ -459,6 +460,33 @@ def test_a_conditional_is_priced_at_its_costliest_branch():
   assert priced['step_s'] == pytest.approx(3000 / 1.75e9)
   assert [r['name'] for r in priced['top_ops']] == ['f.2', 'f.1']  # each branch listed
 
+
+
+def _unrolled_hlo(cycles_of_last: str) -> str:
+  """Three layers' copies of one fusion (one JAX source), the last at `cycles_of_last`."""
+  op = ('  %{name} = f32[8,128]{{1,0}} fusion(%{arg}), kind=kLoop, calls=%neg, '
+        'metadata={{op_name="jit(step)/layer/neg"}}, '
+        'backend_config={{"window_config":{{"estimated_cycles":"{cycles}"}}}}\n')
+  body = (op.format(name='l.0', arg='a', cycles='1000') + op.format(name='l.1', arg='l.0', cycles='1000')
+          + op.format(name='l.2', arg='l.1', cycles=cycles_of_last))
+  return ('HloModule jit_unrolled, is_scheduled=true\n\n'
+          '%neg (n0: f32[8,128]) -> f32[8,128] {\n  %n0 = f32[8,128]{1,0} parameter(0)\n'
+          '  ROOT %n1 = f32[8,128]{1,0} negate(%n0)\n}\n\n'
+          'ENTRY %main (a: f32[8,128]) -> f32[8,128] {\n  %a = f32[8,128]{1,0} parameter(0)\n'
+          + body.replace('  %l.2', '  ROOT %l.2') + '}\n')
+
+
+def test_unrolled_layers_ops_are_one_row_of_the_costliest_ops():
+  """An unrolled stack repeats each layer's ops under new names: alike ops (instruction,
+  source, cost) are one row with their runs summed; an op that costs otherwise is its own."""
+  chip = aot.parse_topology('v5p-8').chip
+  priced = aot.price_step(aot.analyze_hlo(_unrolled_hlo('1000'), 1), chip)
+  (row,) = priced['top_ops']
+  assert (row['name'], row['ops'], row['runs']) == ('l.0', 3, 3)
+  assert row['time_s'] == pytest.approx(3000 / 1.75e9) and row['share'] == pytest.approx(1.0)
+  assert '(and 2 alike)' in '\n'.join(report_lib.top_ops_lines(priced))
+  apart = aot.price_step(aot.analyze_hlo(_unrolled_hlo('4000'), 1), chip)['top_ops']
+  assert [(r['name'], r['ops']) for r in apart] == [('l.2', 1), ('l.0', 2)]
 
 
 # The TPU's asynchronous collective fusion: one all-gather (channel 7) of a [2, 128] shard

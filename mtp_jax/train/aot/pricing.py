@@ -62,7 +62,8 @@ def _time(op, chip) -> tuple:
 
 def price_step(stats: HloStats, chip, top: int = TOP_OPS) -> dict:
   """The step's time by the rules above, per rule and per kind of op, and its costliest
-  ops: [{name, kind, basis, runs, time_s, share, cycles, flops, hbm_bytes, source}].
+  ops: [{name, ops, kind, basis, runs, time_s, share, cycles, flops, hbm_bytes, source}],
+  `ops` alike ops in one row (_alike), `name` the first of them.
 
   A computation's time is its ops' times in order; a while loop's its condition and body
   times its trip count, a call's its callee's, a conditional's its costliest branch's. An
@@ -118,7 +119,7 @@ def price_step(stats: HloStats, chip, top: int = TOP_OPS) -> dict:
         with_cycles += 1
       else:
         without += 1
-  costly = sorted(per_op.values(), key=lambda r: -r[2])[:top]
+  costly = sorted(_alike(per_op.values()), key=lambda r: -r[3])[:top]
   return {
       'step_s': step,
       'basis': 'compiler' if by_basis['compiler'] > 0 else 'roofline',
@@ -126,8 +127,25 @@ def price_step(stats: HloStats, chip, top: int = TOP_OPS) -> dict:
       'by_basis': by_basis,
       'by_kind': dict(sorted(((k, v) for k, v in kind_s.items() if v), key=lambda kv: -kv[1])),
       'ops_with_cycles': with_cycles, 'ops_without_cycles': without,
-      'top_ops': [{'name': op.name, 'kind': op.kind, 'basis': basis, 'runs': op.runs,
+      'top_ops': [{'name': op.name, 'ops': n, 'kind': op.kind, 'basis': basis, 'runs': runs,
                    'time_s': t, 'share': t / step if step else 0.0, 'cycles': op.cycles,
                    'flops': op.flops, 'hbm_bytes': op.hbm_bytes, 'source': op.source}
-                  for op, basis, t in costly],
+                  for op, basis, n, t, runs in costly],
   }
+
+
+def _alike(rows) -> list:
+  """[(first op, basis, ops, seconds per step, runs)]: ops of one instruction, JAX source
+  and cost per execution as one row. Unrolled layers (model.scan_layers False) repeat each
+  layer's ops under new names; the table then reads as the scanned one, each op once with
+  its runs summed."""
+  out = {}
+  for op, basis, t in rows:
+    once = round(t / max(op.runs, 1) * 1e12)  # picoseconds of one execution
+    key = (op.kind, op.op, basis, op.source, op.flops, op.hbm_bytes, op.cycles, once)
+    if key in out:
+      row = out[key]
+      row[2:] = [row[2] + 1, row[3] + t, row[4] + op.runs]
+    else:
+      out[key] = [op, basis, 1, t, op.runs]
+  return [tuple(r) for r in out.values()]

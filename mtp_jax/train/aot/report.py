@@ -97,6 +97,7 @@ def top_ops_lines(priced: dict) -> list:
   for op in priced['top_ops']:
     source = op['source'].split('/')
     source = '/'.join(source[-3:]) if len(source) > 3 else op['source']
+    name = op['name'] + (f' (and {op["ops"] - 1} alike)' if op.get('ops', 1) > 1 else '')
     lines.append(f'    {op["time_s"] * 1e3:#17.4g} {100 * op["share"]:5.1f} % {op["runs"]:8.0f}  '
-                 f'{op["kind"]} / {op["basis"]} / {op["name"]} / {source}')
+                 f'{op["kind"]} / {op["basis"]} / {name} / {source}')
   return lines
