@@ -63,6 +63,23 @@ def test_sweep_figures_of_the_sized_sweep_plot_its_equal_token_runs(tmp_path, mo
     assert all(r['steps'] == 40 for r in rs)  # the equal-token runs only
 
 
+def test_the_acceptance_figure_leaves_out_an_arm_that_cannot_draft(tmp_path):
+  """TOP (`t1`) has an MTP depth but no decode evaluation: the sized figures are drawn
+  without it instead of failing on its missing acceptance."""
+  from mtp_jax.research import plotting
+
+  runs = [_sized_run(f'{v}@tokens', s, d) for v, d in (('d0', 0), ('d3', 3), ('t1', 1))
+          for s in (0, 1)]
+  for r in runs:
+    if r['variant'].startswith('t1'):
+      r['mtp_kind'], r['evals']['equal_tokens']['decode'] = 'top', {}
+  (tmp_path / 'sized.json').write_text(json.dumps(runs))
+  paths = plotting.plot_sweep(str(tmp_path))
+  for path in paths:
+    data = open(path, 'rb').read()
+    assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 10_000
+
+
 def test_several_workdirs_overlay_in_one_figure_and_the_hint_names_the_trainer_setting(
     tmp_path, capsys):
   from mtp_jax.commands import plot

@@ -323,8 +323,10 @@ def plot_induction(results: list[dict], path: str, chance: float | None = None) 
 
 def plot_sweep_acceptance(results: list[dict], path: str, budget: str = 'equal_tokens') -> str:
   """Free-running acceptance per depth (greedy, T = 1, T = 0.7), mean ± std over seeds,
-  with the teacher-forced agreement per depth (held-out) as black marks."""
-  by = {v: rs for v, rs in _group_by_variant(results).items() if rs[0]['depth']}
+  with the teacher-forced agreement per depth (held-out) as black marks. Variants that
+  cannot draft (no MTP depth, or TOP's ranking head: no decode evaluation) are left out."""
+  by = {v: rs for v, rs in _group_by_variant(results).items()
+        if rs[0]['depth'] and rs[0]['evals'][budget].get('decode')}
   present = next(iter(by.values()))[0]['evals'][budget]['decode']
   temps = [(t, 'greedy' if t == 'T0' else f'T = {t[1:]}') for t in present]
   fig, axes = plt.subplots(1, len(temps), figsize=(4.4 * len(temps), 4.3), sharey=True,
