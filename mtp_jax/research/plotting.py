@@ -223,7 +223,7 @@ def plot_decode_acceptance(stats: dict, accepted_hist, path: str) -> str:
 
 # -- multi-seed sweeps (scripts/ablation.py's JSON) --------------------------------------------
 VARIANT_COLORS = {'d0': '#424242', 'd1': '#1e88e5', 'p2': '#fb8c00', 'd3': '#e53935',
-                  'd3f': '#8e24aa', 'd3r': '#43a047', 'd3p': '#fb8c00'}
+                  'd3f': '#8e24aa', 'd3r': '#43a047', 'd3p': '#fb8c00', 't1': '#00acc1'}
 
 
 def _group_by_variant(results: list[dict]) -> dict[str, list[dict]]:
@@ -350,10 +350,11 @@ def plot_sweep_acceptance(results: list[dict], path: str, budget: str = 'equal_t
   axes[0].set_ylabel('acceptance')
   axes[0].set_ylim(0, 1)
   handles, labels = axes[0].get_legend_handles_labels()
-  fig.legend(handles, labels, loc='lower center', ncol=len(labels), fontsize=8)
+  ncol = min(len(labels), 3)  # rows of three: a single row ran past the figure's edges
+  fig.legend(handles, labels, loc='lower center', ncol=ncol, fontsize=8)
   fig.suptitle(f'Held-out prompts, {budget.replace("_", " ")} (error bars: ±1 std over seeds)',
                fontsize=10)
-  fig.tight_layout(rect=(0, 0.08, 1, 1))
+  fig.tight_layout(rect=(0, 0.045 * -(-len(labels) // ncol) + 0.02, 1, 1))
   return _save(fig, path, layout=False)
 
 
