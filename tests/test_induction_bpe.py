@@ -77,3 +77,21 @@ def test_sizes_have_the_stated_non_embedding_parameters(size):
   for v, (depth, kind) in tables.BPE_NAMES.VARIANTS.items():
     cv = tables.BPE_NAMES.get_config(f'{v},{size}')
     assert (cv.model.mtp.depth, cv.model.mtp.kind) == (depth, kind)
+
+
+def test_variants_pick_a_variant_at_every_size_or_one_variant_at_one_size(tmp_path):
+  """--variants d0 keeps d0 at every size; --variants n2@1m one run a seed; an unknown
+  size is refused by name before anything runs."""
+  from mtp_jax.commands import ablation as command
+  from mtp_jax.research import ablation
+
+  def runs(variants):
+    args = command.parse(['--groups', 'bpe_names', '--seeds', '0,1', '--variants', variants,
+                          '--out', str(tmp_path / 'out'), '--workdir', str(tmp_path / 'w')])
+    return [(r.variant, r.seed) for r in ablation.make_runs(args)]
+
+  assert list(tables.BPE_NAMES.SIZES) == ['1m', '3m']
+  assert runs('d0') == [(v, s) for s in (0, 1) for v in ('d0@1m', 'd0@3m')]
+  assert runs('n2@1m,d0') == [(v, s) for s in (0, 1) for v in ('d0@1m', 'n2@1m', 'd0@3m')]
+  with pytest.raises(SystemExit):
+    command.parse(['--groups', 'bpe_names', '--variants', 'n2@7m'])

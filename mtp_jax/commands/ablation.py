@@ -60,7 +60,8 @@ def parse(argv):
   p.add_argument('--seeds', default='0,1,2', help='comma-separated integer seeds')
   p.add_argument('--groups', default=','.join(DEFAULT_GROUPS),
                  help=f'comma-separated, of {", ".join(GROUPS)}')
-  p.add_argument('--variants', default='', help='subset of variants (default: all of a group)')
+  p.add_argument('--variants', default='', help='subset of variants (default: all of a group); bpe_names also takes '
+                      '<variant>@<size>')
   p.add_argument('--workdir', default=os.path.join('runs', 'ablation', 'workdirs'),
                  help='checkpoints of unfinished runs')
   p.add_argument('--out', default=os.path.join('runs', 'ablation'),
@@ -102,7 +103,8 @@ def parse(argv):
     p.error(f'unknown group(s) {bad}; choose from {", ".join(GROUPS)}')
   args.variants = args.variants.split(',') if args.variants else []
   known = set(ABLATION.VARIANTS) | set(INDUCTION.VARIANTS) | set(ABLATION.SIZED_VARIANTS) \
-      | set(NAMES.VARIANTS) | set(BPE_NAMES.VARIANTS) | set(DRAFTER.ARMS)
+      | set(NAMES.VARIANTS) | set(BPE_NAMES.VARIANTS) | set(DRAFTER.ARMS) \
+      | {f'{v}@{size}' for v in BPE_NAMES.VARIANTS for size in BPE_NAMES.SIZES}
   bad = [v for v in args.variants if v not in known]
   if bad:
     p.error(f'unknown variant(s) {bad}; choose from {", ".join(sorted(known))}')

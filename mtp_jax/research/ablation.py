@@ -31,12 +31,12 @@ from mtp_jax.research.tables import (
 
 def group_variants(args, group: str) -> list[str]:
   """The group's variants that --variants keeps; bpe_names: each at every size,
-  `<variant>@<size>`."""
+  `<variant>@<size>` (--variants names a variant, at every size, or one variant@size)."""
   allv = list(ABLATION.SIZED_VARIANTS if group == 'sized' else CONFIGS[group].VARIANTS)
-  keep = [v for v in allv if not args.variants or v in args.variants]
   if group == 'bpe_names':
-    return [f'{v}@{size}' for size in BPE_NAMES.SIZES for v in keep]
-  return keep
+    return [f'{v}@{size}' for size in BPE_NAMES.SIZES for v in allv
+            if not args.variants or v in args.variants or f'{v}@{size}' in args.variants]
+  return [v for v in allv if not args.variants or v in args.variants]
 
 
 def sized_runs(steps: int, smoke: bool = False, variants=None) -> list[tuple[str, str, int]]:
