@@ -152,6 +152,40 @@ def test_tables_pair_each_arm_with_ref_within_declared_families(tmp_path):
   assert json.loads(first['summary.json'])['drafter']['tests'].keys() == dr['tests'].keys()
 
 
+def test_the_speed_up_at_d768_is_tau_over_the_measured_iteration_cost(tmp_path):
+  """d768_iteration_costs reads only the d 768 model's batch-1 float32 rows with every
+  draft taken; each run's speed-up is its tau at T over the cost at T with as many drafts
+  as it drafted (one for a leap drafter), and a temperature the benchmark lacks has none."""
+  def row(batch, temp, drafts, ratio, dtype='float32', threshold=0.0):
+    return {'batch_size': batch, 'temperature': temp, 'num_drafts': drafts,
+            'weight_dtype': dtype, 'draft_threshold': threshold, 'iteration_cost_ratio': ratio}
+  small = {'d_model': 256, 'n_layers': 4}
+  d768 = {'d_model': 768, 'n_layers': 12}
+  bench = {'machine': {'cpu': 'test CPU'}, 'runs': [
+      {'command': 'small', 'result': {'model': small, 'results': [row(1, 1.0, 3, 9.0)]}},
+      {'command': 'd768', 'commit': 'abc', 'result': {'model': d768, 'results': [
+          row(1, 1.0, 3, 2.0), row(1, 1.0, 1, 1.25), row(8, 1.0, 3, 7.0),
+          row(1, 1.0, 2, 5.0, dtype='bfloat16'), row(1, 1.0, 2, 6.0, threshold=0.5)]}}]}
+  path = tmp_path / 'decode_speed.json'
+  path.write_text(json.dumps(bench))
+  costs = tables.d768_iteration_costs(str(path))
+  assert costs['cost_ratio'] == {'T1': {'3': 2.0, '1': 1.25}}
+  assert (costs['command'], costs['commit'], costs['machine']) == ('d768', 'abc', 'test CPU')
+  assert tables.d768_iteration_costs(str(tmp_path / 'none.json')) is None
+  ref = _run('ref', 0, {'T0': 3.0, 'T1': 2.6, 'T0.7': 2.9})
+  leap = _run('leap', 0, {'T0': 2.0, 'T1': 1.5, 'T0.7': 1.6})
+  for t in ('T0', 'T1', 'T0.7'):
+    leap['evals']['end']['decode'][t]['acceptance_per_depth'] = [0.5]
+  dr = tables.tabulate_drafter([_run('trunk', 0, {}), ref, leap], d768=costs)
+  assert dr['table']['ref']['metrics']['speedup_d768_T1']['mean'] == pytest.approx(2.6 / 2.0)
+  assert dr['table']['leap']['metrics']['speedup_d768_T1']['mean'] == pytest.approx(1.5 / 1.25)
+  assert 'speedup_d768_T0.7' not in dr['table']['ref']['metrics']
+  assert 'speedup_d768_T1' not in dr['table']['trunk']['metrics']
+  assert dr['d768'] == costs
+  text = '\n'.join(tables.markdown_drafter(dr))
+  assert '| 1.30 |' in text and 'Speed-up at d 768' in text and '2.00 (3 drafts)' in text
+
+
 def test_a_design_file_declares_the_families_the_tables_use(tmp_path):
   """Families in OUT/design.json's `drafter` key (written before the runs) are the ones the
   tables test, not design_lib's current ones."""

@@ -42,6 +42,10 @@ DRAFTER = load_config_module('drafter')
 DRAFTER_EVAL = 'end'  # a drafter run's one evaluation, at its last step
 CONFIGS = {'lm': ABLATION, 'induction': INDUCTION, 'names': NAMES, 'bpe_names': BPE_NAMES,
            'drafter': DRAFTER}
+# benchmarks/decode_speed.py's current result: what one verify iteration of the d 768 model
+# (configs/decode_768.py) costs against one autoregressive step, measured while decoding
+DECODE_SPEED = os.path.join(REPO, 'benchmarks', 'results', 'decode_speed.json')
+D768 = {'d_model': 768, 'n_layers': 12}
 
 
 def lm_metrics(r: dict, budget: str) -> dict:
@@ -191,8 +195,37 @@ def tabulate(out_dir: str, seeds=None) -> dict:
   drafter = [r for r in results_lib.load_results(out_dir, 'drafter')
              if seeds is None or r['seed'] in seeds]
   if drafter:
-    summary['drafter'] = tabulate_drafter(drafter, declared_drafter_families(out_dir))
+    summary['drafter'] = tabulate_drafter(drafter, declared_drafter_families(out_dir),
+                                          d768_iteration_costs())
   return summary
+
+
+def d768_iteration_costs(path: str = DECODE_SPEED) -> dict | None:
+  """The cost of one verify iteration relative to one AR step of the d 768, 12-layer model,
+  as decode_speed measured it at batch 1 in float32 with every draft taken:
+  {'cost_ratio': {'T<t>': {'<drafts>': ratio}}, 'command', 'commit', 'date', 'machine'}
+  from the first such run; None when the file or such a run is missing. tau over this ratio
+  is the speed-up that run measured (up to prefill)."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    bench = json.load(f)
+  for run in bench.get('runs', []):
+    res = run.get('result', {})
+    if any(res.get('model', {}).get(k) != v for k, v in D768.items()):
+      continue
+    ratios = {}
+    for row in res.get('results', []):
+      if (row['batch_size'], row['weight_dtype'], row.get('draft_threshold', 0)) == \
+         (1, 'float32', 0):
+        ratios.setdefault(f"T{row['temperature']:g}", {})[str(row['num_drafts'])] = \
+            row['iteration_cost_ratio']
+    if ratios:
+      machine = run.get('machine', bench.get('machine', {}))
+      return {'cost_ratio': ratios, 'command': run['command'], 'commit': run.get('commit'),
+              'date': run.get('date'), 'machine': machine.get('description', machine.get('cpu')),
+              'model': res['model']}
+  return None
 
 
 def declared_drafter_families(out_dir: str) -> dict:
@@ -230,12 +263,15 @@ def family_tests(table: dict, families: dict) -> tuple[dict, dict]:
   return tests, done
 
 
-def tabulate_drafter(runs: list[dict], families: dict | None = None) -> dict:
+def tabulate_drafter(runs: list[dict], families: dict | None = None,
+                     d768: dict | None = None) -> dict:
   """The drafter study: per run variant (the trunk, then every arm) the mean ± std over
   seeds of its figures at its end; per declared family (design_lib.DRAFTER_FAMILIES) the
   paired tests against the reference (same seed = same frozen trunk) with Holm's
   correction within the family; per endpoint the minimum detectable paired effect at the
-  pooled sd of the family's differences and its fewest seeds."""
+  pooled sd of the family's differences and its fewest seeds. With `d768`
+  (d768_iteration_costs), each run's speed-up at the d 768 shape, `speedup_d768_T<t>`: its
+  tau at T over the d 768 model's measured iteration cost at T with as many drafts."""
   families = design_lib.DRAFTER_FAMILIES if families is None else families
   by = {}
   for r in runs:
@@ -251,7 +287,8 @@ def tabulate_drafter(runs: list[dict], families: dict | None = None) -> dict:
                 'mtp_targets': rs[0]['config'].get('loss', {}).get('mtp_targets', 'data'),
                 'lambda': [mtp.get('lambda_schedule', 'step'), list(mtp['lambda_values'])],
                 'seeds': sorted(r['seed'] for r in rs),
-                'metrics': aggregate({r['seed']: lm_metrics(r, DRAFTER_EVAL) for r in rs})}
+                'metrics': aggregate({r['seed']: _with_d768_speedup(lm_metrics(r, DRAFTER_EVAL),
+                                                                    d768) for r in rs})}
   tests, done = family_tests(table, families)
   mde = {}
   for family, rows in done.items():
@@ -263,8 +300,21 @@ def tabulate_drafter(runs: list[dict], families: dict | None = None) -> dict:
       mde[family] = {'metric': families[family][0][2], 'pooled_sd': sd, 'dof': dof, 'n': n,
                      'mde': stats.min_detectable_effect(sd, n),
                      'mde_familywise': stats.min_detectable_effect(sd, n, 0.05 / len(rows))}
-  return {'table': table, 'tests': tests, 'mde': mde,
-          'endpoints': dict(design_lib.DRAFTER_ENDPOINTS)}
+  out = {'table': table, 'tests': tests, 'mde': mde,
+         'endpoints': dict(design_lib.DRAFTER_ENDPOINTS)}
+  if d768:
+    out['d768'] = d768
+  return out
+
+
+def _with_d768_speedup(m: dict, d768: dict | None) -> dict:
+  """`m` plus speedup_d768_T<t> = tau_T<t> / the d 768 iteration cost at T and this run's
+  number of drafts, where the benchmark measured that pair."""
+  for temp, ratios in (d768 or {}).get('cost_ratio', {}).items():
+    drafts = sum(1 for k in m if k.startswith(f'accept_{temp}_'))
+    if m.get(f'tau_{temp}') is not None and str(drafts) in ratios:
+      m[f'speedup_d768_{temp}'] = m[f'tau_{temp}'] / ratios[str(drafts)]
+  return m
 
 
 def declared_design(out_dir: str) -> tuple[dict, tuple]:
@@ -539,8 +589,9 @@ def markdown_drafter(drafter: dict) -> list[str]:
          f"primary endpoint {ep['primary']}, secondary {ep['secondary']}; tau = tokens per "
          'verify step from the held-out prompts)', '',
          '| arm | steps | held-out bpb (main head) | agreement per depth | tau greedy | '
-         'tau T = 1 | tau T = 0.7 | acceptance per depth, T = 1 |',
-         '|---|---|---|---|---|---|---|---|']
+         'tau T = 1 | tau T = 0.7 | acceptance per depth, T = 1 | speed-up at d 768, '
+         'T = 1 / T = 0.7 |',
+         '|---|---|---|---|---|---|---|---|---|']
   for v, row in table.items():
     m = row['metrics']
     agree = ' / '.join(_pm(m[f'heldout_agree_{k}'], '{:.2f}')
@@ -548,10 +599,23 @@ def markdown_drafter(drafter: dict) -> list[str]:
     taus = [_pm(m.get(f'tau_{t}'), '{:.2f}') if f'tau_{t}' in m else 'n.a.' for t in TEMPS]
     acc = ' / '.join(f'{m[f"accept_T1_{k}"]["mean"]:.2f}' for k in range(1, 9)
                      if f'accept_T1_{k}' in m)
+    speed = ' / '.join(_pm(m[f'speedup_d768_{t}'], '{:.2f}') for t in ('T1', 'T0.7')
+                       if f'speedup_d768_{t}' in m)
     out.append(f'| {_drafter_label(v, row)} | {_pm(m["steps"], "{:.0f}")} | '
                f'{_pm(m["heldout_bpb"])} | {agree or "n.a."} | {" | ".join(taus)} | '
-               f'{acc or "n.a."} |')
+               f'{acc or "n.a."} | {speed or "n.a."} |')
   out.append('')
+  if drafter.get('d768'):
+    d = drafter['d768']
+    costs = '; '.join(f'{TEMP_NAMES[t]}: ' + ', '.join(
+        f'{r:.2f} ({k} draft{"s" if k != "1" else ""})' for k, r in sorted(d['cost_ratio'][t].items()))
+        for t in ('T1', 'T0.7') if t in d['cost_ratio'])
+    out += ['Speed-up at d 768: each run\'s tau over the cost of one verify iteration relative '
+            'to one autoregressive step of configs/decode_768.py (d 768, 12 layers, batch 1, '
+            'float32) at the same temperature and number of drafts, as benchmarks/'
+            f"decode_speed.py measured it while decoding ({costs}; {d['machine']}, commit "
+            f"{d['commit']}). It assumes drafters at d 768 accept as these do; prefill is left "
+            'out.', '']
   for family, d in drafter['mde'].items():
     out.append(f"Minimum detectable paired effect on {d['metric']}, family \"{family}\" "
                f"(alpha 0.05, power 0.8, n = {d['n']}): {d['mde']:.3f} tokens per verify step "
