@@ -62,17 +62,7 @@ def load_average() -> list[float]:
   return [round(x, 2) for x in os.getloadavg()]
 
 
-def cpu_flags() -> list[str]:
-  """The vector extensions that decide XLA:CPU's kernels (AVX-512 or not)."""
-  try:
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        if line.startswith('flags'):
-          have = set(line.split(':', 1)[1].split())
-          return sorted(x for x in have if x.startswith(('avx512', 'avx2', 'amx')))
-  except OSError:
-    pass
-  return []
+cpu_flags = machine_lib.cpu_flags
 
 
 def machine() -> dict:

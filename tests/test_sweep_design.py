@@ -4,6 +4,7 @@ import json
 import math
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -197,6 +198,9 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
       assert a['step'] == b['step'] and a.get('copy_acc') == b.get('copy_acc')
       np.testing.assert_allclose(a.get('train_loss', 0), b.get('train_loss', 0), rtol=1e-5)
   resumed, straight = results['sized']
+  for r in (resumed, straight, *results['names']):  # where its train_seconds were taken
+    assert r['host']['cpu'] and r['host']['cores'] >= 1 and len(r['host']['load_average']) == 3
+    assert r['host']['jax'] == jax.__version__
   assert [p['step'] for p in results['names'][0]['curve'] if 'copy_acc' in p] == [0, 4, 8]
   budget = next(iter(last.eval_at))
   np.testing.assert_allclose(resumed['evals'][budget]['heldout']['bpb'],

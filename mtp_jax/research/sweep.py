@@ -40,7 +40,7 @@ from mtp_jax.data import induction, pipeline, tokenizers
 from mtp_jax.errors import RequestError
 from mtp_jax.research.heldout import HeldoutRule, heldout_documents, pack_rows, prompts_from
 from mtp_jax.research.stats import batch_bpb_se
-from mtp_jax.runtime import sharding
+from mtp_jax.runtime import machine, sharding
 from mtp_jax.train import evaluation
 from mtp_jax.train import flops as flops_lib
 from mtp_jax.train import steps as steps_lib
@@ -156,6 +156,14 @@ class LMEvaluator:
                            'verify_steps': st['verify_steps'], 'new_tokens': st['new_tokens'],
                            'distinct_4grams': distinct_ngrams(res.tokens, 4)}
     return out
+
+
+def host_record() -> dict:
+  """Where a run's train_seconds were taken: CPU model, its vector extensions, usable
+  cores, the JAX version and the load average as the run ended."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  return {'cpu': machine.cpu_model(), 'vector_flags': machine.cpu_flags(), 'cores': cores,
+          'jax': jax.__version__, 'load_average': [round(x, 2) for x in os.getloadavg()]}
 
 
 def distinct_ngrams(rows: Sequence[np.ndarray], n: int) -> float:
@@ -317,7 +325,7 @@ class Sweep:
            'mtp_kind': config.model.mtp.kind if config.model.mtp.depth else None,
            'tokens_per_step': config.data.batch_size * config.data.seq_len,
            'flops_per_step': per_step, 'eval_at': dict(run.eval_at),
-           'config': _config_dict(config), **result}
+           'config': _config_dict(config), **result, 'host': host_record()}
     if run.kind == 'lm':
       out['evaluation'] = self.lm_eval.describe
     else:

@@ -15,3 +15,16 @@ def cpu_model() -> str:
   except OSError:
     pass
   return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+  """The vector extensions that decide XLA:CPU's kernels (AVX2, AVX-512, AMX)."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('flags'):
+          have = set(line.split(':', 1)[1].split())
+          return sorted(x for x in have if x.startswith(('avx512', 'avx2', 'amx')))
+  except OSError:
+    pass
+  return []
