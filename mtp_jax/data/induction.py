@@ -211,10 +211,39 @@ class NameStoryTask(_StoryTask):
 
 # -- Gloeckle et al. 2024 section 4.1 as run there: ordinary names to train on, random
 # two-token names of the run's own trained tokenizer to test on ---------------------------
+# 287 given names common in English children's stories: with this many, a name's first
+# token leaves its second open (about 3 bits under the default 512-piece BPE), so a later
+# mention is predicted better by copying the first than by guessing.
 ORDINARY_NAMES = (
     'Tom', 'Lily', 'Ben', 'Sue', 'Max', 'Anna', 'Sam', 'Mia', 'Jack', 'Lucy', 'Tim', 'Emma',
-    'Jake', 'Sara', 'Leo', 'Zoe', 'Bob', 'Amy', 'Dan', 'Kate', 'Joe', 'Ella', 'Nick', 'Rose',
-    'Finn', 'Ivy', 'Paul', 'Jane', 'Mark', 'Lisa', 'Noah', 'Grace')
+    'Jake', 'Sara', 'Leo', 'Zoe', 'Bob', 'Amy', 'Dan', 'Kate', 'Joe', 'Ella', 'Nick',
+    'Rose', 'Finn', 'Ivy', 'Paul', 'Jane', 'Mark', 'Lisa', 'Noah', 'Grace', 'Adam', 'Alice',
+    'Alan', 'Alex', 'Alfie', 'Amber', 'Andy', 'Annie', 'Archie', 'Arthur', 'Ava', 'Bella',
+    'Benny', 'Beth', 'Betty', 'Billy', 'Bonnie', 'Brian', 'Bruno', 'Carl', 'Carla',
+    'Carmen', 'Carol', 'Charlie', 'Chloe', 'Chris', 'Clara', 'Colin', 'Daisy', 'Daniel',
+    'Dave', 'David', 'Dora', 'Dylan', 'Eddie', 'Edith', 'Elena', 'Eli', 'Eliza', 'Ellie',
+    'Eric', 'Ethan', 'Eva', 'Evan', 'Felix', 'Fiona', 'Frank', 'Freddie', 'Gabe', 'Gary',
+    'George', 'Gina', 'Greta', 'Gus', 'Hannah', 'Harry', 'Hazel', 'Heidi', 'Helen', 'Henry',
+    'Holly', 'Hugo', 'Ian', 'Isaac', 'Isla', 'Jade', 'Jamie', 'Jasmine', 'Jason', 'Jenny',
+    'Jess', 'Jill', 'Jimmy', 'Joan', 'Jonah', 'Josh', 'Judy', 'Julia', 'Julian', 'June',
+    'Karen', 'Katie', 'Kevin', 'Kim', 'Kyle', 'Laura', 'Leah', 'Lena', 'Leon', 'Liam',
+    'Linda', 'Logan', 'Lola', 'Louis', 'Luke', 'Luna', 'Mabel', 'Maggie', 'Maisie', 'Marco',
+    'Maria', 'Martha', 'Mary', 'Matt', 'Maya', 'Megan', 'Mike', 'Millie', 'Milo', 'Molly',
+    'Nadia', 'Nancy', 'Nate', 'Nell', 'Nina', 'Nora', 'Oliver', 'Olivia', 'Oscar', 'Owen',
+    'Pam', 'Peggy', 'Penny', 'Pete', 'Peter', 'Phil', 'Pip', 'Poppy', 'Quinn', 'Rachel',
+    'Ralph', 'Ray', 'Rebecca', 'Rex', 'Rita', 'Robin', 'Roger', 'Ronnie', 'Rosie', 'Ruby',
+    'Rufus', 'Ruth', 'Ryan', 'Sally', 'Sandy', 'Sarah', 'Scott', 'Sean', 'Seth', 'Sophie',
+    'Stella', 'Steve', 'Susan', 'Teddy', 'Tessa', 'Theo', 'Tina', 'Toby', 'Tony', 'Una',
+    'Vera', 'Victor', 'Vicky', 'Violet', 'Wendy', 'Will', 'Willow', 'Xavier', 'Yara',
+    'Zack', 'Zara', 'Abby', 'Agnes', 'Albert', 'Anton', 'Barry', 'Basil', 'Blake', 'Brooke',
+    'Caleb', 'Cara', 'Cathy', 'Cecil', 'Celia', 'Cleo', 'Cody', 'Connor', 'Dana', 'Dean',
+    'Della', 'Derek', 'Diana', 'Dixie', 'Donna', 'Edgar', 'Edna', 'Elsie', 'Elton', 'Emil',
+    'Enzo', 'Erin', 'Esme', 'Faye', 'Flora', 'Fred', 'Gemma', 'Gideon', 'Gilbert', 'Gloria',
+    'Hector', 'Hilda', 'Ingrid', 'Iris', 'Ivan', 'Jenna', 'Jerry', 'Josie', 'Kara', 'Keith',
+    'Lara', 'Lenny', 'Lottie', 'Lyle', 'Marcus', 'Margo', 'Marvin', 'Mavis', 'Mona',
+    'Morris', 'Myra', 'Neil', 'Nigel', 'Norma', 'Olga', 'Otto', 'Pablo', 'Percy', 'Polly',
+    'Reggie', 'Rhoda', 'Rory', 'Rowan', 'Sadie', 'Selma', 'Simon', 'Stan', 'Sybil', 'Tara',
+    'Tilly', 'Ursula', 'Wade', 'Walter', 'Wilma', 'Yvonne', 'Zelda')
 
 
 def word_story(sentences: Sequence[str], names: Sequence[str]) -> tuple[list[str], list[int]]:
