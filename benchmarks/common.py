@@ -67,8 +67,7 @@ cpu_flags = machine_lib.cpu_flags
 
 def machine() -> dict:
   import jax  # pylint: disable=import-outside-toplevel
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-  return {'cpu': machine_lib.cpu_model(), 'cores': cores, 'vector_flags': cpu_flags(),
+  return {'cpu': machine_lib.cpu_model(), 'cores': machine_lib.usable_cores(), 'vector_flags': cpu_flags(),
           'platform': platform.platform(), 'python': platform.python_version(),
           'jax': jax.__version__, 'backend': jax.default_backend()}
 

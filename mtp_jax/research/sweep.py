@@ -161,8 +161,8 @@ class LMEvaluator:
 def host_record() -> dict:
   """Where a run's train_seconds were taken: CPU model, its vector extensions, usable
   cores, the JAX version and the load average as the run ended."""
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-  return {'cpu': machine.cpu_model(), 'vector_flags': machine.cpu_flags(), 'cores': cores,
+  return {'cpu': machine.cpu_model(), 'vector_flags': machine.cpu_flags(),
+          'cores': machine.usable_cores(),
           'jax': jax.__version__, 'load_average': [round(x, 2) for x in os.getloadavg()]}
 
 

@@ -2,6 +2,7 @@
 benchmark can ask before JAX starts)."""
 from __future__ import annotations
 
+import os
 import platform
 
 
@@ -28,3 +29,8 @@ def cpu_flags() -> list[str]:
   except OSError:
     pass
   return []
+
+
+def usable_cores() -> int:
+  """The cores this process may run on (its affinity mask), else the machine's count."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)

@@ -111,8 +111,7 @@ def cache_dir() -> str:
 
 def machine_key(dtype) -> str:
   """What a cached peak is valid for: CPU model, usable cores, matmul dtype."""
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-  return f'{machine.cpu_model()} | {cores} cores | {jnp.dtype(dtype).name}'
+  return f'{machine.cpu_model()} | {machine.usable_cores()} cores | {jnp.dtype(dtype).name}'
 
 
 def _peak_file() -> str:
@@ -180,8 +179,7 @@ def cpu_peak(dtype=jnp.float32) -> dict:
   return cached if cached is not None else update_cpu_peak(dtype)
 
 
-def _cores() -> int:
-  return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
+_cores = machine.usable_cores
 
 
 def _is_loaded(record: dict) -> bool:
