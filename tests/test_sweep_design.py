@@ -1,5 +1,6 @@
 """The sized sweep: the minimum detectable effect, the design chosen from the committed
 spread, its variants and budgets, and name-story induction (task, runs, resumption)."""
+import dataclasses
 import json
 import math
 import os
@@ -197,6 +198,15 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
     for a, b in zip(*(r['curve'] for r in results[run.group])):
       assert a['step'] == b['step'] and a.get('copy_acc') == b.get('copy_acc')
       np.testing.assert_allclose(a.get('train_loss', 0), b.get('train_loss', 0), rtol=1e-5)
+  # A run keeping its final state, trained again after its result was removed (a seed whose
+  # arms were not all finished), replaces the state it kept before.
+  again = research.Sweep(work + '3', out + '3')
+  again._setups, again.lm_eval, again.induction_evals = (sweep._setups, sweep.lm_eval,
+                                                          sweep.induction_evals)
+  kept = dataclasses.replace(story, keep_final=str(tmp_path / 'kept'))
+  first = again.run(kept)
+  os.remove(again.result_path(kept))
+  assert again.run(kept)['curve'] == first['curve'] and research.has_final(kept)
   resumed, straight = results['sized']
   for r in (resumed, straight, *results['names']):  # where its train_seconds were taken
     assert r['host']['cpu'] and r['host']['cores'] >= 1 and len(r['host']['load_average']) == 3
@@ -257,3 +267,18 @@ def test_design_command_measures_prints_and_saves(tmp_path, capsys):
   assert ablation_lib.sized_steps(args) == d['steps']
   assert A.main(['--groups', 'sized', '--out', str(tmp_path / 'none'), '--seeds', '0']) == 2
   assert 'run mtp-ablation --design' in capsys.readouterr().err
+
+
+def test_a_failure_inside_the_sweep_reads_as_one_line(monkeypatch, capsys):
+  """An expected failure while the sweep runs (a checkpoint that cannot be saved) is one
+  `error:` line and exit 2; anything else keeps its traceback."""
+  from mtp_jax.checkpoint.store import CheckpointError
+  def fail(args):
+    raise CheckpointError('could not save the checkpoint of step 3 in /x (disk full)')
+  monkeypatch.setattr(ablation_lib, 'run', fail)
+  assert A.main(['--groups', 'drafter', '--seeds', '0']) == 2
+  err = capsys.readouterr().err
+  assert err == 'error: could not save the checkpoint of step 3 in /x (disk full)\n'
+  monkeypatch.setattr(ablation_lib, 'run', lambda args: 1 / 0)
+  with pytest.raises(ZeroDivisionError):
+    A.main(['--groups', 'drafter', '--seeds', '0'])

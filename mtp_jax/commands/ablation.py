@@ -116,8 +116,8 @@ def main(argv=None) -> int:
     args = parse(argv)
     from mtp_jax.research import ablation  # JAX starts here, after the flags parse
     return ablation.run(args)
-  except cli.RequestError as e:
-    return cli.report_expected(e)
+  except Exception as e:  # pylint: disable=broad-except
+    return cli.report_expected(e)  # one line for an expected failure; a bug keeps its traceback
 
 
 if __name__ == '__main__':

@@ -331,6 +331,9 @@ class Sweep:
     else:
       out['task'] = dict(run.task)
     if run.keep_final:  # before the result: a run whose result exists has its final state
+      # A state kept by an earlier training of this run (its result since removed) is
+      # replaced: a checkpoints directory takes each step once.
+      shutil.rmtree(run.keep_final, ignore_errors=True)
       final = Checkpointer(run.keep_final, max_to_keep=1, async_save=False)
       final.save(run.steps, state, meta={'step': run.steps, 'config': _config_dict(config),
                                          **integrity.integrity_meta(state)}, force=True)
