@@ -82,7 +82,7 @@ def test_cpu_devices_auto_rule(monkeypatch):
   for var in ('JAX_PLATFORMS', 'JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'SLURM_NTASKS',
               'SLURM_STEP_NUM_TASKS', 'OMPI_COMM_WORLD_SIZE', 'TPU_WORKER_HOSTNAMES'):
     monkeypatch.delenv(var, raising=False)
-  monkeypatch.setattr(distributed, '_usable_cores', lambda: 2)
+  monkeypatch.setattr(distributed.machine, 'usable_cores', lambda: 2)
   assert distributed.resolve_cpu_devices('auto', tiny) == 2
   assert distributed.resolve_cpu_devices('auto', None) == 2
   odd = load_config('tiny')
@@ -91,9 +91,9 @@ def test_cpu_devices_auto_rule(monkeypatch):
   assert distributed.resolve_cpu_devices('auto', tiny, coordinator_address='h:1') is None
   assert distributed.resolve_cpu_devices('auto', tiny, num_processes=2) is None
   assert distributed.resolve_cpu_devices('auto', tiny, mode='on') is None
-  monkeypatch.setattr(distributed, '_usable_cores', lambda: 1)
+  monkeypatch.setattr(distributed.machine, 'usable_cores', lambda: 1)
   assert distributed.resolve_cpu_devices('auto', tiny) is None
-  monkeypatch.setattr(distributed, '_usable_cores', lambda: 2)
+  monkeypatch.setattr(distributed.machine, 'usable_cores', lambda: 2)
   monkeypatch.setenv('JAX_PLATFORMS', 'cuda')
   assert distributed.resolve_cpu_devices('auto', tiny) is None
 

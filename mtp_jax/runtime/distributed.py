@@ -18,6 +18,7 @@ import os
 import jax
 
 from mtp_jax import config_lib
+from mtp_jax.runtime import machine
 
 MODES = ('auto', 'on', 'off')
 
@@ -48,10 +49,6 @@ def managed_cluster() -> str | None:
   return None
 
 
-def _usable_cores() -> int:
-  return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
-
-
 def resolve_cpu_devices(value, config=None, mode: str = 'auto',
                         coordinator_address: str | None = None,
                         num_processes: int | None = None) -> int | None:
@@ -78,7 +75,7 @@ def resolve_cpu_devices(value, config=None, mode: str = 'auto',
       or (num_processes or _env_int('JAX_NUM_PROCESSES') or 1) > 1
       or _DEVICE_COUNT_FLAG in os.environ.get('XLA_FLAGS', '')
       or jax.config.jax_num_cpu_devices not in (-1, None)
-      or _usable_cores() < AUTO_CPU_DEVICES):
+      or machine.usable_cores() < AUTO_CPU_DEVICES):
     return None
   if config is not None:
     try:
