@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 from helpers import REPO
 
 
@@ -101,3 +103,43 @@ def test_several_workdirs_overlay_in_one_figure_and_the_hint_names_the_trainer_s
   assert plot.main(['--workdir', runs[0], '--out', str(tmp_path / 'one')]) == 0
   hint = capsys.readouterr().out.strip().splitlines()[-1]
   assert 'train.eval_decode_prompts' in hint and 'mtp-eval' in hint and 'never writes' in hint
+
+
+def test_the_paper_protocol_and_drafter_figures(tmp_path, monkeypatch):
+  """bpe_names draws one induction figure per trunk size, each variant under its own name
+  with the chance level the tables computed; the drafter figure plots each arm's tau minus
+  the reference's on the same trunk, so it needs no trunk row and leaves the trunk out."""
+  from mtp_jax.research import plotting
+
+  model = {'d_model': 128, 'n_layers': 5, 'n_heads': 4, 'n_kv_heads': 4, 'head_dim': 32,
+           'mlp_dim': 384}
+  bpe = [{'variant': f'{v}@{size}', 'seed': s, 'depth': int(v != 'd0'), 'mtp_kind': 'parallel',
+          'config': {'model': model},
+          'curve': [{'step': i, 'flops': i * 1e9, 'copy_acc': 0.01 * i} for i in range(4)]}
+         for v in ('d0', 'n2') for size in ('1m', '3m') for s in (0, 1)]
+  drafter = [{'variant': v, 'seed': s, 'depth': 0 if v == 'trunk' else 3, 'mtp_kind': 'sequential',
+              'evals': {'end': {'decode': {} if v == 'trunk' else {
+                  t: {'tau': 2.0 + 0.1 * s + (0.5 if v == 'fwd' else 0)}
+                  for t in ('T0', 'T1', 'T0.7')}}}}
+             for v in ('trunk', 'ref', 'fwd') for s in (0, 1, 2)]
+  (tmp_path / 'bpe_names.json').write_text(json.dumps(bpe))
+  (tmp_path / 'drafter.json').write_text(json.dumps(drafter))
+  (tmp_path / 'summary.json').write_text(json.dumps({'bpe_names': {'chance': 0.009}}))
+  drawn = []
+  real = plotting.plot_induction
+  monkeypatch.setattr(plotting, 'plot_induction',
+                      lambda rs, path, chance, title: drawn.append((rs, chance, title))
+                      or real(rs, path, chance, title))
+  paths = plotting.plot_sweep(str(tmp_path))
+  assert [os.path.basename(p) for p in paths] == ['bpe_names_1m.png', 'bpe_names_3m.png',
+                                                  'drafter_tau.png']
+  for rs, chance, title in drawn:
+    assert sorted({r['variant'] for r in rs}) == ['d0', 'n2'] and len(rs) == 4
+    assert chance == 0.009 and 'random two-token names' in title
+  assert '1.06 M non-embedding parameters' in drawn[0][2]
+  diffs = plotting.tau_differences(drafter)
+  assert list(diffs) == ['T1', 'T0.7'] and list(diffs['T1']) == ['fwd']
+  np.testing.assert_allclose(diffs['T0.7']['fwd'], [0.5] * 3)
+  for path in paths:
+    data = open(path, 'rb').read()
+    assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 10_000

@@ -14,6 +14,7 @@ import numpy as np
 matplotlib.use('Agg')  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mtp_jax.research import stats  # noqa: E402
 from mtp_jax.research.results import load_results  # noqa: E402
 from mtp_jax.train.metrics import TAU_KEY, key_depths, metric_key  # noqa: E402
 
@@ -222,8 +223,9 @@ def plot_decode_acceptance(stats: dict, accepted_hist, path: str) -> str:
 
 
 # -- multi-seed sweeps (scripts/ablation.py's JSON) --------------------------------------------
-VARIANT_COLORS = {'d0': '#424242', 'd1': '#1e88e5', 'p2': '#fb8c00', 'd3': '#e53935',
-                  'd3f': '#8e24aa', 'd3r': '#43a047', 'd3p': '#fb8c00', 't1': '#00acc1'}
+VARIANT_COLORS = {'d0': '#424242', 'd1': '#1e88e5', 'p2': '#fb8c00', 'n2': '#fb8c00',
+                  'd3': '#e53935', 'd3f': '#8e24aa', 'd3r': '#43a047', 'd3p': '#fb8c00',
+                  't1': '#00acc1'}
 
 
 def _group_by_variant(results: list[dict]) -> dict[str, list[dict]]:
@@ -290,7 +292,8 @@ def plot_sweep_loss(results: list[dict], path: str) -> str:
   return _save(fig, path)
 
 
-def plot_induction(results: list[dict], path: str, chance: float | None = None) -> str:
+def plot_induction(results: list[dict], path: str, chance: float | None = None,
+                   title: str = '') -> str:
   """Copy accuracy on the second occurrence vs training steps and vs FLOPs: the mean over
   seeds, and each seed as a thin line (induction forms in some seeds and not in others,
   which a mean and a band would hide)."""
@@ -318,6 +321,78 @@ def plot_induction(results: list[dict], path: str, chance: float | None = None) 
   axes[0].legend(fontsize=8)
   axes[0].set_title('Induction vs steps (thick: mean over seeds; thin: each seed)')
   axes[1].set_title('Induction vs compute (equal-FLOP budgets)')
+  if title:
+    fig.suptitle(title, fontsize=10)
+  return _save(fig, path)
+
+
+def plot_bpe_names(results: list[dict], fig_dir: str, chance: float | None = None) -> list[str]:
+  """One induction figure per trunk size of the `bpe_names` group (variants `d0@1m`, ...):
+  bpe_names_<size>.png, each variant under its own name and colour."""
+  by_size = {}
+  for r in results:
+    variant, size = r['variant'].split('@')
+    by_size.setdefault(size, []).append(dict(r, variant=variant))
+  paths = []
+  for size, rs in sorted(by_size.items()):
+    m = rs[0]['config']['model']
+    title = (f'Trained on ordinary names, tested on random two-token names; trunk {size}: '
+             f'd {m["d_model"]}, {m["n_layers"]} layers, '
+             f'{_dense_block_params(m) / 1e6:.2f} M non-embedding parameters')
+    paths.append(plot_induction(rs, os.path.join(fig_dir, f'bpe_names_{size}.png'), chance,
+                                title))
+  return paths
+
+
+def _dense_block_params(m: dict) -> int:
+  """A dense trunk's block matrices (attention q, k, v, o and the gated MLP's three), the
+  count the paper's sizes name; norms left out."""
+  attention = 2 * m['d_model'] * m['head_dim'] * (m['n_heads'] + m['n_kv_heads'])
+  return m['n_layers'] * (attention + 3 * m['d_model'] * m['mlp_dim'])
+
+
+def tau_differences(results: list[dict], reference: str = 'ref') -> dict:
+  """{temperature: {arm: [tau(arm) - tau(reference) per seed both have]}}: the paired
+  differences the drafter study tests, at every sampled temperature (greedy left out: its
+  continuations loop). Runs that cannot draft (the trunk) have no decode evaluation."""
+  taus = {}  # arm -> seed -> {temperature: tau}
+  for r in results:
+    decode = r['evals']['end'].get('decode') or {}
+    if r['depth'] and decode:
+      taus.setdefault(r['variant'], {})[r['seed']] = {t: d['tau'] for t, d in decode.items()}
+  ref = taus.pop(reference)
+  temps = [t for t in next(iter(ref.values())) if t != 'T0']
+  return {t: {arm: [by_seed[s][t] - ref[s][t] for s in sorted(set(by_seed) & set(ref))]
+              for arm, by_seed in taus.items()}
+          for t in temps}
+
+
+def plot_drafter(results: list[dict], path: str, reference: str = 'ref') -> str:
+  """The drafter study: each arm's tau (tokens per verify step, free-running, held-out
+  prompts) minus the reference arm's on the same trunk, per seed (dots) and the mean with
+  its 95 % interval (paired t), one panel per sampling temperature."""
+  diffs = tau_differences(results, reference)
+  ref_tau = {t: float(np.mean([r['evals']['end']['decode'][t]['tau'] for r in results
+                               if r['variant'] == reference])) for t in diffs}
+  fig, axes = plt.subplots(1, len(diffs), figsize=(5.2 * len(diffs), 4.3), squeeze=False)
+  rng = np.random.default_rng(0)
+  for ax, (t, by_arm) in zip(axes[0], diffs.items()):
+    for i, d in enumerate(by_arm.values()):
+      ax.scatter(i + rng.uniform(-0.15, 0.15, len(d)), d, s=12, color='#757575', alpha=0.6,
+                 linewidths=0)
+      if len(d) > 1:
+        test = stats.paired(d, np.zeros(len(d)))
+        lo, hi = test['ci95']
+        ax.errorbar(i, test['diff'], yerr=[[test['diff'] - lo], [hi - test['diff']]], fmt='o',
+                    color='k', capsize=4, ms=5)
+    ax.axhline(0, color='grey', ls=':', lw=1)
+    ax.set_xticks(range(len(by_arm)), [f'{a}\n(n = {len(d)})' for a, d in by_arm.items()],
+                  fontsize=8)
+    ax.set_title(f'T = {t[1:]}: {reference} tau {ref_tau[t]:.2f}', fontsize=10)
+    ax.grid(alpha=0.3, axis='y')
+  axes[0][0].set_ylabel(f'tau(arm) - tau({reference}), same trunk')
+  fig.suptitle('Drafters on a frozen verifier (dots: seeds; bars: mean and 95 % interval, '
+               'not Holm-adjusted)', fontsize=10)
   return _save(fig, path)
 
 
@@ -365,16 +440,17 @@ def _equal_token_runs(results: list[dict]) -> list[dict]:
 
 
 def plot_sweep(out_dir: str, fig_dir: str | None = None) -> list[str]:
-  """The sweep's figures from OUT/{lm,sized,induction,names}.json; their paths.
+  """The sweep's figures from OUT/{lm,sized,induction,names,bpe_names,drafter}.json; their
+  paths.
 
   The sized sweep's curves are its equal-token runs: each equal-FLOP run is a separate,
   shorter run with its own decay, so it has no curve of its own worth overlaying.
   """
   fig_dir = fig_dir or out_dir
-  groups = {g: load_results(out_dir, g) for g in ('lm', 'sized', 'induction', 'names')}
+  names = ('lm', 'sized', 'induction', 'names', 'bpe_names', 'drafter')
+  groups = {g: load_results(out_dir, g) for g in names}
   if not any(groups.values()):
-    raise FileNotFoundError(f'no lm.json, sized.json, induction.json or names.json under '
-                            f'{out_dir}')
+    raise FileNotFoundError(f'no {", ".join(g + ".json" for g in names)} under {out_dir}')
   paths = []
   for group, prefix in (('lm', ''), ('sized', 'sized_')):
     runs = groups.get(group) or []
@@ -390,4 +466,17 @@ def plot_sweep(out_dir: str, fig_dir: str | None = None) -> list[str]:
                                 1 / alphabet if alphabet else None))
   if groups.get('names'):  # the second letter of a random name: one of 26
     paths.append(plot_induction(groups['names'], os.path.join(fig_dir, 'names.png'), 1 / 26))
+  if groups.get('bpe_names'):  # chance as the tables computed it, where they have
+    chance = _summary(out_dir).get('bpe_names', {}).get('chance')
+    paths += plot_bpe_names(groups['bpe_names'], fig_dir, chance)
+  if any(r['depth'] for r in groups.get('drafter') or []):
+    paths.append(plot_drafter(groups['drafter'], os.path.join(fig_dir, 'drafter_tau.png')))
   return paths
+
+
+def _summary(out_dir: str) -> dict:
+  path = os.path.join(out_dir, 'summary.json')
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
