@@ -307,3 +307,13 @@ def test_the_committed_summary_is_the_tabulation_of_the_committed_runs():
   summary = json.loads(json.dumps(tables.tabulate(out), default=tables.json_default))
   with open(os.path.join(out, 'summary.json')) as f:
     assert summary == json.load(f)
+
+
+def test_the_tables_keep_every_finished_run_unless_no_run_names_seeds():
+  """A run of a few seeds (or of one group) tabulates every finished run in --out, so the
+  other groups' committed tables stay whole; only `--no_run --seeds` restricts the tables."""
+  assert A.parse([]).seeds == [0, 1, 2] and A.parse([]).table_seeds is None
+  ran = A.parse(['--groups', 'bpe_names', '--seeds', '3,4'])
+  assert ran.seeds == [3, 4] and ran.table_seeds is None
+  assert A.parse(['--no_run']).table_seeds is None
+  assert A.parse(['--no_run', '--seeds', '0,2']).table_seeds == {0, 2}

@@ -1,7 +1,8 @@
 """Multi-seed MTP ablations: every variant x seed, resumable, tabulated as mean ± std.
 
   mtp-ablation --seeds 0,1,2             # run what is missing, then the tables
-  mtp-ablation --seeds 0,1,2 --no_run    # the tables of what is there
+  mtp-ablation --no_run                  # the tables of every finished run in --out
+  mtp-ablation --seeds 0,1,2 --no_run    # the tables of these seeds only
   mtp-plot --sweep runs/ablation             # the figures
 
 Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
@@ -57,7 +58,9 @@ from mtp_jax.research.tables import (
 
 def parse(argv):
   p = cli.ArgumentParser(prog='mtp-ablation', description=__doc__.splitlines()[0])
-  p.add_argument('--seeds', default='0,1,2', help='comma-separated integer seeds')
+  p.add_argument('--seeds', default=None,
+                 help='comma-separated integer seeds to run (default 0,1,2); the tables '
+                      'cover every finished run in --out, with --no_run only these seeds')
   p.add_argument('--groups', default=','.join(DEFAULT_GROUPS),
                  help=f'comma-separated, of {", ".join(GROUPS)}')
   p.add_argument('--variants', default='', help='subset of variants (default: all of a group); bpe_names also takes '
@@ -85,12 +88,15 @@ def parse(argv):
   args = p.parse_args(argv)
   if args.budget_hours <= 0 or args.measure_steps < 1 or args.sized_steps < 0:
     p.error('--budget_hours must be > 0, --measure_steps >= 1 and --sized_steps >= 0')
+  given = args.seeds is not None
   try:
-    args.seeds = [int(s) for s in args.seeds.split(',')]
+    args.seeds = [int(s) for s in (args.seeds if given else '0,1,2').split(',')]
   except ValueError:
     p.error(f'--seeds must be comma-separated integers, got {args.seeds!r}')
   if len(set(args.seeds)) != len(args.seeds) or any(s < 0 for s in args.seeds):
     p.error(f'--seeds must be distinct non-negative integers, got {args.seeds}')
+  # A run of some groups or seeds leaves every other finished run in the tables.
+  args.table_seeds = set(args.seeds) if args.no_run and given else None
   try:
     args.temperatures = [float(t) for t in args.temperatures.split(',')]
   except ValueError:

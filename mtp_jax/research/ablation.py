@@ -341,5 +341,5 @@ def run(args) -> int:
     for run in runs:
       sweep.run(run)
     remove_spent_trunks(args)
-  print(tables.write_summary(args.out, set(args.seeds)))
+  print(tables.write_summary(args.out, args.table_seeds))
   return 0
