@@ -14,7 +14,7 @@ import numpy as np
 matplotlib.use('Agg')  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mtp_jax.research import stats  # noqa: E402
+import mtp_jax.research.stats as stats  # noqa: E402
 from mtp_jax.research.results import load_results  # noqa: E402
 from mtp_jax.train.metrics import TAU_KEY, key_depths, metric_key  # noqa: E402
 

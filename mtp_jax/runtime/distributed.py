@@ -17,8 +17,8 @@ import os
 
 import jax
 
+import mtp_jax.runtime.machine as machine
 from mtp_jax import config_lib
-from mtp_jax.runtime import machine
 
 MODES = ('auto', 'on', 'off')
 
