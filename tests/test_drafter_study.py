@@ -281,3 +281,37 @@ def test_design_command_adds_the_drafter_design_and_keeps_the_rest(tmp_path, mon
       k: [tuple(t) for t in v] for k, v in design_lib.DRAFTER_FAMILIES.items()}
   printed = capsys.readouterr().out
   assert 'primary endpoint tau_T1' in printed and d['command'] in printed
+
+
+def test_held_out_figures_pair_only_runs_scored_on_the_same_held_out_corpus(tmp_path):
+  """The held-out corpus is built from the installed packages, so two machines can score a
+  seed's runs on different corpora: a held-out figure (tau here; bits per byte in the
+  sized sweep) then pairs only the seeds whose two runs share the corpus, names the seeds
+  left out, and a figure of the stdlib split keeps every seed."""
+  seeds = range(5)
+  runs = []
+  for s in seeds:
+    for v in DRAFTER.VARIANTS:
+      r = _run(v, s, {'T0': 3.0, 'T1': 2.5 + 0.01 * s + (0.3 if v == 'shared' else 0.0),
+                      'T0.7': 2.6})
+      # seed 0's shared arm ran where the packages (so the held-out corpus) differed
+      r['evaluation'] = {'heldout': {'fingerprint': 'b' if (s, v) == (0, 'shared') else 'a'}}
+      runs.append(r)
+  for r in runs:
+    results_lib.save_result(str(tmp_path), 'drafter', r)
+  summary = tables.tabulate(str(tmp_path))
+  dr = summary['drafter']
+  shared, self_ = dr['tests']['shared - ref tau_T1'], dr['tests']['self - ref tau_T1']
+  assert shared['n'] == 4 and shared['other_corpus_seeds'] == [0]
+  assert self_['n'] == 5 and 'other_corpus_seeds' not in self_
+  assert dr['mde']['drafter arms against the reference, tau at T = 1 (primary)']['n'] == 4
+  assert 'seeds 0 left out (their two runs were scored on different held-out corpora)' in (
+      tables.markdown(summary))
+  a, b = {0: 1.0, 1: 2.0, 2: 3.0}, {0: 0.5, 1: 1.5, 2: 2.5}
+  table = {'x': {'metrics': {m: {'per_seed': a} for m in ('stdlib_bpb', 'heldout_bpb')}},
+           'y': {'metrics': {m: {'per_seed': b} for m in ('stdlib_bpb', 'heldout_bpb')}}}
+  corpora = {'x': {0: 'a', 1: 'a', 2: 'b'}, 'y': {0: 'a', 1: 'a', 2: 'a'}}
+  tests, _ = tables.family_tests(
+      table, {'f': [('x', 'y', 'stdlib_bpb'), ('x', 'y', 'heldout_bpb')]}, corpora)
+  assert tests['x - y stdlib_bpb']['n'] == 3 and tests['x - y heldout_bpb']['n'] == 2
+  assert tests['x - y heldout_bpb']['other_corpus_seeds'] == [2]

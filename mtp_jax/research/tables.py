@@ -240,11 +240,33 @@ def declared_drafter_families(out_dir: str) -> dict:
           for name, tests in declared.get('families', design_lib.DRAFTER_FAMILIES).items()}
 
 
-def family_tests(table: dict, families: dict) -> tuple[dict, dict]:
+# Figures that depend on the held-out corpus: its bits per byte and agreement, and every
+# decoding figure (the decoding prompts are held-out documents). The corpus is built from
+# the installed packages, so it can differ between the machines a sweep ran on.
+HELDOUT_METRICS = ('heldout_', 'tau_', 'accept_', 'distinct4_', 'speedup_')
+
+
+def heldout_fingerprint(r: dict) -> str | None:
+  """The fingerprint of the held-out corpus a run was scored on (None: not recorded)."""
+  return ((r.get('evaluation') or {}).get('heldout') or {}).get('fingerprint')
+
+
+def same_corpus(a: dict, b: dict, corpus_a: dict, corpus_b: dict) -> tuple[dict, dict, list]:
+  """a and b (per-seed values) restricted to the seeds whose two runs were scored on the
+  same held-out corpus (corpus_*: seed -> fingerprint), and the seeds left out."""
+  other = sorted(s for s in a if s in b and corpus_a.get(s) != corpus_b.get(s))
+  keep = lambda d: {s: v for s, v in d.items() if s not in other}
+  return keep(a), keep(b), other
+
+
+def family_tests(table: dict, families: dict, corpora: dict | None = None
+                 ) -> tuple[dict, dict]:
   """The paired test (paired_test) of every declared comparison (v, ref, metric) whose two
   variants have the metric, named 'v - ref metric' and Holm-adjusted within its family
   (p_holm, family_size); and per family the comparisons tested, as (v, ref, metric, v's
-  per-seed values, ref's)."""
+  per-seed values, ref's). With `corpora` ({variant: {seed: held-out fingerprint}}), a
+  held-out figure (HELDOUT_METRICS) pairs only seeds whose two runs were scored on the same
+  held-out corpus; the seeds left out are the test's `other_corpus_seeds`."""
   tests, done = {}, {}
   for family, members in families.items():
     rows = done.setdefault(family, [])
@@ -252,11 +274,17 @@ def family_tests(table: dict, families: dict) -> tuple[dict, dict]:
       if v not in table or ref not in table:
         continue
       a, b = table[v]['metrics'].get(metric), table[ref]['metrics'].get(metric)
-      t = paired_test(a['per_seed'], b['per_seed']) if a and b else None
+      if not (a and b):
+        continue
+      a, b, other = a['per_seed'], b['per_seed'], []
+      if corpora is not None and metric.startswith(HELDOUT_METRICS):
+        a, b, other = same_corpus(a, b, corpora.get(v, {}), corpora.get(ref, {}))
+      t = paired_test(a, b)
       if t is None:
         continue
-      tests[f'{v} - {ref} {metric}'] = {**t, 'family': family}
-      rows.append((v, ref, metric, a['per_seed'], b['per_seed']))
+      tests[f'{v} - {ref} {metric}'] = {**t, 'family': family,
+                                        **({'other_corpus_seeds': other} if other else {})}
+      rows.append((v, ref, metric, a, b))
     names = [f'{v} - {ref} {metric}' for v, ref, metric, _, _ in rows]
     for name, adj in zip(names, stats.holm([tests[n]['p'] for n in names])):
       tests[name].update(p_holm=adj, family_size=len(names))
@@ -276,9 +304,10 @@ def tabulate_drafter(runs: list[dict], families: dict | None = None,
   by = {}
   for r in runs:
     by.setdefault(r['variant'], []).append(r)
-  table = {}
+  table, corpora = {}, {}
   for v in [v for v in DRAFTER.VARIANTS if v in by]:
     rs = by[v]
+    corpora[v] = {r['seed']: heldout_fingerprint(r) for r in rs}
     mtp = rs[0]['config']['model']['mtp']
     table[v] = {'depth': rs[0]['depth'], 'mtp_kind': rs[0]['mtp_kind'],
                 'share_modules': bool(mtp.get('share_modules', False)),
@@ -289,7 +318,7 @@ def tabulate_drafter(runs: list[dict], families: dict | None = None,
                 'seeds': sorted(r['seed'] for r in rs),
                 'metrics': aggregate({r['seed']: _with_d768_speedup(lm_metrics(r, DRAFTER_EVAL),
                                                                     d768) for r in rs})}
-  tests, done = family_tests(table, families)
+  tests, done = family_tests(table, families, corpora)
   mde = {}
   for family, rows in done.items():
     diffs = [[a[s] - b[s] for s in a if a[s] is not None and b.get(s) is not None]
@@ -366,19 +395,20 @@ def tabulate_sized(runs: list[dict], families: dict | None = None, arms=None) ->
     by.setdefault((v, SIZED_BUDGETS[suffix]), []).append(r)
   out = {}
   for budget in BUDGETS:
-    table = {}
+    table, corpora = {}, {}
     for v in ABLATION.SIZED_VARIANTS:
       rs = by.get((v, budget)) or (by.get((v, 'equal_tokens')) if v == ABLATION.BASELINE
                                    else None)  # M = 0's one run serves both budgets
       if not rs:
         continue
       cfg = rs[0]['config']['model']['mtp']
+      corpora[v] = {r['seed']: heldout_fingerprint(r) for r in rs}
       table[v] = {'depth': rs[0]['depth'], 'mtp_kind': rs[0]['mtp_kind'],
                   'curriculum': cfg.get('curriculum', 'none'),
                   'seeds': sorted(r['seed'] for r in rs),
                   'metrics': aggregate({r['seed']: lm_metrics(r, next(iter(r['evals'])))
                                         for r in rs})}
-    tests, done = family_tests(table, families)
+    tests, done = family_tests(table, families, corpora)
     pooled = {'stdlib_bpb': [], 'heldout_bpb': []}
     for rows in done.values():
       for v, ref, metric, a, b in rows:
@@ -649,9 +679,12 @@ def _test_line(name: str, t: dict, fmt: str = '{:+.4f}') -> str:
         if 'ci95' in t else '')
   holm = (f', Holm p = {t["p_holm"]:.3f} (family of {t["family_size"]}); {_verdict(t, fmt)}'
           if 'p_holm' in t else '')
+  other = t.get('other_corpus_seeds')
+  left_out = (f'; seeds {", ".join(map(str, other))} left out (their two runs were scored on '
+              f'different held-out corpora)' if other else '')
   return (f'- {name}: {fmt.format(t["diff"])}{ci}, paired t = {t["t"]:.2f}, p = {t["p"]:.3f}'
           f'{holm}; n = {t["n"]}, minimum detectable effect {t["mde"]:.3f} (sd of the '
-          f'differences {t["sd"]:.4f})')
+          f'differences {t["sd"]:.4f}){left_out}')
 
 
 def _holm_note(t: dict) -> str:
