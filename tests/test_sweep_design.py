@@ -15,6 +15,7 @@ from mtp_jax.commands import ablation as A
 from mtp_jax.data import induction
 from mtp_jax.research import ablation as ablation_lib
 from mtp_jax.research import design as design_lib
+from mtp_jax.research import results as results_lib
 from mtp_jax.research import stats, tables
 from mtp_jax.research import sweep as research
 
@@ -47,11 +48,19 @@ def test_committed_spread_pools_the_paired_differences():
   _, by = design_lib.committed_evals(COMMITTED)
   seeds = spread['seeds']
   groups = []
+  fingerprint = results_lib.heldout_fingerprint
+  unpaired = 0
   for v in sorted({v for v, _, _ in by} - {'d0'}):
     for corpus in ('stdlib_val', 'heldout'):  # each arm over the seeds it ran (d3f: 7 of 13)
+      ran = [s for s in seeds if (v, 'equal_tokens', s) in by]
+      # a held-out difference pairs two runs scored on one held-out corpus
+      paired = [s for s in ran if corpus == 'stdlib_val' or fingerprint(
+          by[(v, 'equal_tokens', s)]) == fingerprint(by[('d0', 'equal_tokens', s)])]
+      unpaired += len(ran) - len(paired)
       groups.append([by[(v, 'equal_tokens', s)]['evals']['equal_tokens'][corpus]['bpb'][0]
                      - by[('d0', 'equal_tokens', s)]['evals']['equal_tokens'][corpus]['bpb'][0]
-                     for s in seeds if (v, 'equal_tokens', s) in by])
+                     for s in paired])
+  assert unpaired == 7  # t1's seeds 0-6 were scored on another held-out corpus than d0's
   tok = spread['budgets']['equal_tokens']
   assert tok['dof'] == sum(len(g) - 1 for g in groups)
   assert tok['pooled_sd'] == pytest.approx(stats.pooled_sd(groups)[0])

@@ -101,7 +101,8 @@ def committed_evals(out_dir: str) -> tuple[str, dict]:
 def committed_spread(out_dir: str, baseline: str = 'd0', variants=None) -> dict:
   """The paired spread of a committed sweep, per budget: pooled sd, its dof, each
   comparison's sd, plus the sweep's seeds and tokens per run; `variants`: pool only
-  these variants' comparisons (default: every variant)."""
+  these variants' comparisons (default: every variant). A held-out difference pairs only
+  runs scored on the same held-out corpus (results.heldout_fingerprint)."""
   group, by = committed_evals(out_dir)
   base = {s: r for (v, _, s), r in by.items() if v == baseline}
   if not base:
@@ -122,6 +123,9 @@ def committed_spread(out_dir: str, baseline: str = 'd0', variants=None) -> dict:
           run = by.get((v, budget, s))
           if run is None:
             continue
+          if corpus == 'heldout' and (results_lib.heldout_fingerprint(run)
+                                      != results_lib.heldout_fingerprint(base[s])):
+            continue  # scored on different held-out corpora: not a pair
           ref = base[s]['evals'].get(budget) or next(iter(base[s]['evals'].values()))
           diffs.append(run['evals'][budget][corpus]['bpb'][0] - ref[corpus]['bpb'][0])
         if len(diffs) > 1:
@@ -294,7 +298,8 @@ def drafter_spread(out_dir: str, spread_from: str, min_seeds: int = 3) -> dict:
 def tau_spread(group: str, by: dict, pairs, metrics, budget: str) -> dict:
   """Per metric (tau_<temperature>), the sd of the per-seed paired differences of each pair
   (variant, reference) at `budget` in `by` {(variant, budget, seed): run}, pooled
-  (stats.pooled_sd)."""
+  (stats.pooled_sd); runs scored on different held-out corpora (whose documents are the
+  prompts) are not paired."""
   out = {'group': group, 'pairs': [list(p) for p in pairs], 'budget': budget, 'metrics': {}}
   for metric in metrics:
     temp = metric.split('_', 1)[1]
@@ -305,6 +310,8 @@ def tau_spread(group: str, by: dict, pairs, metrics, budget: str) -> dict:
         other = by.get((ref, b, seed))
         if name != v or b != budget or other is None:
           continue
+        if results_lib.heldout_fingerprint(run) != results_lib.heldout_fingerprint(other):
+          continue  # the prompts are held-out documents: another corpus is not a pair
         diffs.append(run['evals'][b]['decode'][temp]['tau']
                      - other['evals'][b]['decode'][temp]['tau'])
       if len(diffs) > 1:

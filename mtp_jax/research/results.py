@@ -50,3 +50,9 @@ def save_result(out_dir: str, group: str, result: dict) -> str:
     f.write('\n')
   os.replace(tmp, path)
   return path
+
+
+def heldout_fingerprint(r: dict) -> str | None:
+  """The fingerprint of the held-out corpus a run was scored on (None: not recorded). The
+  corpus is built from the installed packages, so it can differ between machines."""
+  return ((r.get('evaluation') or {}).get('heldout') or {}).get('fingerprint')

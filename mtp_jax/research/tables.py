@@ -244,11 +244,7 @@ def declared_drafter_families(out_dir: str) -> dict:
 # decoding figure (the decoding prompts are held-out documents). The corpus is built from
 # the installed packages, so it can differ between the machines a sweep ran on.
 HELDOUT_METRICS = ('heldout_', 'tau_', 'accept_', 'distinct4_', 'speedup_')
-
-
-def heldout_fingerprint(r: dict) -> str | None:
-  """The fingerprint of the held-out corpus a run was scored on (None: not recorded)."""
-  return ((r.get('evaluation') or {}).get('heldout') or {}).get('fingerprint')
+heldout_fingerprint = results_lib.heldout_fingerprint
 
 
 def same_corpus(a: dict, b: dict, corpus_a: dict, corpus_b: dict) -> tuple[dict, dict, list]:
