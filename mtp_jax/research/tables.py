@@ -481,12 +481,13 @@ def tabulate_names(runs: list[dict], mod=None, chance: float | None = None) -> d
       t = paired_test(m[metric]['per_seed'], other) if metric in m else None
       if t is not None:
         tests[f'{v} - {ref} copy accuracy, {name}'] = {**t, 'size': _size_of(v)}
-  for size in sorted({t['size'] for t in tests.values()}):
-    names = [n for n, t in tests.items() if t['size'] == size]
+  by_size = {}  # one Holm family per trunk size
+  for name, t in tests.items():
+    by_size.setdefault(t.pop('size'), []).append(name)
+  for size, names in sorted(by_size.items()):
     family = 'name-story induction against d0' + (f', {size[1:]}' if size else '')
     for name, adj in zip(names, stats.holm([tests[n]['p'] for n in names])):
       tests[name].update(p_holm=adj, family=family, family_size=len(names))
-      del tests[name]['size']
   task = next(iter(runs))['task']
   return {'table': table, 'tests': tests, 'task': task,
           'chance': mod.CHANCE if chance is None else chance}
