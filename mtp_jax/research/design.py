@@ -102,7 +102,7 @@ def committed_spread(out_dir: str, baseline: str = 'd0', variants=None) -> dict:
   """The paired spread of a committed sweep, per budget: pooled sd, its dof, each
   comparison's sd, plus the sweep's seeds and tokens per run; `variants`: pool only
   these variants' comparisons (default: every variant). A held-out difference pairs only
-  runs scored on the same held-out corpus (results.heldout_fingerprint)."""
+  runs scored on the same held-out corpus (results.same_heldout_corpus)."""
   group, by = committed_evals(out_dir)
   base = {s: r for (v, _, s), r in by.items() if v == baseline}
   if not base:
@@ -123,9 +123,8 @@ def committed_spread(out_dir: str, baseline: str = 'd0', variants=None) -> dict:
           run = by.get((v, budget, s))
           if run is None:
             continue
-          if corpus == 'heldout' and (results_lib.heldout_fingerprint(run)
-                                      != results_lib.heldout_fingerprint(base[s])):
-            continue  # scored on different held-out corpora: not a pair
+          if corpus == 'heldout' and not results_lib.same_heldout_corpus(run, base[s]):
+            continue
           ref = base[s]['evals'].get(budget) or next(iter(base[s]['evals'].values()))
           diffs.append(run['evals'][budget][corpus]['bpb'][0] - ref[corpus]['bpb'][0])
         if len(diffs) > 1:
@@ -310,8 +309,8 @@ def tau_spread(group: str, by: dict, pairs, metrics, budget: str) -> dict:
         other = by.get((ref, b, seed))
         if name != v or b != budget or other is None:
           continue
-        if results_lib.heldout_fingerprint(run) != results_lib.heldout_fingerprint(other):
-          continue  # the prompts are held-out documents: another corpus is not a pair
+        if not results_lib.same_heldout_corpus(run, other):
+          continue  # the prompts are held-out documents
         diffs.append(run['evals'][b]['decode'][temp]['tau']
                      - other['evals'][b]['decode'][temp]['tau'])
       if len(diffs) > 1:

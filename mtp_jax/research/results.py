@@ -56,3 +56,9 @@ def heldout_fingerprint(r: dict) -> str | None:
   """The fingerprint of the held-out corpus a run was scored on (None: not recorded). The
   corpus is built from the installed packages, so it can differ between machines."""
   return ((r.get('evaluation') or {}).get('heldout') or {}).get('fingerprint')
+
+
+def same_heldout_corpus(a: dict, b: dict) -> bool:
+  """Whether runs a and b were scored on the same held-out corpus: only then is a
+  difference of their held-out figures a pair."""
+  return heldout_fingerprint(a) == heldout_fingerprint(b)

@@ -244,7 +244,6 @@ def declared_drafter_families(out_dir: str) -> dict:
 # decoding figure (the decoding prompts are held-out documents). The corpus is built from
 # the installed packages, so it can differ between the machines a sweep ran on.
 HELDOUT_METRICS = ('heldout_', 'tau_', 'accept_', 'distinct4_', 'speedup_')
-heldout_fingerprint = results_lib.heldout_fingerprint
 
 
 def same_corpus(a: dict, b: dict, corpus_a: dict, corpus_b: dict) -> tuple[dict, dict, list]:
@@ -303,7 +302,7 @@ def tabulate_drafter(runs: list[dict], families: dict | None = None,
   table, corpora = {}, {}
   for v in [v for v in DRAFTER.VARIANTS if v in by]:
     rs = by[v]
-    corpora[v] = {r['seed']: heldout_fingerprint(r) for r in rs}
+    corpora[v] = {r['seed']: results_lib.heldout_fingerprint(r) for r in rs}
     mtp = rs[0]['config']['model']['mtp']
     table[v] = {'depth': rs[0]['depth'], 'mtp_kind': rs[0]['mtp_kind'],
                 'share_modules': bool(mtp.get('share_modules', False)),
@@ -398,7 +397,7 @@ def tabulate_sized(runs: list[dict], families: dict | None = None, arms=None) ->
       if not rs:
         continue
       cfg = rs[0]['config']['model']['mtp']
-      corpora[v] = {r['seed']: heldout_fingerprint(r) for r in rs}
+      corpora[v] = {r['seed']: results_lib.heldout_fingerprint(r) for r in rs}
       table[v] = {'depth': rs[0]['depth'], 'mtp_kind': rs[0]['mtp_kind'],
                   'curriculum': cfg.get('curriculum', 'none'),
                   'seeds': sorted(r['seed'] for r in rs),
