@@ -193,7 +193,9 @@ def test_metric_lines_go_to_an_offline_wandb_run_that_a_resume_continues(tmp_pat
     runs.append(sorted((tmp_path / 'wandb').glob('offline-run-*')))
   run_id = (tmp_path / 'wandb' / 'run_id').read_text().strip()
   assert len(runs[0]) == 1 and len(runs[1]) == 2, runs
-  assert all(p.name.endswith('-' + run_id) for p in runs[1])  # one run, resumed
+  # One run, resumed: both folders record the same run id. (wandb names a folder by start time
+  # and id, with '-1' added when the resume starts within the same second.)
+  assert all((p / f'run-{run_id}.wandb').exists() for p in runs[1]), runs
   import time
   for path in runs[1]:  # the run's records (protobuf): the metric names, not the NaN one
     deadline = time.time() + 60  # wandb's service process writes them as finish() returns
