@@ -93,7 +93,7 @@ def _launch(env, *args, wait=True):
   return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
 
 
-def _until(condition, what, timeout=20):
+def _until(condition, what, timeout=120):
   end = time.monotonic() + timeout
   while not condition():
     assert time.monotonic() < end, f'timed out waiting for {what}'
@@ -144,7 +144,7 @@ def test_watch_restarts_a_killed_trainer_once_then_gives_up_at_its_cap(pod):
     assert not set(second) & set(first) and not _alive(first[1])  # one trainer per worker
     assert (homes[0] / 'mtp_jax_train.pid').read_text().split()[0] == str(second[0])
     os.kill(second[1], signal.SIGKILL)  # dies again: the cap (1 restart) is reached
-    out, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=120)
   finally:
     proc.kill()
   assert proc.returncode == 1, (out, err)
@@ -164,7 +164,7 @@ def test_watch_ends_when_the_run_finishes(pod):
   try:
     _until(lambda: _trainer_pid(home) and _starts(home), 'the start')
     (home / 'finish').touch()
-    out, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=120)
   finally:
     proc.kill()
   assert proc.returncode == 0, (out, err)
