@@ -244,6 +244,9 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
   r = results[('d1', 0)]
   assert 0 < r['evals']['equal_tokens']['heldout']['tokens'] <= 2 * 4 * 64  # 2 batches of 4 x 64
   assert r['evaluation']['heldout']['documents'] > 0
+  # every run of the sweep scored the same stdlib tokens, and says which
+  assert {results[k]['evaluation']['stdlib_val']['fingerprint'] for k in results} == {
+      research.batches_fingerprint(sweep.lm_eval.sets['stdlib_val'])}
   assert 0 <= r['evals']['equal_tokens']['decode']['T1']['acceptance_per_depth'][0] <= 1
   text = tables.markdown(summary)
   assert text.count('| d1 (M = 1 sequential) |') == 4 and 'Welch t' in text

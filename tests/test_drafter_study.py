@@ -283,11 +283,12 @@ def test_design_command_adds_the_drafter_design_and_keeps_the_rest(tmp_path, mon
   assert 'primary endpoint tau_T1' in printed and d['command'] in printed
 
 
-def test_held_out_figures_pair_only_runs_scored_on_the_same_held_out_corpus(tmp_path):
-  """The held-out corpus is built from the installed packages, so two machines can score a
-  seed's runs on different corpora: a held-out figure (tau here; bits per byte in the
-  sized sweep) then pairs only the seeds whose two runs share the corpus, names the seeds
-  left out, and a figure of the stdlib split keeps every seed."""
+def test_figures_pair_only_runs_scored_on_the_same_corpus(tmp_path):
+  """The held-out corpus is built from the installed packages and the stdlib split from the
+  interpreter's library, so two machines can score a seed's runs on different corpora: a
+  figure (tau here; bits per byte in the sized sweep) then pairs only the seeds whose two
+  runs share its corpus, names the seeds left out, and a figure of the other corpus keeps
+  every seed."""
   seeds = range(5)
   runs = []
   for s in seeds:
@@ -310,8 +311,17 @@ def test_held_out_figures_pair_only_runs_scored_on_the_same_held_out_corpus(tmp_
   a, b = {0: 1.0, 1: 2.0, 2: 3.0}, {0: 0.5, 1: 1.5, 2: 2.5}
   table = {'x': {'metrics': {m: {'per_seed': a} for m in ('stdlib_bpb', 'heldout_bpb')}},
            'y': {'metrics': {m: {'per_seed': b} for m in ('stdlib_bpb', 'heldout_bpb')}}}
-  corpora = {'x': {0: 'a', 1: 'a', 2: 'b'}, 'y': {0: 'a', 1: 'a', 2: 'a'}}
+  corpora = {'x': {0: {'heldout': 'a'}, 1: {'heldout': 'a'}, 2: {'heldout': 'b'}},
+             'y': {0: {'heldout': 'a'}, 1: {'heldout': 'a'}, 2: {'heldout': 'a'}}}
   tests, _ = tables.family_tests(
       table, {'f': [('x', 'y', 'stdlib_bpb'), ('x', 'y', 'heldout_bpb')]}, corpora)
   assert tests['x - y stdlib_bpb']['n'] == 3 and tests['x - y heldout_bpb']['n'] == 2
   assert tests['x - y heldout_bpb']['other_corpus_seeds'] == [2]
+  # seed 1's x ran on another interpreter's standard library: only the stdlib figure drops it
+  corpora['x'][1]['stdlib_val'] = 'c'
+  tests, _ = tables.family_tests(
+      table, {'f': [('x', 'y', 'stdlib_bpb'), ('x', 'y', 'heldout_bpb')]}, corpora)
+  assert tests['x - y stdlib_bpb']['other_corpus_seeds'] == [1]
+  assert tests['x - y heldout_bpb']['other_corpus_seeds'] == [2]
+  assert 'different stdlib validation splits' in tables._test_line(  # pylint: disable=protected-access
+      'x - y stdlib_bpb', tests['x - y stdlib_bpb'])

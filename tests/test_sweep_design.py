@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import platform
 
 import jax
 import numpy as np
@@ -48,14 +49,14 @@ def test_committed_spread_pools_the_paired_differences():
   _, by = design_lib.committed_evals(COMMITTED)
   seeds = spread['seeds']
   groups = []
-  fingerprint = results_lib.heldout_fingerprint
+  fingerprint = results_lib.corpus_fingerprint
   unpaired = 0
   for v in sorted({v for v, _, _ in by} - {'d0'}):
     for corpus in ('stdlib_val', 'heldout'):  # each arm over the seeds it ran (d3f: 7 of 13)
       ran = [s for s in seeds if (v, 'equal_tokens', s) in by]
-      # a held-out difference pairs two runs scored on one held-out corpus
-      paired = [s for s in ran if corpus == 'stdlib_val' or fingerprint(
-          by[(v, 'equal_tokens', s)]) == fingerprint(by[('d0', 'equal_tokens', s)])]
+      # a difference pairs two runs scored on one corpus
+      paired = [s for s in ran if fingerprint(by[(v, 'equal_tokens', s)], corpus)
+                == fingerprint(by[('d0', 'equal_tokens', s)], corpus)]
       unpaired += len(ran) - len(paired)
       groups.append([by[(v, 'equal_tokens', s)]['evals']['equal_tokens'][corpus]['bpb'][0]
                      - by[('d0', 'equal_tokens', s)]['evals']['equal_tokens'][corpus]['bpb'][0]
@@ -219,6 +220,7 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
   resumed, straight = results['sized']
   for r in (resumed, straight, *results['names']):  # where its train_seconds were taken
     assert r['host']['cpu'] and r['host']['cores'] >= 1 and len(r['host']['load_average']) == 3
+    assert r['host']['python'] == platform.python_version()
     assert r['host']['jax'] == jax.__version__
   assert [p['step'] for p in results['names'][0]['curve'] if 'copy_acc' in p] == [0, 4, 8]
   budget = next(iter(last.eval_at))

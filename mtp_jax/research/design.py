@@ -102,7 +102,7 @@ def committed_spread(out_dir: str, baseline: str = 'd0', variants=None) -> dict:
   """The paired spread of a committed sweep, per budget: pooled sd, its dof, each
   comparison's sd, plus the sweep's seeds and tokens per run; `variants`: pool only
   these variants' comparisons (default: every variant). A held-out difference pairs only
-  runs scored on the same held-out corpus (results.same_heldout_corpus)."""
+  runs scored on the same corpus (results.same_corpus)."""
   group, by = committed_evals(out_dir)
   base = {s: r for (v, _, s), r in by.items() if v == baseline}
   if not base:
@@ -123,7 +123,7 @@ def committed_spread(out_dir: str, baseline: str = 'd0', variants=None) -> dict:
           run = by.get((v, budget, s))
           if run is None:
             continue
-          if corpus == 'heldout' and not results_lib.same_heldout_corpus(run, base[s]):
+          if not results_lib.same_corpus(run, base[s], corpus):
             continue
           ref = base[s]['evals'].get(budget) or next(iter(base[s]['evals'].values()))
           diffs.append(run['evals'][budget][corpus]['bpb'][0] - ref[corpus]['bpb'][0])
@@ -309,7 +309,7 @@ def tau_spread(group: str, by: dict, pairs, metrics, budget: str) -> dict:
         other = by.get((ref, b, seed))
         if name != v or b != budget or other is None:
           continue
-        if not results_lib.same_heldout_corpus(run, other):
+        if not results_lib.same_corpus(run, other, 'heldout'):
           continue  # the prompts are held-out documents
         diffs.append(run['evals'][b]['decode'][temp]['tau']
                      - other['evals'][b]['decode'][temp]['tau'])

@@ -52,13 +52,15 @@ def save_result(out_dir: str, group: str, result: dict) -> str:
   return path
 
 
-def heldout_fingerprint(r: dict) -> str | None:
-  """The fingerprint of the held-out corpus a run was scored on (None: not recorded). The
-  corpus is built from the installed packages, so it can differ between machines."""
-  return ((r.get('evaluation') or {}).get('heldout') or {}).get('fingerprint')
+def corpus_fingerprint(r: dict, corpus: str) -> str | None:
+  """The fingerprint of the corpus ('heldout' or 'stdlib_val') a run was scored on (None:
+  not recorded). The held-out corpus is built from the installed packages and the stdlib
+  validation split from the interpreter's standard library, so either can differ between
+  machines."""
+  return ((r.get('evaluation') or {}).get(corpus) or {}).get('fingerprint')
 
 
-def same_heldout_corpus(a: dict, b: dict) -> bool:
-  """Whether runs a and b were scored on the same held-out corpus: only then is a
-  difference of their held-out figures a pair."""
-  return heldout_fingerprint(a) == heldout_fingerprint(b)
+def same_corpus(a: dict, b: dict, corpus: str) -> bool:
+  """Whether runs a and b were scored on the same `corpus`: only then is a difference of
+  their figures on it a pair."""
+  return corpus_fingerprint(a, corpus) == corpus_fingerprint(b, corpus)

@@ -19,9 +19,11 @@ Two kinds of run:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import platform
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -90,6 +92,18 @@ def flops_per_step(config) -> float:
   return float(per.train * tokens)
 
 
+def batches_fingerprint(batches: Sequence[dict]) -> str:
+  """A digest of evaluation batches (every array, in order): two runs that scored the same
+  tokens have the same one, whichever interpreter's standard library they were cut from."""
+  digest = hashlib.sha256()
+  for batch in batches:
+    for key in sorted(batch):
+      a = np.ascontiguousarray(batch[key])
+      digest.update(f'{key}:{a.dtype.str}:{a.shape}\n'.encode())
+      digest.update(a.tobytes())
+  return digest.hexdigest()[:12]
+
+
 class LMEvaluator:
   """The fixed evaluation sets of an lm sweep: stdlib validation, held-out, prompts."""
 
@@ -110,6 +124,7 @@ class LMEvaluator:
     self.new_tokens, self.temperatures, self.decode_seed = new_tokens, temperatures, decode_seed
     self.describe = {'eval_batches': eval_batches, 'tokens_per_set': eval_batches * b *
                      config.data.seq_len, 'heldout': self.heldout_desc,
+                     'stdlib_val': {'fingerprint': batches_fingerprint(self.sets['stdlib_val'])},
                      'decode': {'prompts': len(self.prompts), 'prompt_len': prompt_len,
                                 'new_tokens': new_tokens, 'temperatures': list(temperatures),
                                 'eos': None, 'seed': decode_seed}}
@@ -160,9 +175,9 @@ class LMEvaluator:
 
 def host_record() -> dict:
   """Where a run's train_seconds were taken: CPU model, its vector extensions, usable
-  cores, the JAX version and the load average as the run ended."""
+  cores, the Python and JAX versions and the load average as the run ended."""
   return {'cpu': machine.cpu_model(), 'vector_flags': machine.cpu_flags(),
-          'cores': machine.usable_cores(),
+          'cores': machine.usable_cores(), 'python': platform.python_version(),
           'jax': jax.__version__, 'load_average': [round(x, 2) for x in os.getloadavg()]}
 
 

@@ -242,13 +242,28 @@ def declared_drafter_families(out_dir: str) -> dict:
 
 # Figures that depend on the held-out corpus: its bits per byte and agreement, and every
 # decoding figure (the decoding prompts are held-out documents). The corpus is built from
-# the installed packages, so it can differ between the machines a sweep ran on.
+# the installed packages, so it can differ between the machines a sweep ran on; so can the
+# stdlib validation split (the interpreter's standard library).
 HELDOUT_METRICS = ('heldout_', 'tau_', 'accept_', 'distinct4_', 'speedup_')
+STDLIB_METRICS = ('stdlib_',)
+
+
+def metric_corpus(metric: str) -> str | None:
+  """The corpus ('heldout', 'stdlib_val') a figure was measured on; None: neither."""
+  if metric.startswith(HELDOUT_METRICS):
+    return 'heldout'
+  return 'stdlib_val' if metric.startswith(STDLIB_METRICS) else None
+
+
+def run_corpora(runs: list[dict]) -> dict:
+  """{seed: {corpus: fingerprint}} of one variant's runs (results.corpus_fingerprint)."""
+  return {r['seed']: {c: results_lib.corpus_fingerprint(r, c) for c in ('heldout', 'stdlib_val')}
+          for r in runs}
 
 
 def same_corpus(a: dict, b: dict, corpus_a: dict, corpus_b: dict) -> tuple[dict, dict, list]:
   """a and b (per-seed values) restricted to the seeds whose two runs were scored on the
-  same held-out corpus (corpus_*: seed -> fingerprint), and the seeds left out."""
+  same corpus (corpus_*: seed -> fingerprint), and the seeds left out."""
   other = sorted(s for s in a if s in b and corpus_a.get(s) != corpus_b.get(s))
   keep = lambda d: {s: v for s, v in d.items() if s not in other}
   return keep(a), keep(b), other
@@ -259,9 +274,9 @@ def family_tests(table: dict, families: dict, corpora: dict | None = None
   """The paired test (paired_test) of every declared comparison (v, ref, metric) whose two
   variants have the metric, named 'v - ref metric' and Holm-adjusted within its family
   (p_holm, family_size); and per family the comparisons tested, as (v, ref, metric, v's
-  per-seed values, ref's). With `corpora` ({variant: {seed: held-out fingerprint}}), a
-  held-out figure (HELDOUT_METRICS) pairs only seeds whose two runs were scored on the same
-  held-out corpus; the seeds left out are the test's `other_corpus_seeds`."""
+  per-seed values, ref's). With `corpora` ({variant: run_corpora}), a figure measured on
+  a corpus (metric_corpus) pairs only seeds whose two runs were scored on the same one;
+  the seeds left out are the test's `other_corpus_seeds`."""
   tests, done = {}, {}
   for family, members in families.items():
     rows = done.setdefault(family, [])
@@ -272,8 +287,10 @@ def family_tests(table: dict, families: dict, corpora: dict | None = None
       if not (a and b):
         continue
       a, b, other = a['per_seed'], b['per_seed'], []
-      if corpora is not None and metric.startswith(HELDOUT_METRICS):
-        a, b, other = same_corpus(a, b, corpora.get(v, {}), corpora.get(ref, {}))
+      corpus = metric_corpus(metric)
+      if corpora is not None and corpus is not None:
+        pick = lambda by: {s: c.get(corpus) for s, c in by.items()}
+        a, b, other = same_corpus(a, b, pick(corpora.get(v, {})), pick(corpora.get(ref, {})))
       t = paired_test(a, b)
       if t is None:
         continue
@@ -302,7 +319,7 @@ def tabulate_drafter(runs: list[dict], families: dict | None = None,
   table, corpora = {}, {}
   for v in [v for v in DRAFTER.VARIANTS if v in by]:
     rs = by[v]
-    corpora[v] = {r['seed']: results_lib.heldout_fingerprint(r) for r in rs}
+    corpora[v] = run_corpora(rs)
     mtp = rs[0]['config']['model']['mtp']
     table[v] = {'depth': rs[0]['depth'], 'mtp_kind': rs[0]['mtp_kind'],
                 'share_modules': bool(mtp.get('share_modules', False)),
@@ -397,7 +414,7 @@ def tabulate_sized(runs: list[dict], families: dict | None = None, arms=None) ->
       if not rs:
         continue
       cfg = rs[0]['config']['model']['mtp']
-      corpora[v] = {r['seed']: results_lib.heldout_fingerprint(r) for r in rs}
+      corpora[v] = run_corpora(rs)
       table[v] = {'depth': rs[0]['depth'], 'mtp_kind': rs[0]['mtp_kind'],
                   'curriculum': cfg.get('curriculum', 'none'),
                   'seeds': sorted(r['seed'] for r in rs),
@@ -676,8 +693,10 @@ def _test_line(name: str, t: dict, fmt: str = '{:+.4f}') -> str:
   holm = (f', Holm p = {t["p_holm"]:.3f} (family of {t["family_size"]}); {_verdict(t, fmt)}'
           if 'p_holm' in t else '')
   other = t.get('other_corpus_seeds')
+  corpus = {'heldout': 'held-out corpora', 'stdlib_val': 'stdlib validation splits'}.get(
+      metric_corpus(name.rsplit(' ', 1)[-1]), 'corpora')
   left_out = (f'; seeds {", ".join(map(str, other))} left out (their two runs were scored on '
-              f'different held-out corpora)' if other else '')
+              f'different {corpus})' if other else '')
   return (f'- {name}: {fmt.format(t["diff"])}{ci}, paired t = {t["t"]:.2f}, p = {t["p"]:.3f}'
           f'{holm}; n = {t["n"]}, minimum detectable effect {t["mde"]:.3f} (sd of the '
           f'differences {t["sd"]:.4f}){left_out}')
