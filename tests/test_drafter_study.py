@@ -318,10 +318,14 @@ def test_figures_pair_only_runs_scored_on_the_same_corpus(tmp_path):
   assert tests['x - y stdlib_bpb']['n'] == 3 and tests['x - y heldout_bpb']['n'] == 2
   assert tests['x - y heldout_bpb']['other_corpus_seeds'] == [2]
   # seed 1's x ran on another interpreter's standard library: only the stdlib figure drops it
-  corpora['x'][1]['stdlib_val'] = 'c'
+  corpora['x'][1]['stdlib_val'], corpora['y'][1]['stdlib_val'] = 'c', 'a'
   tests, _ = tables.family_tests(
       table, {'f': [('x', 'y', 'stdlib_bpb'), ('x', 'y', 'heldout_bpb')]}, corpora)
   assert tests['x - y stdlib_bpb']['other_corpus_seeds'] == [1]
   assert tests['x - y heldout_bpb']['other_corpus_seeds'] == [2]
   assert 'different stdlib validation splits' in tables._test_line(  # pylint: disable=protected-access
       'x - y stdlib_bpb', tests['x - y stdlib_bpb'])
+  corpora['y'][1]['stdlib_val'] = None  # a run that recorded no fingerprint pairs with any
+  tests, _ = tables.family_tests(table, {'f': [('x', 'y', 'stdlib_bpb')]}, corpora)
+  assert tests['x - y stdlib_bpb']['n'] == 3
+  assert 'other_corpus_seeds' not in tests['x - y stdlib_bpb']

@@ -263,8 +263,10 @@ def run_corpora(runs: list[dict]) -> dict:
 
 def same_corpus(a: dict, b: dict, corpus_a: dict, corpus_b: dict) -> tuple[dict, dict, list]:
   """a and b (per-seed values) restricted to the seeds whose two runs were scored on the
-  same corpus (corpus_*: seed -> fingerprint), and the seeds left out."""
-  other = sorted(s for s in a if s in b and corpus_a.get(s) != corpus_b.get(s))
+  same corpus (corpus_*: seed -> fingerprint; results.fingerprints_differ), and the seeds
+  left out."""
+  other = sorted(s for s in a if s in b
+                 and results_lib.fingerprints_differ(corpus_a.get(s), corpus_b.get(s)))
   keep = lambda d: {s: v for s, v in d.items() if s not in other}
   return keep(a), keep(b), other
 
