@@ -311,21 +311,23 @@ def test_figures_pair_only_runs_scored_on_the_same_corpus(tmp_path):
   a, b = {0: 1.0, 1: 2.0, 2: 3.0}, {0: 0.5, 1: 1.5, 2: 2.5}
   table = {'x': {'metrics': {m: {'per_seed': a} for m in ('stdlib_bpb', 'heldout_bpb')}},
            'y': {'metrics': {m: {'per_seed': b} for m in ('stdlib_bpb', 'heldout_bpb')}}}
-  corpora = {'x': {0: {'heldout': 'a'}, 1: {'heldout': 'a'}, 2: {'heldout': 'b'}},
-             'y': {0: {'heldout': 'a'}, 1: {'heldout': 'a'}, 2: {'heldout': 'a'}}}
+  scored = lambda heldout: {'evaluation': {'heldout': {'fingerprint': heldout}}}  # noqa: E731
+  runs = {'x': {0: scored('a'), 1: scored('a'), 2: scored('b')},
+          'y': {0: scored('a'), 1: scored('a'), 2: scored('a')}}
   tests, _ = tables.family_tests(
-      table, {'f': [('x', 'y', 'stdlib_bpb'), ('x', 'y', 'heldout_bpb')]}, corpora)
+      table, {'f': [('x', 'y', 'stdlib_bpb'), ('x', 'y', 'heldout_bpb')]}, runs)
   assert tests['x - y stdlib_bpb']['n'] == 3 and tests['x - y heldout_bpb']['n'] == 2
   assert tests['x - y heldout_bpb']['other_corpus_seeds'] == [2]
   # seed 1's x ran on another interpreter's standard library: only the stdlib figure drops it
-  corpora['x'][1]['stdlib_val'], corpora['y'][1]['stdlib_val'] = 'c', 'a'
+  runs['x'][1]['evaluation']['stdlib_val'] = {'fingerprint': 'c'}
+  runs['y'][1]['evaluation']['stdlib_val'] = {'fingerprint': 'a'}
   tests, _ = tables.family_tests(
-      table, {'f': [('x', 'y', 'stdlib_bpb'), ('x', 'y', 'heldout_bpb')]}, corpora)
+      table, {'f': [('x', 'y', 'stdlib_bpb'), ('x', 'y', 'heldout_bpb')]}, runs)
   assert tests['x - y stdlib_bpb']['other_corpus_seeds'] == [1]
   assert tests['x - y heldout_bpb']['other_corpus_seeds'] == [2]
   assert 'different stdlib validation splits' in tables._test_line(  # pylint: disable=protected-access
       'x - y stdlib_bpb', tests['x - y stdlib_bpb'])
-  corpora['y'][1]['stdlib_val'] = None  # a run that recorded no fingerprint pairs with any
-  tests, _ = tables.family_tests(table, {'f': [('x', 'y', 'stdlib_bpb')]}, corpora)
+  del runs['y'][1]['evaluation']['stdlib_val']  # a run that recorded no fingerprint pairs
+  tests, _ = tables.family_tests(table, {'f': [('x', 'y', 'stdlib_bpb')]}, runs)
   assert tests['x - y stdlib_bpb']['n'] == 3
   assert 'other_corpus_seeds' not in tests['x - y stdlib_bpb']

@@ -101,8 +101,8 @@ def committed_evals(out_dir: str) -> tuple[str, dict]:
 def committed_spread(out_dir: str, baseline: str = 'd0', variants=None) -> dict:
   """The paired spread of a committed sweep, per budget: pooled sd, its dof, each
   comparison's sd, plus the sweep's seeds and tokens per run; `variants`: pool only
-  these variants' comparisons (default: every variant). A held-out difference pairs only
-  runs scored on the same corpus (results.same_corpus)."""
+  these variants' comparisons (default: every variant). A difference pairs only runs
+  scored on the same corpus (results.same_corpus)."""
   group, by = committed_evals(out_dir)
   base = {s: r for (v, _, s), r in by.items() if v == baseline}
   if not base:

@@ -60,13 +60,9 @@ def corpus_fingerprint(r: dict, corpus: str) -> str | None:
   return ((r.get('evaluation') or {}).get(corpus) or {}).get('fingerprint')
 
 
-def fingerprints_differ(a: str | None, b: str | None) -> bool:
-  """Whether two recorded corpus fingerprints show different corpora; a run that recorded
-  none (made before runs recorded it) cannot be shown to differ, so it pairs."""
-  return a is not None and b is not None and a != b
-
-
 def same_corpus(a: dict, b: dict, corpus: str) -> bool:
-  """Whether runs a and b were scored on the same `corpus` (fingerprints_differ): only then
-  is a difference of their figures on it a pair."""
-  return not fingerprints_differ(corpus_fingerprint(a, corpus), corpus_fingerprint(b, corpus))
+  """Whether runs a and b were scored on the same `corpus`: only then is a difference of
+  their figures on it a pair. A run that recorded no fingerprint (made before runs recorded
+  it) cannot be shown to differ, so it pairs."""
+  fa, fb = corpus_fingerprint(a, corpus), corpus_fingerprint(b, corpus)
+  return fa is None or fb is None or fa == fb

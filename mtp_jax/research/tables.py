@@ -255,30 +255,14 @@ def metric_corpus(metric: str) -> str | None:
   return 'stdlib_val' if metric.startswith(STDLIB_METRICS) else None
 
 
-def run_corpora(runs: list[dict]) -> dict:
-  """{seed: {corpus: fingerprint}} of one variant's runs (results.corpus_fingerprint)."""
-  return {r['seed']: {c: results_lib.corpus_fingerprint(r, c) for c in ('heldout', 'stdlib_val')}
-          for r in runs}
-
-
-def same_corpus(a: dict, b: dict, corpus_a: dict, corpus_b: dict) -> tuple[dict, dict, list]:
-  """a and b (per-seed values) restricted to the seeds whose two runs were scored on the
-  same corpus (corpus_*: seed -> fingerprint; results.fingerprints_differ), and the seeds
-  left out."""
-  other = sorted(s for s in a if s in b
-                 and results_lib.fingerprints_differ(corpus_a.get(s), corpus_b.get(s)))
-  keep = lambda d: {s: v for s, v in d.items() if s not in other}
-  return keep(a), keep(b), other
-
-
-def family_tests(table: dict, families: dict, corpora: dict | None = None
+def family_tests(table: dict, families: dict, runs: dict | None = None
                  ) -> tuple[dict, dict]:
   """The paired test (paired_test) of every declared comparison (v, ref, metric) whose two
   variants have the metric, named 'v - ref metric' and Holm-adjusted within its family
   (p_holm, family_size); and per family the comparisons tested, as (v, ref, metric, v's
-  per-seed values, ref's). With `corpora` ({variant: run_corpora}), a figure measured on
-  a corpus (metric_corpus) pairs only seeds whose two runs were scored on the same one;
-  the seeds left out are the test's `other_corpus_seeds`."""
+  per-seed values, ref's). With `runs` ({variant: {seed: run}}), a figure measured on a
+  corpus (metric_corpus) pairs only seeds whose two runs were scored on the same one
+  (results.same_corpus); the seeds left out are the test's `other_corpus_seeds`."""
   tests, done = {}, {}
   for family, members in families.items():
     rows = done.setdefault(family, [])
@@ -290,9 +274,10 @@ def family_tests(table: dict, families: dict, corpora: dict | None = None
         continue
       a, b, other = a['per_seed'], b['per_seed'], []
       corpus = metric_corpus(metric)
-      if corpora is not None and corpus is not None:
-        pick = lambda by: {s: c.get(corpus) for s, c in by.items()}
-        a, b, other = same_corpus(a, b, pick(corpora.get(v, {})), pick(corpora.get(ref, {})))
+      if runs is not None and corpus is not None:
+        other = sorted(s for s in a if s in b and not results_lib.same_corpus(
+            runs[v][s], runs[ref][s], corpus))
+        a, b = ({s: x for s, x in d.items() if s not in other} for d in (a, b))
       t = paired_test(a, b)
       if t is None:
         continue
@@ -318,10 +303,10 @@ def tabulate_drafter(runs: list[dict], families: dict | None = None,
   by = {}
   for r in runs:
     by.setdefault(r['variant'], []).append(r)
-  table, corpora = {}, {}
+  table, by_seed = {}, {}
   for v in [v for v in DRAFTER.VARIANTS if v in by]:
     rs = by[v]
-    corpora[v] = run_corpora(rs)
+    by_seed[v] = {r['seed']: r for r in rs}
     mtp = rs[0]['config']['model']['mtp']
     table[v] = {'depth': rs[0]['depth'], 'mtp_kind': rs[0]['mtp_kind'],
                 'share_modules': bool(mtp.get('share_modules', False)),
@@ -332,7 +317,7 @@ def tabulate_drafter(runs: list[dict], families: dict | None = None,
                 'seeds': sorted(r['seed'] for r in rs),
                 'metrics': aggregate({r['seed']: _with_d768_speedup(lm_metrics(r, DRAFTER_EVAL),
                                                                     d768) for r in rs})}
-  tests, done = family_tests(table, families, corpora)
+  tests, done = family_tests(table, families, by_seed)
   mde = {}
   for family, rows in done.items():
     diffs = [[a[s] - b[s] for s in a if a[s] is not None and b.get(s) is not None]
@@ -409,20 +394,20 @@ def tabulate_sized(runs: list[dict], families: dict | None = None, arms=None) ->
     by.setdefault((v, SIZED_BUDGETS[suffix]), []).append(r)
   out = {}
   for budget in BUDGETS:
-    table, corpora = {}, {}
+    table, by_seed = {}, {}
     for v in ABLATION.SIZED_VARIANTS:
       rs = by.get((v, budget)) or (by.get((v, 'equal_tokens')) if v == ABLATION.BASELINE
                                    else None)  # M = 0's one run serves both budgets
       if not rs:
         continue
       cfg = rs[0]['config']['model']['mtp']
-      corpora[v] = run_corpora(rs)
+      by_seed[v] = {r['seed']: r for r in rs}
       table[v] = {'depth': rs[0]['depth'], 'mtp_kind': rs[0]['mtp_kind'],
                   'curriculum': cfg.get('curriculum', 'none'),
                   'seeds': sorted(r['seed'] for r in rs),
                   'metrics': aggregate({r['seed']: lm_metrics(r, next(iter(r['evals'])))
                                         for r in rs})}
-    tests, done = family_tests(table, families, corpora)
+    tests, done = family_tests(table, families, by_seed)
     pooled = {'stdlib_bpb': [], 'heldout_bpb': []}
     for rows in done.values():
       for v, ref, metric, a, b in rows:
