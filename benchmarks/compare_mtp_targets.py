@@ -175,6 +175,7 @@ def evaluate_all(root: str, trunk: str, args, runs) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from mtp_jax import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from mtp_jax import config_lib  # pylint: disable=g-import-not-at-top
   from mtp_jax.data import pipeline, tokenizers  # pylint: disable=g-import-not-at-top
   from mtp_jax.train import (
     evaluation,  # pylint: disable=g-import-not-at-top
@@ -190,7 +191,9 @@ def evaluate_all(root: str, trunk: str, args, runs) -> dict:
     config, step = ckpt_lib.load_workdir(workdir)
     for k in config.data.keys():  # the corpus's validation split, whatever it trained on
       config.data[k] = corpus.data[k]
-    config.mesh.shape = (-1, 1, 1)
+    config.mesh.shape = None  # one device, whatever mesh it trained on
+    for axis, size in config_lib.DEFAULT_AXES.items():
+      config.mesh.axes[axis] = size
     tok = tokenizers.get_tokenizer(config.data)
     ts, _ = steps.setup(config, devices)
     state = ckpt_lib.restore_state(workdir, step, ts.abstract_state).state

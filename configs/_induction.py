@@ -34,5 +34,5 @@ def research_config(depth_and_kind: tuple[int, str], lambda_value: float, steps:
   c.train.min_lr_ratio = 1.0
   c.train.steps, c.train.warmup_steps = steps, warmup
   c.train.progress = False
-  c.mesh.shape = (1, 1, 1)
+  c.mesh.axes.data = 1
   return c

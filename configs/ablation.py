@@ -64,7 +64,7 @@ def _base(smoke: bool):
   c.train.log_every = 10
   c.train.eval_every = 0
   c.train.progress = False
-  c.mesh.shape = (1, 1, 1)
+  c.mesh.axes.data = 1
   return c
 
 
@@ -80,7 +80,7 @@ def equal_flop_steps(config, baseline) -> int:
   return max(1, int(step_flops(baseline) * baseline.train.steps // step_flops(config)))
 
 
-DEVICES = 1  # mesh.shape below: the research sweep runs each variant on one device
+DEVICES = 1  # mesh.axes below: the research sweep runs each variant on one device
 
 
 def get_config(arg: str = 'd3'):

@@ -49,7 +49,7 @@ TRUNK_STEPS = 1010  # the sized sweep's equal-token steps: the trunk is its d0
 ARM_STEPS = 1010  # every arm: the same steps and tokens
 SMOKE_TRUNK_STEPS, SMOKE_ARM_STEPS = 8, 6
 
-DEVICES = 1  # mesh.shape: one device per run, as configs/ablation.py
+DEVICES = 1  # mesh.axes: one device per run, as configs/ablation.py
 
 
 def _set(c, dotted: str, value):

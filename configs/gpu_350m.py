@@ -46,5 +46,5 @@ def get_config():
   t.eval_every = 1000
   t.eval_batches = 16
   t.checkpoint_every = 1000
-  c.mesh.shape = (1, 1, 1)
+  c.mesh.axes.data = 1
   return c

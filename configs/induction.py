@@ -26,7 +26,7 @@ TASK = {'alphabet': 32, 'span_min': 8, 'span_max': 16, 'repeats': 3}
 SMOKE_TASK = {'alphabet': 16, 'span_min': 4, 'span_max': 8, 'repeats': 3}
 
 
-DEVICES = 1  # mesh.shape below: the research sweep runs each variant on one device
+DEVICES = 1  # mesh.axes below: the research sweep runs each variant on one device
 
 
 def get_config(arg: str = 'd0'):

@@ -37,7 +37,7 @@ TASK = {'kind': 'bpe_names', 'vocab_size': VOCAB, 'corpus_stories': 4000, 'token
         'body_min': 2, 'body_max': 4}
 SMOKE_TASK = {**TASK, 'vocab_size': 384, 'corpus_stories': 200}
 
-DEVICES = 1  # mesh.shape below: the research sweep runs each variant on one device
+DEVICES = 1  # mesh.axes below: the research sweep runs each variant on one device
 
 
 def non_embedding_params(size: str) -> int:

@@ -35,7 +35,7 @@ SMOKE_TASK = dict(TASK)
 CHANCE = 1 / 26  # the second letter of a name is uniform over the 26 lower-case letters
 
 
-DEVICES = 1  # mesh.shape below: the research sweep runs each variant on one device
+DEVICES = 1  # mesh.axes below: the research sweep runs each variant on one device
 
 
 def get_config(arg: str = 'd0'):

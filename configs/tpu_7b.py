@@ -32,5 +32,5 @@ def get_config():
   d.batch_size = 512  # 2M tokens per step; 4 sequences per chip
   t = c.train
   t.lr = 2e-4
-  c.mesh.shape = (1, 128, 1)
+  c.mesh.axes.data, c.mesh.axes.fsdp = 1, 128
   return c

@@ -53,5 +53,5 @@ def get_config():
   m.scan_layers = False
   d = c.data
   d.batch_size = 128  # 512k tokens per step; 4 sequences per chip
-  c.mesh.shape = (8, 4, 1)
+  c.mesh.axes.data, c.mesh.axes.fsdp = 8, 4
   return c

@@ -21,7 +21,7 @@ from mtp_jax import config_files
 # configs/_tpu_pod.py: what every pod config shares
 POD = config_files.load_module(os.path.join(os.path.dirname(__file__), '_tpu_pod.py'))
 
-DEVICES = 32  # v5p-64 = 32 chips (64 TensorCores); mesh.shape below needs this many
+DEVICES = 32  # v5p-64 = 32 chips (64 TensorCores); mesh.axes below need this many
 
 
 def get_config():
@@ -43,5 +43,5 @@ def get_config():
   m.scan_layers = False
   d = c.data
   d.batch_size = 256  # 1M tokens per step; 8 per chip
-  c.mesh.shape = (2, 16, 1)
+  c.mesh.axes.data, c.mesh.axes.fsdp = 2, 16
   return c

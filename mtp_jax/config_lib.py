@@ -24,7 +24,15 @@ from mtp_jax.config.kinds import (
   HeadFacts,
   MLPFacts,
 )
-from mtp_jax.config.mesh import DEFAULT_RULES, MESH_AXES, mesh_shape_form, resolved_mesh_shape
+from mtp_jax.config.mesh import (
+  DEFAULT_AXES,
+  DEFAULT_RULES,
+  MESH_AXES,
+  fixed_devices,
+  mesh_axes_form,
+  resolved_mesh_axes,
+  resolved_mesh_shape,
+)
 from mtp_jax.config.readers import (
   decode_prompt_len,
   optional,
@@ -37,11 +45,11 @@ from mtp_jax.config.validation import validate, validate_data_source
 from mtp_jax.errors import ConfigError
 
 __all__ = [
-    'ATTENTION', 'ATTENTION_CORES', 'ATTENTION_KINDS', 'DATA_SOURCES', 'DEFAULT_RULES',
+    'ATTENTION', 'ATTENTION_CORES', 'ATTENTION_KINDS', 'DATA_SOURCES', 'DEFAULT_AXES', 'DEFAULT_RULES',
     'MESH_AXES', 'MLP', 'MLP_KINDS', 'MOE_DISPATCHES', 'MOE_EXCHANGES', 'MTP_HEADS',
     'MTP_KINDS', 'REMAT_POLICIES', 'TRITON_BLOCKS', 'AttentionFacts', 'ConfigError', 'HeadFacts', 'MLPFacts',
     'attention_kernel_problem', 'base_config', 'check_schema', 'decode_prompt_len',
-    'mesh_shape_form', 'optional', 'profile_window', 'require_positive_int',
-    'resolved_mesh_shape', 'rope_scaling_tuple', 'target_offsets', 'triton_blocks',
+    'fixed_devices', 'mesh_axes_form', 'optional', 'profile_window', 'require_positive_int',
+    'resolved_mesh_axes', 'resolved_mesh_shape', 'rope_scaling_tuple', 'target_offsets', 'triton_blocks',
     'validate', 'validate_data_source',
 ]

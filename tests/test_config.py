@@ -1,4 +1,5 @@
 """Config validation: every bad value fails before compiling, with the field named."""
+import json
 import os
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def test_bad_values_name_their_field(mutate, words):
 def test_mesh_and_batch_checks_against_device_count():
   c = _cfg()
   c.mesh.shape = (2, 2, 1)
-  with pytest.raises(ConfigError, match=r'mesh\.shape .* 4 devices but 8 are available'):
+  with pytest.raises(ConfigError, match=r'mesh data 2 x fsdp 2 has 4 devices but 8 are available'):
     config_lib.validate(c, num_devices=8)
   c.mesh.shape = (-1, 1, 1)
   c.data.batch_size = 12
@@ -58,6 +59,57 @@ def test_mesh_and_batch_checks_against_device_count():
   with pytest.raises(ConfigError, match='tensor axis'):
     config_lib.validate(c, num_devices=8)
   assert config_lib.resolved_mesh_shape((-1, 2, 1), 8) == (4, 2, 1)
+
+
+def test_named_mesh_axes_and_the_older_positional_shape():
+  """mesh.axes names every axis (outermost first); the older mesh.shape (data, fsdp,
+  tensor) of configs and saved config.json files reads as those three axes."""
+  c = _cfg()
+  assert config_lib.MESH_AXES == ('data', 'stage', 'fsdp', 'context', 'tensor')
+  assert config_lib.resolved_mesh_axes(c.mesh, 8) == {
+      'data': 8, 'stage': 1, 'fsdp': 1, 'context': 1, 'tensor': 1}
+  c.mesh.axes.fsdp, c.mesh.axes.context = 2, 2
+  assert tuple(config_lib.resolved_mesh_axes(c.mesh, 8).values()) == (2, 1, 2, 2, 1)
+  c = _cfg()
+  c.mesh.shape = (-1, 2, 1)  # the older form; axes may add context beside it
+  c.mesh.axes.context = 2
+  assert config_lib.resolved_mesh_axes(c.mesh, 8) == {
+      'data': 2, 'stage': 1, 'fsdp': 2, 'context': 2, 'tensor': 1}
+  c.mesh.axes.tensor = 2
+  with pytest.raises(ConfigError, match=r'mesh\.shape \(-1, 2, 1\) and mesh\.axes\.tensor'):
+    config_lib.validate(c, num_devices=8)
+  c = _cfg()
+  c.mesh.axes.fsdp = -1
+  with pytest.raises(ConfigError, match='only one axis may be -1'):
+    config_lib.validate(c)
+  c.mesh.axes.fsdp = 1
+  c.mesh.axes.stage = 2
+  with pytest.raises(ConfigError, match='mesh.axes.stage must be 1'):
+    config_lib.validate(c)
+  c.mesh.axes.stage = 1
+  c.mesh.axes.data = 0
+  with pytest.raises(ConfigError, match='mesh.axes.data must be a positive integer or -1'):
+    config_lib.validate(c)
+
+
+def test_saved_config_json_of_either_mesh_form_reads_back(tmp_path):
+  """A config.json saved before the axes were named (mesh.shape, no mesh.axes) gives the
+  same mesh as before; one saved now (mesh.axes, shape null) round-trips."""
+  from mtp_jax import config_files
+  old = json.loads(_cfg().to_json_best_effort())
+  del old['mesh']['axes']
+  old['mesh']['shape'] = [2, 2, 1]
+  (tmp_path / 'old.json').write_text(json.dumps(old))
+  loaded = config_files.load_saved(str(tmp_path / 'old.json'))
+  config_lib.validate(loaded, num_devices=4)
+  assert config_lib.resolved_mesh_axes(loaded.mesh, 4) == {
+      'data': 2, 'stage': 1, 'fsdp': 2, 'context': 1, 'tensor': 1}
+  c = _cfg()
+  c.mesh.axes.data, c.mesh.axes.context = 2, 4
+  (tmp_path / 'new.json').write_text(c.to_json_best_effort())
+  loaded = config_files.load_saved(str(tmp_path / 'new.json'))
+  assert loaded.mesh.shape is None
+  assert config_lib.resolved_mesh_axes(loaded.mesh, 8)['context'] == 4
 
 
 def test_every_config_validates():

@@ -51,13 +51,12 @@ def test_config_validates_and_builds_abstractly(name):
   per_token = flops.flops_per_token(args, config.data.seq_len)
   print(f'\n{name}: {counts["total"] / 1e6:.1f}M params ({counts["mtp"] / 1e6:.1f}M in '
         f'{args.mtp_depth} MTP depths), {per_token.train / 1e9:.3f} GFLOP per training token, '
-        f'mesh {config_lib.resolved_mesh_shape(config.mesh.shape, num_devices)} on {num_devices} devices')
+        f'mesh {config_lib.resolved_mesh_axes(config.mesh, num_devices)} on {num_devices} devices')
   assert counts['total'] > 0 and per_token.train > 0
 
   # Every parameter divides evenly over the mesh axes its logical names map to.
-  shape = config_lib.resolved_mesh_shape(config.mesh.shape, num_devices)
-  mesh = jax.sharding.AbstractMesh(shape, config_lib.MESH_AXES)
-  sizes = dict(zip(config_lib.MESH_AXES, shape))
+  sizes = config_lib.resolved_mesh_axes(config.mesh, num_devices)
+  mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), config_lib.MESH_AXES)
   with nnx.logical_axis_rules(sharding.rules_of(config)):
     shardings = nnx.get_named_sharding(nnx.state(abstract, nnx.Param), mesh)
   for path, (leaf, sh) in zip(

@@ -61,7 +61,7 @@ CONFIG_CASES = [
      ['unknown config field train.checkpoint_evry', 'did you mean train.checkpoint_every']),
     ('wrong type', _with_depth_as_string, ['model.mtp.depth must be an integer', "'2'"]),
     ('impossible mesh', lambda c: setattr(c.mesh, 'shape', (2, 1, 1)),
-     ['mesh.shape (2, 1, 1) has 2 devices but 1 are available']),
+     ['mesh data 2 has 2 devices but 1 are available']),
     ('depth >= sequence length', lambda c: setattr(c.model.mtp, 'depth', 63),
      ['model.mtp.depth (63) must be smaller than data.seq_len - 1']),
     ('batch not divisible', lambda c: setattr(c.train, 'grad_accum', 3),
@@ -260,7 +260,7 @@ def _train_cli(*args, cwd=REPO):
 
 def test_print_config_shows_the_plan_and_a_cpu_mesh_error_names_cpu_devices(tmp_path):
   """--print_config: the resolved config (JSON) and the device / mesh plan, exit 0, nothing
-  compiled or written. A mesh.shape this CPU process cannot hold names --cpu_devices, and
+  compiled or written. A mesh this CPU process cannot hold names --cpu_devices, and
   that flag makes it fit."""
   workdir = tmp_path / 'run'
   proc = _train_cli('--workdir', str(workdir), '--print_config', '--config.train.steps=7')
@@ -268,14 +268,15 @@ def test_print_config_shows_the_plan_and_a_cpu_mesh_error_names_cpu_devices(tmp_
   text, plan = proc.stdout.split('\nworkdir: ')
   config = json.loads(text)
   assert config['train']['steps'] == 7 and config['model']['vocab_size'] > 0  # resolved
-  assert 'mesh: data 2 x fsdp 1 x tensor 1' in plan and 'devices: 2 cpu' in plan, plan
+  assert 'mesh: data 2 x stage 1 x fsdp 1 x context 1 x tensor 1' in plan and 'devices: 2 cpu' in plan, plan
   assert 'batch: 8 sequences of 64 tokens a step, 4 per data x fsdp shard' in plan
   assert 'Compiling' not in proc.stderr and not workdir.exists()  # JAX_LOG_COMPILES names each
   proc = _train_cli('--workdir', str(workdir), '--config.mesh.shape=(3,1,1)')
   lines = proc.stderr.strip().splitlines()
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-  assert lines[0].startswith('error: mesh.shape (3, 1, 1)') and '--cpu_devices=3' in lines[0]
+  assert lines[0].startswith('error: mesh data 3 has 3 devices') and '--cpu_devices=3' in lines[0]
   assert not workdir.exists()
-  proc = _train_cli('--workdir', str(workdir), '--config.mesh.shape=(3,1,1)', '--cpu_devices=3',
+  proc = _train_cli('--workdir', str(workdir), '--config.mesh.axes.data=3', '--cpu_devices=3',
                     '--config.data.batch_size=6', '--print_config')
-  assert proc.returncode == 0 and 'mesh: data 3 x fsdp 1 x tensor 1' in proc.stdout, proc.stderr
+  assert proc.returncode == 0 and 'mesh: data 3 x stage 1 x fsdp 1 x context 1' in proc.stdout, (
+      proc.stderr)

@@ -9,7 +9,6 @@ non-finite loss.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
@@ -80,16 +79,16 @@ def _fail(what: str, e: BaseException) -> int:
 
 
 def _check_cpu_mesh(config) -> None:
-  """A mesh.shape this single CPU process cannot hold names the flag that sets its device
+  """A mesh this single CPU process cannot hold names the flag that sets its device
   count (the config check alone would say only how many devices there are)."""
   import jax  # pylint: disable=g-import-not-at-top
   if jax.process_count() > 1 or jax.devices()[0].platform != 'cpu':
     return
   n = jax.device_count()
   try:
-    config_lib.resolved_mesh_shape(config.mesh.shape, n)
+    config_lib.resolved_mesh_axes(config.mesh, n)
   except cli.ConfigError as e:
-    fixed = math.prod(s for s in config_lib.mesh_shape_form(config.mesh.shape) if s != -1)
+    fixed = config_lib.fixed_devices(config.mesh)
     raise cli.ConfigError(
         f'{e} (this process has {n} CPU device{"s" if n > 1 else ""}: --cpu_devices={fixed} '
         f'gives it {fixed}, on a host with {os.cpu_count()} cores)') from e

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from mtp_jax.config.mesh import DEFAULT_RULES
+from mtp_jax.config.mesh import DEFAULT_AXES, DEFAULT_RULES
 
 # model.remat: what each block keeps for the backward pass (mtp.remat_policy), least
 # recomputation first after none
@@ -287,6 +287,12 @@ def train_fields() -> ml_collections.ConfigDict:
 def mesh_fields() -> ml_collections.ConfigDict:
   """config.mesh: the device mesh and the logical-axis rules (config/mesh.py)."""
   mesh = ml_collections.ConfigDict()
-  mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); one -1 takes the remaining devices
+  # the size of each named mesh axis (config/mesh.py MESH_AXES, outermost first); one -1
+  # takes the remaining devices. stage is reserved for pipeline stages (1 only, for now);
+  # context shards every sequence (context parallelism, docs/training.md).
+  mesh.axes = ml_collections.ConfigDict(dict(DEFAULT_AXES))
+  # the older positional form (data, fsdp, tensor), still read when set (configs and saved
+  # config.json files of older runs); None: mesh.axes alone
+  mesh.shape = ml_collections.config_dict.placeholder(tuple)
   mesh.rules = DEFAULT_RULES  # logical axis -> mesh axis table
   return mesh

@@ -56,7 +56,10 @@ def check_schema(config, reference=None, prefix: str = '') -> None:
 
 
 def same_kind(value, want) -> bool:
-  """value may stand where base_config() has `want` (an int for a float, a list for a tuple)."""
+  """value may stand where base_config() has `want` (an int for a float, a list for a tuple;
+  anything for a None, whose own check reads it)."""
+  if want is None:
+    return True
   if isinstance(want, bool):
     return isinstance(value, bool)
   if isinstance(value, bool):

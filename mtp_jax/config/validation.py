@@ -8,7 +8,7 @@ import mtp_jax.config.kinds as kinds
 from mtp_jax.config.base import REMAT_POLICIES
 from mtp_jax.config.kernel_limits import ATTENTION_CORES, attention_kernel_problem
 from mtp_jax.config.kinds import ATTENTION, ATTENTION_KINDS, DATA_SOURCES, MLP_KINDS, MTP_HEADS
-from mtp_jax.config.mesh import MESH_AXES, mesh_shape_form, resolved_mesh_shape
+from mtp_jax.config.mesh import MESH_AXES, mesh_axes_form, resolved_mesh_axes
 from mtp_jax.config.readers import decode_prompt_len, optional, profile_window
 from mtp_jax.config.schema import check_schema, either, require, require_positive_int
 
@@ -246,7 +246,9 @@ def _validate_mesh(config, num_devices: int | None) -> None:
   """config.mesh, and with a device count the divisibility of the batch, vocabulary,
   heads and experts over it."""
   m, d, t = config.model, config.data, config.train
-  mesh_shape_form(config.mesh.shape)
+  sizes = mesh_axes_form(config.mesh)
+  require(sizes['stage'] == 1, f"mesh.axes.stage must be 1 (pipeline stages are not built "
+          f"yet), got {sizes['stage']}")
   for rule in config.mesh.rules:
     require(len(rule) == 2, f'mesh.rules entries must be (logical, mesh_axes) pairs, got {rule!r}')
     axes = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
@@ -254,25 +256,25 @@ def _validate_mesh(config, num_devices: int | None) -> None:
       require(a is None or a in MESH_AXES,
                f'mesh.rules maps {rule[0]!r} to unknown mesh axis {a!r}; axes are {MESH_AXES}')
   if num_devices is not None:
-    shape = resolved_mesh_shape(config.mesh.shape, num_devices)
-    batch_ways = shape[0] * shape[1]
+    shape = resolved_mesh_axes(config.mesh, num_devices)
+    batch_ways = shape['data'] * shape['fsdp']
     require(d.batch_size % (batch_ways * t.grad_accum) == 0,
              f'data.batch_size ({d.batch_size}) must be divisible by data x fsdp '
              f'({batch_ways}) x train.grad_accum ({t.grad_accum})')
     rules = dict((r[0], r[1]) for r in config.mesh.rules)
     vocab_axes = rules.get('vocab')
     vocab_axes = vocab_axes if isinstance(vocab_axes, (tuple, list)) else (vocab_axes,)
-    vocab_ways = math.prod(shape[MESH_AXES.index(a)] for a in vocab_axes if a is not None)
+    vocab_ways = math.prod(shape[a] for a in vocab_axes if a is not None)
     require(not m.vocab_size or m.vocab_size % vocab_ways == 0,
              f'model.vocab_size ({m.vocab_size}) must be divisible by the mesh axes the '
              f'vocab rule shards over ({vocab_ways} devices)')
-    require(m.n_kv_heads % shape[2] == 0 and m.n_heads % shape[2] == 0,
+    require(m.n_kv_heads % shape['tensor'] == 0 and m.n_heads % shape['tensor'] == 0,
              f'model.n_heads ({m.n_heads}) and n_kv_heads ({m.n_kv_heads}) must be divisible '
-             f'by the tensor axis ({shape[2]})')
+             f"by the tensor axis ({shape['tensor']})")
     if 'moe' in (m.mlp, m.mtp.block_mlp):
       axes = dict((r[0], r[1]) for r in config.mesh.rules).get('expert')
       axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-      ways = math.prod(shape[MESH_AXES.index(a)] for a in axes if a is not None)
+      ways = math.prod(shape[a] for a in axes if a is not None)
       require(m.moe.n_routed_experts % ways == 0,
                f'model.moe.n_routed_experts ({m.moe.n_routed_experts}) must be divisible by '
                f'the mesh axes the expert rule shards over ({ways} devices)')

@@ -1,7 +1,8 @@
 """The device mesh and the logical-axis sharding table.
 
 Layers name logical axes only (`batch`, `embed`, `heads`, ...); the config's
-`mesh.rules` table maps them onto the mesh axes ('data', 'fsdp', 'tensor').
+`mesh.rules` table maps them onto the named mesh axes (config_lib.MESH_AXES: data, stage,
+fsdp, context, tensor, outermost first).
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from mtp_jax import config_lib
 
 
 def make_mesh(config, devices=None) -> jax.sharding.Mesh:
-  """The ('data', 'fsdp', 'tensor') mesh of the config, with Auto axis types."""
+  """The mesh of the config's named axes (config_lib.MESH_AXES), with Auto axis types."""
   devices = jax.devices() if devices is None else devices
-  shape = config_lib.resolved_mesh_shape(config.mesh.shape, len(devices))
+  shape = tuple(config_lib.resolved_mesh_axes(config.mesh, len(devices)).values())
   axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
   slices = len({getattr(d, 'slice_index', 0) for d in devices})
   if slices > 1:  # multislice: the slices meet over the data-center network
@@ -30,12 +31,14 @@ def make_mesh(config, devices=None) -> jax.sharding.Mesh:
 
 
 def _multislice_mesh(shape, devices, slices: int, axis_types) -> jax.sharding.Mesh:
-  """The mesh over several TPU slices: the first axis that the slice count divides (data,
-  else fsdp) spans the slices, so only its collectives cross the slower network."""
+  """The mesh over several TPU slices: the first axis, outermost first, that the slice count
+  divides (data, else stage, else fsdp, ...) spans the slices, so only its collectives cross the
+  slower network."""
   axis = next((i for i, s in enumerate(shape) if s % slices == 0), None)
   if axis is None:
     raise config_lib.ConfigError(
-        f'mesh.shape {shape}: no axis is divisible by the {slices} slices of this job')
+        f'mesh {dict(zip(config_lib.MESH_AXES, shape))}: no axis is divisible by the '
+        f'{slices} slices of this job')
   dcn = tuple(slices if i == axis else 1 for i in range(len(shape)))
   ici = tuple(s // slices if i == axis else s for i, s in enumerate(shape))
   grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)

@@ -223,11 +223,13 @@ def _check_options(split, eval_batches, num_prompts, prompt_len, max_new_tokens,
 
 
 def _mesh_for(config, num_devices: int):
-  """The saved mesh shape if it fits these devices, else all of them on the data axis."""
+  """The saved mesh if it fits these devices, else all of them on the data axis."""
   try:
-    config_lib.resolved_mesh_shape(config.mesh.shape, num_devices)
+    config_lib.resolved_mesh_axes(config.mesh, num_devices)
   except ConfigError:
-    config.mesh.shape = (-1, 1, 1)
+    config.mesh.shape = None
+    for axis, size in config_lib.DEFAULT_AXES.items():
+      config.mesh.axes[axis] = size
 
 
 def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: int | None = None,

@@ -25,8 +25,7 @@ def describe(config, workdir: str, init_from: str | None = None) -> str:
     changes = hf.apply_to_config(config, parsed.path)
   tokenizers.resolve_vocab_size(config)
   config_lib.validate(config, len(devices))
-  shape = config_lib.resolved_mesh_shape(config.mesh.shape, len(devices))
-  mesh = dict(zip(config_lib.MESH_AXES, shape))
+  mesh = config_lib.resolved_mesh_axes(config.mesh, len(devices))
   d, t = config.data, config.train
   shards = mesh['data'] * mesh['fsdp']
   checkpoints = os.path.join(workdir, 'checkpoints')
@@ -41,7 +40,7 @@ def describe(config, workdir: str, init_from: str | None = None) -> str:
       f'{d.batch_size // shards} per data x fsdp shard'
       + (f' in {t.grad_accum} micro-batches' if t.grad_accum > 1 else ''),
       f'steps: {t.steps} ({t.steps * d.batch_size * d.seq_len:,} tokens), '
-      f'M = {config.model.mtp.depth} MTP depths, {math.prod(shape)} devices',
+      f'M = {config.model.mtp.depth} MTP depths, {math.prod(mesh.values())} devices',
   ]
   if changes:
     lines.append(f'--init_from {parsed} sets ' + '; '.join(changes))
