@@ -96,6 +96,7 @@ _TABLES = 'mtp_jax.research.tables'
 MOVED_NAMES = {
     'mtp_jax.checkpoint.partial.InitFrom': 'mtp_jax.train_state.InitFrom',
     'mtp_jax.checkpoint.partial.HF_PREFIX': 'mtp_jax.train_state.HF_PREFIX',
+    'mtp_jax.commands.preflight.HF_PREFIX': 'mtp_jax.train_state.HF_PREFIX',
     'mtp_jax.train.resilience.StartupInterrupted': 'mtp_jax.runtime.signals.StartupInterrupted',
     'mtp_jax.train.resilience.StartupSignals': 'mtp_jax.runtime.signals.StartupSignals',
     **{f'mtp_jax.commands.ablation.{n}': f'{_TABLES}.{n}' for n in (
