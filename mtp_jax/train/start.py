@@ -29,7 +29,7 @@ from mtp_jax.checkpoint import store as ckpt_store
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import tokenizers
 from mtp_jax.interop import hf
-from mtp_jax.model.mtp import ModelArgs
+from mtp_jax.model.args import ModelArgs
 from mtp_jax.runtime import compile_cache
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train_state.init_from import InitFrom
