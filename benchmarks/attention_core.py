@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 import common  # benchmarks/common.py
 from mtp_jax.model import attention as attn_lib  # noqa: E402
-from mtp_jax.model import mtp as model_lib  # noqa: E402
+from mtp_jax.model import blocks as blocks_lib  # noqa: E402
 
 NAME = 'attention_core'
 
@@ -54,10 +54,7 @@ def parse(argv):
   p.add_argument('--variants', default='xla,blocked64,saved64,blocked32,blocked128',
                  help=f'comma-separated, of {", ".join(VARIANTS)}')
   a = p.parse_args(argv)
-  a.variants = [v for v in a.variants.split(',') if v]
-  bad = [v for v in a.variants if v not in VARIANTS]
-  if bad or not a.variants:
-    p.error(f'--variants must name some of {", ".join(VARIANTS)}, got {bad or "nothing"}')
+  a.variants = common.names_flag(p, a.variants, VARIANTS, '--variants')
   if a.heads < 1 or 256 % a.heads or a.rounds < 1:
     p.error('--heads must divide 256 and --rounds be >= 1')
   a.batch, a.seq = (2, 32) if a.smoke else (16, 256)
@@ -75,7 +72,7 @@ def main(argv=None) -> int:
   rng = np.random.default_rng(0)
   q, k, v, g = (jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32) for _ in range(4))
   mask = attn_lib.attention_mask(jnp.asarray(tt.synthetic_batch(b, t, 1024)['segment_ids']))
-  policy = model_lib.remat_policy('block')
+  policy = blocks_lib.remat_policy('block')
   fns, refs, errors = {}, {}, {}
   for name in a.variants:
     f = VARIANTS[name]

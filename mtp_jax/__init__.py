@@ -96,6 +96,7 @@ _TABLES = 'mtp_jax.research.tables'
 MOVED_NAMES = {
     'mtp_jax.checkpoint.partial.InitFrom': 'mtp_jax.train_state.InitFrom',
     'mtp_jax.checkpoint.partial.HF_PREFIX': 'mtp_jax.train_state.HF_PREFIX',
+    'mtp_jax.commands.preflight.HF_PREFIX': 'mtp_jax.train_state.HF_PREFIX',
     'mtp_jax.train.resilience.StartupInterrupted': 'mtp_jax.runtime.signals.StartupInterrupted',
     'mtp_jax.train.resilience.StartupSignals': 'mtp_jax.runtime.signals.StartupSignals',
     **{f'mtp_jax.commands.ablation.{n}': f'{_TABLES}.{n}' for n in (
@@ -104,6 +105,10 @@ MOVED_NAMES = {
         'load_config_module', 'markdown', 'markdown_names', 'markdown_sized', 'paired_test',
         'tabulate', 'tabulate_names', 'tabulate_sized')},
     'mtp_jax.interop.hf_config.read_config': 'mtp_jax.interop.hf.read_config',
+    **{f'mtp_jax.model.mtp.{n}': f'mtp_jax.model.{m}.{n}' for n, m in (
+        ('SharedHead', 'heads'), ('SequentialMTP', 'heads'), ('ParallelHead', 'heads'),
+        ('config_path', 'args'), ('remat_policy', 'blocks'))},
+    'mtp_jax.train.loss.cross_entropy_autodiff': 'mtp_jax.train.head_sums.cross_entropy_autodiff',
     **{f'mtp_jax.commands.ablation.{n}': f'mtp_jax.research.ablation.{n}' for n in (
         'design_path', 'group_variants', 'make_design', 'make_runs', 'make_sweep',
         'names_estimate', 'sized_runs', 'sized_steps')},

@@ -8,24 +8,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import load_config, tiny_model_config
+from helpers import load_config, packed_segments, tiny_model_config
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.model import attention as attn_lib
 from mtp_jax.model import layers
-from mtp_jax.model.mtp import ModelArgs, MTPModel, remat_policy
+from mtp_jax.model.blocks import remat_policy
+from mtp_jax.model.mtp import ModelArgs, MTPModel
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train import loss as loss_lib
 
 
 def _packed_segments(b, t, seed=0):
   """Rows of 1-3 packed documents and a little padding (segment 0)."""
-  rng = np.random.default_rng(seed)
-  seg = np.zeros((b, t), np.int32)
-  for r in range(b):
-    cuts = np.sort(rng.choice(np.arange(1, t - 2), size=2, replace=False))
-    seg[r, :cuts[0]], seg[r, cuts[0]:cuts[1]], seg[r, cuts[1]:t - 2] = 1, 2, 3
-  return jnp.asarray(seg)
+  return jnp.asarray(packed_segments(b, t, seed))
 
 
 @pytest.mark.parametrize('t,block,n,kv', [(40, 16, 4, 2), (32, 8, 2, 2), (24, 64, 4, 1)])

@@ -11,13 +11,14 @@ from flax import nnx
 
 from helpers import dsv3_model_config, tiny_model_config
 from mtp_jax import config_lib
+from mtp_jax import model as mtp
 from mtp_jax.config import kinds
 from mtp_jax.data import tokenizers
 from mtp_jax.decode import Decoder
 from mtp_jax.errors import RequestError
 from mtp_jax.interop import layouts
 from mtp_jax.interop.safetensors_io import InteropError
-from mtp_jax.model import layers, moe, mtp
+from mtp_jax.model import layers, moe
 from mtp_jax.train import flops
 
 

@@ -623,7 +623,7 @@ def test_remat_block_saves_the_expert_products():
   """Under remat='block' the grouped products' outputs (named moe.EXPERT_SAVED_NAME) are
   saved: the gradient's program holds as many grouped products as with nothing
   rematerialised, and fewer than the same policy without that name, which reruns them."""
-  from mtp_jax.model.mtp import remat_policy
+  from mtp_jax.model.blocks import remat_policy
   experts = build(n_routed_experts=8).layers[1].mlp.experts
   xs = jnp.ones((16, 32))
   sizes = jnp.array([3, 0, 5, 1, 7, 0, 0, 0], jnp.int32)

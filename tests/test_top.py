@@ -8,7 +8,7 @@ from flax import nnx
 from helpers import tiny_model_config
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
-from mtp_jax.model import mtp
+from mtp_jax.model import heads, mtp
 from mtp_jax.train import flops, loss
 
 
@@ -58,7 +58,7 @@ def test_top_loss_is_finite_positive_and_trains_its_head_and_the_trunk():
   args = mtp.ModelArgs.from_config(c)
   assert args.target_offsets() == (1, 1) and args.drafting_depths() == 0
   model = mtp.MTPModel(args, rngs=nnx.Rngs(0))
-  assert type(model.mtp[0]) is mtp.TokenOrderHead
+  assert type(model.mtp[0]) is heads.TokenOrderHead
   rng = np.random.default_rng(1)
   batch = {'tokens': jnp.asarray(rng.integers(0, args.vocab_size, (2, 16)), jnp.int32),
            'segment_ids': jnp.ones((2, 16), jnp.int32)}

@@ -10,20 +10,22 @@ import importlib.util
 import json
 import os
 
+import mtp_jax
 from mtp_jax import storage
 from mtp_jax.errors import ConfigError, RequestError
+from mtp_jax.train_state.init_from import InitFrom
 
-HF_PREFIX = 'hf:'
 # data.source -> what data.path must be (mtp_jax/data/user_data.py reads it).
 _RECORD_SUFFIX = {'jsonl': '.jsonl', 'parquet': '.parquet'}
 
 
-def train_paths(config, workdir: str, init_from: str | None) -> None:
+def train_paths(config, workdir: str, init_from: str | InitFrom | None) -> None:
   """ConfigError / RequestError for a --workdir, --init_from or data / tokenizer file that
   cannot be what the run needs."""
   _train_workdir(workdir)
-  if init_from:
-    _init_from(init_from.strip())
+  parsed = InitFrom.parse(init_from)
+  if parsed is not None:
+    parsed.check_path()
   _data_path(config.data)
   _tokenizer_files(config.data)
   for name in ('checkpoint_dir', 'compilation_cache_dir'):
@@ -91,25 +93,6 @@ def _train_workdir(workdir: str) -> None:
     raise RequestError(f'--workdir {workdir!r} is not a usable directory: {parent!r} is a file')
 
 
-def _init_from(value: str) -> None:
-  if value.startswith(HF_PREFIX):
-    directory = os.path.abspath(os.path.expanduser(value[len(HF_PREFIX):].strip()))
-    if not os.path.isdir(directory):
-      what = 'does not exist' if not os.path.exists(directory) else 'is not a directory'
-      raise RequestError(f'--init_from hf:{directory}: {what}: give a local directory holding '
-                         'config.json and *.safetensors (nothing is downloaded from the '
-                         'Hugging Face hub)')
-    if not os.path.isfile(os.path.join(directory, 'config.json')):
-      raise RequestError(f'--init_from hf:{directory}: no config.json in the directory')
-    return
-  if not value:
-    return
-  path = os.path.abspath(os.path.expanduser(value))
-  if not os.path.isdir(path):
-    raise ConfigError(f'--init_from {path!r} is not a directory (give a workdir, its '
-                      'checkpoints/ directory or one step directory)')
-
-
 def _data_path(d) -> None:
   if d.source == 'tfds' or not isinstance(d.path, str) or not d.path:
     return  # config_lib.validate names a missing or misplaced data.path
@@ -149,3 +132,7 @@ def _tokenizer_files(d) -> None:
       raise ConfigError(f'data.hf_tokenizer {directory!r} has no tokenizer.json (nor a '
                         'SentencePiece tokenizer.model, which --init_from hf:DIR would take '
                         'instead)')
+
+
+def __getattr__(name: str):  # a name an earlier release had here: mtp_jax.MOVED_NAMES
+  return mtp_jax.moved_name(__name__, name)

@@ -16,6 +16,7 @@ import sys
 import mtp_jax.commands.preflight as preflight
 from mtp_jax import cli, config_lib
 from mtp_jax.runtime import signals
+from mtp_jax.train_state.init_from import InitFrom
 
 
 def _cpu_devices(text: str) -> str:
@@ -114,11 +115,11 @@ def _main(argv, startup: signals.StartupSignals) -> int:
     return cli.report_expected(e)
   workdir = args.workdir or os.path.join(
       'runs', os.path.splitext(os.path.basename(args.config))[0])
-  hf_model = (args.init_from or '').strip().startswith(preflight.HF_PREFIX)
+  init_from = InitFrom.parse(args.init_from)  # standard library only
   try:  # a bad value or a mistyped path is answered before JAX starts
-    if not hf_model:  # else the checkpoint's config.json sets the model: checked once read
+    if not (init_from and init_from.facts.sets_model):  # else checked once config.json is read
       config_lib.validate(config)  # all but the device count
-    preflight.train_paths(config, workdir, args.init_from)
+    preflight.train_paths(config, workdir, init_from)
   except (cli.ConfigError, cli.RequestError) as e:
     return cli.report_expected(e)
   if args.check_storage:
@@ -159,9 +160,9 @@ def _main(argv, startup: signals.StartupSignals) -> int:
   try:
     _check_cpu_mesh(config)
     if args.print_config:
-      print(plan.describe(config, workdir, args.init_from))
+      print(plan.describe(config, workdir, init_from))
       return 0
-    loop.train_and_evaluate(config, workdir, init_from=args.init_from,
+    loop.train_and_evaluate(config, workdir, init_from=init_from,
                              new_data=args.new_data)
   except Exception as e:  # pylint: disable=broad-except
     return cli.report_expected(e)

@@ -54,7 +54,8 @@ import mtp_jax.decode.tree as tree_lib
 from mtp_jax.decode.sampling import PAD_ID, Sampling, row_keys, take_rows
 from mtp_jax.errors import RequestError
 from mtp_jax.model import decode_ops
-from mtp_jax.model.mtp import MAX_DRAFTS, MTPModel
+from mtp_jax.model.heads import MAX_DRAFTS
+from mtp_jax.model.mtp import MTPModel
 
 Array = jax.Array
 MIN_BUCKET = 16

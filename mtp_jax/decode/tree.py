@@ -46,7 +46,7 @@ import mtp_jax.decode.sampling as sampling_lib
 from mtp_jax.decode.sampling import PAD_ID, row_keys, take_rows
 from mtp_jax.errors import RequestError
 from mtp_jax.model import decode_ops
-from mtp_jax.model.mtp import block_classes
+from mtp_jax.model.blocks import block_classes
 
 Array = jax.Array
 MAX_TREE_NODES = 63  # verify rows = nodes + 1, within decode_ops.TALL_ROWS at batch 1

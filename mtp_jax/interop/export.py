@@ -28,7 +28,8 @@ from mtp_jax.checkpoint.reader import load_workdir, path_names
 from mtp_jax.data import tokenizers
 from mtp_jax.interop.safetensors_io import SHARD_BYTES, InteropError, write_dir
 from mtp_jax.model import moe
-from mtp_jax.model.mtp import ModelArgs, MTPModel
+from mtp_jax.model.args import ModelArgs
+from mtp_jax.model.mtp import MTPModel
 from mtp_jax.train_state.restore import restore_model_at
 
 LAYOUTS = layouts.LAYOUTS

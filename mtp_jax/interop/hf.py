@@ -37,7 +37,8 @@ from mtp_jax import config_lib
 from mtp_jax.checkpoint.reader import path_names
 from mtp_jax.data import tokenizers
 from mtp_jax.interop.safetensors_io import InteropError, MemoryReader, Reader, read_json
-from mtp_jax.model.mtp import ModelArgs, MTPModel
+from mtp_jax.model.args import ModelArgs
+from mtp_jax.model.mtp import MTPModel
 from mtp_jax.train_state.init_from import HF_PREFIX
 
 PREFIX = HF_PREFIX

@@ -38,7 +38,8 @@ import mtp_jax.interop.fp8 as fp8_lib
 from mtp_jax.config import kinds
 from mtp_jax.interop.safetensors_io import InteropError
 from mtp_jax.model import layers
-from mtp_jax.model.mtp import ModelArgs, block_classes, block_kinds
+from mtp_jax.model.args import ModelArgs
+from mtp_jax.model.blocks import block_classes, block_kinds
 
 LAYOUTS = ('llama', 'deepseek_v3', 'mimo')
 IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)  # old checkpoints store RoPE buffers

@@ -1,7 +1,11 @@
 """The model: a decoder-only transformer trunk with multi-token-prediction (MTP) modules.
 
-- mtp.py: `ModelArgs` (the model's hyper-parameters from a config), `MTPModel` and its MTP
-  heads (`SequentialMTP`, chained as in DeepSeek-V3, and `ParallelHead`).
+- args.py: `ModelArgs`, the model's hyper-parameters from a config.
+- blocks.py: the attention and MLP kinds of each layer, and running a stack of blocks
+  (remat, scan).
+- heads.py: the MTP head kinds (`SequentialMTP`, chained as in DeepSeek-V3, `ParallelHead`,
+  the token-order head) and the output head they share.
+- mtp.py: `MTPModel`, the trunk and its MTP modules, trained and decoded.
 - kind_classes.py: the classes of the kinds by their config names (`ATTENTION_KINDS`,
   `MLP_KINDS`, `MTP_KINDS`), as mtp_jax/config/kinds.py's table names them.
 - layers.py, attention.py, mla.py: norms, RoPE, feed-forward blocks, grouped-query and
@@ -16,14 +20,14 @@ Nothing here reads or writes checkpoints (mtp_jax.checkpoint), builds an optimiz
 from mtp_jax.exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
-    'ATTENTION_KINDS': 'mtp',
-    'MAX_DRAFTS': 'mtp',
-    'MLP_KINDS': 'mtp',
+    'ATTENTION_KINDS': 'kind_classes',
+    'MAX_DRAFTS': 'heads',
+    'MLP_KINDS': 'kind_classes',
     'MTPModel': 'mtp',
-    'MTP_KINDS': 'mtp',
-    'ModelArgs': 'mtp',
-    'ParallelHead': 'mtp',
-    'SequentialMTP': 'mtp',
-    'SharedHead': 'mtp',
+    'MTP_KINDS': 'kind_classes',
+    'ModelArgs': 'args',
+    'ParallelHead': 'heads',
+    'SequentialMTP': 'heads',
+    'SharedHead': 'heads',
     'count_params': 'mtp',
 })

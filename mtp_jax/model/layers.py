@@ -33,7 +33,7 @@ from mtp_jax.runtime.sharding import constrain
 
 Array = jax.Array
 # Names of activations a remat policy may keep beyond the weight-matmul outputs
-# (mtp.remat_policy): each block's two RMSNorm outputs (the q/k/v and gate/up matmuls'
+# (blocks.remat_policy): each block's two RMSNorm outputs (the q/k/v and gate/up matmuls'
 # input) with their row rsqrt and the SwiGLU product (the down projection's input).
 NORM_SAVED_NAME = 'block_norm_out'
 MLP_SAVED_NAME = 'mlp_hidden'
@@ -400,7 +400,7 @@ class Block(nnx.Module):
   """Pre-norm decoder block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)).
 
   attention_cls / mlp_cls: classes of the AttentionKind / MLPKind protocols (mla.MLAttention,
-  moe.MoE), chosen per layer by mtp.block_classes; they bring their own decode path
+  moe.MoE), chosen per layer by blocks.block_classes; they bring their own decode path
   (prepare_decode / decode), FLOP count and, the attention, its own cache (empty_cache).
   """
 

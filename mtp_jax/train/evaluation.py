@@ -32,7 +32,7 @@ from mtp_jax.data import tokenizers, user_data
 from mtp_jax.decode import tree as tree_lib
 from mtp_jax.decode.decoder import Decoder
 from mtp_jax.errors import ConfigError, RequestError
-from mtp_jax.model.mtp import ModelArgs
+from mtp_jax.model.args import ModelArgs
 from mtp_jax.runtime import sharding
 from mtp_jax.train.metrics import TAU_KEY, depth_name, metric_key
 

@@ -19,7 +19,8 @@ import dataclasses
 import mtp_jax
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
-from mtp_jax.model.mtp import ModelArgs, block_classes
+from mtp_jax.model.args import ModelArgs
+from mtp_jax.model.blocks import block_classes
 from mtp_jax.runtime import peak as peak_lib
 
 

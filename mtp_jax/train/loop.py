@@ -1,20 +1,18 @@
 """The training loop: resume or start, train steps, periodic eval and checkpoints, shutdown.
 
-What the loop runs lives elsewhere: the model and optimizer state in mtp_jax.train_state,
-the compiled steps in steps.py, evaluation in evaluation.py, checkpoints in mtp_jax.checkpoint,
-preflight checks and the preemption / non-finite policies in resilience.py.
+What the loop runs lives elsewhere: the start of a run (its checks, the workdir's lock,
+--init_from's source, the undo of a failed start) in start.py, the model and optimizer state
+in mtp_jax.train_state, the compiled steps in steps.py, evaluation in evaluation.py,
+checkpoints in mtp_jax.checkpoint, the preemption / non-finite policies in resilience.py.
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 import mtp_jax.train.evaluation as evaluation
 import mtp_jax.train.flops as flops_lib
@@ -22,24 +20,17 @@ import mtp_jax.train.goodput as goodput_lib
 import mtp_jax.train.loss as loss_lib
 import mtp_jax.train.metrics as metrics_lib
 import mtp_jax.train.resilience as resilience
+import mtp_jax.train.start as start_lib
 import mtp_jax.train.steps as steps
 import mtp_jax.train.watchdog as watchdog_lib
 from mtp_jax import config_lib
 from mtp_jax.checkpoint import compat as ckpt_compat
 from mtp_jax.checkpoint import integrity as ckpt_integrity
-from mtp_jax.checkpoint import partial as ckpt_partial
-from mtp_jax.checkpoint import reader as ckpt_reader
 from mtp_jax.checkpoint import store as ckpt_store
-from mtp_jax.data import checks as data_checks
-from mtp_jax.data import pipeline, tokenizers
-from mtp_jax.interop import hf
+from mtp_jax.data import pipeline
 from mtp_jax.model import moe
-from mtp_jax.model import mtp as model_lib
-from mtp_jax.runtime import compile_cache, profiling, sharding, signals
-from mtp_jax.runtime import peak as peak_lib
+from mtp_jax.runtime import profiling, sharding, signals
 from mtp_jax.train.metrics import metric_key
-from mtp_jax.train_state.init_from import InitFrom
-from mtp_jax.train_state.state import abstract_train_state
 
 
 class _Window:
@@ -73,7 +64,7 @@ class _Window:
 
 
 def train_and_evaluate(config, workdir: str, *, devices=None, stop_after: int | None = None,
-                       init_from: str | InitFrom | None = None, new_data: bool = False,
+                       init_from: str | start_lib.InitFrom | None = None, new_data: bool = False,
                        batch_hook=None) -> dict:
   """Trains `config` in `workdir`, resuming from its latest good checkpoint if one exists.
 
@@ -102,192 +93,55 @@ def _train(config, workdir, devices, stop_after, init_from, batch_hook, new_data
   ledger = goodput_lib.Ledger()  # every second from here goes to one bucket
   startup.check()
   devices = jax.devices() if devices is None else devices
-  init_from = InitFrom.parse(init_from)  # parsed once; the typed value goes everywhere below
-  hf_dir = init_from.path if init_from is not None and init_from.kind == 'hf' else None
-  # A Hugging Face trunk defines the model: config.json's sizes and the checkpoint's
-  # tokenizer replace the config's (also on resume, so the same command resumes).
-  hf_changes = hf.apply_to_config(config, hf_dir) if hf_dir is not None else []
-  tokenizers.resolve_vocab_size(config)
-  # 'auto' becomes this host's choice, so config.json says what ran and readers match it.
-  config.model.dtype = peak_lib.compute_dtype(config.model.dtype).name
-  config_lib.validate(config, len(devices))
-  data_checks.validate_data(config, jax.process_count())
-  data_checks.check_document_lengths(config)
-  tokenizer = tokenizers.get_tokenizer(config.data)
-  is_main = jax.process_index() == 0
-  progress = metrics_lib.Progress(config.train.steps, enabled=is_main,
-                                  live=config.train.progress)
-  notify = _Notifier(progress, is_main)
-  startup.check()
-  # Before anything compiles: a rerun of this config loads its programs from the cache.
-  compile_cache.enable(config.train.compilation_cache_dir, notify)
-  before = resilience.workdir_entries(workdir)
-  created = resilience.check_workdir(workdir)
-  lock = _lock_workdir(workdir, is_main, notify)
-
-  def undo_failed_start():  # before the first checkpoint: the run leaves nothing behind
-    if is_main:
-      resilience.remove_failed_start(workdir, created, before, [checkpoints_dir, local_dir])
-    lock.release()
-
-  config_dict = json.loads(config.to_json_best_effort())
-  # train.checkpoint_dir: a URL (gs://...) goes to orbax untouched; the workdir stays local.
-  checkpoints_dir = (ckpt_store.location(config.train.checkpoint_dir)
-                     if config.train.checkpoint_dir else os.path.join(workdir, 'checkpoints'))
-  local_dir = os.path.abspath(os.path.expanduser(
-      config.train.local_checkpoint_dir or os.path.join(workdir, 'local_checkpoints')))
-  try:  # fail before compiling anything, and before writing anything
+  with start_lib.Start(config, workdir, devices, init_from, new_data, startup) as start:
+    run = _start(start, ledger)
     startup.check()
-    data_changes = _check_resumable(config, config_dict,
-                                    ckpt_reader.CheckpointReader(checkpoints_dir), init_from,
-                                    workdir, new_data)
-    decode_prompts = evaluation.training_prompts(config, tokenizer)  # [] when off
-  except BaseException:
-    undo_failed_start()
-    raise
-  if hf_changes:  # only once the run can start: a refused one prints its error alone
-    notify(f'--init_from {init_from} sets ' + '; '.join(hf_changes))
-  checkpointer = None
-  try:
-    # Only under the lock: the writer's start-up removes incomplete saves.
-    checkpointer = ckpt_store.Checkpointer(checkpoints_dir, max_to_keep=config.train.max_to_keep,
-                                           async_save=config.train.async_checkpoint)
-    if config.train.local_checkpoint_every:  # the emergency tier: each process's own shards
-      own = (local_dir if jax.process_count() == 1
-             else os.path.join(local_dir, f'process_{jax.process_index()}'))
-      checkpointer = ckpt_store.TieredCheckpointer(checkpointer, ckpt_store.Checkpointer(
-          own, max_to_keep=2, async_save=config.train.async_checkpoint, per_process=True))
-    if checkpointer.incomplete:
-      notify(f'Ignoring incomplete checkpoint save(s) left by an interrupted run: '
-             f'{", ".join(checkpointer.incomplete)} (removed).')
-    if is_main:  # the only writer of metrics.jsonl
-      metrics_lib.repair_jsonl(os.path.join(workdir, 'metrics.jsonl'))
-    startup.check()
-    run = _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from,
-                 data_changes, workdir, ledger)
-    startup.check()
-  except BaseException:
-    if checkpointer is not None:
-      checkpointer.close()
-    undo_failed_start()
-    raise
-  run.progress = progress
-  run.decode_prompts = decode_prompts
-  if run.start_step >= config.train.steps:
-    notify(f'Nothing to do: the checkpoint in {workdir} is at the final step {run.start_step}.')
-  end_step = config.train.steps if stop_after is None else min(stop_after, config.train.steps)
-  run.startup = startup  # checked once more just before the first step
-  try:
+    if run.start_step >= config.train.steps:
+      start.notify(f'Nothing to do: the checkpoint in {workdir} is at the final step '
+                   f'{run.start_step}.')
+    end_step = config.train.steps if stop_after is None else min(stop_after, config.train.steps)
+    run.startup = startup  # checked once more just before the first step
+    start.hand_over()
     out = run.loop(end_step, batch_hook)  # shuts down (checkpoint writes included) first
-  except BaseException:
-    undo_failed_start()  # keeps everything once a checkpoint exists
-    raise
-  lock.release()
   if run.last_saved == config.train.steps:
     host_lines = goodput_lib.host_lines(goodput_lib.host_totals(ledger.job()))  # a collective
-    notify('\n'.join([ledger.summary(), *host_lines]))
-    prompt = run.suggested_prompt(tokenizer)  # decode's cache holds data.seq_len positions
-    room = config.data.seq_len - len(tokenizer.encode(prompt))
-    notify(metrics_lib.final_block(workdir, run.last_saved, run.last_saved, prompt, room))
+    start.notify('\n'.join([ledger.summary(), *host_lines]))
+    prompt = run.suggested_prompt(start.tokenizer)  # decode's cache holds data.seq_len positions
+    room = config.data.seq_len - len(start.tokenizer.encode(prompt))
+    start.notify(metrics_lib.final_block(workdir, run.last_saved, run.last_saved, prompt, room))
   return out
 
 
-class _Notifier:
-  """Events that must be seen even without the progress line (process 0 only)."""
-
-  def __init__(self, progress: metrics_lib.Progress, is_main: bool):
-    self.progress, self.is_main = progress, is_main
-
-  def __call__(self, text: str):
-    if not self.is_main:
-      return
-    if self.progress.enabled:
-      self.progress.message(text)
-    else:
-      print(text, file=sys.stderr, flush=True)
-
-
-def _start(config, config_dict, devices, checkpointer, notify, tokenizer, init_from,
-           data_changes, workdir, ledger) -> _Run:
+def _start(start: start_lib.Start, ledger) -> _Run:
   """The run's state on the mesh: resumed, or loaded from --init_from, or fresh."""
+  config, devices, notify = start.config, start.devices, start.notify
   ledger.lap('other')
   ts, state = steps.setup(config, devices)
   ledger.lap('compile')  # the initialiser's program, and the state built with it
   data_iter = pipeline.make_train_iter(config, process_index=jax.process_index(),
                                        process_count=jax.process_count())
-  run = _Run(config, config_dict, ts, state, data_iter, checkpointer, notify)
-  run.new_data = bool(data_changes)
-  run.workdir = workdir
+  run = _Run(config, start.config_dict, ts, state, data_iter, start.checkpointer, notify)
+  run.new_data = bool(start.data_changes)
+  run.workdir = start.workdir
   run.ledger = ledger
-  run.resume(init_from)
+  run.progress = start.progress
+  run.decode_prompts = start.decode_prompts
+  run.resume(start.source)
   ledger.lap('restore')
-  if data_changes:
+  if start.data_changes:
     notify(f'--new_data: step {run.start_step}\'s model and optimizer continue on '
-           + '; '.join(data_changes) + ' (its data iterator starts at the beginning).')
-  run.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
+           + '; '.join(start.data_changes) + ' (its data iterator starts at the beginning).')
+  run.writer = metrics_lib.MetricWriter(start.workdir, enabled=jax.process_index() == 0,
                                         wandb=config_lib.optional(config, 'train.wandb', None),
-                                        run_config=config_dict)
+                                        run_config=start.config_dict)
   # CPU: the cached peak, checked against a quick matmul probe now, in this process.
   run.mfu = flops_lib.MFU(config, devices, notify=notify)
   notify.progress.message(metrics_lib.devices_line(devices, dict(ts.mesh.shape),
                                                    jax.process_count()))
   notify.progress.message(run.mfu.describe())
   notify.progress.message(metrics_lib.data_line(config))
-  run.token_bytes = evaluation.padded_token_bytes(config, tokenizer)
+  run.token_bytes = evaluation.padded_token_bytes(config, start.tokenizer)
   return run
-
-
-def _lock_workdir(workdir: str, is_main: bool, notify) -> resilience.WorkdirLock:
-  """The workdir's writer lock, taken by process 0 for the whole job; WorkdirError (every
-  process) when another trainer holds it."""
-  lock = resilience.WorkdirLock(workdir, notify)
-  error = None
-  if is_main:
-    try:
-      lock.acquire()
-    except resilience.WorkdirError as e:
-      error = e
-  if jax.process_count() > 1:  # every process stops, not only the one that was refused
-    refused = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
-    if int(refused) and error is None:
-      error = resilience.WorkdirError(f'--workdir {workdir!r} is being trained by another job '
-                                      '(process 0 was refused its lock)')
-  if error is not None:
-    raise error
-  return lock
-
-
-def _check_resumable(config, config_dict, reader: ckpt_reader.CheckpointReader,
-                     init_from: InitFrom | None, workdir: str, new_data: bool) -> list[str]:
-  """ConfigError / WorkdirError, before anything compiles, for a run that cannot start:
-  a checkpoint of another config (or data stream, without new_data), an unusable
-  --init_from, a frozen random trunk, or no disk space for one checkpoint. Returns the
-  data fields that differ from the checkpoint's (accepted under new_data)."""
-  steps_saved = reader.steps()
-  data_changes = []
-  for s in reversed(steps_saved):
-    try:
-      meta = reader.read_meta(s)
-    except Exception:  # pylint: disable=broad-except
-      continue  # unreadable: restore_latest_good reports it and falls back
-    data_changes = ckpt_compat.check_compatible(meta.get('config', {}), config_dict,
-                                                reader.directory, new_data)
-    break
-  if init_from is not None and not steps_saved:
-    if init_from.kind == 'hf':  # every tensor's name, shape and dtype, none read
-      hf.check_weights(init_from.path, model_lib.ModelArgs.from_config(config))
-    else:
-      # Quiet: init_from reports a broken step it skips once, when it loads.
-      ckpt_partial.check_init_from(init_from.path, config, config_dict, notify=lambda text: None)
-  if config.model.mtp.freeze_trunk and not (init_from is not None or steps_saved):
-    raise config_lib.ConfigError(
-        'model.mtp.freeze_trunk would train MTP modules on a randomly initialised, frozen '
-        'trunk: give --init_from=<a trained workdir or checkpoint>')
-  if not ckpt_store.is_url(reader.directory):  # an object store has no free-space figure
-    resilience.check_disk_space(resilience.existing_parent(reader.directory),
-                                resilience.checkpoint_bytes_estimate(
-                                    abstract_train_state(config)))
-  return data_changes
 
 
 class _Run:
@@ -319,7 +173,7 @@ class _Run:
     ckpt_compat.check_compatible(meta.get('config', {}), self.config_dict,
                                  self.checkpointer.directory, self.new_data)
 
-  def resume(self, init_from: InitFrom | None):
+  def resume(self, source: start_lib.InitSource | None):
     """The latest good checkpoint of this run, else --init_from's trunk, else a fresh start."""
     notify = self.notify
     meta = {}
@@ -336,14 +190,11 @@ class _Run:
       notify(f'Resumed from {restored.directory or self.checkpointer.directory} at step '
              f'{self.start_step}.'
              + (' (--init_from ignored: the run has checkpoints of its own.)'
-                if init_from is not None else ''))
+                if source is not None else ''))
       self.last_saved = self.start_step
-    elif init_from is not None and init_from.kind == 'hf':
-      self.state, self.init_desc = hf.init_state(init_from.path, self.config,
-                                                 self.state, notify)
-    elif init_from is not None:
-      self.state, self.init_desc = ckpt_partial.init_from(
-          init_from.path, self.config, self.config_dict, self.state, self.ts.abstract_state, notify)
+    elif source is not None:
+      self.state, self.init_desc = source.load(self.config, self.config_dict, self.state,
+                                               self.ts.abstract_state, notify)
     # Goodput: what an earlier attempt did after this checkpoint (or without one) is redone.
     lost = self.ledger.resume(meta.get('goodput'), goodput_lib.read_side_file(self.workdir))
     if lost > 0:

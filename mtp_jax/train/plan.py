@@ -11,20 +11,15 @@ import jax
 
 import mtp_jax.train.metrics as metrics_lib
 from mtp_jax import config_lib
-from mtp_jax.data import tokenizers
-from mtp_jax.interop import hf
+from mtp_jax.train.start import init_source, resolve_config
 from mtp_jax.train_state.init_from import InitFrom
 
 
-def describe(config, workdir: str, init_from: str | None = None) -> str:
+def describe(config, workdir: str, init_from: str | InitFrom | None = None) -> str:
   """The resolved config as JSON (the run's config.json), then the plan, one fact a line."""
   devices = jax.devices()
-  parsed = InitFrom.parse(init_from)
-  changes = []
-  if parsed is not None and parsed.kind == 'hf':
-    changes = hf.apply_to_config(config, parsed.path)
-  tokenizers.resolve_vocab_size(config)
-  config_lib.validate(config, len(devices))
+  source = init_source(init_from)
+  changes = resolve_config(config, source, len(devices))
   mesh = config_lib.resolved_mesh_axes(config.mesh, len(devices))
   d, t = config.data, config.train
   shards = mesh['data'] * mesh['fsdp']
@@ -43,5 +38,5 @@ def describe(config, workdir: str, init_from: str | None = None) -> str:
       f'M = {config.model.mtp.depth} MTP depths, {math.prod(mesh.values())} devices',
   ]
   if changes:
-    lines.append(f'--init_from {parsed} sets ' + '; '.join(changes))
+    lines.append(source.describe(changes))
   return '\n'.join(lines)

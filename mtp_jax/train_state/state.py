@@ -8,7 +8,8 @@ import jax
 from flax import nnx
 
 from mtp_jax.checkpoint.store import abstract_like
-from mtp_jax.model.mtp import ModelArgs, MTPModel
+from mtp_jax.model.args import ModelArgs
+from mtp_jax.model.mtp import MTPModel
 from mtp_jax.runtime import sharding
 from mtp_jax.train_state.optimizer import build_optimizer, trainable
 

@@ -15,8 +15,9 @@
 from __future__ import annotations
 
 import mtp_jax.train.aot.kernels as kernels_lib
+from mtp_jax.model.args import ModelArgs
+from mtp_jax.model.blocks import block_classes
 from mtp_jax.model.layers import ROPE_MATMUL_CORES
-from mtp_jax.model.mtp import ModelArgs, block_classes
 from mtp_jax.train import flops as flops_lib
 from mtp_jax.train.aot.devices import Topology
 

@@ -30,7 +30,8 @@ from mtp_jax.data import tokenizers
 from mtp_jax.decode import decoder as decoder_lib
 from mtp_jax.decode.sampling import Sampling
 from mtp_jax.errors import RequestError
-from mtp_jax.model.mtp import ModelArgs, MTPModel
+from mtp_jax.model.args import ModelArgs
+from mtp_jax.model.mtp import MTPModel
 from mtp_jax.runtime import sharding
 from mtp_jax.train import steps
 from mtp_jax.train.aot.devices import Topology, no_jax_cache, topology_devices, traced_for
