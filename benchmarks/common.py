@@ -185,3 +185,13 @@ def median(xs):
   xs = sorted(xs)
   n = len(xs)
   return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def names_flag(p, text: str, allowed, flag: str) -> list[str]:
+  """The comma-separated names of a flag's value, each one of `allowed`; p.error (exit 2)
+  naming the allowed ones otherwise, or when there are none."""
+  names = [n for n in text.split(',') if n]
+  bad = [n for n in names if n not in allowed]
+  if bad or not names:
+    p.error(f'{flag} must name some of {", ".join(allowed)}, got {bad or "nothing"}')
+  return names

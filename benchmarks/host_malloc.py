@@ -61,10 +61,7 @@ def parse(argv):
   p.add_argument('--configs', default=','.join(CONFIGS),
                  help=f'comma-separated, of {", ".join(CONFIGS)}')
   args = p.parse_args(argv)
-  args.configs = [c for c in args.configs.split(',') if c]
-  bad = [c for c in args.configs if c not in CONFIGS]
-  if bad or not args.configs:
-    p.error(f'--configs must name some of {", ".join(CONFIGS)}, got {bad or "nothing"}')
+  args.configs = common.names_flag(p, args.configs, CONFIGS, '--configs')
   if args.rounds < 1 or args.steps < 1:
     p.error('--rounds and --steps must be >= 1')
   if args.smoke:

@@ -377,3 +377,14 @@ def jsonl_config(path, **train_fields):
   c.data.validation_percent = 20
   return c
 
+
+def packed_segments(b: int, t: int, seed: int = 0, cuts_from: int = 1,
+                    cuts_before: int | None = None, padding: int = 2) -> np.ndarray:
+  """[b, t] int32 segment ids: each row three packed documents, cut at two random places in
+  [cuts_from, cuts_before) (default t - 2), then `padding` positions of segment 0."""
+  rng = np.random.default_rng(seed)
+  seg = np.zeros((b, t), np.int32)
+  for r in range(b):
+    cuts = np.sort(rng.choice(np.arange(cuts_from, cuts_before or t - 2), size=2, replace=False))
+    seg[r, :cuts[0]], seg[r, cuts[0]:cuts[1]], seg[r, cuts[1]:t - padding] = 1, 2, 3
+  return seg

@@ -11,7 +11,14 @@ import pytest
 from flax import nnx
 
 import numpy_reference as ref
-from helpers import dsv3_model_config, load_config, randomize, synthetic_batches, tiny_model_config
+from helpers import (
+  dsv3_model_config,
+  load_config,
+  packed_segments,
+  randomize,
+  synthetic_batches,
+  tiny_model_config,
+)
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.errors import ConfigError
@@ -27,12 +34,7 @@ T = 128  # the smallest sequence both kernels take (a multiple of 128)
 
 def _segments(b, t, seed=0):
   """Rows of three packed documents (cut at random, across block borders) and padding."""
-  rng = np.random.default_rng(seed)
-  seg = np.zeros((b, t), np.int32)
-  for r in range(b):
-    cuts = np.sort(rng.choice(np.arange(5, t - 8), size=2, replace=False))
-    seg[r, :cuts[0]], seg[r, cuts[0]:cuts[1]], seg[r, cuts[1]:t - 3] = 1, 2, 3
-  return seg
+  return packed_segments(b, t, seed, cuts_from=5, cuts_before=t - 8, padding=3)
 
 
 @pytest.mark.parametrize('impl', KERNELS)

@@ -12,11 +12,9 @@ import os
 
 import mtp_jax
 from mtp_jax import storage
+from mtp_jax.config import kinds
 from mtp_jax.errors import ConfigError, RequestError
 from mtp_jax.train_state.init_from import InitFrom
-
-# data.source -> what data.path must be (mtp_jax/data/user_data.py reads it).
-_RECORD_SUFFIX = {'jsonl': '.jsonl', 'parquet': '.parquet'}
 
 
 def train_paths(config, workdir: str, init_from: str | InitFrom | None) -> None:
@@ -94,20 +92,18 @@ def _train_workdir(workdir: str) -> None:
 
 
 def _data_path(d) -> None:
-  if d.source == 'tfds' or not isinstance(d.path, str) or not d.path:
+  facts = kinds.DATA.get(d.source)
+  if facts is None or not facts.takes_path or not isinstance(d.path, str) or not d.path:
     return  # config_lib.validate names a missing or misplaced data.path
   root = os.path.abspath(os.path.expanduser(d.path))
-  suffix = _RECORD_SUFFIX.get(d.source)
-  if suffix is not None:
+  suffix = facts.suffix
+  if suffix:
     if os.path.isfile(root) and not root.endswith(suffix):
       raise ConfigError(f'data.path {root!r} is not a {suffix} file (data.source {d.source})')
     if not os.path.exists(root):
       raise ConfigError(f'data.path {root!r} is neither a {suffix} file nor a directory')
-  elif d.source == 'hf_disk' and not os.path.isdir(root):
-    raise ConfigError(f'data.path {root!r} is not a directory (data.source hf_disk reads '
-                      'what datasets.Dataset.save_to_disk wrote)')
-  elif d.source == 'files' and not os.path.isdir(root):
-    raise ConfigError(f'data.path: corpus root {root!r} is not a readable directory')
+  elif not os.path.isdir(root):
+    raise ConfigError(facts.not_a_folder.format(root=root))
 
 
 def _optional_packages(config) -> None:

@@ -2,7 +2,7 @@
 
 `ATTENTION` (model.attention, model.mtp.block_attention), `MLP` (model.mlp,
 model.mtp.block_mlp) and `MTP_HEADS` (model.mtp.kind) map a config value to the model
-class that implements it (`cls`, a dotted path that mtp_jax/model/mtp.py imports on first
+class that implements it (`cls`, a dotted path that mtp_jax/model/kind_classes.py imports on first
 use, so this module needs nothing of the model) and to the facts that the config checks,
 the model and the export layouts read. The config accepts exactly these names and the
 model builds exactly these classes: a new kind is its class and one entry here
@@ -74,10 +74,20 @@ MLP = {
     'moe': MLPFacts('mtp_jax.model.moe.MoE', 'MoE', hf_layouts=('deepseek_v3',)),
 }
 MTP_HEADS = {
-    'sequential': HeadFacts('mtp_jax.model.mtp.SequentialMTP'),
-    'parallel': HeadFacts('mtp_jax.model.mtp.ParallelHead'),
-    'top': HeadFacts('mtp_jax.model.mtp.TokenOrderHead', max_depth=1, predicts_tokens=False),
+    'sequential': HeadFacts('mtp_jax.model.heads.SequentialMTP'),
+    'parallel': HeadFacts('mtp_jax.model.heads.ParallelHead'),
+    'top': HeadFacts('mtp_jax.model.heads.TokenOrderHead', max_depth=1, predicts_tokens=False),
 }
+
+def target_offsets(kind: str, depth: int, offsets=()) -> tuple:
+  """(1, o_1, ..., o_M): how far ahead each head of an M-depth model of head `kind`
+  predicts, the main head first; `offsets` are model.mtp.target_offsets (() = k + 1). A
+  kind that predicts no single token (TOP ranks them) ranks from the next token: offset 1
+  (it cannot draft)."""
+  if not MTP_HEADS[kind].predicts_tokens:
+    return (1,) * (depth + 1)
+  return (1,) + (tuple(int(o) for o in offsets) or tuple(range(2, depth + 2)))
+
 
 def mtp_module_count(depth: int, share_modules: bool) -> int:
   """How many MTP modules hold parameters: one that every depth runs under
@@ -91,7 +101,28 @@ MLP_KINDS = tuple(MLP)
 MTP_KINDS = tuple(MTP_HEADS)
 MOE_DISPATCHES = ('auto', 'ragged', 'blocks', 'gmm')  # model.moe.dispatch (moe.DISPATCHES)
 MOE_EXCHANGES = ('all_to_all', 'all_gather')  # model.moe.exchange (moe_exchange.EXCHANGES)
-DATA_SOURCES = ('tfds', 'files', 'jsonl', 'parquet', 'hf_disk')  # mtp_jax/data/user_data.py
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSourceFacts:
+  """A data.source (mtp_jax/data/user_data.py reads each but tfds): what data.path is."""
+  takes_path: bool = True  # False: a TFDS dataset, named by data.dataset, no data.path
+  suffix: str = ''  # records: data.path is one file of this suffix or a folder of them
+  # else data.path is a folder: the error when it is not one ({root}: the path)
+  not_a_folder: str = ''
+
+
+DATA = {
+    'tfds': DataSourceFacts(takes_path=False),
+    'files': DataSourceFacts(not_a_folder='data.path: corpus root {root!r} is not a readable '
+                                          'directory'),
+    'jsonl': DataSourceFacts(suffix='.jsonl'),
+    'parquet': DataSourceFacts(suffix='.parquet'),
+    'hf_disk': DataSourceFacts(not_a_folder='data.path {root!r} is not a directory (data.source '
+                                            'hf_disk reads what datasets.Dataset.save_to_disk '
+                                            'wrote)'),
+}
+DATA_SOURCES = tuple(DATA)
 
 
 def args_view(model: ml_collections.ConfigDict) -> types.SimpleNamespace:

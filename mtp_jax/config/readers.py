@@ -24,14 +24,10 @@ def decode_prompt_len(config) -> int:
 
 def target_offsets(config) -> tuple:
   """(1, o_1, ..., o_M): the target offset of every head of `config`, the main one first.
-  A head kind that predicts no tokens (TOP) ranks from the next token: offset 1 (as
-  ModelArgs.target_offsets reads it)."""
-  mtp_depth = config.model.mtp.depth
-  kind = optional(config, 'model.mtp.kind', 'sequential')
-  if not kinds.MTP_HEADS[kind].predicts_tokens:
-    return (1,) * (mtp_depth + 1)
-  offsets = tuple(optional(config, 'model.mtp.target_offsets', ()))
-  return (1,) + (offsets or tuple(range(2, mtp_depth + 2)))
+  config/kinds.py's target_offsets is the rule (ModelArgs and LossArgs read it too)."""
+  return kinds.target_offsets(optional(config, 'model.mtp.kind', 'sequential'),
+                              config.model.mtp.depth,
+                              optional(config, 'model.mtp.target_offsets', ()))
 
 
 def rope_scaling_tuple(config) -> tuple:

@@ -7,7 +7,14 @@ import math
 import mtp_jax.config.kinds as kinds
 from mtp_jax.config.base import REMAT_POLICIES
 from mtp_jax.config.kernel_limits import ATTENTION_CORES, attention_kernel_problem
-from mtp_jax.config.kinds import ATTENTION, ATTENTION_KINDS, DATA_SOURCES, MLP_KINDS, MTP_HEADS
+from mtp_jax.config.kinds import (
+  ATTENTION,
+  ATTENTION_KINDS,
+  DATA,
+  DATA_SOURCES,
+  MLP_KINDS,
+  MTP_HEADS,
+)
 from mtp_jax.config.mesh import MESH_AXES, mesh_axes_form, resolved_mesh_axes
 from mtp_jax.config.readers import decode_prompt_len, optional, profile_window
 from mtp_jax.config.schema import check_schema, either, require, require_positive_int
@@ -154,12 +161,11 @@ def _validate_head(config, head: kinds.HeadFacts) -> None:
   require(not head.max_depth or mtp.depth <= head.max_depth,
           f'model.mtp.kind {kind!r} takes at most {head.max_depth} heads: model.mtp.depth '
           f'must be {head.max_depth} (or less), got {mtp.depth!r}')
-  if kind == 'top':
-    window = optional(config, 'model.mtp.top_window', 16)
-    require(isinstance(window, int) and not isinstance(window, bool) and window >= 1,
-            f'model.mtp.top_window must be a positive integer, got {window!r}')
   if head.predicts_tokens:
     return
+  window = optional(config, 'model.mtp.top_window', 16)  # the ranking's window
+  require(isinstance(window, int) and not isinstance(window, bool) and window >= 1,
+          f'model.mtp.top_window must be a positive integer, got {window!r}')
   require(not tuple(mtp.target_offsets),
           f'model.mtp.target_offsets do not apply to model.mtp.kind {kind!r} (its target is '
           'not one token at an offset): leave them ()')
@@ -347,9 +353,12 @@ def validate_data_source(d) -> None:
   """data.source / path / extensions / tokens_key values (the data layer reads the disk)."""
   require(d.source in DATA_SOURCES, f'data.source must be one of {DATA_SOURCES}, got {d.source!r}')
   require(isinstance(d.path, str), f'data.path must be a path string, got {d.path!r}')
-  require(d.source == 'tfds' or bool(d.path), f'data.source {d.source!r} reads data.path, which is empty')
-  require(d.source != 'tfds' or not d.path,
-           f'data.path ({d.path!r}) is read only when data.source is one of {DATA_SOURCES[1:]}; '
+  takes_path = DATA[d.source].takes_path
+  require(not takes_path or bool(d.path),
+          f'data.source {d.source!r} reads data.path, which is empty')
+  require(takes_path or not d.path,
+           f'data.path ({d.path!r}) is read only when data.source is one of '
+           f'{tuple(s for s, f in DATA.items() if f.takes_path)}; '
            'set data.source, or data.dataset for a TFDS dataset')
   ext = d.extensions
   require(isinstance(ext, (tuple, list)) and bool(ext)

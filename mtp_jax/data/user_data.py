@@ -32,11 +32,11 @@ import numpy as np
 
 import mtp_jax.data.corpus as corpus
 from mtp_jax import config_lib
+from mtp_jax.config import kinds
 from mtp_jax.errors import ConfigError
 
 TFDS, FILES, JSONL, PARQUET, HF_DISK = 'tfds', 'files', 'jsonl', 'parquet', 'hf_disk'
-SOURCES = config_lib.DATA_SOURCES  # (TFDS, FILES, JSONL, PARQUET, HF_DISK)
-_SUFFIX = {JSONL: '.jsonl', PARQUET: '.parquet'}
+SOURCES = kinds.DATA_SOURCES  # (TFDS, FILES, JSONL, PARQUET, HF_DISK): config/kinds.py's DATA
 # A user's folder: caches, virtual environments and hidden directories (.git) are not text.
 _SKIP_DIRS = frozenset({'site-packages', 'dist-packages', '__pycache__', 'node_modules'})
 _INDEX_CHUNK = 1 << 26  # bytes read at a time while finding a .jsonl file's lines
@@ -48,7 +48,7 @@ def source_of(data_config) -> str:
 
 
 def is_user_source(data_config) -> bool:
-  return source_of(data_config) != TFDS
+  return kinds.DATA[source_of(data_config)].takes_path
 
 
 def describe(data_config) -> str:
@@ -100,7 +100,7 @@ def _check_hash_split(d, split: str, what: str = 'records without named splits')
 
 def _record_files(root: str, source: str) -> list[tuple[str, str]]:
   """[(absolute path, relative path)] of the .jsonl / .parquet files of data.path, sorted."""
-  suffix = _SUFFIX[source]
+  suffix = kinds.DATA[source].suffix
   if os.path.isfile(root):
     if not root.endswith(suffix):
       raise ConfigError(f'data.path {root!r} is not a {suffix} file (data.source {source})')
@@ -429,8 +429,8 @@ def data_source(data_config, split: str):
   else:
     _check_hash_split(d, split)
     files = _record_files(_root(d.path), src)
-    cls = JsonlSource if src == JSONL else ParquetSource
-    source = cls(files, fields, split, d.validation_percent)
+    records = {JSONL: JsonlSource, PARQUET: ParquetSource}[src]
+    source = records(files, fields, split, d.validation_percent)
   if len(source) == 0:
     raise ConfigError(f'{describe(d)}: split {split!r} is empty (data.validation_percent '
                       f'{d.validation_percent:g} of the records are held out): add records, '

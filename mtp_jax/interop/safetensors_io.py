@@ -82,7 +82,32 @@ def shard_files(directory: str, where: str) -> list[str]:
   return names
 
 
-class Reader:
+class _Tensors:
+  """What both readers share: a context manager over tensors by name, each with its
+  safetensors dtype string (`_dtype`), refused unless it is one of DTYPES."""
+  where: str
+  _dtype: dict
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def close(self):
+    pass
+
+  def dtype(self, name: str) -> str:
+    """The safetensors dtype string: F32, BF16, F16, F8_E4M3, ..."""
+    return self._dtype[name]
+
+  def check_dtype(self, name: str) -> None:
+    if self._dtype[name] not in DTYPES:
+      raise InteropError(f'{self.where}: tensor {name} has dtype {self._dtype[name]}; '
+                         f'only {", ".join(DTYPES)} are read')
+
+
+class Reader(_Tensors):
   """The tensors of a safetensors directory by name: shape and dtype from the headers,
   data on request. Use as a context manager (or call close) to release the files."""
 
@@ -107,12 +132,6 @@ class Reader:
                            f'safetensors file: {_why(e)}') from e
     return self._open[path]
 
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    self.close()
-
   def close(self):
     for f in self._open.values():
       f.__exit__(None, None, None)
@@ -126,15 +145,6 @@ class Reader:
 
   def shape(self, name: str) -> tuple:
     return self._shape[name]
-
-  def dtype(self, name: str) -> str:
-    """The safetensors dtype string: F32, BF16, F16, F8_E4M3, ..."""
-    return self._dtype[name]
-
-  def check_dtype(self, name: str) -> None:
-    if self._dtype[name] not in DTYPES:
-      raise InteropError(f'{self.where}: tensor {name} has dtype {self._dtype[name]}; '
-                         f'only {", ".join(DTYPES)} are read')
 
   def block(self, name: str, index: tuple) -> np.ndarray:
     """tensor[index] (a tuple of slices), in its stored dtype."""
@@ -160,7 +170,7 @@ class Reader:
                      shape=self._shape[name])[...].copy()
 
 
-class MemoryReader:
+class MemoryReader(_Tensors):
   """Reader's interface over tensors already in memory: {name: array} (numpy, or anything
   np.asarray takes, in a dtype of DTYPES; FP8 weights beside their weight_scale_inv)."""
 
@@ -170,15 +180,6 @@ class MemoryReader:
     codes = {np.dtype(v): k for k, v in DTYPES.items()}
     self._dtype = {k: codes.get(x.dtype, str(x.dtype)) for k, x in self._tensors.items()}
 
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    self.close()
-
-  def close(self):
-    pass
-
   def __contains__(self, name) -> bool:
     return name in self._tensors
 
@@ -187,14 +188,6 @@ class MemoryReader:
 
   def shape(self, name: str) -> tuple:
     return tuple(self._tensors[name].shape)
-
-  def dtype(self, name: str) -> str:
-    return self._dtype[name]
-
-  def check_dtype(self, name: str) -> None:
-    if self._dtype[name] not in DTYPES:
-      raise InteropError(f'{self.where}: tensor {name} has dtype {self._dtype[name]}; '
-                         f'only {", ".join(DTYPES)} are read')
 
   def block(self, name: str, index: tuple) -> np.ndarray:
     self.check_dtype(name)

@@ -45,7 +45,8 @@ def loss_args(config) -> loss_lib.LossArgs:
       curriculum=opt('model.mtp.curriculum', 'none'),
       curriculum_phase_steps=int(opt('model.mtp.curriculum_phase_steps', 0)),
       steps=int(config.train.steps),
-      mtp_target_offsets=config_lib.target_offsets(config)[1:],
+      mtp_kind=opt('model.mtp.kind', 'sequential'),
+      mtp_target_offsets=tuple(int(o) for o in opt('model.mtp.target_offsets', ())),
       chunk=int(config.model.loss_chunk),
       mtp_targets=opt('loss.mtp_targets', 'data'),
       balance_weight=float(opt('model.moe.balance_loss_weight', 0.0)))
@@ -106,7 +107,7 @@ def train_step(args: StepArgs, graphdef, state, batch, schedule=None):
   weights = loss_lib.depth_weights(la, step, schedule['steps'])
   active = loss_lib.active_depths(la, step, schedule['steps'])
   # Normalisers from the whole batch: microbatch gradients then sum to the big-batch one.
-  counts = loss_lib.valid_counts(batch['segment_ids'], mtp_depth, la.target_offsets())
+  counts = loss_lib.valid_counts(batch['segment_ids'], mtp_depth, model.args.target_offsets())
   # The frozen parameters (model.mtp.freeze_trunk) go to `rest`: no gradient for them.
   model_graph, params, rest = nnx.split(model, args.trainable, ...)
 
