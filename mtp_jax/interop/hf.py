@@ -97,9 +97,9 @@ def apply_to_config(config, directory: str) -> list[str]:
 
   Returns 'field: old -> new' for each value it changed (the trainer reports them). The
   MTP depth and kind and the training switches stay the config's; the MTP blocks of a
-  checkpoint with MTP layers take its block kinds (model.mtp.block_* = '').
+  checkpoint with MTP layers take its block kinds (model.mtp.block_* = ''). directory: an
+  absolute path, as InitFrom.parse gives it.
   """
-  directory = os.path.abspath(os.path.expanduser(directory)) if directory else directory
   where = _where(directory)
   family, fields = hf_config.model_fields(read_config(directory), where)
   fields.pop('mtp.depth')
