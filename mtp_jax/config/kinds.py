@@ -55,6 +55,9 @@ class HeadFacts:
   # it predicts tokens at offsets: model.mtp.target_offsets, loss.mtp_targets other than
   # 'data', stop_gradient and freeze_trunk apply to it
   predicts_tokens: bool = True
+  # one module may serve every depth (model.mtp.share_modules): chained, it reads its own
+  # output
+  shares_modules: bool = False
 
 
 ATTENTION = {
@@ -74,7 +77,7 @@ MLP = {
     'moe': MLPFacts('mtp_jax.model.moe.MoE', 'MoE', hf_layouts=('deepseek_v3',)),
 }
 MTP_HEADS = {
-    'sequential': HeadFacts('mtp_jax.model.heads.SequentialMTP'),
+    'sequential': HeadFacts('mtp_jax.model.heads.SequentialMTP', shares_modules=True),
     'parallel': HeadFacts('mtp_jax.model.heads.ParallelHead'),
     'top': HeadFacts('mtp_jax.model.heads.TokenOrderHead', max_depth=1, predicts_tokens=False),
 }

@@ -141,9 +141,10 @@ def _validate_shared_modules(config) -> None:
     require(isinstance(value, bool), f'model.mtp.{name} must be True or False, got {value!r}')
   if not share:
     return
-  require(mtp.kind == 'sequential',
+  shared = [k for k, facts in MTP_HEADS.items() if facts.shares_modules]
+  require(MTP_HEADS[mtp.kind].shares_modules,
           f'model.mtp.share_modules reuses one chained module at every depth: it needs '
-          f"model.mtp.kind 'sequential', got {mtp.kind!r}")
+          f"model.mtp.kind {' or '.join(map(repr, shared))}, got {mtp.kind!r}")
   require(mtp.depth >= 2, 'model.mtp.share_modules needs model.mtp.depth >= 2 (one depth '
           f'has nothing to share), got {mtp.depth!r}')
   mlp = mtp.block_mlp or (config.model.mlp if config.model.mlp != 'moe'

@@ -2,8 +2,11 @@
 FLOP counts, the failure policies, and ahead-of-time compiles for a slice (aot/).
 
 - loop.py: `train_and_evaluate(config, workdir)`, resume or start, eval, checkpoints.
+- start.py: a run's start before its state is built: its checks, the workdir's lock,
+  --init_from's source (`InitSource`), and the undo of a start that fails.
 - steps.py: the jitted train and eval steps and `setup`, which builds them on the mesh.
-- loss.py: targets, masks and the weighted loss over the MTP depths.
+- loss.py: targets, masks and the weighted loss over the MTP depths; head_sums.py: the
+  heads' cross-entropy sums, whole or in sequence chunks.
 - evaluation.py: teacher-forced and decoding evaluation of a workdir.
 - metrics.py, flops.py, resilience.py: log lines and writers, FLOPs per token, workdir
   locks, preemption and non-finite steps.
