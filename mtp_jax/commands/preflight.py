@@ -1,8 +1,9 @@
 """The path and file checks of the command lines, run before JAX and the model are imported.
 
-Standard library only, so a mistyped path costs a user a second, not the start-up of JAX.
-Each message is the one the deeper check (data, tokenizer, checkpoint and workdir layers)
-gives for the same mistake; those checks stay, for callers of the library.
+JAX-free (the standard library, the config tables and the parsed --init_from), so a
+mistyped path costs a user a second, not the start-up of JAX. Each message is the one the
+deeper check (data, tokenizer, checkpoint and workdir layers) gives for the same mistake;
+those checks stay, for callers of the library.
 """
 from __future__ import annotations
 
