@@ -67,7 +67,8 @@ cpu_flags = machine_lib.cpu_flags
 
 def machine() -> dict:
   import jax  # pylint: disable=import-outside-toplevel
-  return {'cpu': machine_lib.cpu_model(), 'cores': machine_lib.usable_cores(), 'vector_flags': cpu_flags(),
+  return {'cpu': machine_lib.cpu_model(), 'cores': machine_lib.usable_cores(),
+          'vector_flags': cpu_flags(),
           'platform': platform.platform(), 'python': platform.python_version(),
           'jax': jax.__version__, 'backend': jax.default_backend()}
 

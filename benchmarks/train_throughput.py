@@ -1,7 +1,8 @@
 """Training speed: MFU, the MTP overhead, MoE dispatch, memory, compile time, A/B in one process.
 
   python benchmarks/train_throughput.py --only mfu --rounds 8
-  python benchmarks/train_throughput.py --only mfu --rounds 8 --out benchmarks/results/train_mfu.json
+  python benchmarks/train_throughput.py --only mfu --rounds 8 \\
+    --out benchmarks/results/train_mfu.json
 
 Sections (--only, comma-separated; each timed section runs its steps round robin in one
 process, so the background load hits every variant alike):
@@ -290,7 +291,8 @@ AB_SETS = {
         'stdlib_mtp': (_stdlib, {'xla': {'attention_core': 'xla'},
                                  'blocked': {'attention_core': 'blocked'}}),
         'maxtext_M1': (lambda **m: maxtext_config(1, **m),
-                       {'xla': {'attention_core': 'xla'}, 'blocked': {'attention_core': 'blocked'}}),
+                       {'xla': {'attention_core': 'xla'},
+                        'blocked': {'attention_core': 'blocked'}}),
     },
     'blocks': {  # model.attention_block on both shapes
         'stdlib_mtp': (_stdlib, {'block64': {'attention_block': 64},
@@ -553,7 +555,9 @@ def main(argv=None) -> int:
     jax.config.update('jax_enable_compilation_cache', False)  # compile times must be real
   # One section alone records under its own result's name; an A/B set under train_<set>.
   only = args.only[0] if len(args.only) == 1 else None
-  name = (f'train_{args.ab_set}' if only == 'ab' else RESULT_NAMES.get(only, NAME)) if only else NAME
+  name = NAME
+  if only:
+    name = f'train_{args.ab_set}' if only == 'ab' else RESULT_NAMES.get(only, NAME)
   run = common.start(args, name, argv, script=f'benchmarks/{NAME}.py')
   run.note = NOTE
   r, smoke = args.rounds, args.smoke

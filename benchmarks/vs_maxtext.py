@@ -1,7 +1,8 @@
 """This project against MaxText 0.2.5 on MaxText's CPU peer model, in interleaved pairs.
 
   python benchmarks/vs_maxtext.py --peer PATH/run_peer.sh --pairs 2 --rounds 10
-  python benchmarks/vs_maxtext.py --peer PATH/run_peer.sh --depths 3 --out benchmarks/results/vs_maxtext.json
+  python benchmarks/vs_maxtext.py --peer PATH/run_peer.sh --depths 3 \\
+    --out benchmarks/results/vs_maxtext.json
 
 The model: 4 layers, d 256, 8 x 32 heads, no GQA, MLP 704, V 1024, batch 16 x 256,
 float32 (train_throughput.maxtext_config). MaxText runs with remat_policy=minimal,

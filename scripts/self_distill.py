@@ -1,6 +1,7 @@
 """Self-distilled MTP training data: samples continuations from a trained trunk (FastMTP).
 
-The same command as `mtp-self-distill` (mtp_jax/commands/self_distill.py); `--help` lists the options.
+The same command as `mtp-self-distill` (mtp_jax/commands/self_distill.py); `--help` lists
+the options.
 """
 import sys
 

@@ -1,6 +1,7 @@
 """Trains a SentencePiece BPE: `mtp-train-tokenizer --output runs/tokenizer/spm.model`.
 
-The same command as `mtp-train-tokenizer` (mtp_jax/commands/train_tokenizer.py); `--help` lists the options.
+The same command as `mtp-train-tokenizer` (mtp_jax/commands/train_tokenizer.py); `--help`
+lists the options.
 """
 import sys
 

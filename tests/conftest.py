@@ -23,7 +23,8 @@ jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 # flops.cpu_peak caches this machine's CPU peak; a probe taken by a (loaded) test run must
 # not become the peak that real runs divide by.
-os.environ.setdefault('MTP_JAX_CACHE_DIR', os.path.join(tempfile.gettempdir(), 'mtp_jax_test_cache'))
+os.environ.setdefault('MTP_JAX_CACHE_DIR',
+                      os.path.join(tempfile.gettempdir(), 'mtp_jax_test_cache'))
 # model.dtype = 'auto' (the default) resolves by a probe of the host's bf16 dot: pinned to
 # float32 so the suite's reference values hold on any CPU (test_bf16.py tests the probe).
 os.environ.setdefault('MTP_JAX_AUTO_DTYPE', 'float32')

@@ -264,7 +264,7 @@ def step_losses(config, devices, batches):
   return losses, state
 
 
-# -- tiny Hugging Face models (tests of mtp_jax/interop/hf.py) ---------------------------------------
+# -- tiny Hugging Face models (tests of mtp_jax/interop/hf.py) ----------------------------
 HF_TOKENIZER_MERGES = 300  # byte-level BPE vocabulary before the special tokens
 HF_FAMILIES = {
     # Llama 3 style: untied head, llama3 RoPE scaling (all three bands at head_dim 16), a

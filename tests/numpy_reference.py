@@ -201,7 +201,8 @@ def forward(params, tokens_T, pos_T, seg_T, depth, kind='sequential', eps=1e-6, 
 
 
 def head_logits(params, h, depth, eps=1e-6):
-  scale = params['norm']['scale'] if depth == 0 else params['mtp'][depth - 1]['shared_head']['norm']['scale']
+  scale = (params['norm']['scale'] if depth == 0
+           else params['mtp'][depth - 1]['shared_head']['norm']['scale'])
   w = params['lm_head']['kernel'] if 'lm_head' in params else params['embed']['embedding'].T
   return rmsnorm(h, scale, eps) @ w
 

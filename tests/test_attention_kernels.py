@@ -210,8 +210,8 @@ def _train(config, devices, batches):
 
 
 def test_three_training_steps_with_splash_match_blocked(devices):
-  """configs/tiny.py (M = 1, 4 x 128 tokens) on a data 2 x fsdp 2 x tensor 2 mesh (the kernel per shard
-  in jax.shard_map: rows over data x fsdp, heads over tensor): loss and gradient norm of
+  """configs/tiny.py (M = 1, 4 x 128 tokens) on a data 2 x fsdp 2 x tensor 2 mesh (the kernel
+  per shard in jax.shard_map: rows over data x fsdp, heads over tensor): loss and gradient norm of
   three steps with attention_core=splash equal blocked's (relative 1e-5)."""
   batches = synthetic_batches(3, 4, T, vocab=64, seed=2)
   runs = {}

@@ -180,7 +180,8 @@ def test_tfds_dataset_holds_the_corpus_split(cfg, stdlib_texts):
   assert seconds == 0.0 and corpus.interpreter_tag() in name and '-val5-' in name
   # Any prepared array_record dataset plugs in by its TFDS name.
   other = _config(cfg.data.data_dir, dataset=name)
-  assert len(stdlib_dataset.data_source(other.data, 'validation')) == len(stdlib_texts['validation'])
+  validation = stdlib_dataset.data_source(other.data, 'validation')
+  assert len(validation) == len(stdlib_texts['validation'])
 
 
 def test_concurrent_builds_build_once(tiny, tmp_path):

@@ -45,7 +45,8 @@ VOCABULARY = re.compile(
     r'|\b(second|third|fourth|fifth|sixth|seventh) pass\b|\bthe lead\b|\bsession\b')
 MACHINE_PATH = re.compile(r'(^|[^A-Za-z0-9_.])/(work|home|farm|root|tmp)/')
 # pytest's own word for one test run, spelled as its API needs it.
-ALLOWED = re.compile(r'''scope=['"]session['"]|pytest_sessionfinish\(session\b|session\.exitstatus''')
+ALLOWED = re.compile(
+    r'''scope=['"]session['"]|pytest_sessionfinish\(session\b|session\.exitstatus''')
 SHIPPED = ('mtp_jax', 'configs', 'tests', 'scripts', 'notebooks', 'docs', 'setup.py',
            'pyproject.toml', 'README.md', 'CHANGELOG.md')
 TEXT_SUFFIXES = ('.py', '.md', '.ipynb', '.sh', '.toml', '.ini', '.txt', '.cfg', '.json')

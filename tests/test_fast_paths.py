@@ -59,7 +59,8 @@ def _assert_blocked_equals_xla(c, model_overrides, check):
     graphdef, state = nnx.split(model)
 
     def f(state):
-      return loss_lib.loss_and_metrics(nnx.merge(graphdef, state), batch, jnp.array([1., .3, .3]))[0]
+      model = nnx.merge(graphdef, state)
+      return loss_lib.loss_and_metrics(model, batch, jnp.array([1., .3, .3]))[0]
     out[impl] = jax.jit(jax.value_and_grad(f))(state)
   np.testing.assert_allclose(out['blocked'][0], out['xla'][0], rtol=1e-5)
   for a, r in zip(jax.tree.leaves(out['blocked'][1]), jax.tree.leaves(out['xla'][1])):
@@ -131,7 +132,8 @@ def test_model_with_block_remat_and_saved_core_agrees_with_library_attention():
 def test_attention_auto_is_blocked_on_cpu_only():
   args = ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(1)))
   assert attn_lib.attention_impl(args) == ('blocked' if jax.default_backend() == 'cpu' else 'xla')
-  assert attn_lib.attention_impl(ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(1, attention_core='xla')))) == 'xla'
+  xla = tokenizers.resolve_vocab_size(tiny_model_config(1, attention_core='xla'))
+  assert attn_lib.attention_impl(ModelArgs.from_config(xla)) == 'xla'
 
 
 @pytest.mark.parametrize('name', ['gpu_350m', 'tpu_pod_1b'])
@@ -144,7 +146,8 @@ def test_pod_configs_lower_a_train_gradient_with_each_attention_path(name, impl)
   args = ModelArgs.from_config(tokenizers.resolve_vocab_size(c))
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MTPModel(args, rngs=nnx.Rngs(0))))
   b, t = 1, c.data.seq_len
-  batch = {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in ('tokens', 'segment_ids', 'positions')}
+  batch = {k: jax.ShapeDtypeStruct((b, t), jnp.int32)
+           for k in ('tokens', 'segment_ids', 'positions')}
 
   def grad(state, batch):
     model = nnx.merge(graphdef, state)

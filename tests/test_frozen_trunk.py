@@ -90,7 +90,8 @@ def test_frozen_trunk_trains_only_mtp_and_keeps_the_trunk_bit_identical(
   assert moments and all("['mtp']" in k for k in moments), 'frozen params hold optimizer state'
 
   config.model.mtp.freeze_trunk = False  # unfreezing in place: the optimizer state differs
-  with pytest.raises(ConfigError, match=r'model\.mtp\.freeze_trunk: checkpoint True vs config False'):
+  with pytest.raises(ConfigError,
+                     match=r'model\.mtp\.freeze_trunk: checkpoint True vs config False'):
     run(config, workdir, devices)
 
 

@@ -69,7 +69,8 @@ def ref_greedy(ref, prompt, n):
 def test_config_fields_follow_config_json(loaded, family):
   c = loaded[family][0]
   m = c.model
-  assert (m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.mlp_dim) == (64, 2, 4, 2, 16, 96)
+  assert (m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.mlp_dim) == (
+      64, 2, 4, 2, 16, 96)
   assert m.norm_eps == 1e-5 and m.max_positions == 128 and m.mtp.depth == 2
   if family == 'llama':
     assert m.vocab_size == 320 and not m.tie_embeddings and not m.attention_bias
@@ -78,7 +79,8 @@ def test_config_fields_follow_config_json(loaded, family):
   else:
     assert m.vocab_size == 304 and m.tie_embeddings and m.attention_bias
     assert (m.rope_scaling.kind, m.rope_scaling.factor, m.rope_theta) == ('linear', 2.0, 1000.0)
-  assert c.data.tokenizer == 'hf' and os.path.isfile(os.path.join(c.data.hf_tokenizer, 'tokenizer.json'))
+  assert c.data.tokenizer == 'hf'
+  assert os.path.isfile(os.path.join(c.data.hf_tokenizer, 'tokenizer.json'))
 
 
 @pytest.mark.parametrize('family', FAMILIES)
@@ -226,7 +228,8 @@ def test_a_sentencepiece_only_directory_takes_its_tokenizer_model(hf_models, tmp
   cfg = json.loads((d / 'config.json').read_text())
   cfg['vocab_size'] = 100  # fewer ids than the model's 259+ (256 byte-fallback pieces)
   (d / 'config.json').write_text(json.dumps(cfg))
-  with pytest.raises(ConfigError, match=r'tokenizer.model has \d+ tokens but config.json vocab_size is 100'):
+  with pytest.raises(ConfigError,
+                     match=r'tokenizer.model has \d+ tokens but config.json vocab_size is 100'):
     hf_config(str(d))
 
 
@@ -243,7 +246,7 @@ def as_ours(t: layouts.Tensor, w: np.ndarray, args) -> np.ndarray:
           'bias_heads': lambda: w.reshape(-1, h)}[t.kind]()
 
 
-@pytest.mark.slow  # two short training runs and three decode programs: ~2 min on a loaded 2-core box
+@pytest.mark.slow  # two short training runs, three decode programs: ~2 min on a loaded 2-core box
 def test_frozen_mtp_training_keeps_the_hf_trunk_and_spec_decoding_is_lossless(
     hf_models, devices, stdlib_data_dir, tmp_path):
   """MTP modules trained on a frozen Llama trunk through train_and_evaluate(init_from=hf:DIR):
@@ -357,7 +360,8 @@ def _bad_dir(kind, hf_models, tmp_path):
   if kind == 'wrong_shape':
     _edit_tensors(st, lambda t: t.update({'model.layers.0.self_attn.k_proj.bias':
                                           np.zeros([16], np.float32)}))
-    return f'hf:{d}', r'tensor model.layers.0.self_attn.k_proj.bias has shape \[16\] but config.json implies \[32\]'
+    return f'hf:{d}', (r'tensor model.layers.0.self_attn.k_proj.bias has shape \[16\] but '
+                       r'config.json implies \[32\]')
   if kind == 'extra_tensor':
     _edit_tensors(st, lambda t: t.update({'model.layers.0.self_attn.q_norm.weight':
                                           np.ones([16], np.float32)}))

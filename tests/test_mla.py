@@ -131,7 +131,8 @@ def test_output_absorption_is_chosen_by_size():
   assert not attn.absorb_output and attn.o_t.shape == (32, 4 * 5)
   cfg = dsv3_model_config(mlp='dense')
   cfg.model.mla.v_head_dim = 8  # 256 <= 8 * 40
-  attn = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(cfg)), rngs=nnx.Rngs(0)).layers[0].self_attn
+  model = MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(cfg)), rngs=nnx.Rngs(0))
+  attn = model.layers[0].self_attn
   attn.prepare_decode()
   assert attn.absorb_output and attn.vo_t.shape == (32, 4 * 8)
 

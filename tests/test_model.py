@@ -13,8 +13,8 @@ from mtp_jax.model import ModelArgs, MTPModel, count_params
 
 def build(depth, kind='sequential', seed=0, **model):
   # Eager init: every tiny model shares shapes, so each init op compiles once per test run.
-  return MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(depth, kind, **model))),
-                  rngs=nnx.Rngs(seed))
+  config = tokenizers.resolve_vocab_size(tiny_model_config(depth, kind, **model))
+  return MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(seed))
 
 
 @nnx.jit

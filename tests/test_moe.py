@@ -32,7 +32,8 @@ TOP_K, SCALING = 2, 2.5  # dsv3_model_config's
 
 
 def build(seed=0, **kw):
-  return MTPModel(ModelArgs.from_config(tokenizers.resolve_vocab_size(dsv3_model_config(1, **kw))), rngs=nnx.Rngs(seed))
+  config = tokenizers.resolve_vocab_size(dsv3_model_config(1, **kw))
+  return MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(seed))
 
 
 def test_layout_and_non_trainable_bias():
@@ -104,7 +105,8 @@ def _moe_input(params, p, tokens, pos, seg, j, want):
     t = len(tokens)
     shifted = np.array([tokens[i + 1] if i + 1 < t else 0 for i in range(t)])
     e = ref.rmsnorm(params['embed']['embedding'][shifted], m['enorm']['scale'], eps)
-    x = np.concatenate([e, ref.rmsnorm(want[0], m['hnorm']['scale'], eps)], -1) @ m['eh_proj']['kernel']
+    x = (np.concatenate([e, ref.rmsnorm(want[0], m['hnorm']['scale'], eps)], -1)
+         @ m['eh_proj']['kernel'])
   h = ref.rmsnorm(x, p['input_layernorm']['scale'], eps)
   x = x + ref.mla_attention(p['self_attn'], h, pos, seg, eps, theta)
   return ref.rmsnorm(x, p['post_attention_layernorm']['scale'], eps)

@@ -51,7 +51,8 @@ def test_config_validates_and_builds_abstractly(name):
   per_token = flops.flops_per_token(args, config.data.seq_len)
   print(f'\n{name}: {counts["total"] / 1e6:.1f}M params ({counts["mtp"] / 1e6:.1f}M in '
         f'{args.mtp_depth} MTP depths), {per_token.train / 1e9:.3f} GFLOP per training token, '
-        f'mesh {config_lib.resolved_mesh_axes(config.mesh, num_devices)} on {num_devices} devices')
+        f'mesh {config_lib.resolved_mesh_axes(config.mesh, num_devices)} on '
+        f'{num_devices} devices')
   assert counts['total'] > 0 and per_token.train > 0
 
   # Every parameter divides evenly over the mesh axes its logical names map to.
@@ -94,7 +95,8 @@ def test_flops_match_a_hand_count():
   assert got.train == 3 * 98560
   full = flops.flops_per_token(args, seq_len=16, causal=False)
   assert full.trunk_attention == 2 * (2 * 2 * 32 * 16)
-  parallel = flops.flops_per_token(ModelArgs.from_config(tokenizers.resolve_vocab_size(tiny_model_config(2, 'parallel'))), 16)
+  parallel = flops.flops_per_token(ModelArgs.from_config(
+      tokenizers.resolve_vocab_size(tiny_model_config(2, 'parallel'))), 16)
   assert parallel.mtp_eh_proj == 0 and parallel.mtp_block == 2 * block
 
 

@@ -185,7 +185,8 @@ CLI_CASES = [
      ['unknown config field', 'model.mtp.dept', 'did you mean "depth"']),
     ('wrong override type', ['--config=configs/tiny.py', '--config.model.mtp.depth=two'],
      ['--config.model.mtp.depth=two', "model.mtp.depth takes an integer"]),
-    ('unknown flag', ['--config=configs/tiny.py', '--chekpoint=3'], ['unrecognized arguments: --chekpoint=3']),
+    ('unknown flag', ['--config=configs/tiny.py', '--chekpoint=3'],
+     ['unrecognized arguments: --chekpoint=3']),
     ('stray argument', ['--config=configs/tiny.py', 'extra'], ['unrecognized arguments: extra']),
 ]
 
