@@ -22,7 +22,8 @@ def split_spec(spec: str) -> tuple[str, str | None]:
 
 
 def load_module(path: str):
-  """The module of a config file (or of a file a config shares); ConfigError (one line) for a missing or broken file."""
+  """The module of a config file (or of a file a config shares); ConfigError (one line)
+  for a missing or broken file."""
   if not os.path.isfile(path):
     raise ConfigError(f'cannot load --config {path!r}: No such file or directory'
                       + _did_you_mean(path))

@@ -63,7 +63,8 @@ def parse(argv):
                       'cover every finished run in --out, with --no_run only these seeds')
   p.add_argument('--groups', default=','.join(DEFAULT_GROUPS),
                  help=f'comma-separated, of {", ".join(GROUPS)}')
-  p.add_argument('--variants', default='', help='subset of variants (default: all of a group); bpe_names also takes '
+  p.add_argument('--variants', default='',
+                 help='subset of variants (default: all of a group); bpe_names also takes '
                       '<variant>@<size>')
   p.add_argument('--workdir', default=os.path.join('runs', 'ablation', 'workdirs'),
                  help='checkpoints of unfinished runs')

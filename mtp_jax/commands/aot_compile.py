@@ -6,8 +6,9 @@ Needs libtpu (`pip install -e '.[tpu]'`), no TPU. Prints per chip: parameter, op
 batch bytes, the compiled programs' HBM against the chip's, FLOPs per step beside
 flops.py's count, the collectives of the compiled HLO, the step time and MFU priced by the
 TPU compiler's own per-op cost estimates with the costliest ops, and the roofline beside it
-as a lower bound on the step time (docs/scaling.md). Exit 0: everything fits; 1: a program does not fit the
-chip's HBM (one `error:` line with the shortfall and the largest allocations); 2: bad input.
+as a lower bound on the step time (docs/scaling.md). Exit 0: everything fits; 1: a program
+does not fit the chip's HBM (one `error:` line with the shortfall and the largest
+allocations); 2: bad input.
 """
 from __future__ import annotations
 

@@ -30,13 +30,16 @@ def parse(argv):
   p.add_argument('--workdir', required=True, help='training workdir')
   p.add_argument('--split', help='data split to evaluate on (default: data.eval_split)')
   p.add_argument('--step', type=cli.non_negative_int, help='checkpoint step (default: the latest)')
-  p.add_argument('--eval_batches', type=cli.positive_int, help='batches (default: train.eval_batches)')
+  p.add_argument('--eval_batches', type=cli.positive_int,
+                 help='batches (default: train.eval_batches)')
   p.add_argument('--num_prompts', type=cli.non_negative_int,
                  help='prompts to decode (default: train.eval_decode_prompts, or 8; 0: skip)')
-  p.add_argument('--prompt_len', type=cli.positive_int, help='prompt tokens (default: data.seq_len // 2)')
+  p.add_argument('--prompt_len', type=cli.positive_int,
+                 help='prompt tokens (default: data.seq_len // 2)')
   p.add_argument('--max_new_tokens', type=cli.positive_int,
                  help='tokens per prompt (default: train.eval_decode_tokens, within data.seq_len)')
-  p.add_argument('--batch_size', type=cli.positive_int, help='prompts decoded together (default: all)')
+  p.add_argument('--batch_size', type=cli.positive_int,
+                 help='prompts decoded together (default: all)')
   p.add_argument('--tree', default='',
                  help='also decode with this draft tree, beside the chain (default: 3,2,1 cut '
                  'to the drafting depths; none: the chain only)')

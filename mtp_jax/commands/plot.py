@@ -50,7 +50,8 @@ def main(argv=None) -> int:
       'acceptance' in p for p in paths):
     print('(no acceptance.png: metrics.jsonl has no eval/decode_* figures. The trainer\'s '
           'evaluations write them when train.eval_decode_prompts is above 0 (e.g. '
-          '--config.train.eval_decode_prompts=4); mtp-eval prints the same figures but never writes metrics.jsonl)')
+          '--config.train.eval_decode_prompts=4); mtp-eval prints the same figures but never '
+          'writes metrics.jsonl)')
   return 0
 
 

@@ -47,7 +47,8 @@ def parser() -> cli.ArgumentParser:
                  'MPI launcher is detected; on: always (TPU pods); off: never')
   p.add_argument('--coordinator_address', metavar='HOST:PORT', help='address of process 0')
   p.add_argument('--num_processes', type=cli.positive_int, help='processes in the job')
-  p.add_argument('--process_id', type=cli.non_negative_int, help='this process, 0 .. num_processes - 1')
+  p.add_argument('--process_id', type=cli.non_negative_int,
+                 help='this process, 0 .. num_processes - 1')
   p.add_argument('--distributed_init_timeout', type=int, default=300, metavar='SECONDS',
                  help='how long process 0 waits for every process to join the job')
   p.add_argument('--distributed_heartbeat_timeout', type=int, default=100, metavar='SECONDS',

@@ -46,7 +46,8 @@ def model_fields() -> ml_collections.ConfigDict:
   m.rope_theta = 10000.0  # RoPE base
   m.norm_eps = 1e-6  # RMSNorm epsilon
   m.attention_bias = False  # biases on the q/k/v projections (Qwen2), none on o_proj
-  m.max_positions = 0  # positions the model supports (a loaded trunk's); data.seq_len must fit (0: no limit)
+  # positions the model supports (a loaded trunk's); data.seq_len must fit (0: no limit)
+  m.max_positions = 0
   m.rope_scaling = rope_scaling_fields()
   m.tie_embeddings = True  # OutHead = Emb^T (False: a separate output kernel)
   # compute dtype (params and optimizer state stay float32): float32 | bfloat16 | float16 |
@@ -58,8 +59,10 @@ def model_fields() -> ml_collections.ConfigDict:
   # block (keep weight-matmul outputs) | block_norms, block_mlp, block_inputs (block and more)
   # | full (keep block inputs)
   m.remat = 'none'
-  m.scan_layers = False  # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
-  m.loss_chunk = 0  # sequence chunk for the vocab projection + CE (0: whole length, all depths in one product)
+  # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
+  m.scan_layers = False
+  # sequence chunk for the vocab projection + CE (0: whole length, all depths in one product)
+  m.loss_chunk = 0
   return m
 
 
@@ -169,7 +172,8 @@ def mtp_fields() -> ml_collections.ConfigDict:
   # are one module's (model.scan_layers leaves its depths unrolled). Sequential kind, depth
   # >= 2 and a dense MTP block only (an MoE block's routing statistics are per call).
   mtp.share_modules = False
-  mtp.detach_trunk = False  # stop_gradient on h^0 only where it enters depth 1 (Emb, OutHead still shared)
+  # stop_gradient on h^0 only where it enters depth 1 (Emb, OutHead still shared)
+  mtp.detach_trunk = False
   # MTP as a pure add-on during joint training: the MTP losses send no gradient into the
   # trunk's hidden state h^0, the shared Emb (the MTP inputs t_(i+k)) or the shared OutHead;
   # the trunk, Emb and OutHead learn from L_main alone, the MTP modules from their L^k.
@@ -222,7 +226,8 @@ def data_fields() -> ml_collections.ConfigDict:
   d.eval_split = 'validation'  # TFDS split for evaluation
   d.validation_percent = 5  # python_stdlib: percent of files (by path hash) held out
   d.corpus_dir = ''  # python_stdlib: root of the .py files ('' -> this interpreter's stdlib)
-  d.tokenizer = 'byte'  # byte | sentencepiece | hf (a Hugging Face tokenizer.json; --init_from hf:DIR sets it)
+  # byte | sentencepiece | hf (a Hugging Face tokenizer.json; --init_from hf:DIR sets it)
+  d.tokenizer = 'byte'
   d.spm_model = ''  # path of a SentencePiece .model (scripts/train_tokenizer.py)
   d.hf_tokenizer = ''  # tokenizer=hf: a local directory holding tokenizer.json (and its configs)
   d.seq_len = 256  # tokens per packed sequence T
@@ -249,8 +254,9 @@ def train_fields() -> ml_collections.ConfigDict:
   t.log_every = 10  # steps between metric lines
   t.eval_every = 200  # steps between evaluations (0: only at the end)
   t.eval_batches = 8  # validation batches per evaluation
-  t.eval_decode_prompts = 0  # validation prompts decoded (greedy) per eval -> eval/decode_* (0 or mtp.depth 0: off)
-  t.eval_decode_tokens = 32  # tokens generated per such prompt; prompts are data.seq_len // 2 tokens
+  # validation prompts decoded (greedy) per eval -> eval/decode_* (0 or mtp.depth 0: off)
+  t.eval_decode_prompts = 0
+  t.eval_decode_tokens = 32  # tokens generated per such prompt (data.seq_len // 2 prompt tokens)
   t.checkpoint_every = 200  # steps between checkpoints (0: only at the end)
   t.max_to_keep = 3  # checkpoints kept
   t.async_checkpoint = True  # save in a background thread

@@ -234,7 +234,8 @@ def _validate_data(config) -> None:
   require(d.tokenizer in ('byte', 'sentencepiece', 'hf'),
            f"data.tokenizer must be 'byte', 'sentencepiece' or 'hf', got {d.tokenizer!r}")
   if d.tokenizer == 'sentencepiece':
-    require(bool(d.spm_model), 'data.spm_model must name a .model file when data.tokenizer is sentencepiece')
+    require(bool(d.spm_model),
+            'data.spm_model must name a .model file when data.tokenizer is sentencepiece')
   if d.tokenizer == 'hf':
     require(bool(d.hf_tokenizer), 'data.hf_tokenizer must name a directory holding '
              "tokenizer.json when data.tokenizer is 'hf'")
@@ -245,7 +246,8 @@ def _validate_data(config) -> None:
     require(isinstance(d[name], int) and not isinstance(d[name], bool) and d[name] >= 0,
              f'data.{name} must be a non-negative integer (0: from the CPU count), '
              f'got {d[name]!r}')
-  require(isinstance(d.corpus_dir, str), f'data.corpus_dir must be a path string, got {d.corpus_dir!r}')
+  require(isinstance(d.corpus_dir, str),
+          f'data.corpus_dir must be a path string, got {d.corpus_dir!r}')
   validate_data_source(d)
 
 
@@ -392,7 +394,8 @@ def _validate_block_kinds(config) -> None:
       require_positive_int(f'model.mla.{name}', m.mla[name])
     q = m.mla.q_lora_rank
     require(isinstance(q, int) and not isinstance(q, bool) and q >= 0,
-             f'model.mla.q_lora_rank must be a non-negative integer (0: no query compression), got {q!r}')
+             'model.mla.q_lora_rank must be a non-negative integer (0: no query compression), '
+             f'got {q!r}')
     require(m.mla.qk_rope_head_dim % 2 == 0,
              f'model.mla.qk_rope_head_dim must be even for RoPE, got {m.mla.qk_rope_head_dim}')
   if uses_moe:
@@ -406,12 +409,15 @@ def _validate_block_kinds(config) -> None:
              f'model.moe.num_experts_per_tok ({mo.num_experts_per_tok}) must be <= '
              f'model.moe.n_routed_experts ({mo.n_routed_experts})')
     require(mo.first_k_dense <= m.n_layers,
-             f'model.moe.first_k_dense ({mo.first_k_dense}) must be <= model.n_layers ({m.n_layers})')
+             f'model.moe.first_k_dense ({mo.first_k_dense}) must be <= model.n_layers '
+             f'({m.n_layers})')
     g, tg = mo.get('n_group', 1), mo.get('topk_group', 1)
     require(mo.get('dispatch', 'auto') in kinds.MOE_DISPATCHES,
-             f"model.moe.dispatch must be {either(kinds.MOE_DISPATCHES)}, got {mo.get('dispatch')!r}")
+             f'model.moe.dispatch must be {either(kinds.MOE_DISPATCHES)}, '
+             f"got {mo.get('dispatch')!r}")
     require(mo.get('exchange', 'all_to_all') in kinds.MOE_EXCHANGES,
-             f"model.moe.exchange must be {either(kinds.MOE_EXCHANGES)}, got {mo.get('exchange')!r}")
+             f'model.moe.exchange must be {either(kinds.MOE_EXCHANGES)}, '
+             f"got {mo.get('exchange')!r}")
     cf = mo.get('capacity_factor', 0.0)
     require(isinstance(cf, (int, float)) and not isinstance(cf, bool) and cf >= 0,
              f'model.moe.capacity_factor must be a number >= 0 (0: dropless), got {cf!r}')

@@ -272,8 +272,9 @@ TEMPLATE_WORDS = frozenset(w for t in INTRO + BODY for w in
 @functools.lru_cache(maxsize=4)
 def story_tokenizer(vocab_size: int, corpus_stories: int, seed: int):
   """(SentencePiece BPE trained on `corpus_stories` ordinary-name stories, the sorted
-  names of exactly two of its tokens that are no ordinary name and no template word): the same for the same
-  arguments on every machine (sentencepiece's trainer is deterministic on one thread)."""
+  names of exactly two of its tokens that are no ordinary name and no template word): the
+  same for the same arguments on every machine (sentencepiece's trainer is deterministic on
+  one thread)."""
   rng = np.random.default_rng([seed, 2**30])
   texts = [''.join(' ' + w for w in _pick_story(rng, ORDINARY_NAMES, 2, 4)[0])
            for _ in range(corpus_stories)]

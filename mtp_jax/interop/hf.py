@@ -146,7 +146,8 @@ def _shape_error(where: str, t: Tensor, shape: tuple, args: ModelArgs) -> Intero
                       f'implies {list(t.shape)} ({sizes})')
 
 
-def _check_tensor(reader: Reader | MemoryReader, where: str, name: str, t: Tensor, args: ModelArgs) -> set:
+def _check_tensor(reader: Reader | MemoryReader, where: str, name: str, t: Tensor,
+                  args: ModelArgs) -> set:
   """The names `name` needs (itself, its FP8 scale), once its shape and dtype are right."""
   if name not in reader:
     raise InteropError(f'{where}: tensor {name} is missing from the safetensors files')

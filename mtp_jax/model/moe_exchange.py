@@ -243,7 +243,7 @@ def ragged_exchange(operand_BTEkxD: Array, output_YxD: Array, input_offsets: Arr
                     impl: str) -> Array:
   """jax.lax.ragged_all_to_all over the mesh axes `axes` (inside shard_map), or its CPU
   emulation (impl 'emulate'): the same rows to the same places."""
-  if impl == 'collective':  # in blocks of BLOCK_ROWS rows: plan's offsets and sizes are whole blocks
+  if impl == 'collective':  # in blocks of BLOCK_ROWS rows: plan's offsets, sizes are whole blocks
     blocks = lambda a: a.reshape((a.shape[0] // BLOCK_ROWS, BLOCK_ROWS) + a.shape[1:])  # noqa: E731
     out = jax.lax.ragged_all_to_all(
         blocks(operand_BTEkxD), blocks(output_YxD),

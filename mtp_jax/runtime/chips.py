@@ -14,7 +14,8 @@ v5p-64 (64 cores) is 32 JAX devices.
 seconds. Google publishes it for no current chip; it is the peak over the matrix units'
 FLOPs per cycle: 4 MXUs per TensorCore, 128 x 128 multiply-adds each (v6e: 256 x 256), so
 v4 275 TFLOP/s / (2 cores x 4 MXUs x 2 x 128^2 FLOPs) = 1.05 GHz, v5e 1.5 GHz, v5p 1.75
-GHz, v6e 1.75 GHz (rounded). It is an assumption the report states beside every figure it prices with it.
+GHz, v6e 1.75 GHz (rounded). It is an assumption the report states beside every figure it
+prices with it.
 """
 from __future__ import annotations
 

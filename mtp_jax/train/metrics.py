@@ -180,7 +180,9 @@ def _fmt_time(s: float) -> str:
   if not math.isfinite(s):
     return '--:--'
   s = int(s)
-  return f'{s // 3600:d}:{s // 60 % 60:02d}:{s % 60:02d}' if s >= 3600 else f'{s // 60:02d}:{s % 60:02d}'
+  if s >= 3600:
+    return f'{s // 3600:d}:{s // 60 % 60:02d}:{s % 60:02d}'
+  return f'{s // 60:02d}:{s % 60:02d}'
 
 
 def repair_jsonl(path: str) -> None:
