@@ -186,8 +186,8 @@ def _chunked(norms, hiddens, w_DxV, targets_M1xBxT, mask_M1xBxT, chunk: int, tea
     ct_M1 = cts[0].astype(jnp.float32)
 
     def scaled(g):  # depth k's gradient times its cotangent, in float32, in g's dtype
-      ct = ct_M1.reshape((-1,) + (1,) * (g.ndim - 1))
-      return (g.astype(jnp.float32) * ct).astype(g.dtype)
+      g32 = g.astype(jnp.float32)
+      return (g32 * ct_M1.reshape((-1,) + (1,) * (g.ndim - 1))).astype(g.dtype)
 
     float0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
     return (scaled(d_h), float0(tgt_M1), float0(m_M1), jax.tree.map(scaled, d_norm),
