@@ -151,7 +151,7 @@ def test_a_head_kind_carries_its_facts(kind):
   assert head.max_drafts(depth) <= (mtp.MAX_DRAFTS if head.chained else depth)
   if not kinds.MTP_HEADS[kind].predicts_tokens:
     assert head.max_drafts(depth) == 0
-  assert args.drafting_depths() == (0 if kind == 'top' else depth)
+  assert args.drafting_depths() == (depth if kinds.MTP_HEADS[kind].predicts_tokens else 0)
   decoder = Decoder(model)
   decoder.program(1, 4, 4, num_drafts=head.max_drafts(depth))
   with pytest.raises(RequestError, match='num_drafts must be in'):

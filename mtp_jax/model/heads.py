@@ -153,7 +153,8 @@ class TokenOrderHead(nnx.Module):
 
   def __init__(self, args: ModelArgs, rngs: nnx.Rngs):
     init = nnx.with_partitioning(nnx.initializers.normal(args.init_std), ('embed', 'vocab'))
-    self.unembed = nnx.Param(init(rngs.params(), (args.d_model, args.vocab_size), args.dtype))
+    # float32 as every parameter (the optimizer's updates are float32); args.dtype computes
+    self.unembed = nnx.Param(init(rngs.params(), (args.d_model, args.vocab_size), jnp.float32))
 
   def block_input(self, h_prev_BxTxD: Array, tokens_BxT, embed, decode: bool = False) -> Array:
     """The head's input: the trunk's h^0 itself (the caller passes h^0)."""
