@@ -216,8 +216,9 @@ def _verify(prog, model, st: DecodeState, start_B):
 
   Adaptive programs verify the narrowest static width holding every active row's
   proposals (lax.switch over prog.verify_widths): the positions past it would be
-  rejected anyway. Returns ((h^0, logits, main caches), the width). Padded h^0 positions only feed MTP-window entries past the accepted
-  ones, which the next window rewrites before they are read.
+  rejected anyway. Returns ((h^0, logits, main caches), the width). Padded h^0 positions
+  only feed MTP-window entries past the accepted ones, which the next window rewrites before
+  they are read.
   """
   x = take_rows(st.tokens, start_B)
   tokens = jnp.concatenate([x[:, None], st.drafts], 1)
@@ -320,8 +321,8 @@ def _iteration(prog, model, st: DecodeState, eos, sampling, threshold) -> Decode
       history_length=hl)
 
 
-def decode_program(prog: Program, graphdef, treedef, leaves, prompts_BxP, prompt_len_B, max_new_B, eos,
-            sampling, seed, threshold):
+def decode_program(prog: Program, graphdef, treedef, leaves, prompts_BxP, prompt_len_B,
+                   max_new_B, eos, sampling, seed, threshold):
   """Prefill, then the while loop until every row is done. Returns the final DecodeState.
 
   The parameters come as a flat list of arrays (flattening an nnx.State on every call

@@ -143,9 +143,9 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
     s_BxKxGxTqxTk = s_BxKxGTqxTk.reshape(b, kv, g, e - a, e) + bias_Bx1xTxT[:, :, None, a:e, :e]
     row_max = jax.lax.stop_gradient(jnp.max(s_BxKxGxTqxTk, axis=-1, keepdims=True))
     p_BxKxGxTqxTk = jnp.exp(s_BxKxGxTqxTk - row_max)
-    o_BxKxGTqxH = matmul.einsum('bkqs,bksh->bkqh',
-                                p_BxKxGxTqxTk.reshape(b, kv, g * (e - a), e).astype(v_BxTxKxH.dtype),
-                                v_BxKxTxH[:, :, :e], v_BxTxKxH.dtype, f32)
+    p_BxKxGTqxTk = p_BxKxGxTqxTk.reshape(b, kv, g * (e - a), e).astype(v_BxTxKxH.dtype)
+    o_BxKxGTqxH = matmul.einsum('bkqs,bksh->bkqh', p_BxKxGTqxTk, v_BxKxTxH[:, :, :e],
+                                v_BxTxKxH.dtype, f32)
     o_BxKxGxTqxH = (o_BxKxGTqxH.reshape(b, kv, g, e - a, h)
                     / jnp.sum(p_BxKxGxTqxTk, axis=-1, keepdims=True))
     outs.append(o_BxKxGxTqxH.astype(q_BxTxNxH.dtype))

@@ -78,9 +78,10 @@ def decode_kernel(kernel, in_dims: int = 1) -> Array:
 
 
 # The few-row matmul rule, in this one place. XLA:CPU, jax 0.10.2, float32 weights
-# (benchmarks/few_row_check.py, docs/benchmarks.md "Few-row products", and a 768 x 2048 check of 1-128 rows: the barrier form beats x W_t^T up to 64
-# rows, 882 vs 1185 us at 32, equal at 128): with W_t stored O x I the tall-skinny product W_t x^T (dot_general over W_t's
-# axis 1 and x's axis 1, output [O, M] kept in that layout by an optimization barrier,
+# (benchmarks/few_row_check.py, docs/benchmarks.md "Few-row products", and a 768 x 2048
+# check of 1-128 rows: the barrier form beats x W_t^T up to 64 rows, 882 vs 1185 us at 32,
+# equal at 128): with W_t stored O x I the tall-skinny product W_t x^T (dot_general over
+# W_t's axis 1 and x's axis 1, output [O, M] kept in that layout by an optimization barrier,
 # then the small result transposed) costs near one 1-row weight read at M up to TALL_ROWS,
 # whereas x @ W (I x O) and x W_t^T with 2-8
 # rows go to a GEMM that costs 1.5-4x that, and one GEMV per row costs M x. More rows (a

@@ -1,7 +1,8 @@
 """Sizing a sweep to the paired effect it must detect, before it runs.
 
-The spread: from a committed sweep (OUT/sized.json, else OUT/lm.json), the per-seed paired differences
-bpb(variant) - bpb(M = 0) of every MTP variant, on both evaluation corpora, pooled into one
+The spread: from a committed sweep (OUT/sized.json, else OUT/lm.json), the per-seed paired
+differences bpb(variant) - bpb(M = 0) of every MTP variant, on both evaluation corpora,
+pooled into one
 standard deviation of a paired difference per budget (stats.pooled_sd; each comparison
 about its own mean, so the effects themselves do not count as spread).
 

@@ -463,7 +463,8 @@ def measure_eval_seconds(config, *, eval_batches: int, sets: int, num_prompts: i
     seconds = (time.perf_counter() - t0) / timed * eval_batches * sets
   dec = evaluation.local_decoder(ts.graphdef, state, ts.mesh)
   if dec.args.drafting_depths() and num_prompts:
-    prompts = [list(rng.integers(2, config.model.vocab_size, prompt_len)) for _ in range(num_prompts)]
+    prompts = [list(rng.integers(2, config.model.vocab_size, prompt_len))
+               for _ in range(num_prompts)]
     dec.generate(prompts, new_tokens, eos_id=None)  # compiles
     res = dec.generate(prompts, new_tokens, eos_id=None)
     seconds += res.seconds * len(temperatures)

@@ -133,7 +133,8 @@ def tabulate(out_dir: str, seeds=None) -> dict:
                   runs_a[s], runs_b[s], budget, corpus) for s in common]))}
     if 'd3' in table and 'd3p' in table:
       for metric in ('heldout_bpb', 'heldout_agree_1', 'heldout_agree_3'):
-        a, b = table['d3']['metrics'][metric]['per_seed'], table['d3p']['metrics'][metric]['per_seed']
+        a = table['d3']['metrics'][metric]['per_seed']
+        b = table['d3p']['metrics'][metric]['per_seed']
         if len(a) >= 2 and len(b) >= 2:
           tests[f'd3 - d3p {metric}'] = {'welch': stats.welch(list(a.values()),
                                                                  list(b.values()))}
@@ -515,7 +516,8 @@ def markdown(summary: dict) -> str:
     if not table:
       continue
     ns = sorted({len(row['seeds']) for row in table.values()})
-    out += [f'**{title[0].upper() + title[1:]}** (mean ± std over seeds, n = {"/".join(map(str, ns))}; '
+    out += [f'**{title[0].upper() + title[1:]}** (mean ± std over seeds, '
+            f'n = {"/".join(map(str, ns))}; '
             'bpb = bits per byte of the main head; agreement = teacher-forced agreement of '
             'MTP depth k with the main head, held-out; tau = tokens per verify step)', '',
             '| variant | steps | train TFLOP | stdlib val bpb | held-out bpb | '
@@ -638,7 +640,8 @@ def markdown_drafter(drafter: dict) -> list[str]:
   if drafter.get('d768'):
     d = drafter['d768']
     costs = '; '.join(f'{TEMP_NAMES[t]}: ' + ', '.join(
-        f'{r:.2f} ({k} draft{"s" if k != "1" else ""})' for k, r in sorted(d['cost_ratio'][t].items()))
+        f'{r:.2f} ({k} draft{"s" if k != "1" else ""})'
+        for k, r in sorted(d['cost_ratio'][t].items()))
         for t in ('T1', 'T0.7') if t in d['cost_ratio'])
     out += ['Speed-up at d 768: each run\'s tau over the cost of one verify iteration relative '
             'to one autoregressive step of configs/decode_768.py (d 768, 12 layers, batch 1, '

@@ -245,7 +245,8 @@ class Peak:
     """'peak: 196.3 GFLOP/s for MFU (best float32 matmul probe here, 2026-12-03 11:40,
     load 0.9)'."""
     where = {'table': 'data sheet', 'probe': 'matmul probe now',
-             'env': f'${peak_env(self.dtype)}'}.get(self.kind, f'best {self.dtype} matmul probe here')
+             'env': f'${peak_env(self.dtype)}'}.get(self.kind,
+                                                    f'best {self.dtype} matmul probe here')
     if self.units > 1:
       unit = 'chip' if self.kind in ('table', 'probe') else 'process'
       where = f'{_fmt_flops(self.per_unit)} per {unit} x {self.units}, {where}'
@@ -275,8 +276,8 @@ class Peak:
     """MFU (<= 1) of `achieved` model FLOP/s of the whole job.
 
     Achieved FLOP/s above the peak prove the peak low: a CPU cache (this peak's dtype's
-    only) is raised to them (by process 0), an accelerator's or $MTP_JAX_CPU_PEAK_FLOPS's is only replaced for
-    this run; `notify` hears of the first raise.
+    only) is raised to them (by process 0), an accelerator's or $MTP_JAX_CPU_PEAK_FLOPS's is
+    only replaced for this run; `notify` hears of the first raise.
     """
     if achieved <= self.flops:
       return achieved / self.flops

@@ -208,8 +208,9 @@ def top_sums(model: MTPModel, h0_BxTxD: Array, tokens_BxT: Array, segment_ids_Bx
   return jnp.sum(nll_BxT * mf), jnp.sum((pred_BxT == nxt) * mf), pred_BxT
 
 
-def loss_and_metrics(model: MTPModel, batch: dict, weights_M1: Array, counts_M1: Array | None = None,
-                     chunk: int = 0, mtp_targets: str = 'data', balance_weight: float = 0.0):
+def loss_and_metrics(model: MTPModel, batch: dict, weights_M1: Array,
+                     counts_M1: Array | None = None, chunk: int = 0, mtp_targets: str = 'data',
+                     balance_weight: float = 0.0):
   """The weighted loss and summed per-depth statistics of one (micro)batch.
 
   mtp_targets: 'data' (the true tokens), 'self' (self_targets: the main model's argmax) or
