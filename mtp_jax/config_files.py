@@ -11,7 +11,7 @@ import importlib.util
 import json
 import os
 
-from mtp_jax import config_lib
+from mtp_jax.config.base import base_config
 from mtp_jax.errors import ConfigError
 
 
@@ -43,7 +43,7 @@ def load_saved(path: str):
   try:
     with open(path, encoding='utf-8') as f:
       saved = json.load(f)
-    config = config_lib.base_config()
+    config = base_config()
     config.update(saved)
   except OSError as e:
     raise ConfigError(f'cannot load --config {path!r}: {e.strerror}') from e

@@ -45,12 +45,11 @@ from mtp_jax.config.validation import validate, validate_data_source
 from mtp_jax.errors import ConfigError
 
 __all__ = [
-    'ATTENTION', 'ATTENTION_CORES', 'ATTENTION_KINDS', 'DATA_SOURCES', 'DEFAULT_AXES', 'DEFAULT_RULES',
-    'MESH_AXES', 'MLP', 'MLP_KINDS', 'MOE_DISPATCHES', 'MOE_EXCHANGES', 'MTP_HEADS',
-    'MTP_KINDS', 'REMAT_POLICIES', 'TRITON_BLOCKS', 'AttentionFacts', 'ConfigError',
-    'HeadFacts', 'MLPFacts',
-    'attention_kernel_problem', 'base_config', 'check_schema', 'decode_prompt_len',
-    'fixed_devices', 'mesh_axes_form', 'optional', 'profile_window', 'require_positive_int',
-    'resolved_mesh_axes', 'resolved_mesh_shape', 'rope_scaling_tuple', 'target_offsets', 'triton_blocks',
-    'validate', 'validate_data_source',
+    'ATTENTION', 'ATTENTION_CORES', 'ATTENTION_KINDS', 'DATA_SOURCES', 'DEFAULT_AXES',
+    'DEFAULT_RULES', 'MESH_AXES', 'MLP', 'MLP_KINDS', 'MOE_DISPATCHES', 'MOE_EXCHANGES',
+    'MTP_HEADS', 'MTP_KINDS', 'REMAT_POLICIES', 'TRITON_BLOCKS', 'AttentionFacts', 'ConfigError',
+    'HeadFacts', 'MLPFacts', 'attention_kernel_problem', 'base_config', 'check_schema',
+    'decode_prompt_len', 'fixed_devices', 'mesh_axes_form', 'optional', 'profile_window',
+    'require_positive_int', 'resolved_mesh_axes', 'resolved_mesh_shape', 'rope_scaling_tuple',
+    'target_offsets', 'triton_blocks', 'validate', 'validate_data_source',
 ]

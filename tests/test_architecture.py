@@ -63,8 +63,8 @@ MODULES = _modules()
 
 def _imported(node, modules) -> list[str]:
   """The modules an Import / ImportFrom node names: 'from mtp_jax import decode' ->
-  mtp_jax.decode.decoder, 'from mtp_jax.model.mtp import MTPModel' -> mtp_jax.model.mtp, 'from flax import
-  nnx' -> flax."""
+  mtp_jax.decode.decoder, 'from mtp_jax.model.mtp import MTPModel' -> mtp_jax.model.mtp,
+  'from flax import nnx' -> flax."""
   if isinstance(node, ast.Import):
     return [a.name for a in node.names]
   assert node.level == 0, 'relative imports are not used in mtp_jax'
@@ -232,7 +232,9 @@ def test_own_package_check_sees_the_form(tmp_path):
   assert _own_package_imports(src, 'mtp_jax.research') == [2]
 
 
-FACES = {m for m, path in MODULES.items() if path.endswith('__init__.py') and m != 'mtp_jax'}
+# The sub-packages' __init__.py, and config_lib: the face of mtp_jax/config/ for config files.
+FACES = ({m for m, path in MODULES.items() if path.endswith('__init__.py') and m != 'mtp_jax'}
+         | {'mtp_jax.config_lib'})
 
 
 def _face_imports(path) -> list[str]:
@@ -264,12 +266,14 @@ def test_package_code_imports_modules_not_faces():
 
 def test_face_check_sees_every_form(tmp_path):
   src = tmp_path / 'm.py'
-  src.write_text('from mtp_jax.model import MTPModel, mtp\nfrom mtp_jax import checkpoint, config_lib\n'
+  src.write_text('from mtp_jax.model import MTPModel, mtp\n'
+                 'from mtp_jax import checkpoint, config_lib\n'
                  'import mtp_jax.decode\nimport mtp_jax.decode.decoder as decoder\n'
                  'from mtp_jax.train import aot\nfrom mtp_jax.train.aot import hlo\n'
                  'from mtp_jax.checkpoint.store import short\n')
   assert _face_imports(src) == ['1: from mtp_jax.model import MTPModel',
-                                '2: from mtp_jax import checkpoint', '3: import mtp_jax.decode',
+                                '2: from mtp_jax import checkpoint',
+                                '2: from mtp_jax import config_lib', '3: import mtp_jax.decode',
                                 '5: from mtp_jax.train import aot']
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from mtp_jax import config_lib
+from mtp_jax.config.base import base_config
 from mtp_jax.errors import ConfigError
 
 # Fields whose change makes an old checkpoint unusable for this run.
@@ -36,7 +36,7 @@ def config_diffs(saved_config: dict, config_dict: dict, ignore=()) -> list[str]:
     old, new = _lookup(saved_config, field), _lookup(config_dict, field)
     if field == 'model' and isinstance(old, dict) and isinstance(new, dict):
       # A field added after the checkpoint was written holds its default there.
-      default = _flatten(_norm(config_lib.base_config().model.to_dict()))
+      default = _flatten(_norm(base_config().model.to_dict()))
       fo, fn = {**default, **_flatten(old)}, {**default, **_flatten(new)}
       skip = _TRAINING_ONLY | set(ignore)
       diffs += [f'model.{k}: checkpoint {fo.get(k)!r} vs config {fn.get(k)!r}'
@@ -61,7 +61,7 @@ _RESUME_ONLY = ('data.hf_tokenizer',)
 def _field_diffs(saved_config: dict, config_dict: dict, fields) -> list[str]:
   """'field: checkpoint X vs config Y' for each of `fields` that differs (a field missing
   from an older checkpoint holds its base_config() default there)."""
-  default = config_lib.base_config().to_dict()
+  default = base_config().to_dict()
   diffs = []
   for field in fields:
     old, new = _lookup(saved_config, field), _lookup(config_dict, field)

@@ -13,7 +13,6 @@ import jax
 import orbax.checkpoint as ocp
 
 import mtp_jax
-from mtp_jax import config_lib
 from mtp_jax.checkpoint.compat import config_diffs
 from mtp_jax.checkpoint.reader import (
   CheckpointReader,
@@ -25,6 +24,7 @@ from mtp_jax.checkpoint.reader import (
 )
 from mtp_jax.checkpoint.store import CheckpointError
 from mtp_jax.config import kinds
+from mtp_jax.config.readers import optional
 from mtp_jax.errors import ConfigError
 
 
@@ -72,7 +72,7 @@ def check_init_from(source: str, config, config_dict: dict,
     raise ConfigError(f'--init_from {directory}/{step}: the trunk differs from this config: '
                       + '; '.join(diffs))
   old_mtp = saved['model']['mtp']
-  share = bool(config_lib.optional(config, 'model.mtp.share_modules', False))
+  share = bool(optional(config, 'model.mtp.share_modules', False))
   same_kind = (old_mtp['kind'] == config.model.mtp.kind
                and bool(old_mtp.get('share_modules', False)) == share)
   keep = min(int(old_mtp['depth']), config.model.mtp.depth) if same_kind else 0
@@ -125,7 +125,7 @@ def init_from(source: str, config, config_dict: dict, state, abstract_state,
   state = jax.tree_util.tree_unflatten(treedef, [
       loaded.get(path_names(p), x) for p, x in flat])
   fresh = kinds.mtp_module_count(
-      config.model.mtp.depth, config_lib.optional(config, 'model.mtp.share_modules', False)) - keep
+      config.model.mtp.depth, optional(config, 'model.mtp.share_modules', False)) - keep
   desc = (f'Initialised from {directory}/{step}: trunk, embedding and head'
           + (f' + MTP depths 1..{keep}' if keep else '')
           + f' loaded ({len(loaded)} arrays); '

@@ -18,7 +18,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from mtp_jax import config_lib
 from mtp_jax.checkpoint.integrity import fingerprint, verify
 from mtp_jax.checkpoint.store import (
   CheckpointError,
@@ -31,6 +30,7 @@ from mtp_jax.checkpoint.store import (
   needs_package,
   short,
 )
+from mtp_jax.config.base import base_config
 from mtp_jax.data import tokenizers
 from mtp_jax.errors import RequestError
 
@@ -304,7 +304,7 @@ def load_workdir(workdir: str, step: int | None = None, notify=warn):
       raise RequestError(f'checkpoint {step} in {workdir!r} has no saved config')
     with open(path) as f:
       saved = json.load(f)
-  config = config_lib.base_config()
+  config = base_config()
   config.update(saved)
   return tokenizers.resolve_vocab_size(config), step
 

@@ -14,7 +14,9 @@ import signal
 import sys
 
 import mtp_jax.commands.preflight as preflight
-from mtp_jax import cli, config_lib
+from mtp_jax import cli
+from mtp_jax.config.mesh import fixed_devices, resolved_mesh_axes
+from mtp_jax.config.validation import validate
 from mtp_jax.runtime import signals
 from mtp_jax.train_state.init_from import InitFrom
 
@@ -88,9 +90,9 @@ def _check_cpu_mesh(config) -> None:
     return
   n = jax.device_count()
   try:
-    config_lib.resolved_mesh_axes(config.mesh, n)
+    resolved_mesh_axes(config.mesh, n)
   except cli.ConfigError as e:
-    fixed = config_lib.fixed_devices(config.mesh)
+    fixed = fixed_devices(config.mesh)
     raise cli.ConfigError(
         f'{e} (this process has {n} CPU device{"s" if n > 1 else ""}: --cpu_devices={fixed} '
         f'gives it {fixed}, on a host with {os.cpu_count()} cores)') from e
@@ -119,7 +121,7 @@ def _main(argv, startup: signals.StartupSignals) -> int:
   init_from = InitFrom.parse(args.init_from)  # standard library only
   try:  # a bad value or a mistyped path is answered before JAX starts
     if not (init_from and init_from.facts.sets_model):  # else checked once config.json is read
-      config_lib.validate(config)  # all but the device count
+      validate(config)  # all but the device count
     preflight.train_paths(config, workdir, init_from)
   except (cli.ConfigError, cli.RequestError) as e:
     return cli.report_expected(e)

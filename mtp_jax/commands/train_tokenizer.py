@@ -28,7 +28,7 @@ def parser() -> cli.ArgumentParser:
 
 def main(argv=None) -> int:
   args, overrides = cli.parse_with_config(parser(), argv)
-  from mtp_jax import config_lib  # pylint: disable=g-import-not-at-top
+  from mtp_jax.config.base import base_config  # pylint: disable=g-import-not-at-top
   from mtp_jax.data import tokenizers  # pylint: disable=g-import-not-at-top
   try:
     if args.config:
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     elif overrides:
       raise cli.ConfigError('--config.* overrides need --config FILE')
     else:
-      config = config_lib.base_config()
+      config = base_config()
     r = tokenizers.train_tokenizer(config.data, output=args.output, vocab_size=args.vocab_size,
                                    max_bytes=int(args.max_mb * 2**20), seed=args.seed)
   except Exception as e:  # pylint: disable=broad-except

@@ -22,7 +22,7 @@ from absl import flags
 import mtp_jax.data.stdlib_dataset as stdlib_dataset
 import mtp_jax.data.tokenizers as tokenizers
 import mtp_jax.data.user_data as user_data
-from mtp_jax import config_lib
+from mtp_jax.config.schema import require_positive_int
 from mtp_jax.errors import ConfigError
 
 _KEY = 'tokens'
@@ -183,7 +183,7 @@ def validate_data_config(config, process_count: int = 1) -> None:
   """
   d = config.data
   for name in ('seq_len', 'batch_size'):
-    config_lib.require_positive_int(f'data.{name}', d[name])
+    require_positive_int(f'data.{name}', d[name])
   per_process_batch_size(config, process_count)
   user_data.check_fields(d)
   tokenizer = tokenizers.get_tokenizer(d)  # unknown tokenizer, missing / invalid spm model

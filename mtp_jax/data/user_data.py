@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 import mtp_jax.data.corpus as corpus
-from mtp_jax import config_lib
 from mtp_jax.config import kinds
+from mtp_jax.config.validation import validate_data_source
 from mtp_jax.errors import ConfigError
 
 TFDS, FILES, JSONL, PARQUET, HF_DISK = 'tfds', 'files', 'jsonl', 'parquet', 'hf_disk'
@@ -60,7 +60,7 @@ def describe(data_config) -> str:
 
 def check_fields(data_config) -> None:
   """The data.source / path / extensions / tokens_key values themselves (no disk access)."""
-  config_lib.validate_data_source(data_config)
+  validate_data_source(data_config)
 
 
 def _root(path: str) -> str:

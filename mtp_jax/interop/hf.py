@@ -33,8 +33,8 @@ import mtp_jax
 import mtp_jax.interop.fp8 as fp8_lib
 import mtp_jax.interop.hf_config as hf_config
 import mtp_jax.interop.layouts as layouts
-from mtp_jax import config_lib
 from mtp_jax.checkpoint.reader import path_names
+from mtp_jax.config.validation import validate
 from mtp_jax.data import tokenizers
 from mtp_jax.interop.safetensors_io import InteropError, MemoryReader, Reader, read_json
 from mtp_jax.model.args import ModelArgs
@@ -373,7 +373,7 @@ def params_from_hf(tensors, config_json: dict, where: str = 'tensors') -> dict:
   and the tensor.
   """
   config = hf_config.to_config(config_json, where)
-  config_lib.validate(config)  # a config.json value out of range: one ConfigError line
+  validate(config)  # a config.json value out of range: one ConfigError line
   args = ModelArgs.from_config(config)
   reader = tensors if isinstance(tensors, (Reader, MemoryReader)) else MemoryReader(tensors,
                                                                                   where)
@@ -395,7 +395,7 @@ def load_dir(directory: str, base=None) -> tuple:
   if any(os.path.isfile(os.path.join(directory, n)) for n in ('tokenizer.json',
                                                               'tokenizer.model')):
     _set_tokenizer(config, directory, where, [])
-  config_lib.validate(config)  # a config.json value out of range: one ConfigError line
+  validate(config)  # a config.json value out of range: one ConfigError line
   with Reader(directory, where) as reader:
     params = params_from_hf(reader, cfg, where)
   model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(config.seed))

@@ -14,7 +14,7 @@ import dataclasses
 
 import mtp_jax
 import mtp_jax.interop.fp8 as fp8_lib
-from mtp_jax import config_lib
+from mtp_jax.config.base import base_config
 from mtp_jax.interop.safetensors_io import InteropError
 
 # architectures entry -> family
@@ -285,7 +285,7 @@ def to_config(cfg: dict, where: str = 'config.json', base=None):
     fields.update({'mtp.kind': 'sequential', 'mtp.block_attention': '', 'mtp.block_mlp': ''})
   else:
     fields['mtp.depth'] = 0
-  config = config_lib.base_config() if base is None else base
+  config = base_config() if base is None else base
   set_fields(config.model, fields)
   return config
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from mtp_jax import config_lib
 from mtp_jax.config import kinds
+from mtp_jax.config.readers import optional, rope_scaling_tuple
 from mtp_jax.errors import ConfigError
 from mtp_jax.model.kind_classes import MTP_KINDS
 from mtp_jax.runtime import peak as peak_lib
@@ -26,14 +26,14 @@ class ModelArgs:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-6
   attention_bias: bool = False  # q/k/v biases (Qwen2)
-  rope_scaling: tuple = ()  # layers.rope_inv_freq's form (config_lib.rope_scaling_tuple)
+  rope_scaling: tuple = ()  # layers.rope_inv_freq's form (config/readers.py)
   tie_embeddings: bool = True
   dtype: jnp.dtype = jnp.float32
   init_std: float = 0.02
   mtp_depth: int = 1
   mtp_kind: str = 'sequential'
   detach_trunk: bool = False
-  stop_gradient: bool = False  # MTP losses reach neither h^0 nor Emb nor OutHead (config_lib)
+  stop_gradient: bool = False  # MTP losses reach neither h^0 nor Emb nor OutHead (config/base.py)
   mtp_target_offsets: tuple = ()  # o_1..o_M: depth k predicts t_(i+o_k); () = k + 1
   strict_leaps: bool = False  # a leap depth reads no token its leap skips (input_offsets)
   share_modules: bool = False  # one MTP module serves every depth (FastMTP's recursion)
@@ -78,11 +78,11 @@ class ModelArgs:
       raise ConfigError('model.vocab_size is 0 (the tokenizer\'s size): resolve it first '
                         '(mtp_jax.data.tokenizers.resolve_vocab_size) or pass vocab_size')
     values = {'vocab_size': vocab_size, 'dtype': peak_lib.compute_dtype(config.model.dtype),
-              'rope_scaling': config_lib.rope_scaling_tuple(config)}
+              'rope_scaling': rope_scaling_tuple(config)}
     for field in dataclasses.fields(cls):
       if field.name not in values:  # a config saved before a field existed: its default
-        values[field.name] = config_lib.optional(config, 'model.' + config_path(field.name),
-                                                 field.default)
+        values[field.name] = optional(config, 'model.' + config_path(field.name),
+                                      field.default)
     values['mtp_target_offsets'] = tuple(int(o) for o in values['mtp_target_offsets'])
     return cls(**values)
 

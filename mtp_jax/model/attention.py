@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import mtp_jax.model.matmul as matmul
-from mtp_jax import config_lib
+from mtp_jax.config.kernel_limits import attention_kernel_problem, triton_blocks
 from mtp_jax.errors import ConfigError
 from mtp_jax.runtime import sharding
 
@@ -236,11 +236,11 @@ def kernel_attention(impl: str, q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxHv: 
   query / key width H (MLA): splash takes it as it is; the Triton kernel wants one
   width, so v is zero-padded to H there and the output's extra columns sliced off.
   Pallas interpret mode (exact, slow) off the kernel's backend. Shapes the kernel
-  cannot take raise ConfigError (config_lib.attention_kernel_problem) while tracing,
+  cannot take raise ConfigError (attention_kernel_problem) while tracing,
   before anything compiles.
   """
-  problem = config_lib.attention_kernel_problem(impl, q_BxTxNxH.shape[1], block_q, block_kv,
-                                                q_BxTxNxH.shape[3])
+  problem = attention_kernel_problem(impl, q_BxTxNxH.shape[1], block_q, block_kv,
+                                     q_BxTxNxH.shape[3])
   if problem:
     raise ConfigError(problem)
   # compiled on the kernel's own backend, Pallas interpret mode anywhere else (CPU: tests)
@@ -318,7 +318,7 @@ def _triton_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, seg_BxT, *, scale, interpret
   Triton backward; residuals named for remat by _saved_kernel). It takes one head count
   and one head width for q, k and v: GQA's kv heads are repeated (a [B, T, N, H] copy, no
   scores) and v is zero-padded to H. Its blocks follow the head width
-  (config_lib.TRITON_BLOCKS), so that MLA's 192-wide heads fit a GPU's shared memory."""
+  (TRITON_BLOCKS), so that MLA's 192-wide heads fit a GPU's shared memory."""
   n, kv, v_width = q_BxTxNxH.shape[2], k_BxTxKxH.shape[2], v_BxTxKxHv.shape[3]
   dt = q_BxTxNxH.dtype
   k, v = k_BxTxKxH.astype(dt), v_BxTxKxHv.astype(dt)
@@ -328,13 +328,13 @@ def _triton_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, seg_BxT, *, scale, interpret
   if pad:
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad)))
   call = functools.partial(_triton_call, scale=scale, interpret=interpret,
-                           blocks=config_lib.triton_blocks(q_BxTxNxH.shape[3]))
+                           blocks=triton_blocks(q_BxTxNxH.shape[3]))
   return _saved_kernel(call, None, q_BxTxNxH, k, v, seg_BxT)[..., :v_width]
 
 
 def _triton_call(kernel, q, k, v, seg, *, scale, interpret, blocks):
   """The Triton `mha`, its forward and backward blocks by head width
-  (config_lib.TRITON_BLOCKS)."""
+  (TRITON_BLOCKS)."""
   del kernel  # the Triton kernel has no per-shape tables
   # Deferred: the Pallas GPU kernels load only where the triton core is chosen.
   import jax.experimental.pallas.ops.gpu.attention as gpu_attention

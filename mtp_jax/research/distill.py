@@ -23,8 +23,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mtp_jax import config_lib
 from mtp_jax.checkpoint.reader import load_workdir
+from mtp_jax.config.base import base_config
+from mtp_jax.config.validation import validate
 from mtp_jax.data import pipeline, stdlib_dataset, tokenizers, user_data
 from mtp_jax.decode.decoder import Decoder, check_request
 from mtp_jax.errors import ConfigError, RequestError
@@ -68,7 +69,7 @@ def override_data(config, overrides: Sequence[str]) -> None:
 
   A tuple field takes comma-separated values (`extensions=.md,.txt`).
   """
-  base = config_lib.base_config().data
+  base = base_config().data
   for item in overrides:
     key, sep, value = item.partition('=')
     if not sep or key not in base:
@@ -150,7 +151,7 @@ def self_distill(workdir: str, out_dir: str, settings: Settings,
   if settings.num_drafts > mtp_depth:
     raise RequestError(f'--num_drafts {settings.num_drafts} exceeds the checkpoint\'s '
                        f'model.mtp.depth ({mtp_depth})')
-  config_lib.validate(config)
+  validate(config)
   split = settings.split or config.data.train_split
   tokenizer = tokenizers.get_tokenizer(config.data)
   drawn = draw_prompts(config, tokenizer, settings.num_prompts, settings.prompt_len, split,
@@ -212,7 +213,7 @@ def _decode_eval_fits(config, overrides: dict, tokenizer) -> bool:
 def _held_out_percent(config, overrides: dict) -> float:
   """The trunk's data.validation_percent, doubled (up to 50) until the written records'
   validation split is not empty: records are split by hash, so a few may hold out none."""
-  d = config_lib.base_config().data
+  d = base_config().data
   d.update({k.split('.', 1)[1]: v for k, v in overrides.items()})
   percent = d.validation_percent = config.data.validation_percent
   while percent < 50:

@@ -34,10 +34,11 @@ import numpy as np
 from flax import nnx
 
 import mtp_jax.research.results as results_lib
-from mtp_jax import config_lib
 from mtp_jax.checkpoint import integrity
 from mtp_jax.checkpoint import partial as partial_restore
 from mtp_jax.checkpoint.store import Checkpointer
+from mtp_jax.config.base import base_config
+from mtp_jax.config.readers import optional
 from mtp_jax.data import induction, pipeline, tokenizers
 from mtp_jax.errors import RequestError
 from mtp_jax.research.heldout import HeldoutRule, heldout_documents, pack_rows, prompts_from
@@ -87,7 +88,7 @@ def flops_per_step(config) -> float:
   """Training FLOPs of one step (a frozen trunk runs forward only: train_frozen_trunk)."""
   tokens = config.data.batch_size * config.data.seq_len
   per = flops_lib.config_flops_per_token(config)
-  if config_lib.optional(config, 'model.mtp.freeze_trunk', False):
+  if optional(config, 'model.mtp.freeze_trunk', False):
     return float(per.train_frozen_trunk(config.model.mtp.depth) * tokens)
   return float(per.train * tokens)
 
@@ -379,9 +380,9 @@ def _config_dict(config) -> dict:
 def same_config(saved: dict | None, now: dict) -> bool:
   """Whether a run saved with config `saved` is the run `now` describes: equal, except that
   a field added to the config after the run was saved may be missing from `saved` when
-  `now` holds its default (config_lib.base_config's value), as config_lib.optional reads
+  `now` holds its default (base_config's value), as optional reads
   an older config."""
-  return _same(saved, now, _config_dict(config_lib.base_config()))
+  return _same(saved, now, _config_dict(base_config()))
 
 
 def _same(saved, now, default) -> bool:

@@ -18,7 +18,7 @@ import os
 import jax
 
 import mtp_jax.runtime.machine as machine
-from mtp_jax import config_lib
+from mtp_jax.config.validation import validate
 
 MODES = ('auto', 'on', 'off')
 
@@ -79,7 +79,7 @@ def resolve_cpu_devices(value, config=None, mode: str = 'auto',
     return None
   if config is not None:
     try:
-      config_lib.validate(config, AUTO_CPU_DEVICES)
+      validate(config, AUTO_CPU_DEVICES)
     except Exception:  # pylint: disable=broad-except
       return None  # e.g. an odd batch: one device, as JAX would give
   return AUTO_CPU_DEVICES

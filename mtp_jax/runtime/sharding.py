@@ -1,7 +1,7 @@
 """The device mesh and the logical-axis sharding table.
 
 Layers name logical axes only (`batch`, `embed`, `heads`, ...); the config's
-`mesh.rules` table maps them onto the named mesh axes (config_lib.MESH_AXES: data, stage,
+`mesh.rules` table maps them onto the named mesh axes (MESH_AXES: data, stage,
 fsdp, context, tensor, outermost first).
 """
 from __future__ import annotations
@@ -16,18 +16,19 @@ from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtp_jax import config_lib
+from mtp_jax.config.mesh import MESH_AXES, resolved_mesh_axes
+from mtp_jax.errors import ConfigError
 
 
 def make_mesh(config, devices=None) -> jax.sharding.Mesh:
-  """The mesh of the config's named axes (config_lib.MESH_AXES), with Auto axis types."""
+  """The mesh of the config's named axes (MESH_AXES), with Auto axis types."""
   devices = jax.devices() if devices is None else devices
-  shape = tuple(config_lib.resolved_mesh_axes(config.mesh, len(devices)).values())
+  shape = tuple(resolved_mesh_axes(config.mesh, len(devices)).values())
   axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
   slices = len({getattr(d, 'slice_index', 0) for d in devices})
   if slices > 1:  # multislice: the slices meet over the data-center network
     return _multislice_mesh(shape, devices, slices, axis_types)
-  return jax.make_mesh(shape, config_lib.MESH_AXES, axis_types=axis_types, devices=devices)
+  return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
 
 
 def _multislice_mesh(shape, devices, slices: int, axis_types) -> jax.sharding.Mesh:
@@ -36,13 +37,13 @@ def _multislice_mesh(shape, devices, slices: int, axis_types) -> jax.sharding.Me
   slower network."""
   axis = next((i for i, s in enumerate(shape) if s % slices == 0), None)
   if axis is None:
-    raise config_lib.ConfigError(
-        f'mesh {dict(zip(config_lib.MESH_AXES, shape))}: no axis is divisible by the '
+    raise ConfigError(
+        f'mesh {dict(zip(MESH_AXES, shape))}: no axis is divisible by the '
         f'{slices} slices of this job')
   dcn = tuple(slices if i == axis else 1 for i in range(len(shape)))
   ici = tuple(s // slices if i == axis else s for i, s in enumerate(shape))
   grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
-  return jax.sharding.Mesh(grid, config_lib.MESH_AXES, axis_types=axis_types)
+  return jax.sharding.Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def rules_of(config) -> tuple:

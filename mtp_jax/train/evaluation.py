@@ -25,8 +25,10 @@ from flax import nnx
 
 import mtp_jax.train.loss as loss_lib
 import mtp_jax.train.steps as steps
-from mtp_jax import config_lib
 from mtp_jax.checkpoint.reader import load_workdir, restore_state
+from mtp_jax.config.mesh import DEFAULT_AXES, resolved_mesh_axes
+from mtp_jax.config.readers import decode_prompt_len
+from mtp_jax.config.validation import validate
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import tokenizers, user_data
 from mtp_jax.decode import tree as tree_lib
@@ -124,7 +126,7 @@ def training_prompts(config, tokenizer) -> list[list[int]]:
   n = config.train.eval_decode_prompts
   if not n or not config.model.mtp.depth:
     return []
-  return validation_prompts(config, tokenizer, n, config_lib.decode_prompt_len(config))
+  return validation_prompts(config, tokenizer, n, decode_prompt_len(config))
 
 
 def suggested_prompt(tokenizer, batches, max_chars: int = 24) -> str:
@@ -225,10 +227,10 @@ def _check_options(split, eval_batches, num_prompts, prompt_len, max_new_tokens,
 def _mesh_for(config, num_devices: int):
   """The saved mesh if it fits these devices, else all of them on the data axis."""
   try:
-    config_lib.resolved_mesh_axes(config.mesh, num_devices)
+    resolved_mesh_axes(config.mesh, num_devices)
   except ConfigError:
     config.mesh.shape = None
-    for axis, size in config_lib.DEFAULT_AXES.items():
+    for axis, size in DEFAULT_AXES.items():
       config.mesh.axes[axis] = size
 
 
@@ -259,7 +261,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
   eval_batches = eval_batches or t.eval_batches
   if num_prompts is None:
     num_prompts = t.eval_decode_prompts or 8
-  prompt_len = prompt_len or config_lib.decode_prompt_len(config)
+  prompt_len = prompt_len or decode_prompt_len(config)
   if num_prompts and prompt_len >= d.seq_len:  # else max_new_tokens defaults to 0
     raise RequestError(f'--prompt_len ({prompt_len}) must be below the training sequence '
                        f'length data.seq_len ({d.seq_len}) to leave room for new tokens')
@@ -269,7 +271,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
     raise RequestError(f'--prompt_len ({prompt_len}) + --max_new_tokens ({max_new_tokens}) '
                        f'exceeds the training sequence length data.seq_len ({d.seq_len})')
   _mesh_for(config, len(devices))
-  config_lib.validate(config, len(devices))
+  validate(config, len(devices))
   if tree:
     tree_lib.check_tree(ModelArgs.from_config(config, tokenizers.model_vocab_size(config)), tree)
   data_checks.validate_data(config, 1)  # the split exists and is readable

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import mtp_jax
-from mtp_jax import config_lib
+from mtp_jax.config.readers import optional
 from mtp_jax.data import tokenizers
 from mtp_jax.model.args import ModelArgs
 from mtp_jax.model.blocks import block_classes
@@ -99,7 +99,7 @@ class MFU:
   def __init__(self, config, devices=None, notify=None, probe: bool = True):
     per_token = config_flops_per_token(config)
     self.flops_per_token = (per_token.train_frozen_trunk(config.model.mtp.depth)
-                            if config_lib.optional(config, 'model.mtp.freeze_trunk', False)
+                            if optional(config, 'model.mtp.freeze_trunk', False)
                             else per_token.train)
     self.peak_info = peak_lib.job_peak(peak_lib.compute_dtype(config.model.dtype), devices,
                                        probe=probe)

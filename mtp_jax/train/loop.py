@@ -23,10 +23,10 @@ import mtp_jax.train.resilience as resilience
 import mtp_jax.train.start as start_lib
 import mtp_jax.train.steps as steps
 import mtp_jax.train.watchdog as watchdog_lib
-from mtp_jax import config_lib
 from mtp_jax.checkpoint import compat as ckpt_compat
 from mtp_jax.checkpoint import integrity as ckpt_integrity
 from mtp_jax.checkpoint import store as ckpt_store
+from mtp_jax.config.readers import optional, profile_window
 from mtp_jax.data import pipeline
 from mtp_jax.model import moe
 from mtp_jax.runtime import profiling, sharding, signals
@@ -132,7 +132,7 @@ def _start(start: start_lib.Start, ledger) -> _Run:
     notify(f'--new_data: step {run.start_step}\'s model and optimizer continue on '
            + '; '.join(start.data_changes) + ' (its data iterator starts at the beginning).')
   run.writer = metrics_lib.MetricWriter(start.workdir, enabled=jax.process_index() == 0,
-                                        wandb=config_lib.optional(config, 'train.wandb', None),
+                                        wandb=optional(config, 'train.wandb', None),
                                         run_config=start.config_dict)
   # CPU: the cached peak, checked against a quick matmul probe now, in this process.
   run.mfu = flops_lib.MFU(config, devices, notify=notify)
@@ -326,7 +326,7 @@ class _Run:
     error = None
     guard = resilience.PreemptionGuard(notify)  # SIGTERM / SIGINT: save at the end of the step
     profiler = profiling.StepProfiler(
-        config_lib.profile_window(config),
+        profile_window(config),
         os.path.join(self.workdir, 'profile'),
         all_processes=config.train.profile_all_processes, notify=notify)
     t = config.train

@@ -10,7 +10,7 @@ import os
 import jax
 
 import mtp_jax.train.metrics as metrics_lib
-from mtp_jax import config_lib
+from mtp_jax.config.mesh import resolved_mesh_axes
 from mtp_jax.train.start import init_source, resolve_config
 from mtp_jax.train_state.init_from import InitFrom
 
@@ -20,7 +20,7 @@ def describe(config, workdir: str, init_from: str | InitFrom | None = None) -> s
   devices = jax.devices()
   source = init_source(init_from)
   changes = resolve_config(config, source, len(devices))
-  mesh = config_lib.resolved_mesh_axes(config.mesh, len(devices))
+  mesh = resolved_mesh_axes(config.mesh, len(devices))
   d, t = config.data, config.train
   shards = mesh['data'] * mesh['fsdp']
   checkpoints = os.path.join(workdir, 'checkpoints')

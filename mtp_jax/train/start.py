@@ -21,13 +21,14 @@ from jax.experimental import multihost_utils
 import mtp_jax.train.evaluation as evaluation
 import mtp_jax.train.metrics as metrics_lib
 import mtp_jax.train.resilience as resilience
-from mtp_jax import config_lib
 from mtp_jax.checkpoint import compat as ckpt_compat
 from mtp_jax.checkpoint import partial as ckpt_partial
 from mtp_jax.checkpoint import reader as ckpt_reader
 from mtp_jax.checkpoint import store as ckpt_store
+from mtp_jax.config.validation import validate
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import tokenizers
+from mtp_jax.errors import ConfigError
 from mtp_jax.interop import hf
 from mtp_jax.model.args import ModelArgs
 from mtp_jax.runtime import compile_cache
@@ -111,7 +112,7 @@ def resolve_config(config, source: InitSource | None, num_devices: int) -> list[
   changes = source.apply_to_config(config) if source is not None else []
   tokenizers.resolve_vocab_size(config)
   config.model.dtype = peak_lib.compute_dtype(config.model.dtype).name
-  config_lib.validate(config, num_devices)
+  validate(config, num_devices)
   return changes
 
 
@@ -272,7 +273,7 @@ def check_resumable(config, config_dict, reader: ckpt_reader.CheckpointReader,
   if source is not None and not steps_saved:
     source.check(config, config_dict)
   if config.model.mtp.freeze_trunk and not (source is not None or steps_saved):
-    raise config_lib.ConfigError(
+    raise ConfigError(
         'model.mtp.freeze_trunk would train MTP modules on a randomly initialised, frozen '
         'trunk: give --init_from=<a trained workdir or checkpoint>')
   if not ckpt_store.is_url(reader.directory):  # an object store has no free-space figure

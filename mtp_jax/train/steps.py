@@ -20,7 +20,8 @@ from flax import nnx
 
 import mtp_jax.train.loss as loss_lib
 import mtp_jax.train.resilience as resilience
-from mtp_jax import config_lib
+from mtp_jax.config.readers import optional
+from mtp_jax.config.validation import validate
 from mtp_jax.data import tokenizers
 from mtp_jax.model import moe
 from mtp_jax.runtime import sharding
@@ -34,7 +35,7 @@ def loss_args(config) -> loss_lib.LossArgs:
   mtp = config.model.mtp
 
   def opt(dotted, default):
-    return config_lib.optional(config, dotted, default)
+    return optional(config, dotted, default)
 
   return loss_lib.LossArgs(
       mtp_depth=int(mtp.depth),
@@ -66,7 +67,7 @@ class StepArgs:
   @classmethod
   def from_config(cls, config) -> StepArgs:
     """The steps' settings of `config` (defaults for fields an older config lacks)."""
-    rate = config_lib.optional(config, 'model.moe.bias_update_rate', 0.0)
+    rate = optional(config, 'model.moe.bias_update_rate', 0.0)
     return cls(loss=loss_args(config), grad_accum=int(config.train.grad_accum),
                bias_update_rate=float(rate), trainable=trainable(config),
                schedule=schedule_inputs(config))
@@ -209,7 +210,7 @@ def setup(config, devices=None) -> tuple[TrainSetup, Any]:
   """Validates, builds the mesh and the sharded state, and jits the steps."""
   devices = jax.devices() if devices is None else devices
   tokenizers.resolve_vocab_size(config)
-  config_lib.validate(config, len(devices))
+  validate(config, len(devices))
   mesh = sharding.make_mesh(config, devices)
   rules = sharding.rules_of(config)
   graphdef, state, shardings, abstract = state_lib.init_state(config, mesh, rules)

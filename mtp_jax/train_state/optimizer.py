@@ -7,7 +7,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mtp_jax import config_lib
+from mtp_jax.config.readers import optional
 
 
 def schedule_inputs(config) -> dict:
@@ -110,6 +110,6 @@ def trainable(config):
   (optax.set_to_zero): no gradient is computed for them, they hold no Adam moments, and
   they are never written, so they stay bit-identical (p + 0.0 would turn -0.0 into 0.0).
   """
-  if config_lib.optional(config, 'model.mtp.freeze_trunk', False):
+  if optional(config, 'model.mtp.freeze_trunk', False):
     return nnx.All(nnx.Param, nnx.PathContains('mtp'))
   return nnx.Param

@@ -24,8 +24,9 @@ from flax import nnx
 
 import mtp_jax.train.aot.figures as figures
 import mtp_jax.train.aot.pricing as pricing
-from mtp_jax import config_lib
 from mtp_jax.checkpoint.store import abstract_like
+from mtp_jax.config.readers import decode_prompt_len
+from mtp_jax.config.validation import validate
 from mtp_jax.data import tokenizers
 from mtp_jax.decode import decoder as decoder_lib
 from mtp_jax.decode.sampling import Sampling
@@ -310,7 +311,7 @@ def _decode(config, device, topo, batch: int, new_tokens: int, log) -> dict:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
                           if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x, params)
   leaves, treedef = jax.tree.flatten(params)
-  prompt = config_lib.decode_prompt_len(config)
+  prompt = decode_prompt_len(config)
   prog = decoder_lib.Program(batch, decoder_lib.bucket(prompt), decoder_lib.bucket(new_tokens),
                              args.mtp_depth, greedy=True, layout=layout, weights=weights)
   one = jax.sharding.SingleDeviceSharding(device)
@@ -348,7 +349,7 @@ def compile_report(config, topo: Topology, programs=PROGRAMS, decode_batch: int 
     raise RequestError(f'programs must be some of {PROGRAMS}, got {tuple(programs)}')
   config = _target_config(config, topo.chip.platform)
   devices = topology_devices(topo) if devices is None else devices
-  config_lib.validate(config, len(devices))
+  validate(config, len(devices))
   t0 = time.perf_counter()
   with traced_for(topo.chip.platform), no_jax_cache():
     report = {'topology': topo.name, 'num_slices': topo.num_slices, 'chips': len(devices),
