@@ -44,16 +44,8 @@ import sys
 
 import mtp_jax
 from mtp_jax import cli
-from mtp_jax.research.tables import (
-  ABLATION,
-  BPE_NAMES,
-  DEFAULT_GROUPS,
-  DRAFTER,
-  GROUPS,
-  INDUCTION,
-  NAMES,
-  REPO,
-)
+from mtp_jax.research import studies
+from mtp_jax.research.studies import DEFAULT_GROUPS, GROUPS, REPO
 
 
 def parse(argv):
@@ -63,7 +55,8 @@ def parse(argv):
                       'cover every finished run in --out, with --no_run only these seeds')
   p.add_argument('--groups', default=','.join(DEFAULT_GROUPS),
                  help=f'comma-separated, of {", ".join(GROUPS)}')
-  p.add_argument('--variants', default='', help='subset of variants (default: all of a group); bpe_names also takes '
+  p.add_argument('--variants', default='',
+                 help='subset of variants (default: all of a group); bpe_names also takes '
                       '<variant>@<size>')
   p.add_argument('--workdir', default=os.path.join('runs', 'ablation', 'workdirs'),
                  help='checkpoints of unfinished runs')
@@ -78,6 +71,11 @@ def parse(argv):
                  help='size the sized sweep (with --groups drafter: the drafter study): '
                       'measure step times briefly, print the design, write OUT/design.json; '
                       'trains nothing')
+  p.add_argument('--declare', action='store_true',
+                 help='write the reading rules (equivalence margins, outliers, exact tests, '
+                      'the global Holm) and the studies declared but not run (compute, '
+                      'production drafters, induction seeds) into OUT/design.json, keeping '
+                      'its other keys; measures the compute study\'s step times briefly')
   p.add_argument('--spread_from', default=os.path.join(REPO, 'benchmarks', 'research'),
                  help='the committed sweep whose seed spread sizes the design')
   p.add_argument('--budget_hours', type=float, default=2.0, help='--design: the time budget')
@@ -108,9 +106,11 @@ def parse(argv):
   if bad:
     p.error(f'unknown group(s) {bad}; choose from {", ".join(GROUPS)}')
   args.variants = args.variants.split(',') if args.variants else []
-  known = set(ABLATION.VARIANTS) | set(INDUCTION.VARIANTS) | set(ABLATION.SIZED_VARIANTS) \
-      | set(NAMES.VARIANTS) | set(BPE_NAMES.VARIANTS) | set(DRAFTER.ARMS) \
-      | {f'{v}@{size}' for v in BPE_NAMES.VARIANTS for size in BPE_NAMES.SIZES}
+  ablation, bpe = studies.ABLATION, studies.BPE_NAMES  # the config files, read now
+  known = set(ablation.VARIANTS) | set(studies.INDUCTION.VARIANTS) \
+      | set(ablation.SIZED_VARIANTS) | set(studies.NAMES.VARIANTS) | set(bpe.VARIANTS) \
+      | set(studies.DRAFTER.ARMS) | set(studies.DRAFTER.PRODUCTION_ARMS) \
+      | {f'{v}@{size}' for v in bpe.VARIANTS for size in bpe.SIZES}
   bad = [v for v in args.variants if v not in known]
   if bad:
     p.error(f'unknown variant(s) {bad}; choose from {", ".join(sorted(known))}')
