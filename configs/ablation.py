@@ -21,7 +21,7 @@ n is what an n-step run ends with, so one run per variant and seed gives both bu
 every variant at STEPS (equal tokens), and variant v at equal_flop_steps(v), the most
 steps whose FLOPs (mtp_jax/train/flops.py) do not exceed M = 0's.
 
-`,deep` (with `,decay`: the compute study, mtp_jax/research/design.py's COMPUTE_STUDY):
+`,deep` (with `,decay`: the compute study, mtp_jax/research/design.py's COMPUTE_*):
 the same trunk at DEEP_LAYERS layers and the same MTP module, so one module costs at most
 15 % of a d1 training step's FLOPs (mtp_jax/train/flops.py; 2 layers: 38 %).
 

@@ -131,3 +131,13 @@ def test_the_compute_group_runs_d0_and_d1_on_the_deep_trunk_at_both_budgets(tmp_
   assert share <= 0.15 < (two.mtp_eh_proj + two.mtp_block + two.vocab / 2) / two.forward
   with pytest.raises(ValueError, match='unknown argument'):
     studies.ABLATION.get_config('d1,deep')  # the deep trunk is the decayed sweep's only
+
+
+def test_the_powered_induction_endpoints_and_their_censoring():
+  from mtp_jax.research import tables
+  curve = [{'step': s, 'copy_acc': a} for s, a in ((0, 0.0), (100, 0.1), (200, 0.2))]
+  e = tables._induction_endpoints(curve)  # pylint: disable=protected-access
+  assert e['copy_acc_auc'] == pytest.approx((0.05 * 100 + 0.15 * 100) / 200)
+  assert e['steps_to_0.15'] == 200
+  never = tables._induction_endpoints(curve[:2])  # pylint: disable=protected-access
+  assert never['steps_to_0.15'] == 200  # censored: the last step plus one interval

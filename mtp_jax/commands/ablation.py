@@ -31,7 +31,13 @@ Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
   trunk (`trunk`), then each arm's MTP modules trained on it frozen (three chained
   modules `ref`, one shared module `shared`, self-generated targets, decaying lambda,
   curricula, strict leap offsets); endpoints tau at T = 1 (primary) and T = 0.7 against
-  `ref`, declared in mtp_jax/research/design.py. `--design --groups drafter` sizes it.
+  `ref`, declared in mtp_jax/research/design.py. `--design --groups drafter` sizes it;
+  the production arm `shared_soft` runs only when --variants names it.
+- `compute`: the sized runs of d0 and d1 on configs/ablation.py's `,deep` trunk, where one
+  MTP module is at most 15 % of a step's FLOPs (design.py's COMPUTE_*).
+
+`--declare` writes the reading rules (equivalence margins, outliers, exact tests, the
+global Holm correction) and the studies declared but not yet run into OUT/design.json.
 
 Each run writes OUT/<group>/<variant>_s<seed>.json when it finishes; a run whose JSON
 exists is skipped, an interrupted one resumes from its last checkpoint in WORKDIR. The

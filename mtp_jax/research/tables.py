@@ -339,6 +339,40 @@ def _size_of(variant: str) -> str:
   return variant[variant.index('@'):] if '@' in variant else ''
 
 
+def _induction_endpoints(curve: list[dict]) -> dict:
+  """The declared endpoints of the powered induction study (design_lib.INDUCTION_ENDPOINTS)
+  of one run's scored curve: the area under copy accuracy against steps over the scored
+  span, per step (the mean accuracy over training), and the first scored step with copy
+  accuracy >= design_lib.INDUCTION_THRESHOLD, censored at the last step plus one interval."""
+  steps = [p['step'] for p in curve]
+  acc = [p['copy_acc'] for p in curve]
+  span = steps[-1] - steps[0]
+  auc = (float(np.sum((np.diff(steps)) * (np.asarray(acc[1:]) + acc[:-1]) / 2)) / span
+         if span > 0 else acc[-1])
+  reach = next((s for s, a in zip(steps, acc) if a >= design_lib.INDUCTION_THRESHOLD), None)
+  if reach is None:
+    reach = steps[-1] + (steps[-1] - steps[-2] if len(steps) > 1 else 0)
+  return {design_lib.INDUCTION_ENDPOINTS['primary']: auc,
+          design_lib.INDUCTION_ENDPOINTS['secondary']: reach}
+
+
+def _powered_induction_tests(table: dict, mod) -> dict:
+  """The powered induction study's family (design_lib.INDUCTION_*), once every declared
+  seed has run: n2 minus d0 at 1.06 M on its two endpoints, paired by seed."""
+  if 'n2@1m' not in table or 'd0@1m' not in table or not hasattr(mod, 'SIZES'):
+    return {}
+  want = set(range(max(design_lib.INDUCTION_SEEDS) + 1))
+  if not want <= set(table['n2@1m']['seeds']) & set(table['d0@1m']['seeds']):
+    return {}
+  tests = {}
+  for role, metric in design_lib.INDUCTION_ENDPOINTS.items():
+    t = paired_test(table['n2@1m']['metrics'][metric]['per_seed'],
+                    table['d0@1m']['metrics'][metric]['per_seed'])
+    tests[f'n2@1m - d0@1m {metric} ({role})'] = t
+  holm_within(tests, list(tests), 'powered induction at 1m, declared endpoints')
+  return tests
+
+
 def tabulate_names(runs: list[dict], mod=None, chance: float | None = None) -> dict:
   """Name-story induction (configs/induction_names.py, or `mod`): per variant the curve's
   landmarks, equal steps and equal FLOPs against M = 0 of the same size, paired by seed
@@ -362,7 +396,8 @@ def tabulate_names(runs: list[dict], mod=None, chance: float | None = None) -> d
            'other_acc_final': curve[-1]['other_acc'],
            'copy_acc_quarter': _at_step(curve, r['steps'] // 4),
            'copy_acc_half': _at_step(curve, r['steps'] // 2),
-           'steps_to_half': next((p['step'] for p in curve if p['copy_acc'] >= 0.5), None)}
+           'steps_to_half': next((p['step'] for p in curve if p['copy_acc'] >= 0.5), None),
+           **_induction_endpoints(curve)}
       b = base.get(seed)
       if b is not None:  # equal FLOPs: this run at the most steps within M = 0's FLOPs
         eq = _names_equal_flop_step(r, b)
@@ -391,6 +426,7 @@ def tabulate_names(runs: list[dict], mod=None, chance: float | None = None) -> d
   for size, names in sorted(by_size.items()):
     family = 'name-story induction against d0' + (f', {size[1:]}' if size else '')
     holm_within(tests, names, family)
+  tests.update(_powered_induction_tests(table, mod))
   task = next(iter(runs))['task']
   return {'table': table, 'tests': tests, 'task': task,
           'chance': mod.CHANCE if chance is None else chance}
