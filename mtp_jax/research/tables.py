@@ -17,6 +17,7 @@ import numpy as np
 import mtp_jax.research.design as design_lib
 import mtp_jax.research.results as results_lib
 import mtp_jax.research.stats as stats
+import mtp_jax.research.studies as studies  # config modules load on first use, not here
 from mtp_jax.data import induction
 from mtp_jax.research.families import (
   aggregate,
@@ -72,7 +73,6 @@ def tabulate(out_dir: str, seeds=None, configs: dict | None = None,
   `d768`: studies.d768_iteration_costs(), for the drafters' projected speed-ups (none
   without it)."""
   if configs is None:
-    from mtp_jax.research import studies  # the checkout's config files, read on this call
     configs = studies.group_configs()
   lm_mod, ind_mod = configs['lm'], configs['induction']
   summary = {'lm': {}, 'induction': {}, 'tests': {}}
@@ -223,7 +223,6 @@ def tabulate_drafter(runs: list[dict], families: dict | None = None,
     by.setdefault(r['variant'], []).append(r)
   table, by_seed = {}, {}
   if mod is None:
-    from mtp_jax.research import studies  # pylint: disable=g-import-not-at-top
     mod = studies.DRAFTER
   for v in [v for v in [*mod.VARIANTS, *getattr(mod, 'PRODUCTION_ARMS', {})] if v in by]:
     rs = by[v]
@@ -283,7 +282,6 @@ def tabulate_sized(runs: list[dict], families: dict | None = None, arms=None, mo
   design file's), at the fewest seeds any of them has. `mod`: configs/ablation.py's module
   (its SIZED_VARIANTS and BASELINE)."""
   if mod is None:
-    from mtp_jax.research import studies  # pylint: disable=g-import-not-at-top
     mod = studies.ABLATION
   families = design_lib.FAMILIES if families is None else families
   arms = design_lib.MAIN_HEAD_ARMS if arms is None else arms
@@ -379,7 +377,6 @@ def tabulate_names(runs: list[dict], mod=None, chance: float | None = None) -> d
   (same task batches and trunk initialisation). Holm's correction runs over each size's
   tests."""
   if mod is None:
-    from mtp_jax.research import studies  # pylint: disable=g-import-not-at-top
     mod = studies.NAMES
   by = {}
   for r in runs:
