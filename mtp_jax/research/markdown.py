@@ -193,8 +193,8 @@ def markdown_drafter(drafter: dict) -> list[str]:
     out += ['Projected speed-up at d 768 (a projection, not a measurement: these drafters were '
             'not timed): each run\'s tau over the cost of one verify iteration relative to one '
             'autoregressive step of another model, configs/decode_768.py (d 768, 12 layers, '
-            'batch 1, float32, random weights), at the same temperature and number of drafts, '
-            f"as benchmarks/decode_speed.py measured it while decoding ({costs}; "
+            'batch 1, float32, a trained checkpoint), at the same temperature and number of '
+            f"drafts, as benchmarks/decode_speed.py measured it while decoding ({costs}; "
             f"{d['machine']}, commit {d['commit']}). It assumes drafters at d 768 accept as "
             'these do; prefill is left out.', '']
   for family, d in drafter['mde'].items():
