@@ -21,6 +21,10 @@ n is what an n-step run ends with, so one run per variant and seed gives both bu
 every variant at STEPS (equal tokens), and variant v at equal_flop_steps(v), the most
 steps whose FLOPs (mtp_jax/train/flops.py) do not exceed M = 0's.
 
+`,deep` (with `,decay`: the compute study, mtp_jax/research/design.py's COMPUTE_*):
+the same trunk at DEEP_LAYERS layers and the same MTP module, so one module costs at most
+15 % of a d1 training step's FLOPs (mtp_jax/train/flops.py; 2 layers: 38 %).
+
 `,smoke` is the same on configs/tiny.py's shapes with a few steps (tests).
 
   python scripts/train.py --config configs/ablation.py:d3f,decay
@@ -38,6 +42,9 @@ SIZED_VARIANTS = {'d0': (0, 'sequential', 'none'), 'd1': (1, 'sequential', 'none
 DECAY_MIN_LR_RATIO = 0.1  # ',decay': cosine to this fraction of train.lr at the run's end
 STEPS, WARMUP = 320, 20
 SMOKE_STEPS, SMOKE_WARMUP = 12, 2
+DEEP_LAYERS = 8  # ',deep': one MTP module is 13.9 % of a d1 step's training FLOPs
+SMOKE_DEEP_LAYERS = 3
+OPTIONS = ('smoke', 'decay', 'deep')
 
 
 def _base(smoke: bool):
@@ -87,11 +94,14 @@ def get_config(arg: str = 'd3'):
   variant, *opts = arg.split(',')
   decay = 'decay' in opts
   known = SIZED_VARIANTS if decay else VARIANTS
-  if variant not in known or any(o not in ('smoke', 'decay') for o in opts):
+  if variant not in known or any(o not in OPTIONS for o in opts) or (
+      'deep' in opts and not decay):
     raise ValueError(f'configs/ablation.py: unknown argument {arg!r}; use '
-                     f'configs/ablation.py:<variant>[,smoke][,decay] with variant one of '
+                     f'configs/ablation.py:<variant>[,smoke][,decay[,deep]] with variant one of '
                      f'{", ".join(VARIANTS)} (with ,decay: {", ".join(SIZED_VARIANTS)})')
   c = _base('smoke' in opts)
+  if 'deep' in opts:
+    c.model.n_layers = SMOKE_DEEP_LAYERS if 'smoke' in opts else DEEP_LAYERS
   if decay:
     c.model.mtp.depth, c.model.mtp.kind, c.model.mtp.curriculum = SIZED_VARIANTS[variant]
     c.train.min_lr_ratio = DECAY_MIN_LR_RATIO

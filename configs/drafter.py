@@ -45,6 +45,9 @@ ARMS = {
     'leap': {'model.mtp.target_offsets': (2, 4, 6), 'model.mtp.strict_leaps': True},
 }
 VARIANTS = {TRUNK: None, **ARMS}  # every run of a seed, the trunk first
+# The production recipe, declared (mtp_jax/research/design.py's PRODUCTION_ARMS) and run only
+# when --variants names it: one shared module on the frozen trunk's whole distribution.
+PRODUCTION_ARMS = {'shared_soft': {'model.mtp.share_modules': True, 'loss.mtp_targets': 'soft'}}
 TRUNK_STEPS = 1010  # the sized sweep's equal-token steps: the trunk is its d0
 ARM_STEPS = 1010  # every arm: the same steps and tokens
 SMOKE_TRUNK_STEPS, SMOKE_ARM_STEPS = 8, 6
@@ -62,9 +65,10 @@ def _set(c, dotted: str, value):
 
 def get_config(arg: str = 'ref'):
   arm, *opts = arg.split(',')
-  if arm not in VARIANTS or any(o != 'smoke' for o in opts):
+  if (arm not in VARIANTS and arm not in PRODUCTION_ARMS) or any(o != 'smoke' for o in opts):
     raise ValueError(f'configs/drafter.py: unknown argument {arg!r}; use '
-                     f'configs/drafter.py:<arm>[,smoke] with arm one of {", ".join(VARIANTS)}')
+                     f'configs/drafter.py:<arm>[,smoke] with arm one of '
+                     f'{", ".join([*VARIANTS, *PRODUCTION_ARMS])}')
   smoke = 'smoke' in opts
   c = ABLATION.get_config('d0,decay' + (',smoke' if smoke else ''))
   if arm == TRUNK:
@@ -74,7 +78,7 @@ def get_config(arg: str = 'ref'):
   c.train.steps = steps
   c.model.mtp.depth, c.model.mtp.kind = DEPTH, 'sequential'
   c.model.mtp.freeze_trunk = True
-  for dotted, value in ARMS[arm].items():
+  for dotted, value in {**ARMS, **PRODUCTION_ARMS}[arm].items():
     if dotted == 'model.mtp.lambda_boundaries':
       value = tuple(steps if v == 'steps' else v for v in value)
     _set(c, dotted, value)

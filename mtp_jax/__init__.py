@@ -100,10 +100,14 @@ MOVED_NAMES = {
     'mtp_jax.train.resilience.StartupInterrupted': 'mtp_jax.runtime.signals.StartupInterrupted',
     'mtp_jax.train.resilience.StartupSignals': 'mtp_jax.runtime.signals.StartupSignals',
     **{f'mtp_jax.commands.ablation.{n}': f'{_TABLES}.{n}' for n in (
-        'BUDGETS', 'CONFIGS', 'SIZED_BUDGETS', 'TEMPS', 'TEMP_NAMES', 'aggregate',
-        'eval_se_of_difference', 'ind_alphabet', 'induction_metrics', 'lm_metrics',
-        'load_config_module', 'markdown', 'markdown_names', 'markdown_sized', 'paired_test',
+        'BUDGETS', 'SIZED_BUDGETS', 'TEMPS', 'TEMP_NAMES', 'induction_metrics', 'lm_metrics',
         'tabulate', 'tabulate_names', 'tabulate_sized')},
+    **{f'mtp_jax.commands.ablation.{n}': f'mtp_jax.research.{m}.{n}' for n, m in (
+        ('ABLATION', 'studies'), ('CONFIGS', 'studies'), ('INDUCTION', 'studies'),
+        ('NAMES', 'studies'), ('load_config_module', 'studies'), ('aggregate', 'families'),
+        ('eval_se_of_difference', 'families'), ('paired_test', 'families'),
+        ('ind_alphabet', 'markdown'), ('markdown', 'markdown'), ('markdown_names', 'markdown'),
+        ('markdown_sized', 'markdown'))},
     'mtp_jax.interop.hf_config.read_config': 'mtp_jax.interop.hf.read_config',
     **{f'mtp_jax.model.mtp.{n}': f'mtp_jax.model.{m}.{n}' for n, m in (
         ('SharedHead', 'heads'), ('SequentialMTP', 'heads'), ('ParallelHead', 'heads'),

@@ -4,6 +4,7 @@ trained parallel heads decoding losslessly."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -22,7 +23,8 @@ from mtp_jax.train import steps as steps_lib
 SCRIPT = os.path.join(REPO, 'scripts', 'ablation.py')
 from mtp_jax.commands import ablation as A  # noqa: E402
 from mtp_jax.research import ablation as ablation_lib  # noqa: E402
-from mtp_jax.research import tables  # noqa: E402
+from mtp_jax.research import markdown as markdown_lib  # noqa: E402
+from mtp_jax.research import studies, tables  # noqa: E402
 
 # Fields that may differ between variants; everything else must be identical.
 VARYING = {('model', 'mtp', 'depth'), ('model', 'mtp', 'kind')}
@@ -38,10 +40,10 @@ def _flat(d, prefix=()):
 @pytest.mark.parametrize('group', ['lm', 'induction', 'names'])
 @pytest.mark.parametrize('smoke', [False, True])
 def test_variants_differ_only_in_heads_and_equal_flop_steps_fit_the_budget(group, smoke):
-  mod = tables.CONFIGS[group]
+  mod = studies.CONFIGS[group]
   opt = ',smoke' if smoke else ''
   base = mod.get_config(mod.BASELINE + opt)
-  budget = tables.ABLATION.step_flops(base) * base.train.steps
+  budget = studies.ABLATION.step_flops(base) * base.train.steps
   flat_base = _flat(json.loads(base.to_json_best_effort()))
   steps = {}
   for v, (depth, kind) in mod.VARIANTS.items():
@@ -52,8 +54,8 @@ def test_variants_differ_only_in_heads_and_equal_flop_steps_fit_the_budget(group
     flat = _flat(json.loads(c.to_json_best_effort()))
     differ = {k for k in flat.keys() | flat_base.keys() if flat.get(k) != flat_base.get(k)}
     assert differ <= VARYING, differ - VARYING
-    n = tables.ABLATION.equal_flop_steps(c, base)
-    per_step = tables.ABLATION.step_flops(c)
+    n = studies.ABLATION.equal_flop_steps(c, base)
+    per_step = studies.ABLATION.step_flops(c)
     assert budget - per_step < n * per_step <= budget, (v, n)  # within one step
     steps[v] = n
   assert steps['d0'] == base.train.steps and steps['d0'] > steps['d1']
@@ -66,7 +68,8 @@ def test_variants_differ_only_in_heads_and_equal_flop_steps_fit_the_budget(group
 
 
 def test_bad_input_is_one_clear_error():
-  for mod, arg in ((tables.ABLATION, 'd2'), (tables.ABLATION, 'd1,big'), (tables.INDUCTION, 'd3p')):
+  cases = ((studies.ABLATION, 'd2'), (studies.ABLATION, 'd1,big'), (studies.INDUCTION, 'd3p'))
+  for mod, arg in cases:
     with pytest.raises(ValueError, match='unknown argument'):
       mod.get_config(arg)
   for flags, msg in ((['--seeds', '0,x'], 'comma-separated integers'),
@@ -248,7 +251,7 @@ def test_sweep_tiny_tables_match_the_run_json_and_runs_resume(stdlib_data_dir, t
   assert {results[k]['evaluation']['stdlib_val']['fingerprint'] for k in results} == {
       research.batches_fingerprint(sweep.lm_eval.sets['stdlib_val'])}
   assert 0 <= r['evals']['equal_tokens']['decode']['T1']['acceptance_per_depth'][0] <= 1
-  text = tables.markdown(summary)
+  text = markdown_lib.markdown(summary)
   assert text.count('| d1 (M = 1 sequential) |') == 4 and 'Welch t' in text
 
   proc = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'plot.py'),
@@ -303,13 +306,19 @@ def test_parallel_heads_train_and_decode_losslessly_after_training(devices):
   assert st['mean_accepted_length'] > 1.5 and st['acceptance_per_depth'][1] > 0, st
 
 
-def test_the_committed_summary_is_the_tabulation_of_the_committed_runs():
-  """benchmarks/research/summary.json is what `mtp-ablation --no_run` tabulates from the run
-  files beside it: the figures docs/research.md quotes come from those runs."""
-  out = os.path.join(REPO, 'benchmarks', 'research')
-  summary = json.loads(json.dumps(tables.tabulate(out), default=tables.json_default))
-  with open(os.path.join(out, 'summary.json')) as f:
-    assert summary == json.load(f)
+def test_the_committed_summary_is_the_tabulation_of_the_committed_runs(tmp_path):
+  """benchmarks/research/summary.json and summary.md are, byte for byte, what `mtp-ablation
+  --no_run` writes from the run and design files beside them, every time: the figures
+  docs/research.md quotes come from those runs."""
+  committed = os.path.join(REPO, 'benchmarks', 'research')
+  for name in os.listdir(committed):
+    if name.endswith('.json') and name != 'summary.json':
+      shutil.copy(os.path.join(committed, name), tmp_path / name)
+  for _ in range(2):
+    ablation_lib.write_summary(str(tmp_path))
+    for name in ('summary.json', 'summary.md'):
+      with open(os.path.join(committed, name), 'rb') as f:
+        assert (tmp_path / name).read_bytes() == f.read(), name
 
 
 def test_the_tables_keep_every_finished_run_unless_no_run_names_seeds():
@@ -320,3 +329,21 @@ def test_the_tables_keep_every_finished_run_unless_no_run_names_seeds():
   assert ran.seeds == [3, 4] and ran.table_seeds is None
   assert A.parse(['--no_run']).table_seeds is None
   assert A.parse(['--no_run', '--seeds', '0,2']).table_seeds == {0, 2}
+
+
+def test_the_tables_read_no_file_of_the_checkout_on_import():
+  """Importing the tables, their statistics and their markdown loads no config file and no
+  benchmark result: the config modules come in as arguments or load on first use."""
+  code = ('import builtins\n'
+          'from mtp_jax import config_files\n'
+          'loaded, opened = [], []\n'
+          'load, real_open = config_files.load_module, builtins.open\n'
+          'config_files.load_module = lambda p: (loaded.append(p), load(p))[1]\n'
+          'builtins.open = lambda f, *a, **k: (opened.append(str(f)), real_open(f, *a, **k))[1]\n'
+          'from mtp_jax.research import families, markdown, studies, tables\n'
+          'builtins.open = real_open\n'
+          'assert not loaded and not [f for f in opened if "benchmarks" in f], (loaded, opened)\n'
+          'assert studies.ABLATION.BASELINE == "d0" and len(loaded) == 1, loaded\n')
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                        env={**os.environ, 'PYTHONPATH': REPO}, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr

@@ -12,10 +12,11 @@ from mtp_jax import config_lib
 from mtp_jax.commands import ablation as A
 from mtp_jax.research import ablation as ablation_lib
 from mtp_jax.research import design as design_lib
+from mtp_jax.research import families, stats, studies, tables
+from mtp_jax.research import markdown as markdown_lib
 from mtp_jax.research import results as results_lib
-from mtp_jax.research import stats, tables
 
-DRAFTER = tables.DRAFTER
+DRAFTER = studies.DRAFTER
 
 
 def _flat(d, prefix=()):
@@ -46,7 +47,7 @@ def test_arms_differ_from_ref_only_in_what_they_declare(smoke):
     assert differ == set(fields), (arm, differ)
     assert c.train.steps == ref.train.steps  # the same steps and tokens per arm
   trunk = DRAFTER.get_config('trunk' + opt)
-  sized_d0 = tables.ABLATION.get_config('d0,decay' + opt)
+  sized_d0 = studies.ABLATION.get_config('d0,decay' + opt)
   sized_d0.train.steps = trunk.train.steps
   assert trunk.to_dict() == sized_d0.to_dict()
   if not smoke:
@@ -138,8 +139,11 @@ def test_tables_pair_each_arm_with_ref_within_declared_families(tmp_path):
     for name, adj in zip(names, stats.holm(ps)):
       assert dr['tests'][name]['p_holm'] == pytest.approx(adj)
     assert dr['mde'][fam_name]['n'] == 4 and dr['mde'][fam_name]['mde'] > 0
-  assert dr['tests']['leap - ref tau_T1']['p_holm'] < 0.05  # a large shift survives
-  text = tables.markdown(summary)
+  # four seeds: the exact sign-flip test, whose least p (2 / 2^4) no Holm family lets through
+  leap = dr['tests']['leap - ref tau_T1']
+  assert leap['test'] == 'sign-flip (exact)' and leap['p'] == pytest.approx(2 / 16)
+  assert leap['p_holm'] >= 0.125 and leap['p_t'] < 0.05  # the t test would have called it
+  text = markdown_lib.markdown(summary)
   assert '**Drafters on a frozen verifier**' in text
   assert '| shared (M = 3 sequential, one shared module) |' in text
   assert text.count(' - ref tau_T1: ') == len(design_lib.DRAFTER_ARMS)
@@ -152,7 +156,7 @@ def test_tables_pair_each_arm_with_ref_within_declared_families(tmp_path):
   assert json.loads(first['summary.json'])['drafter']['tests'].keys() == dr['tests'].keys()
 
 
-def test_the_speed_up_at_d768_is_tau_over_the_measured_iteration_cost(tmp_path):
+def test_the_projected_speed_up_at_d768_is_tau_over_another_models_iteration_cost(tmp_path):
   """d768_iteration_costs reads only the d 768 model's batch-1 float32 rows with every
   draft taken; each run's speed-up is its tau at T over the cost at T with as many drafts
   as it drafted (one for a leap drafter), and a temperature the benchmark lacks has none."""
@@ -168,22 +172,24 @@ def test_the_speed_up_at_d768_is_tau_over_the_measured_iteration_cost(tmp_path):
           row(1, 1.0, 2, 5.0, dtype='bfloat16'), row(1, 1.0, 2, 6.0, threshold=0.5)]}}]}
   path = tmp_path / 'decode_speed.json'
   path.write_text(json.dumps(bench))
-  costs = tables.d768_iteration_costs(str(path))
+  costs = studies.d768_iteration_costs(str(path))
   assert costs['cost_ratio'] == {'T1': {'3': 2.0, '1': 1.25}}
   assert (costs['command'], costs['commit'], costs['machine']) == ('d768', 'abc', 'test CPU')
-  assert tables.d768_iteration_costs(str(tmp_path / 'none.json')) is None
+  assert studies.d768_iteration_costs(str(tmp_path / 'none.json')) is None
   ref = _run('ref', 0, {'T0': 3.0, 'T1': 2.6, 'T0.7': 2.9})
   leap = _run('leap', 0, {'T0': 2.0, 'T1': 1.5, 'T0.7': 1.6})
   for t in ('T0', 'T1', 'T0.7'):
     leap['evals']['end']['decode'][t]['acceptance_per_depth'] = [0.5]
   dr = tables.tabulate_drafter([_run('trunk', 0, {}), ref, leap], d768=costs)
-  assert dr['table']['ref']['metrics']['speedup_d768_T1']['mean'] == pytest.approx(2.6 / 2.0)
-  assert dr['table']['leap']['metrics']['speedup_d768_T1']['mean'] == pytest.approx(1.5 / 1.25)
-  assert 'speedup_d768_T0.7' not in dr['table']['ref']['metrics']
-  assert 'speedup_d768_T1' not in dr['table']['trunk']['metrics']
+  metrics = {v: dr['table'][v]['metrics'] for v in ('ref', 'leap')}
+  assert metrics['ref']['projected_speedup_d768_T1']['mean'] == pytest.approx(2.6 / 2.0)
+  assert metrics['leap']['projected_speedup_d768_T1']['mean'] == pytest.approx(1.5 / 1.25)
+  assert 'projected_speedup_d768_T0.7' not in dr['table']['ref']['metrics']
+  assert 'projected_speedup_d768_T1' not in dr['table']['trunk']['metrics']
   assert dr['d768'] == costs
-  text = '\n'.join(tables.markdown_drafter(dr))
-  assert '| 1.30 |' in text and 'Speed-up at d 768' in text and '2.00 (3 drafts)' in text
+  text = '\n'.join(markdown_lib.markdown_drafter(dr))
+  assert '| 1.30 |' in text and '2.00 (3 drafts)' in text
+  assert 'Projected speed-up at d 768 (a projection, not a measurement' in text
 
 
 def test_a_design_file_declares_the_families_the_tables_use(tmp_path):
@@ -307,27 +313,27 @@ def test_figures_pair_only_runs_scored_on_the_same_corpus(tmp_path):
   assert self_['n'] == 5 and 'other_corpus_seeds' not in self_
   assert dr['mde']['drafter arms against the reference, tau at T = 1 (primary)']['n'] == 4
   assert 'seeds 0 left out (their two runs were scored on different held-out corpora)' in (
-      tables.markdown(summary))
+      markdown_lib.markdown(summary))
   a, b = {0: 1.0, 1: 2.0, 2: 3.0}, {0: 0.5, 1: 1.5, 2: 2.5}
   table = {'x': {'metrics': {m: {'per_seed': a} for m in ('stdlib_bpb', 'heldout_bpb')}},
            'y': {'metrics': {m: {'per_seed': b} for m in ('stdlib_bpb', 'heldout_bpb')}}}
   scored = lambda heldout: {'evaluation': {'heldout': {'fingerprint': heldout}}}  # noqa: E731
   runs = {'x': {0: scored('a'), 1: scored('a'), 2: scored('b')},
           'y': {0: scored('a'), 1: scored('a'), 2: scored('a')}}
-  tests, _ = tables.family_tests(
+  tests, _ = families.family_tests(
       table, {'f': [('x', 'y', 'stdlib_bpb'), ('x', 'y', 'heldout_bpb')]}, runs)
   assert tests['x - y stdlib_bpb']['n'] == 3 and tests['x - y heldout_bpb']['n'] == 2
   assert tests['x - y heldout_bpb']['other_corpus_seeds'] == [2]
   # seed 1's x ran on another interpreter's standard library: only the stdlib figure drops it
   runs['x'][1]['evaluation']['stdlib_val'] = {'fingerprint': 'c'}
   runs['y'][1]['evaluation']['stdlib_val'] = {'fingerprint': 'a'}
-  tests, _ = tables.family_tests(
+  tests, _ = families.family_tests(
       table, {'f': [('x', 'y', 'stdlib_bpb'), ('x', 'y', 'heldout_bpb')]}, runs)
   assert tests['x - y stdlib_bpb']['other_corpus_seeds'] == [1]
   assert tests['x - y heldout_bpb']['other_corpus_seeds'] == [2]
-  assert 'different stdlib validation splits' in tables._test_line(  # pylint: disable=protected-access
+  assert 'different stdlib validation splits' in markdown_lib._test_line(  # pylint: disable=protected-access
       'x - y stdlib_bpb', tests['x - y stdlib_bpb'])
   del runs['y'][1]['evaluation']['stdlib_val']  # a run that recorded no fingerprint pairs
-  tests, _ = tables.family_tests(table, {'f': [('x', 'y', 'stdlib_bpb')]}, runs)
+  tests, _ = families.family_tests(table, {'f': [('x', 'y', 'stdlib_bpb')]}, runs)
   assert tests['x - y stdlib_bpb']['n'] == 3
   assert 'other_corpus_seeds' not in tests['x - y stdlib_bpb']

@@ -7,9 +7,9 @@ from flax import nnx
 from mtp_jax import config_lib
 from mtp_jax.data import induction
 from mtp_jax.model import mtp
-from mtp_jax.research import tables
+from mtp_jax.research import studies
 
-TASK = dict(tables.BPE_NAMES.SMOKE_TASK)
+TASK = dict(studies.BPE_NAMES.SMOKE_TASK)
 TASK.pop('kind')
 
 
@@ -63,19 +63,19 @@ def test_test_rows_mark_the_second_token_of_a_name_seen_before(task):
   np.testing.assert_array_equal(t['tokens'], task.batch(3, 7, 4)['tokens'])
 
 
-@pytest.mark.parametrize('size', list(tables.BPE_NAMES.SIZES))
+@pytest.mark.parametrize('size', list(studies.BPE_NAMES.SIZES))
 def test_sizes_have_the_stated_non_embedding_parameters(size):
-  c = tables.BPE_NAMES.get_config(f'd0,{size}')
+  c = studies.BPE_NAMES.get_config(f'd0,{size}')
   config_lib.validate(c)
   args = mtp.ModelArgs.from_config(c)
   model = nnx.eval_shape(lambda: mtp.MTPModel(args, rngs=nnx.Rngs(0)))
   counts = mtp.count_params(model)
   non_embedding = counts['trunk'] - args.vocab_size * args.d_model
-  want = tables.BPE_NAMES.non_embedding_params(size)
+  want = studies.BPE_NAMES.non_embedding_params(size)
   assert want <= non_embedding <= 1.01 * want  # plus the norms
-  assert tables.BPE_NAMES.non_embedding_params('1m') >= 1_000_000
-  for v, (depth, kind) in tables.BPE_NAMES.VARIANTS.items():
-    cv = tables.BPE_NAMES.get_config(f'{v},{size}')
+  assert studies.BPE_NAMES.non_embedding_params('1m') >= 1_000_000
+  for v, (depth, kind) in studies.BPE_NAMES.VARIANTS.items():
+    cv = studies.BPE_NAMES.get_config(f'{v},{size}')
     assert (cv.model.mtp.depth, cv.model.mtp.kind) == (depth, kind)
 
 
@@ -90,7 +90,7 @@ def test_variants_pick_a_variant_at_every_size_or_one_variant_at_one_size(tmp_pa
                           '--out', str(tmp_path / 'out'), '--workdir', str(tmp_path / 'w')])
     return [(r.variant, r.seed) for r in ablation.make_runs(args)]
 
-  assert list(tables.BPE_NAMES.SIZES) == ['1m', '3m']
+  assert list(studies.BPE_NAMES.SIZES) == ['1m', '3m']
   assert runs('d0') == [(v, s) for s in (0, 1) for v in ('d0@1m', 'd0@3m')]
   assert runs('n2@1m,d0') == [(v, s) for s in (0, 1) for v in ('d0@1m', 'n2@1m', 'd0@3m')]
   with pytest.raises(SystemExit):
@@ -102,7 +102,7 @@ def test_an_ordinary_names_first_token_leaves_its_second_open():
   (over 2.5 bits left, names equally likely), so training rewards copying a name's first
   mention (with the first 32 names alone about 1.2 bits were left, and a 1 M n = 2 run
   stayed at chance for 3,000 steps). Test names are new to training; chance is below 2 %."""
-  task = induction.BPENameStoryTask(seq_len=128, **{k: v for k, v in tables.BPE_NAMES.TASK.items()
+  task = induction.BPENameStoryTask(seq_len=128, **{k: v for k, v in studies.BPE_NAMES.TASK.items()
                                                      if k != 'kind'})
   tok = task.tokenizer
   seconds = {}

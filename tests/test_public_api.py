@@ -168,7 +168,7 @@ def test_every_name_of_the_previous_release_imports_or_names_its_new_place():
 def test_three_moved_names_import_from_their_old_places(monkeypatch):
   import mtp_jax.model
   from mtp_jax import train_state
-  from mtp_jax.research import tables
+  from mtp_jax.research import families
   monkeypatch.delitem(sys.modules, 'mtp_jax.model.state', raising=False)
   monkeypatch.delitem(vars(mtp_jax.model), 'state', raising=False)
   with pytest.warns(DeprecationWarning, match='mtp_jax.model.state moved to mtp_jax.train_state'):
@@ -178,9 +178,9 @@ def test_three_moved_names_import_from_their_old_places(monkeypatch):
   with pytest.warns(DeprecationWarning, match='moved to mtp_jax.train_state.InitFrom'):
     from mtp_jax.checkpoint.partial import InitFrom
   assert InitFrom is train_state.InitFrom
-  with pytest.warns(DeprecationWarning, match='moved to mtp_jax.research.tables.aggregate'):
+  with pytest.warns(DeprecationWarning, match='moved to mtp_jax.research.families.aggregate'):
     from mtp_jax.commands.ablation import aggregate
-  assert aggregate is tables.aggregate
+  assert aggregate is families.aggregate
   with pytest.raises(ImportError, match='bitwise_thresholds=False'):
     from mtp_jax.decode.sampling import BITWISE_THRESHOLDS  # noqa: F401
   with pytest.raises(AttributeError):

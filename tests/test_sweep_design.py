@@ -16,8 +16,9 @@ from mtp_jax.commands import ablation as A
 from mtp_jax.data import induction
 from mtp_jax.research import ablation as ablation_lib
 from mtp_jax.research import design as design_lib
+from mtp_jax.research import markdown as markdown_lib
 from mtp_jax.research import results as results_lib
-from mtp_jax.research import stats, tables
+from mtp_jax.research import stats, studies, tables
 from mtp_jax.research import sweep as research
 
 COMMITTED = os.path.join(REPO, 'benchmarks', 'research')
@@ -123,10 +124,10 @@ def test_design_choice(hours, sd, case):
 
 
 def test_sized_variants_and_budgets():
-  base = tables.ABLATION.get_config('d0,decay')
+  base = studies.ABLATION.get_config('d0,decay')
   flat = lambda c: {k: v for k, v in config_lib.base_config().items()}  # noqa: E731,F841
-  for v, (depth, kind, cur) in tables.ABLATION.SIZED_VARIANTS.items():
-    c = tables.ABLATION.get_config(v + ',decay')
+  for v, (depth, kind, cur) in studies.ABLATION.SIZED_VARIANTS.items():
+    c = studies.ABLATION.get_config(v + ',decay')
     config_lib.validate(c)
     assert (c.model.mtp.depth, c.model.mtp.kind, c.model.mtp.curriculum) == (depth, kind, cur)
     assert c.train.min_lr_ratio == 0.1 and c.model.d_model == base.model.d_model
@@ -137,7 +138,7 @@ def test_sized_variants_and_budgets():
   # TOP adds one [D, V] unembedding and no block: cheaper than a sequential module
   assert flops['d1'] < flops['t1'] < 960
   with pytest.raises(ValueError, match='unknown argument'):
-    tables.ABLATION.get_config('d3f')  # the curricula exist in the sized sweep only
+    studies.ABLATION.get_config('d3f')  # the curricula exist in the sized sweep only
 
 
 def test_name_stories_score_the_second_token_at_the_second_mention():
@@ -169,7 +170,7 @@ def test_name_stories_score_the_second_token_at_the_second_mention():
     j = next(j for j in range(i - 1) if seg[r, j] == seg[r, i] and tok[r, j] == tok[r, i - 1])
     copier[r, i - 1] = tok[r, j + 1]
   assert induction.copy_accuracy(copier, a) == 1.0
-  assert isinstance(induction.make_task(64, **tables.NAMES.TASK), induction.NameStoryTask)
+  assert isinstance(induction.make_task(64, **studies.NAMES.TASK), induction.NameStoryTask)
   with pytest.raises(ValueError, match='kind'):
     induction.make_task(64, kind='cards')
 
@@ -186,7 +187,7 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
   names = [(r.group, r.variant, r.seed) for r in runs]
   assert names[:3] == [('sized', 'd0@tokens', 0), ('sized', 'd3r@tokens', 0),
                        ('sized', 'd3r@flops', 0)]
-  assert ('names', 'p2', 1) in names and all(r.steps == tables.NAMES.SMOKE_STEPS
+  assert ('names', 'p2', 1) in names and all(r.steps == studies.NAMES.SMOKE_STEPS
                                              for r in runs if r.group == 'names')
   sweep = ablation_lib.make_sweep(args, runs)
   last = [r for r in runs if r.group == 'sized' and r.steps > r.save_every][-1]  # d3r@tokens, s1
@@ -239,9 +240,9 @@ def test_sized_and_names_sweeps_run_resume_and_tabulate(stdlib_data_dir, tmp_pat
   nm = summary['names']
   assert set(nm['table']) == {'d0', 'p2'}
   p2 = nm['table']['p2']['metrics']
-  assert p2['equal_flop_step']['mean'] < tables.NAMES.SMOKE_STEPS
+  assert p2['equal_flop_step']['mean'] < studies.NAMES.SMOKE_STEPS
   assert 'p2 - d0 copy accuracy, equal FLOPs' in nm['tests']
-  text = tables.markdown(summary)
+  text = markdown_lib.markdown(summary)
   assert 'Minimum detectable paired effect on stdlib_bpb' in text
   # A restarted sweep builds its runs afresh (vocabulary size still 0) and skips the finished
   # ones: every result is found, none refused as another config's.
@@ -259,7 +260,7 @@ def test_design_command_measures_prints_and_saves(tmp_path, capsys):
   text = capsys.readouterr().out
   d = json.load(open(os.path.join(out, 'design.json')))
   assert d['seeds'] >= 5 and d['steps'] >= 960 and d['runs_per_seed'] == 13
-  assert all(d['step_seconds'][v] > 0 for v in tables.ABLATION.SIZED_VARIANTS)
+  assert all(d['step_seconds'][v] > 0 for v in studies.ABLATION.SIZED_VARIANTS)
   assert d['step_seconds']['d3f'] == d['step_seconds']['d3']  # measured once per shape
   assert f"--sized_steps {d['steps']}" in text and 'Minimum detectable paired effect' in text
   assert d['names']['wall_seconds'] > 0 and 'mtp-ablation --groups names' in text

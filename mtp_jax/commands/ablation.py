@@ -31,7 +31,13 @@ Two groups of runs (mtp_jax/research/sweep.py trains them in this one process):
   trunk (`trunk`), then each arm's MTP modules trained on it frozen (three chained
   modules `ref`, one shared module `shared`, self-generated targets, decaying lambda,
   curricula, strict leap offsets); endpoints tau at T = 1 (primary) and T = 0.7 against
-  `ref`, declared in mtp_jax/research/design.py. `--design --groups drafter` sizes it.
+  `ref`, declared in mtp_jax/research/design.py. `--design --groups drafter` sizes it;
+  the production arm `shared_soft` runs only when --variants names it.
+- `compute`: the sized runs of d0 and d1 on configs/ablation.py's `,deep` trunk, where one
+  MTP module is at most 15 % of a step's FLOPs (design.py's COMPUTE_*).
+
+`--declare` writes the reading rules (equivalence margins, outliers, exact tests, the
+global Holm correction) and the studies declared but not yet run into OUT/design.json.
 
 Each run writes OUT/<group>/<variant>_s<seed>.json when it finishes; a run whose JSON
 exists is skipped, an interrupted one resumes from its last checkpoint in WORKDIR. The
@@ -44,16 +50,8 @@ import sys
 
 import mtp_jax
 from mtp_jax import cli
-from mtp_jax.research.tables import (
-  ABLATION,
-  BPE_NAMES,
-  DEFAULT_GROUPS,
-  DRAFTER,
-  GROUPS,
-  INDUCTION,
-  NAMES,
-  REPO,
-)
+from mtp_jax.research import studies
+from mtp_jax.research.studies import DEFAULT_GROUPS, GROUPS, REPO
 
 
 def parse(argv):
@@ -79,6 +77,11 @@ def parse(argv):
                  help='size the sized sweep (with --groups drafter: the drafter study): '
                       'measure step times briefly, print the design, write OUT/design.json; '
                       'trains nothing')
+  p.add_argument('--declare', action='store_true',
+                 help='write the reading rules (equivalence margins, outliers, exact tests, '
+                      'the global Holm) and the studies declared but not run (compute, '
+                      'production drafters, induction seeds) into OUT/design.json, keeping '
+                      'its other keys; measures the compute study\'s step times briefly')
   p.add_argument('--spread_from', default=os.path.join(REPO, 'benchmarks', 'research'),
                  help='the committed sweep whose seed spread sizes the design')
   p.add_argument('--budget_hours', type=float, default=2.0, help='--design: the time budget')
@@ -109,9 +112,11 @@ def parse(argv):
   if bad:
     p.error(f'unknown group(s) {bad}; choose from {", ".join(GROUPS)}')
   args.variants = args.variants.split(',') if args.variants else []
-  known = set(ABLATION.VARIANTS) | set(INDUCTION.VARIANTS) | set(ABLATION.SIZED_VARIANTS) \
-      | set(NAMES.VARIANTS) | set(BPE_NAMES.VARIANTS) | set(DRAFTER.ARMS) \
-      | {f'{v}@{size}' for v in BPE_NAMES.VARIANTS for size in BPE_NAMES.SIZES}
+  ablation, bpe = studies.ABLATION, studies.BPE_NAMES  # the config files, read now
+  known = set(ablation.VARIANTS) | set(studies.INDUCTION.VARIANTS) \
+      | set(ablation.SIZED_VARIANTS) | set(studies.NAMES.VARIANTS) | set(bpe.VARIANTS) \
+      | set(studies.DRAFTER.ARMS) | set(studies.DRAFTER.PRODUCTION_ARMS) \
+      | {f'{v}@{size}' for v in bpe.VARIANTS for size in bpe.SIZES}
   bad = [v for v in args.variants if v not in known]
   if bad:
     p.error(f'unknown variant(s) {bad}; choose from {", ".join(sorted(known))}')

@@ -1,49 +1,51 @@
 """The ablation sweep behind mtp-ablation: its runs (every group's variants x seeds), the
 in-process Sweep that trains and evaluates them, the sized sweep's design, then the tables
-(research/tables.py).
+(research/tables.py, written as markdown by research/markdown.py).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
 
 import mtp_jax.research.design as design_lib
 import mtp_jax.research.heldout as heldout
+import mtp_jax.research.markdown as markdown_lib
 import mtp_jax.research.results as results_lib
+import mtp_jax.research.studies as studies
 import mtp_jax.research.sweep as research
 import mtp_jax.research.tables as tables
 from mtp_jax.data import checks as data_checks
 from mtp_jax.data import induction
 from mtp_jax.errors import RequestError
-from mtp_jax.research.tables import (
-  ABLATION,
-  BPE_NAMES,
-  CONFIGS,
-  DRAFTER,
-  DRAFTER_EVAL,
-  INDUCTION,
-  NAMES,
-  SIZED_BUDGETS,
-)
+from mtp_jax.research.tables import DRAFTER_EVAL, SIZED_BUDGETS
+
+# The groups' config modules: the sweep runner (imported by mtp-ablation once its flags
+# parse) reads them from the checkout here; the tables take them as arguments.
+ABLATION, INDUCTION, NAMES = studies.ABLATION, studies.INDUCTION, studies.NAMES
+BPE_NAMES, DRAFTER, CONFIGS = studies.BPE_NAMES, studies.DRAFTER, studies.CONFIGS
 
 
 def group_variants(args, group: str) -> list[str]:
   """The group's variants that --variants keeps; bpe_names: each at every size,
   `<variant>@<size>` (--variants names a variant, at every size, or one variant@size)."""
-  allv = list(ABLATION.SIZED_VARIANTS if group == 'sized' else CONFIGS[group].VARIANTS)
+  allv = list(ABLATION.SIZED_VARIANTS if group == 'sized' else design_lib.COMPUTE_VARIANTS
+              if group == 'compute' else CONFIGS[group].VARIANTS)
   if group == 'bpe_names':
     return [f'{v}@{size}' for size in BPE_NAMES.SIZES for v in allv
             if not args.variants or v in args.variants or f'{v}@{size}' in args.variants]
   return [v for v in allv if not args.variants or v in args.variants]
 
 
-def sized_runs(steps: int, smoke: bool = False, variants=None) -> list[tuple[str, str, int]]:
+def sized_runs(steps: int, smoke: bool = False, variants=None,
+               deep: bool = False) -> list[tuple[str, str, int]]:
   """One seed's runs of the sized sweep [(variant, budget, steps)] when an equal-token run
   takes `steps`: every variant at `steps`, each MTP variant again at its equal-FLOP steps
-  (the most whose FLOPs do not exceed d0's run; M = 0's run serves both budgets)."""
-  opt = ',decay' + (',smoke' if smoke else '')
+  (the most whose FLOPs do not exceed d0's run; M = 0's run serves both budgets). `deep`:
+  on configs/ablation.py's ',deep' trunk (the compute study)."""
+  opt = ',decay' + (',deep' if deep else '') + (',smoke' if smoke else '')
   base = ABLATION.get_config(ABLATION.BASELINE + opt)
   base.train.steps = steps
   out = []
@@ -89,7 +91,8 @@ def drafter_runs(args, seed: int) -> list:
     return c
 
   arms = []
-  for v in DRAFTER.ARMS:
+  production = [v for v in DRAFTER.PRODUCTION_ARMS if v in args.variants]  # only when named
+  for v in [*DRAFTER.ARMS, *production]:
     if not args.variants or v in args.variants:
       c = config(v)
       arms.append(research.Run('drafter', v, seed, c, eval_at={DRAFTER_EVAL: int(c.train.steps)},
@@ -109,18 +112,21 @@ def make_runs(args):
   runs = []
   sized = sized_runs(sized_steps(args), args.smoke,
                      group_variants(args, 'sized')) if 'sized' in args.groups else []
+  compute = sized_runs(ABLATION.SMOKE_STEPS if args.smoke else design_lib.COMPUTE_STEPS,
+                       args.smoke, group_variants(args, 'compute'), deep=True)
   for seed in args.seeds:
     for group in args.groups:
       if group == 'drafter':
         runs += drafter_runs(args, seed)
         continue
-      if group == 'sized':
-        for v, budget, steps in sized:
-          c = ABLATION.get_config(v + ',decay' + opt)
+      if group in ('sized', 'compute'):  # compute: the sized runs on the ',deep' trunk
+        deep = ',deep' if group == 'compute' else ''
+        for v, budget, steps in (sized if group == 'sized' else compute):
+          c = ABLATION.get_config(v + ',decay' + deep + opt)
           c.seed, c.data.shuffle_seed, c.train.steps = seed, seed, steps
           if args.data_dir:
             c.data.data_dir = args.data_dir
-          runs.append(research.Run('sized', f'{v}@{budget}', seed, c,
+          runs.append(research.Run(group, f'{v}@{budget}', seed, c,
                                    eval_at={SIZED_BUDGETS[budget]: steps},
                                    save_every=4 if args.smoke else 100))
         continue
@@ -302,6 +308,47 @@ def write_drafter_design(args) -> int:
   return 0
 
 
+def write_declarations(args) -> int:
+  """--declare: OUT/design.json gains (or replaces) the keys design_lib.declarations
+  writes; every other key stays. The compute study's key also gets its training seconds
+  per step on this host (measured briefly) and the wall time of its seeds from them."""
+  declared = design_lib.declarations(args.spread_from)
+  compute = declared['compute']
+  load = os.getloadavg()
+  step_s = {}
+  for _ in range(2):  # alternated rounds, the fastest of each: a shared host's pauses hit one
+    for v in design_lib.COMPUTE_VARIANTS:
+      c = ABLATION.get_config(v + ',decay,deep' + (',smoke' if args.smoke else ''))
+      print(f'measuring compute {v} ...', file=sys.stderr, flush=True)
+      step_s[v] = min(step_s.get(v, math.inf),
+                      research.measure_step_seconds(c, args.measure_steps))
+  compute['runs'] = [list(r) for r in sized_runs(
+      ABLATION.SMOKE_STEPS if args.smoke else design_lib.COMPUTE_STEPS, args.smoke,
+      design_lib.COMPUTE_VARIANTS, deep=True)]
+  per_seed = sum(step_s[v] * steps for v, _, steps in compute['runs'])
+  compute.update(step_seconds=step_s, per_seed_train_seconds=per_seed,
+                 wall_train_seconds=per_seed * compute['seeds'],
+                 load_average={'before': list(load), 'after': list(os.getloadavg())},
+                 host=research.host_record(),
+                 command=(f'mtp-ablation --groups compute --seeds '
+                          f'{",".join(str(s) for s in range(compute["seeds"]))} '
+                          f'--out {args.out} --workdir {args.workdir}'))
+  path = design_path(args.out)
+  whole = {}
+  if os.path.isfile(path):
+    with open(path) as f:
+      whole = json.load(f)
+  whole.update(declared)
+  os.makedirs(args.out, exist_ok=True)
+  with open(path, 'w') as f:
+    json.dump(whole, f, indent=1, default=tables.json_default)
+  print(f"Declared in {path}: {', '.join(declared)}.\nCompute study: {compute['seeds']} seeds "
+        f"(minimum detectable effect {compute['mde_at_seeds']:.3f} at the planning sd "
+        f"{compute['planning_sd']:.4f}), {per_seed:.0f} s of training steps a seed here, "
+        f"{compute['wall_train_seconds'] / 3600:.1f} h in all.\nRun: {compute['command']}")
+  return 0
+
+
 def remove_spent_trunks(args) -> None:
   """The drafter trunks' kept final states once every arm of their seed has finished."""
   if 'drafter' not in args.groups:
@@ -317,6 +364,8 @@ def remove_spent_trunks(args) -> None:
 def run(args) -> int:
   """mtp-ablation after its flags parse: --design, else the runs (unless --no_run), then the
   tables."""
+  if getattr(args, 'declare', False):
+    return write_declarations(args)
   if args.design and 'drafter' in args.groups:
     return write_drafter_design(args)
   if args.design:
@@ -341,5 +390,17 @@ def run(args) -> int:
     for run in runs:
       sweep.run(run)
     remove_spent_trunks(args)
-  print(tables.write_summary(args.out, args.table_seeds))
+  print(write_summary(args.out, args.table_seeds))
   return 0
+
+
+def write_summary(out_dir: str, seeds=None) -> str:
+  """Tabulate OUT_DIR's runs into OUT_DIR/summary.json and summary.md; the markdown."""
+  summary = tables.tabulate(out_dir, seeds, CONFIGS, studies.d768_iteration_costs())
+  text = markdown_lib.markdown(summary)
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, 'summary.json'), 'w') as f:
+    json.dump(summary, f, indent=1, default=tables.json_default)
+  with open(os.path.join(out_dir, 'summary.md'), 'w') as f:
+    f.write(text + '\n')
+  return text

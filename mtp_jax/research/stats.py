@@ -1,4 +1,5 @@
-"""The statistics of a multi-seed sweep: means, Welch and paired t-tests, standard errors,
+"""The statistics of a multi-seed sweep: means, Welch and paired t-tests, the exact
+sign-flip test, equivalence (TOST), outliers by the modified z-score, standard errors,
 Holm's family-wise correction, power."""
 from __future__ import annotations
 
@@ -115,3 +116,67 @@ def holm(ps: Sequence[float]) -> list[float]:
     running = max(running, min(1.0, (m - rank) * float(ps[i])))
     out[i] = running
   return out
+
+
+EXACT_MAX_N = 10  # paired tests of at most this many pairs use the exact sign-flip test
+
+
+def sign_flip(d: Sequence[float], shift: float = 0.0, alternative: str = 'two-sided') -> float:
+  """Exact sign-flip (paired permutation) p of the mean of d - shift against 0: under the
+  null the differences are symmetric about `shift`, so each of the 2^n sign patterns of
+  d - shift is equally likely. 'two-sided': P(|sum| >= |observed|); 'greater': P(sum >=
+  observed) (evidence the mean exceeds `shift`); 'less': P(sum <= observed). n pairs can
+  give no p below 2 / 2^n (two-sided) or 1 / 2^n (one-sided)."""
+  x = np.asarray(d, np.float64) - shift
+  n = len(x)
+  signs = 1 - 2 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)
+  sums, obs = signs @ x, float(x.sum())
+  tol = 1e-12 * max(1.0, float(np.abs(x).sum()))
+  if alternative == 'two-sided':
+    hits = np.abs(sums) >= abs(obs) - tol
+  elif alternative == 'greater':
+    hits = sums >= obs - tol
+  elif alternative == 'less':
+    hits = sums <= obs + tol
+  else:
+    raise ValueError(f'alternative must be two-sided, greater or less, got {alternative!r}')
+  return float(hits.mean())
+
+
+def equivalence(d: Sequence[float], margin: float) -> dict:
+  """Two one-sided tests (TOST) that the mean paired difference lies within (-margin,
+  +margin): p is the larger of the two one-sided p (exact sign-flip for at most
+  EXACT_MAX_N pairs, else t); equivalence at level alpha when p < alpha, which is the 90 %
+  interval (`ci90`, t) lying inside the margin when the t test is used."""
+  x = np.asarray(d, np.float64)
+  n = len(x)
+  m, s = mean_std(x)
+  se = s / math.sqrt(n) if n > 1 else math.inf
+  half = float(stats.t.ppf(0.95, n - 1)) * se if n > 1 else math.inf
+  if n <= EXACT_MAX_N:
+    p_lo = sign_flip(x, -margin, 'greater')
+    p_hi = sign_flip(x, margin, 'less')
+    test = 'sign-flip (exact)'
+  elif se == 0:
+    p_lo = p_hi = 0.0 if -margin < m < margin else 1.0
+    test = 'paired t'
+  else:
+    p_lo = float(stats.t.sf((m + margin) / se, n - 1))
+    p_hi = float(stats.t.cdf((m - margin) / se, n - 1))
+    test = 'paired t'
+  return {'margin': margin, 'p': max(p_lo, p_hi), 'p_lower': p_lo, 'p_upper': p_hi,
+          'ci90': [m - half, m + half], 'test': test, 'n': n}
+
+
+def outliers(values: dict, threshold: float = 3.5) -> dict:
+  """{key: value} of the values whose modified z-score 0.6745 |x - median| / MAD exceeds
+  `threshold` (Iglewicz & Hoaglin 1993); {} with fewer than 5 values or a MAD of 0."""
+  keys = [k for k, v in values.items() if v is not None]
+  if len(keys) < 5:
+    return {}
+  x = np.asarray([values[k] for k in keys], np.float64)
+  med = float(np.median(x))
+  mad = float(np.median(np.abs(x - med)))
+  if mad == 0:
+    return {}
+  return {k: values[k] for k, z in zip(keys, 0.6745 * np.abs(x - med) / mad) if z > threshold}
