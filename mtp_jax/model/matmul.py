@@ -156,12 +156,20 @@ def _bf16_dot_bwd(batch, rhs_t, out_dtype, res, dy):
   dy16 = dy.astype(BF16)  # [batch, m..., n]
   # da = dy . b^T: dy is contracted on its last axis (n) already
   da = _fast(dy16, b16, batch, not rhs_t)
+  # With three or more free axes on a ([S, B, T, k]: a stack of activations), the first is
+  # a batch axis of the gradient product, summed after it: merging S with the rows B that a
+  # mesh shards into one contracted axis would make GSPMD gather a and dy whole on every
+  # device (a reshape that merges a sharded axis below an unsharded one); S x B T keeps
+  # each device's rows its own.
+  lead = batch + (a16.ndim - batch >= 4)
   if rhs_t:  # db [batch, n, k] = dy^T a
-    a2 = a16.reshape(*a16.shape[:batch], -1, a16.shape[-1])
-    db = _fast(_transposed(dy16, batch), a2, batch, False)
+    a2 = a16.reshape(*a16.shape[:lead], -1, a16.shape[-1])
+    db = _fast(_transposed(dy16, lead), a2, lead, False)
   else:  # db [batch, k, n] = a^T dy
-    dy2 = dy16.reshape(*dy16.shape[:batch], -1, dy16.shape[-1])
-    db = _fast(_transposed(a16, batch), dy2, batch, False)
+    dy2 = dy16.reshape(*dy16.shape[:lead], -1, dy16.shape[-1])
+    db = _fast(_transposed(a16, lead), dy2, lead, False)
+  if lead > batch:
+    db = jnp.sum(db, axis=batch)
   # Behind a barrier: a transpose its consumer applies (a tied embedding's head weight is
   # the embedding's transpose) would otherwise be folded into the dot, as (dy^T a)^T =
   # a^T dy, putting the transpose back on the left operand and the dot on XLA:CPU's generic
