@@ -138,7 +138,7 @@ def classify(hlo_text: str) -> dict:
     return contents[comp]
 
   out = {}
-  for comp, body in comps.items():
+  for body in comps.values():
     shapes = {name: typ for name, typ, *_ in body}
     for name, typ, op, rest, _ in body:
       m = _OP_NAME.search(rest)
