@@ -147,11 +147,14 @@ class Step:
     # init and batch, so an A/B's variants must agree on them within float tolerance.
     self.first = {k: float(self.metrics[k]) for k in ('loss', 'grad_norm')}
 
-  def profile(self) -> dict:
-    """One step under a jax.profiler trace, its time by op kind and region
-    (train/step_profile.py's breakdown)."""
-    path = step_profile.trace_run(self.run)
-    return step_profile.breakdown(path, self.compiled.as_text())
+  def profile(self, steps: int = 2) -> dict:
+    """`steps` steps under one jax.profiler trace, the time of one by op kind and region
+    (train/step_profile.py's breakdown; more than one: the trace's start-up cost is shared)."""
+    def run():
+      for _ in range(steps):
+        self.run()
+    path = step_profile.trace_run(run)
+    return step_profile.breakdown(path, self.compiled.as_text(), steps=steps)
 
   def run(self) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one step."""

@@ -18,9 +18,13 @@ def test_a_traced_step_adds_up_by_kind_and_region(dtype, tmp_path):
   with sharding.use_mesh(ts.mesh, ts.rules):
     gbatch = sharding.host_batch_to_global(batch, ts.mesh)
     compiled = ts.train_step.lower(state, gbatch).compile()
-  jax.block_until_ready(compiled(state, gbatch))
-  path = step_profile.trace_run(lambda: jax.block_until_ready(compiled(state, gbatch)),
-                                str(tmp_path))
+  held = {'state': state}
+
+  def step():  # the step donates its state: each call takes the last one's
+    held['state'], metrics = compiled(held['state'], gbatch)
+    jax.block_until_ready(metrics)
+  step()
+  path = step_profile.trace_run(step, str(tmp_path))
   b = step_profile.breakdown(path, compiled.as_text())
   assert b['step_s'] > 0 and b['threads'] >= 1
   # the kinds (host gap included) add up to the step's span, when ops did not oversubscribe
