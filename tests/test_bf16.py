@@ -210,6 +210,9 @@ def test_auto_is_per_job(peak_cache, monkeypatch):
   saved = type(c)(json.loads(c.to_json_best_effort()))  # what config.json holds
   peak_lib.resolve_model_dtype(saved, 'decode')
   assert (saved.model.dtype, saved.model.dtype_requested) == ('float32', 'auto')
+  saved.model.dtype = 'float32'  # a rerun of the saved config with an override trains so
+  peak_lib.resolve_model_dtype(saved, 'train')
+  assert (saved.model.dtype, saved.model.dtype_requested) == ('float32', 'float32')
   explicit = helpers.tiny_model_config(depth=1)
   explicit.model.dtype = 'bfloat16'
   peak_lib.resolve_model_dtype(explicit, 'interop')

@@ -439,13 +439,14 @@ def compute_dtype(name: str, backend: str | None = None, job: str = 'train') -> 
 
 
 def resolve_model_dtype(config, job: str) -> str:
-  """Sets config.model.dtype to what `job` computes in (compute_dtype of the dtype the
-  config asked for) and config.model.dtype_requested to that request, once: a config that
-  a run resolved and saved (config.json, a checkpoint's) keeps its request, so a decode of
-  a run trained under 'auto' resolves 'auto' for decoding, not the training's bfloat16.
-  Returns a line naming the resolved dtype and why."""
+  """Sets config.model.dtype to what `job` computes in (compute_dtype of the dtype asked
+  for) and config.model.dtype_requested to that request. Training asks for model.dtype as
+  it stands (a config file's, or an override's); the exact jobs ask for what the saved run
+  asked for (dtype_requested, when the config is a run's), so decoding a run trained under
+  'auto' resolves 'auto' for decoding, not the training's bfloat16. Returns a line naming
+  the resolved dtype and why."""
   m = config.model
-  requested = m.get('dtype_requested') or m.dtype
+  requested = m.dtype if job == 'train' else (m.get('dtype_requested') or m.dtype)
   dtype = compute_dtype(requested, job=job).name
   m.dtype_requested = requested
   m.dtype = dtype
