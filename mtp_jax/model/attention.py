@@ -117,7 +117,7 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   # Keys and values enter the block loop in float32 (each block's product casts its slice to
   # the compute dtype): the backward pass sums every query block's key / value gradient
   # (one padded slice per block), and in bfloat16 XLA:CPU ran each of those sums as a
-  # convert-add-convert pass, 12 % of the bf16 step at configs/stdlib_mtp.py.
+  # convert-add-convert pass: 15 % of the bf16 step at configs/stdlib_mtp.py.
   # (The saved core's own backward sums them in float32 already.)
   kv_dtype = k_BxTxKxH.dtype if saved_core and g == 1 else f32
   k_BxKxTxH = jnp.transpose(k_BxTxKxH.astype(kv_dtype), (0, 2, 1, 3))
