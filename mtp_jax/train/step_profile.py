@@ -27,6 +27,7 @@ import re
 import tempfile
 
 import jax
+from jax.profiler import ProfileData  # jaxlib's reader of a trace's protobuf
 
 from mtp_jax.runtime import profiling
 from mtp_jax.train.aot import hlo_read
@@ -69,7 +70,6 @@ def op_times(xplane_path: str) -> dict:
   An op's self time is its event's duration less the events nested inside it on the same
   thread (a loop's body ops inside the loop); busy: the threads' top-level op time summed;
   span: the first op's start to the last op's end over all threads."""
-  from jax.profiler import ProfileData  # jaxlib's reader of the trace's protobuf
   data = ProfileData.from_file(xplane_path)
   self_ns, busy, threads, first, last = collections.Counter(), 0.0, 0, float('inf'), 0.0
   for plane in data.planes:
@@ -99,21 +99,6 @@ def op_times(xplane_path: str) -> dict:
           'threads': threads}
 
 
-def _dot_form(typ: str, rest: str, shapes: dict) -> str:
-  """cpu_dot_forms' key of one dot."""
-  ops = hlo_read.operands(rest)
-  lhs_t, rhs_t = (shapes.get(o, '') for o in ops[:2])
-  (lt, ld), (rt, _), (ot, _) = (hlo_read.arrays(lhs_t)[0], hlo_read.arrays(rhs_t)[0],
-                                hlo_read.arrays(typ)[0])
-  contract = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest).group(1)
-  layout = hlo_read._LAYOUT.search(lhs_t)  # pylint: disable=protected-access
-  minor = int(layout.group(1).split(',')[0]) if layout and layout.group(1) else len(ld) - 1
-  row_major = contract == str(minor)
-  if (lt, rt, ot) == ('bf16', 'bf16', 'f32') and row_major:
-    return 'bf16 kernels'
-  return f'{lt} x {rt} -> {ot}' + ('' if row_major else ' (lhs transposed)')
-
-
 def classify(hlo_text: str) -> dict:
   """{op name: (kind, region)} for every instruction of a compiled module's HLO text."""
   comps, _, _ = hlo_read.read_computations(hlo_text)
@@ -128,7 +113,7 @@ def classify(hlo_text: str) -> dict:
     for _, typ, op, rest, _ in body:
       ops.add(op)
       if op == 'dot' and form is None:
-        form = _dot_form(typ, rest, shapes)
+        form = hlo_read.dot_form(typ, rest, shapes)
       for callee in _CALLS.findall(rest):
         if callee not in seen and callee in comps:
           sub_ops, sub_form = content(callee, seen + (comp,))
@@ -145,7 +130,7 @@ def classify(hlo_text: str) -> dict:
       op_name = m.group(1) if m else ''
       region = next((r for s, r in REGIONS.items() if s in op_name), OTHER_REGION)
       if op == 'dot':
-        kind = 'matmul: ' + _dot_form(typ, rest, shapes)
+        kind = 'matmul: ' + hlo_read.dot_form(typ, rest, shapes)
       elif re.sub(r'-(start|done)$', '', op) in _COLLECTIVES:
         kind = 'collective'
       elif op in _CONTROL:
