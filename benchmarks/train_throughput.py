@@ -6,7 +6,7 @@
 
 Sections (--only, comma-separated; each timed section runs its steps round robin in one
 process, so the background load hits every variant alike):
-  mfu       the configs/stdlib_mtp.py train step: steps/s, tokens/s, and MFU = model FLOPs
+  mfu       the configs/stdlib_mtp.py train step in float32: steps/s, tokens/s, MFU = model FLOPs
             (mtp_jax.train.flops) / step time / the host's peak in the step's compute dtype
             (mtp_jax.runtime.peak: the best matmul probe of that dtype ever taken here,
             cached; this section's own 2048^2 probes, taken between its steps, raise it
@@ -26,7 +26,8 @@ process, so the background load hits every variant alike):
             (AB_SETS): ratio = median of per-round t(variant) / t(first variant), with each
             variant's first-step loss and gradient norm (equal inits: they must agree), its
             MFU over its compute dtype's peak and its matmul FLOPs by dot form
-            (aot.hlo.cpu_dot_forms; 'bf16 kernels' is the fast bf16 form)
+            (aot.hlo.cpu_dot_forms; 'bf16 kernels' is the fast bf16 form), and where one
+            traced step of each goes by op kind and region (train/step_profile.py)
 
 --cpu_devices and --host_malloc are the trainer's (scripts/train.py) with its defaults, so
 the step timed is the step the trainer runs.
@@ -55,6 +56,7 @@ from mtp_jax.model import attention as attn_lib  # noqa: E402
 from mtp_jax.runtime import distributed, sharding  # noqa: E402
 from mtp_jax.runtime import peak as peak_lib  # noqa: E402
 from mtp_jax.train import flops as flops_lib  # noqa: E402
+from mtp_jax.train import step_profile  # noqa: E402
 from mtp_jax.train import steps as steps_lib  # noqa: E402
 from mtp_jax.train.aot.hlo_read import cpu_dot_forms  # noqa: E402
 
@@ -146,6 +148,15 @@ class Step:
     # init and batch, so an A/B's variants must agree on them within float tolerance.
     self.first = {k: float(self.metrics[k]) for k in ('loss', 'grad_norm')}
 
+  def profile(self, steps: int = 2) -> dict:
+    """`steps` steps under one jax.profiler trace, the time of one by op kind and region
+    (train/step_profile.py's breakdown; more than one: the trace's start-up cost is shared)."""
+    def run():
+      for _ in range(steps):
+        self.run()
+    path = step_profile.trace_run(run)
+    return step_profile.breakdown(path, self.compiled.as_text(), steps=steps)
+
   def run(self) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one step."""
     w, c = time.perf_counter(), time.process_time()
@@ -189,6 +200,7 @@ def _peak(smoke: bool) -> dict:
 
 def bench_mfu(rounds: int, smoke: bool = False) -> dict:
   config = load_config('stdlib_mtp')
+  config.model.dtype = 'float32'  # the float32 MFU on every host ('auto' may pick bf16)
   if smoke:
     shrink(config)
   dtype = peak_lib.cpu_dtype(model_args(config).dtype)
@@ -198,6 +210,8 @@ def bench_mfu(rounds: int, smoke: bool = False) -> dict:
   for _ in range(rounds):
     probes.append(probe.run())
     steps.append(step.run()[0])
+  profile = step.profile()  # after the timed rounds
+  print(step_profile.format_breakdown(profile), file=sys.stderr, flush=True)
   best_step, median_step, best_probe = min(steps), common.median(steps), min(probes)
   if not smoke:  # the rounds' probes are probes of this host too: a higher one raises the peak
     load = common.load_average()[0]
@@ -219,7 +233,7 @@ def bench_mfu(rounds: int, smoke: bool = False) -> dict:
       'model_flops_per_step': step.flops, 'xla_cost_analysis_flops_per_step': step.xla_flops,
       'probe_gflops_best_this_run': probe.flops / best_probe / 1e9,
       'mfu_best_step_over_best_probe_this_run': step.flops / best_step / (probe.flops / best_probe),
-      'compile_s': step.compile_s, 'rounds': rounds,
+      'compile_s': step.compile_s, 'rounds': rounds, 'step_profile': profile,
   }
 
 
@@ -338,6 +352,10 @@ def bench_ab(rounds: int, ab_set: str, smoke: bool = False, only_models=()) -> d
         devices = min(devices or 1, len(jax.devices()))
       steps[v] = Step(c, devices)
     times = _round_robin(steps, rounds)
+    # after the timed rounds: one traced step of each variant, its time by op kind
+    profiles = {v: s.profile() for v, s in steps.items()}
+    for v, prof in profiles.items():
+      print(f'{name} {v}: {step_profile.format_breakdown(prof)}', file=sys.stderr, flush=True)
     base = next(iter(variants))
     out['models'][name] = {v: {
         'overrides': {k: str(x) for k, x in variants[v].items()},
@@ -350,6 +368,7 @@ def bench_ab(rounds: int, ab_set: str, smoke: bool = False, only_models=()) -> d
         'mfu_median_over_dtype_peak': steps[v].flops / common.median(times[v]) / (
             1e9 if smoke else peak_lib.cpu_peak(steps[v].dtype)['flops']),
         'matmul_flops_by_dot_form': steps[v].dot_forms,
+        'step_profile': profiles[v],
         'first_step_rel_diff': {k: abs(x - steps[base].first[k]) / abs(steps[base].first[k])
                                 for k, x in steps[v].first.items()}} for v in variants}
   return out

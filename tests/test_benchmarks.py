@@ -68,6 +68,7 @@ def test_train_throughput_mfu(tmp_path):
   assert mfu['tokens_per_sec_median'] == pytest.approx(
       mfu['batch_size'] * mfu['seq_len'] / mfu['step_time_median_s'])
   assert mfu['mfu_best_step_over_peak'] > 0 and mfu['model_flops_per_step'] > 0
+  assert mfu['compute_dtype'] == 'float32' and mfu['step_profile']['step_s'] > 0
 
 
 def _section(tmp_path, name):
@@ -117,6 +118,10 @@ def test_train_throughput_dtype_ab(tmp_path):
   assert bf16['first_step_rel_diff']['loss'] < 1e-2  # the same init and batch, bf16 rounding
   assert bf16['matmul_flops_by_dot_form']['bf16 kernels'] > 0.8  # d 32: the norms' share is larger
   assert 'bf16 kernels' not in f32['matmul_flops_by_dot_form']
+  # where each variant's traced step went, by kind: its own matmul form among them
+  for v, form in ((f32, 'matmul: f32 x f32 -> f32'), (bf16, 'matmul: bf16 kernels')):
+    kinds = v['step_profile']['by_kind']
+    assert kinds.get(form, 0) > 0 and 'host gap' in kinds, kinds
 
 
 def test_decode_speed(tmp_path):

@@ -67,17 +67,29 @@ def test_bf16_gradients_match_float32_autodiff(spec, sa, sb, fn):
 
 
 def test_float32_and_accelerators_keep_the_plain_dot(monkeypatch):
-  """float32: the HLO of jnp.dot itself; bfloat16 off CPU: no custom VJP in the program."""
+  """float32 einsum: the HLO of jnp.einsum itself; float32 matmul on CPU: the row-major
+  custom VJP, with jnp.dot's values and float32 autodiff's gradients; off CPU: no custom
+  VJP in the program, either dtype."""
   x, w = jnp.ones((16, 8), F32), jnp.ones((8, 4), F32)
-  ours = jax.jit(lambda x, w: matmul.matmul(x, w, F32)).lower(x, w).as_text()
-  plain = jax.jit(lambda x, w: jnp.dot(x, w)).lower(x, w).as_text()
+  spec = 'bnqh,bnsh->bnqs'
+  q = jnp.ones((1, 2, 8, 4), F32)
+  ours = jax.jit(lambda a, b: matmul.einsum(spec, a, b, F32)).lower(q, q).as_text()
+  plain = jax.jit(lambda a, b: jnp.einsum(spec, a, b)).lower(q, q).as_text()
   assert ours.replace('<lambda>', '') == plain.replace('<lambda>', '')
-  grad = jax.grad(lambda x, w: jnp.sum(matmul.matmul(x, w, BF16)), (0, 1))
-  assert 'optimization_barrier' in str(jax.make_jaxpr(grad)(x, w))  # _bf16_dot's backward
+  for dt in (BF16, F32):
+    grad = jax.grad(lambda x, w, dt=dt: jnp.sum(matmul.matmul(x, w, dt)), (0, 1))
+    assert 'optimization_barrier' in str(jax.make_jaxpr(grad)(x, w))  # _cpu_dot's backward
+  ka, kb = jax.random.split(jax.random.key(3))
+  xr, wr = jax.random.normal(ka, (16, 8), F32), jax.random.normal(kb, (8, 4), F32)
+  assert np.allclose(matmul.matmul(xr, wr, F32), jnp.dot(xr, wr), rtol=1e-6, atol=1e-6)
+  f = lambda fn: jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w))), (0, 1))(xr, wr)  # noqa: E731
+  for g, r in zip(f(lambda x, w: matmul.matmul(x, w, F32)), f(jnp.dot)):
+    assert g.dtype == F32 and np.allclose(g, r, rtol=1e-5, atol=1e-5)
   monkeypatch.setattr(jax, 'default_backend', lambda: 'tpu')
-  assert not matmul.bf16_kernels(BF16)
-  grad = jax.grad(lambda x, w: jnp.sum(matmul.matmul(x, w, BF16)), (0, 1))  # traced anew
-  assert 'optimization_barrier' not in str(jax.make_jaxpr(grad)(x, w))
+  assert not matmul.bf16_kernels(BF16) and not matmul.row_major_f32(F32)
+  for dt in (BF16, F32):
+    grad = jax.grad(lambda x, w, dt=dt: jnp.sum(matmul.matmul(x, w, dt)), (0, 1))  # anew
+    assert 'optimization_barrier' not in str(jax.make_jaxpr(grad)(x, w))
   with pytest.raises(ValueError, match='not a batched matmul'):
     matmul.parse_spec('bij,bjk->bki')
 
@@ -178,3 +190,82 @@ def test_auto_dtype_follows_the_cached_bf16_speedup(peak_cache, monkeypatch):
                       lambda n, dtype, reps: 300e9 if jnp.dtype(dtype) == BF16 else 100e9)
   assert peak_lib.compute_dtype('auto', 'cpu') == BF16
   assert json.loads(ratio_file.read_text())[key]['ratio'] == 3.0
+
+
+def test_auto_is_per_job(peak_cache, monkeypatch):
+  """'auto' on a host where training picks bfloat16: decoding and Hugging Face imports
+  still resolve float32; a run's resolution keeps the request beside it, so a saved config
+  re-resolves 'auto' for the next job instead of inheriting the training's bfloat16."""
+  monkeypatch.setenv(peak_lib.AUTO_ENV, 'bfloat16')
+  assert peak_lib.compute_dtype('auto', 'cpu', 'train') == BF16
+  for job in peak_lib.EXACT_JOBS:
+    assert peak_lib.compute_dtype('auto', 'cpu', job) == F32
+    assert peak_lib.compute_dtype('bfloat16', 'cpu', job) == BF16  # an explicit choice stays
+  with pytest.raises(ValueError, match='unknown job'):
+    peak_lib.compute_dtype('auto', 'cpu', 'serve')
+  c = helpers.tiny_model_config(depth=1)
+  line = peak_lib.resolve_model_dtype(c, 'train')
+  assert (c.model.dtype, c.model.dtype_requested) == ('bfloat16', 'auto')
+  assert line.startswith('Compute dtype: bfloat16') and 'auto' in line
+  saved = type(c)(json.loads(c.to_json_best_effort()))  # what config.json holds
+  peak_lib.resolve_model_dtype(saved, 'decode')
+  assert (saved.model.dtype, saved.model.dtype_requested) == ('float32', 'auto')
+  saved.model.dtype = 'float32'  # a rerun of the saved config with an override trains so
+  peak_lib.resolve_model_dtype(saved, 'train')
+  assert (saved.model.dtype, saved.model.dtype_requested) == ('float32', 'float32')
+  explicit = helpers.tiny_model_config(depth=1)
+  explicit.model.dtype = 'bfloat16'
+  peak_lib.resolve_model_dtype(explicit, 'interop')
+  assert explicit.model.dtype == 'bfloat16'
+
+
+def test_bf16_stacked_head_gradient_stays_on_each_device():
+  """The loss head's product over stacked depths [K, B, T, D] x [D, V] on a 2-device data
+  mesh: its bf16 weight gradient runs on each device's own rows (one all-reduce of
+  [D, V] partial sums), no all-gather of the activations, and equals float32 autodiff's."""
+  mesh = jax.make_mesh((2,), ('data',), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, 'data'))
+  ka, kb = jax.random.split(jax.random.key(1))
+  a = jax.device_put(jax.random.normal(ka, (3, 4, 16, 32), F32), rows)
+  b = jax.device_put(jax.random.normal(kb, (32, 24), F32),
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  grad = jax.jit(jax.grad(_loss('einsum', 'kbtd,dv->kbtv', BF16), (0, 1)))
+  text = grad.lower(a, b).compile().as_text()
+  assert 'all-gather' not in text and 'all-reduce' in text
+  got, ref = grad(a, b), jax.grad(_loss('einsum', 'kbtd,dv->kbtv', F32), (0, 1))(a, b)
+  for g, r in zip(got, ref):
+    assert _rel(g, r) < 3e-2
+
+
+def test_bf16_step_makes_one_bf16_copy_of_each_weight():
+  """Every float32 parameter of the compiled bf16 step feeds at most one bf16-producing
+  op (its one cast, reused by the forward and both gradient products), and the matrices
+  feed one each: no weight is cast again per use."""
+  from mtp_jax.train.aot import hlo_read
+  compiled, _, _ = _compiled_step('bfloat16')
+  comps, _, entry = hlo_read.read_computations(compiled.as_text())
+  body = comps[entry]
+  params = {n: t for n, t, op, _, _ in body if op == 'parameter' and t.startswith('f32[')}
+  casts = {n: 0 for n in params}
+  for _, typ, _, rest, _ in body:
+    if typ.startswith('bf16'):
+      for o in set(hlo_read.operands(rest)):
+        if o in casts:
+          casts[o] += 1
+  assert max(casts.values()) <= 1, {n: c for n, c in casts.items() if c > 1}
+  matrices = [n for n, t in params.items() if ',' in t.split(']')[0]]
+  assert sum(casts[n] for n in matrices) >= 10, casts
+
+
+def test_float32_step_runs_its_projection_gradients_row_major():
+  """The compiled float32 train step: the projections' weight gradients x^T dy are dots
+  with a row-major left operand (model/matmul.py's float32 form on CPU), so what is left
+  with a transposed left operand (the attention cores' and loss head's einsums) is a
+  small share of the matmul FLOPs; the step runs."""
+  compiled, state, batch = _compiled_step('float32')
+  forms = cpu_dot_forms(compiled.as_text())
+  total = sum(forms.values())
+  assert forms.get('f32 x f32 -> f32 (lhs transposed)', 0) < 0.15 * total, forms
+  _, metrics = compiled(state, batch)
+  assert np.isfinite(float(metrics['loss']))

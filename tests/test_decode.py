@@ -38,6 +38,7 @@ from mtp_jax.decode import sampling as sampling_lib
 from mtp_jax.decode import tree as tree_lib
 from mtp_jax.model import decode_ops
 from mtp_jax.model.mtp import ModelArgs, MTPModel, shift_left
+from mtp_jax.runtime import peak as peak_lib
 
 
 def build(config, seed=0):
@@ -600,8 +601,14 @@ def test_cli_bad_input_exits_2(trained, depth0_workdir, tmp_path, capsys):
   assert len(decode._COMPILED) == compiled
 
 
-def test_cli_compare_json(trained, capsys):
-  """scripts/decode.py --mode compare --json on the trained checkpoint (in-process)."""
+@pytest.mark.parametrize('training_auto', ['float32', 'bfloat16'])
+def test_cli_compare_json(trained, capsys, monkeypatch, training_auto):
+  """scripts/decode.py --mode compare --json on the trained checkpoint (in-process), with
+  model.dtype left at 'auto' on a host where 'auto' trains in float32 and on one where it
+  trains in bfloat16 (an AMX host): decoding resolves 'auto' to float32 on both, and the
+  speculative output is plain decoding's."""
+  monkeypatch.setenv(peak_lib.AUTO_ENV, training_auto)
+  assert peak_lib.compute_dtype('auto', 'cpu', 'train').name == training_auto
   code = _script().main(['--workdir', trained[1], '--prompt', 'abc hij pq', '--max_new_tokens',
                          str(MAX_NEW), '--mode', 'compare', '--json'])
   assert code == 0
@@ -609,7 +616,7 @@ def test_cli_compare_json(trained, capsys):
   for key in ('identical', 'ar_tokens_per_sec', 'spec_tokens_per_sec', 'speedup',
               'mean_accepted_length', 'acceptance_per_depth', 'verify_steps', 'new_tokens'):
     assert key in out, key
-  assert out['identical'] is True
+  assert out['identical'] is True and out['compute_dtype'] == 'float32'
   assert out['new_tokens'] == MAX_NEW and len(out['acceptance_per_depth']) == 3
   assert out['mean_accepted_length'] > 1.5
   assert out['spec_outputs'] == out['ar_outputs']

@@ -24,6 +24,7 @@ from mtp_jax.data import tokenizers
 from mtp_jax.decode import Decoder
 from mtp_jax.interop import export, hf, layouts
 from mtp_jax.model import MTPModel, layers
+from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.runtime import sharding
 from mtp_jax.train import train_and_evaluate
 
@@ -94,6 +95,24 @@ def test_logits_equal_transformers(loaded, family):
   assert got.shape == want.shape == (2, 48, model.args.vocab_size)
   assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
   assert want.std() > 0.3  # logits that are far from uniform: the comparison has teeth
+
+
+def test_auto_import_matches_transformers_where_auto_trains_in_bf16(hf_models, monkeypatch):
+  """model.dtype left at 'auto' on a host where 'auto' trains in bfloat16 (an AMX host): an
+  imported trunk resolves float32 and its logits match transformers' as on a float32
+  host; asked for bfloat16 explicitly it computes in bfloat16 (and drifts)."""
+  monkeypatch.setenv(peak_lib.AUTO_ENV, 'bfloat16')
+  directory, ref = hf_models['llama']
+  ids = np.arange(2 * 40, dtype=np.int32).reshape(2, 40) % 300
+  want = ref_logits(ref, ids)
+  errs = {}
+  for dtype in ('auto', 'bfloat16'):
+    c = hf_config(directory)
+    c.model.dtype = dtype
+    model = hf.load_model(directory, c)
+    errs[dtype] = float(np.abs(np.asarray(model.logits(model(jnp.asarray(ids))[0])) - want).max())
+    assert model.args.dtype == (jnp.float32 if dtype == 'auto' else jnp.bfloat16)
+  assert errs['auto'] <= 1e-4 < errs['bfloat16'], errs
 
 
 @pytest.mark.parametrize('family', FAMILIES)

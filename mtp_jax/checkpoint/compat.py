@@ -20,7 +20,8 @@ def _lookup(d: dict, dotted: str):
 
 
 # Training-only model switches that may change between runs of the same model.
-_TRAINING_ONLY = {'remat', 'scan_layers', 'loss_chunk', 'dtype', 'mtp.lambda_values',
+_TRAINING_ONLY = {'remat', 'scan_layers', 'loss_chunk', 'dtype', 'dtype_requested',
+                  'mtp.lambda_values',
                   'mtp.lambda_boundaries', 'mtp.lambda_schedule', 'mtp.weights',
                   'mtp.detach_trunk', 'mtp.stop_gradient', 'mtp.curriculum',
                   'mtp.curriculum_phase_steps'}

@@ -76,7 +76,7 @@ def decode(args) -> int:
   styled = sys.stdout.isatty() and not os.environ.get('NO_COLOR')
   for prompt, text in zip(prompts, outputs):
     print(show(prompt, text, styled))
-  keys = ('new_tokens', 'verify_steps', 'mean_accepted_length', 'tokens_per_sec',
+  keys = ('compute_dtype', 'new_tokens', 'verify_steps', 'mean_accepted_length', 'tokens_per_sec',
           'ar_tokens_per_sec', 'spec_tokens_per_sec', 'speedup', 'identical')
   keys += TREE_KEYS
   summary = {k: out[k] for k in keys if k in out}

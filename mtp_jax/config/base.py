@@ -51,9 +51,13 @@ def model_fields() -> ml_collections.ConfigDict:
   m.rope_scaling = rope_scaling_fields()
   m.tie_embeddings = True  # OutHead = Emb^T (False: a separate output kernel)
   # compute dtype (params and optimizer state stay float32): float32 | bfloat16 | float16 |
-  # auto (bfloat16 on a CPU whose bf16 dot runs >= 2x its f32 dot, e.g. with AMX; else
-  # float32: runtime/peak.py compute_dtype)
+  # auto: per job (runtime/peak.py compute_dtype): training bfloat16 on a CPU whose bf16 dot
+  # runs >= 2x its f32 dot (e.g. with AMX), else float32; decoding and Hugging Face imports
+  # float32 (their outputs are promised equal to plain decoding's / transformers')
   m.dtype = 'auto'
+  # what model.dtype asked for before a run resolved it (set by the run, saved with it: a
+  # decode of a run trained under 'auto' resolves 'auto' again, for decoding); '' unset
+  m.dtype_requested = ''
   m.init_std = 0.02  # stddev of the embedding init
   # rematerialisation per block (REMAT_POLICIES; docs/scaling.md has what each costs): none |
   # block (keep weight-matmul outputs) | block_norms, block_mlp, block_inputs (block and more)

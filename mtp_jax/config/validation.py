@@ -73,6 +73,9 @@ def _validate_model(config) -> None:
   require(m.head_dim % 2 == 0, f'model.head_dim must be even for RoPE, got {m.head_dim}')
   require(m.dtype in ('auto', 'float32', 'bfloat16', 'float16'),
            f"model.dtype must be auto, float32, bfloat16 or float16, got {m.dtype!r}")
+  require(m.get('dtype_requested', '') in ('', 'auto', 'float32', 'bfloat16', 'float16'),
+          'model.dtype_requested must be empty, auto, float32, bfloat16 or float16, got '
+          f"{m.get('dtype_requested')!r}")
   require(m.remat in REMAT_POLICIES,
            f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {m.remat!r}")
   require(m.attention_core in ATTENTION_CORES,

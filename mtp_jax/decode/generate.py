@@ -16,6 +16,7 @@ from mtp_jax.checkpoint.reader import load_workdir
 from mtp_jax.data import tokenizers
 from mtp_jax.decode.decoder import Decoder, DecodeResult, check_request
 from mtp_jax.errors import RequestError
+from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train_state.restore import restore_model_at
 
 
@@ -75,6 +76,9 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   if tree is not None:
     tree = tree_lib.parse_tree(tree)
   config, step = load_workdir(workdir)
+  # 'auto' (as trained, whatever the training resolved it to) decodes in float32: the
+  # speculative output must equal plain decoding's (peak_lib.compute_dtype)
+  peak_lib.resolve_model_dtype(config, 'decode')
   mtp_depth = int(config.model.mtp.depth)
   if mode != 'ar' and mtp_depth == 0:
     raise RequestError(f'--mode {mode} needs MTP modules, but the checkpoint in {workdir!r} has '
@@ -101,6 +105,7 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
                                          warm_up=True, num_drafts=drafts[m], **kw)
              for m in modes}
   out = {'workdir': os.path.abspath(workdir), 'step': step, 'mode': mode,
+         'compute_dtype': str(config.model.dtype),
          'num_drafts': drafts['spec'] if mode != 'ar' else 0, 'temperature': temperature,
          'batch_size': batch_size}
   for m, r in results.items():

@@ -39,6 +39,7 @@ from mtp_jax.data import tokenizers
 from mtp_jax.interop.safetensors_io import InteropError, MemoryReader, Reader, read_json
 from mtp_jax.model.args import ModelArgs
 from mtp_jax.model.mtp import MTPModel
+from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train_state.init_from import HF_PREFIX
 
 PREFIX = HF_PREFIX
@@ -341,7 +342,9 @@ def init_state(directory: str, config, state, notify=print):
 def load_model(directory: str, config) -> MTPModel:
   """An MTPModel on this process's first device: DIR's weights, fresh MTP depths beyond
   the checkpoint's. config: one on which apply_to_config(config, DIR) has run. For
-  decoding and tests; training goes through init_state."""
+  decoding and tests; training goes through init_state. model.dtype 'auto' resolves for an
+  import (float32: its logits match transformers'); config.model.dtype is set to it."""
+  peak_lib.resolve_model_dtype(config, 'interop')
   args = ModelArgs.from_config(config)
   model = MTPModel(args, rngs=nnx.Rngs(config.seed))
   graphdef, state = nnx.split(model)
@@ -398,6 +401,7 @@ def load_dir(directory: str, base=None) -> tuple:
   validate(config)  # a config.json value out of range: one ConfigError line
   with Reader(directory, where) as reader:
     params = params_from_hf(reader, cfg, where)
+  peak_lib.resolve_model_dtype(config, 'interop')  # 'auto': float32, as transformers computes
   model = MTPModel(ModelArgs.from_config(config), rngs=nnx.Rngs(config.seed))
   graphdef, state = nnx.split(model)
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

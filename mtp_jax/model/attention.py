@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import mtp_jax.model.matmul as matmul
 from mtp_jax.config.kernel_limits import attention_kernel_problem, triton_blocks
 from mtp_jax.errors import ConfigError
-from mtp_jax.runtime import sharding
+from mtp_jax.runtime import profiling, sharding
 
 Array = jax.Array
 
@@ -76,6 +76,7 @@ def dense_mask(mask: Array) -> Array:
   return attention_mask(mask) if mask.ndim == 2 else mask
 
 
+@jax.named_scope(profiling.ATTENTION_SCOPE)
 def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
                              mask_Bx1xTxT: Array, block: int = 64,
                              saved_core: bool = False, scale: float | None = None) -> Array:
@@ -113,8 +114,14 @@ def blocked_causal_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Arra
   # position (causal, same document), so no row is all masked.
   bias_Bx1xTxT = jnp.where(mask_Bx1xTxT, 0.0, MASKED).astype(jnp.float32)
   f32 = jnp.float32
-  k_BxKxTxH = jnp.transpose(k_BxTxKxH, (0, 2, 1, 3))
-  v_BxKxTxH = jnp.transpose(v_BxTxKxH, (0, 2, 1, 3))
+  # Keys and values enter the block loop in float32 (each block's product casts its slice to
+  # the compute dtype): the backward pass sums every query block's key / value gradient
+  # (one padded slice per block), and in bfloat16 XLA:CPU ran each of those sums as a
+  # convert-add-convert pass: 15 % of the bf16 step at configs/stdlib_mtp.py.
+  # (The saved core's own backward sums them in float32 already.)
+  kv_dtype = k_BxTxKxH.dtype if saved_core and g == 1 else f32
+  k_BxKxTxH = jnp.transpose(k_BxTxKxH.astype(kv_dtype), (0, 2, 1, 3))
+  v_BxKxTxH = jnp.transpose(v_BxTxKxH.astype(kv_dtype), (0, 2, 1, 3))
   if g == 1:  # no GQA: 4-D [B, N, ., .] throughout (measured faster on XLA:CPU than the 5-D form)
     q_BxNxTxH = jnp.transpose(q_BxTxNxH * scale, (0, 2, 1, 3))
     if saved_core:
@@ -226,6 +233,7 @@ _saved_core.defvjp(_saved_core_fwd, _saved_core_bwd)
 
 
 # -- the Pallas kernels: splash (TPU) and the Triton flash kernel (GPU) ----------------------
+@jax.named_scope(profiling.ATTENTION_SCOPE)
 def kernel_attention(impl: str, q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxHv: Array,
                      segment_ids_BxT: Array, scale: float, block_q: int = 512,
                      block_kv: int = 512) -> Array:

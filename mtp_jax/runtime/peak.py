@@ -411,17 +411,56 @@ def bf16_speedup() -> dict:
   return record
 
 
-def compute_dtype(name: str, backend: str | None = None) -> jnp.dtype:
-  """model.dtype as a dtype: 'auto' is bfloat16 on a CPU whose bf16 dot runs at least
-  AUTO_BF16_AT x its f32 dot (`bf16_speedup`; $MTP_JAX_AUTO_DTYPE pins it), else float32."""
+# What 'auto' means per job. Training: bfloat16 where it pays (above). Every job whose docs
+# promise equality with float32 arithmetic elsewhere: float32. Decoding promises speculative
+# output identical to plain decoding (greedy) and following the model's distribution
+# (sampling), which bf16 rounding breaks at near ties (top-1 / top-2 margins of 1e-4 were
+# seen to flip); a Hugging Face import promises the logits transformers computes.
+JOBS = ('train', 'decode', 'interop')
+EXACT_JOBS = ('decode', 'interop')
+
+
+def compute_dtype(name: str, backend: str | None = None, job: str = 'train') -> jnp.dtype:
+  """model.dtype as a dtype for `job` (JOBS). An explicit dtype is itself. 'auto': for
+  training bfloat16 on a CPU whose bf16 dot runs at least AUTO_BF16_AT x its f32 dot
+  (`bf16_speedup`; $MTP_JAX_AUTO_DTYPE pins it), else float32; for the exact jobs
+  (EXACT_JOBS: decoding, Hugging Face imports) float32 everywhere."""
+  if job not in JOBS:
+    raise ValueError(f'unknown job {job!r} (one of {", ".join(JOBS)})')
   if name != 'auto':
     return jnp.dtype(name)
+  if job in EXACT_JOBS:
+    return jnp.dtype(jnp.float32)
   if os.environ.get(AUTO_ENV):
     return jnp.dtype(os.environ[AUTO_ENV])
   if (backend or jax.default_backend()) != 'cpu':
     return jnp.dtype(jnp.float32)
   fast = bf16_speedup()['ratio'] >= AUTO_BF16_AT
   return jnp.dtype(jnp.bfloat16 if fast else jnp.float32)
+
+
+def resolve_model_dtype(config, job: str) -> str:
+  """Sets config.model.dtype to what `job` computes in (compute_dtype of the dtype asked
+  for) and config.model.dtype_requested to that request. Training asks for model.dtype as
+  it stands (a config file's, or an override's); the exact jobs ask for what the saved run
+  asked for (dtype_requested, when the config is a run's), so decoding a run trained under
+  'auto' resolves 'auto' for decoding, not the training's bfloat16. Returns a line naming
+  the resolved dtype and why."""
+  m = config.model
+  requested = m.dtype if job == 'train' else (m.get('dtype_requested') or m.dtype)
+  dtype = compute_dtype(requested, job=job).name
+  m.dtype_requested = requested
+  m.dtype = dtype
+  return dtype_line(config, job)
+
+
+def dtype_line(config, job: str) -> str:
+  """'Compute dtype: D (why).' of a config resolve_model_dtype resolved for `job`."""
+  m = config.model
+  why = {'train': 'for training on this host', 'decode': 'decoding: exact against plain '
+         'decoding', 'interop': 'a Hugging Face import: exact against transformers'}[job]
+  how = f'model.dtype=auto, {why}' if m.get('dtype_requested') == 'auto' else 'model.dtype'
+  return f'Compute dtype: {m.dtype} ({how}).'
 
 
 def main():

@@ -13,6 +13,12 @@ import os
 
 import jax
 
+# The named scopes (jax.named_scope) that a step's parts are traced under, so a profile
+# (train/step_profile.py) can tell them apart: their ops' HLO op_name holds the scope.
+ATTENTION_SCOPE = 'attention_core'
+LOSS_SCOPE = 'loss_head'
+OPTIMIZER_SCOPE = 'optimizer_update'
+
 
 class StepProfiler:
   """Starts and stops jax.profiler around the steps of one window."""

@@ -35,6 +35,7 @@ from mtp_jax.decode import tree as tree_lib
 from mtp_jax.decode.decoder import Decoder
 from mtp_jax.errors import ConfigError, RequestError
 from mtp_jax.model.args import ModelArgs
+from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.runtime import sharding
 from mtp_jax.train.metrics import TAU_KEY, depth_name, metric_key
 
@@ -254,6 +255,8 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, eval_batches: in
     tree_lib.parse_tree(tree)
   explicit = step is not None
   config, step = load_workdir(workdir, step)
+  # its decoding promises plain decoding's output: 'auto' resolves as for mtp-decode
+  peak_lib.resolve_model_dtype(config, 'decode')
   devices = jax.local_devices() if devices is None else devices
   t, d = config.train, config.data
   split = split or d.eval_split

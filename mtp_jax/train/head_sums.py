@@ -19,11 +19,12 @@ from jax.sharding import PartitionSpec as P
 from mtp_jax.model import matmul
 from mtp_jax.model.heads import vocab_logits
 from mtp_jax.model.mtp import MTPModel
-from mtp_jax.runtime import sharding
+from mtp_jax.runtime import profiling, sharding
 
 Array = jax.Array
 
 
+@jax.named_scope(profiling.LOSS_SCOPE)
 def head_sums(model: MTPModel, hiddens: list, targets_M1xBxT, mask_M1xBxT, chunk: int,
               first: int = 0, teacher_MxBxTxD: Array | None = None):
   """Per-depth (sum of -log p over valid positions [M1], number correct [M1], argmax

@@ -25,6 +25,7 @@ from mtp_jax.config import kinds
 from mtp_jax.model import moe
 from mtp_jax.model.heads import vocab_logits
 from mtp_jax.model.mtp import MTPModel, shift_left
+from mtp_jax.runtime import profiling
 from mtp_jax.train.head_sums import head_sums
 from mtp_jax.train.metrics import metric_key
 
@@ -186,6 +187,7 @@ def top_targets(tokens_BxT: Array, segment_ids_BxT: Array, window: int, vocab_si
   return jnp.where(score_BxTxV > 0, score_BxTxV, -jnp.inf)
 
 
+@jax.named_scope(profiling.LOSS_SCOPE)
 def top_sums(model: MTPModel, h0_BxTxD: Array, tokens_BxT: Array, segment_ids_BxT: Array,
              mask_BxT: Array):
   """The TOP head's (ListNet loss summed over valid positions, number of positions whose

@@ -107,12 +107,13 @@ def init_source(value: str | InitFrom | None) -> InitSource | None:
 
 def resolve_config(config, source: InitSource | None, num_devices: int) -> list[str]:
   """The config as the run trains it, checked: the source's changes (returned), the vocab
-  size from the tokenizer, 'auto' dtype as this host's choice (so config.json says what
-  ran and readers match it)."""
+  size from the tokenizer, 'auto' dtype as this host's choice for training (config.json
+  keeps the request beside it, model.dtype_requested, so a decode of the run resolves
+  'auto' for decoding: runtime/peak.py resolve_model_dtype)."""
   changes = source.apply_to_config(config) if source is not None else []
   tokenizers.resolve_vocab_size(config)
-  config.model.dtype = peak_lib.compute_dtype(config.model.dtype).name
   validate(config, num_devices)
+  peak_lib.resolve_model_dtype(config, 'train')
   return changes
 
 
@@ -176,6 +177,7 @@ class Start:
     self.progress = metrics_lib.Progress(config.train.steps, enabled=self.is_main,
                                          live=config.train.progress)
     notify = self.notify = Notifier(self.progress, self.is_main)
+    notify(peak_lib.dtype_line(config, 'train'))
     startup.check()
     # Before anything compiles: a rerun of this config loads its programs from the cache.
     compile_cache.enable(config.train.compilation_cache_dir, notify)

@@ -24,7 +24,7 @@ from mtp_jax.config.readers import optional
 from mtp_jax.config.validation import validate
 from mtp_jax.data import tokenizers
 from mtp_jax.model import moe
-from mtp_jax.runtime import sharding
+from mtp_jax.runtime import profiling, sharding
 from mtp_jax.train_state import state as state_lib
 from mtp_jax.train_state.optimizer import lr_at, schedule_inputs, trainable
 
@@ -131,8 +131,9 @@ def train_step(args: StepArgs, graphdef, state, batch, schedule=None):
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params,
                                                         jax.tree.map(lambda x: x[0], micro)))
     ((loss, sums), grads), _ = jax.lax.scan(body, zeros, micro)
-  grad_norm = optax.tree.norm(grads)
-  optimizer.update(model, grads, schedule=schedule)
+  with jax.named_scope(profiling.OPTIMIZER_SCOPE):
+    grad_norm = optax.tree.norm(grads)
+    optimizer.update(model, grads, schedule=schedule)
   if 'moe_load' in sums:  # aux-loss-free balancing: the routing bias, outside the gradient
     sums.update(moe.update_bias(model, sums['moe_load'], args.bias_update_rate))
   new_state = nnx.state((model, optimizer))  # after every update of this step

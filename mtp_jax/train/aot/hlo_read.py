@@ -199,18 +199,20 @@ def cpu_dot_forms(text: str) -> dict:
   for body in comps.values():
     shapes = {name: typ for name, typ, *_ in body}
     for _, typ, op, rest, _ in body:
-      if op != 'dot':
-        continue
-      flops = matmul_flops(op, typ, rest, shapes)
-      ops = operands(rest)
-      lhs_t, rhs_t = (shapes.get(o, '') for o in ops[:2])
-      (lt, ld), (rt, _), (ot, _) = arrays(lhs_t)[0], arrays(rhs_t)[0], arrays(typ)[0]
-      contract = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest).group(1)
-      layout = _LAYOUT.search(lhs_t)
-      minor = int(layout.group(1).split(',')[0]) if layout and layout.group(1) else len(ld) - 1
-      row_major = contract == str(minor)
-      if (lt, rt, ot) == ('bf16', 'bf16', 'f32') and row_major:
-        out['bf16 kernels'] += flops
-      else:
-        out[f'{lt} x {rt} -> {ot}' + ('' if row_major else ' (lhs transposed)')] += flops
+      if op == 'dot':
+        out[dot_form(typ, rest, shapes)] += matmul_flops(op, typ, rest, shapes)
   return dict(out)
+
+
+def dot_form(typ: str, rest: str, shapes: dict) -> str:
+  """cpu_dot_forms' key of one dot (its type, its text after the opcode, and the types of
+  the names in its computation)."""
+  lhs_t, rhs_t = (shapes.get(o, '') for o in operands(rest)[:2])
+  (lt, ld), (rt, _), (ot, _) = arrays(lhs_t)[0], arrays(rhs_t)[0], arrays(typ)[0]
+  contract = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest).group(1)
+  layout = _LAYOUT.search(lhs_t)
+  minor = int(layout.group(1).split(',')[0]) if layout and layout.group(1) else len(ld) - 1
+  row_major = contract == str(minor)
+  if (lt, rt, ot) == ('bf16', 'bf16', 'f32') and row_major:
+    return 'bf16 kernels'
+  return f'{lt} x {rt} -> {ot}' + ('' if row_major else ' (lhs transposed)')
