@@ -178,7 +178,8 @@ def export_workdir(workdir: str, directory: str, layout: str, *, step: int | Non
   layouts.check_layout(args, layout)
   if fp8 and layout != 'deepseek_v3':
     raise InteropError(f'--fp8 is the deepseek_v3 layout\'s weight format; {layout} has none')
-  model, step = restore_model_at(config, workdir, newest, fallback=step is None, job='interop', **kw)
+  model, step = restore_model_at(config, workdir, newest, fallback=step is None, job='interop',
+                                 **kw)
   tensors = export_model(model, directory, layout, fp8=fp8, shard_bytes=shard_bytes,
                          data_config=config.data, max_positions=config.model.max_positions
                          or max(4096, config.data.seq_len))
