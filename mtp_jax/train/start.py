@@ -177,7 +177,6 @@ class Start:
     self.progress = metrics_lib.Progress(config.train.steps, enabled=self.is_main,
                                          live=config.train.progress)
     notify = self.notify = Notifier(self.progress, self.is_main)
-    notify(peak_lib.dtype_line(config, 'train'))
     startup.check()
     # Before anything compiles: a rerun of this config loads its programs from the cache.
     compile_cache.enable(config.train.compilation_cache_dir, notify)
@@ -204,7 +203,9 @@ class Start:
                                         ckpt_reader.CheckpointReader(checkpoints_dir),
                                         self.source, self.new_data)
     self.decode_prompts = evaluation.training_prompts(config, self.tokenizer)  # [] when off
-    if changes:  # only once the run can start: a refused one prints its error alone
+    # only once the run can start: a refused one prints its error alone
+    notify(peak_lib.dtype_line(config, 'train'))
+    if changes:
       notify(self.source.describe(changes))
     # Only under the lock: the writer's start-up removes incomplete saves.
     self.checkpointer = _open_checkpointer(config, checkpoints_dir, self.local_dir)
