@@ -20,11 +20,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax import config_lib
+from mtp_jax.data import tokenizers
 from mtp_jax.decode import cost as cost_lib
 from mtp_jax.decode import decoder as decoder_lib
 from mtp_jax.decode import picker as picker_lib
 from mtp_jax.model.mtp import ModelArgs, MTPModel
-from mtp_jax.train.aot import pricing
+from mtp_jax.train.aot import pricing, programs
 from mtp_jax.train.aot.devices import Topology, no_jax_cache, topology_devices, traced_for
 from mtp_jax.train.aot.hlo import analyze_hlo
 
@@ -39,8 +40,8 @@ def priced_cost(config, topo: Topology, *, batch: int = 1, new_tokens: int = 64,
                 max_rows: int = picker_lib.MAX_ROWS, depth: int | None = None,
                 log=lambda s: None) -> cost_lib.IterationCost:
   """The IterationCost of `config`'s model on one chip of `topo`, from the compiler."""
-  from mtp_jax.train.aot import programs  # pylint: disable=import-outside-toplevel
-  config = programs._target_config(config, topo.chip.platform)  # pylint: disable=protected-access
+  config = config.copy_and_resolve_references()
+  tokenizers.resolve_vocab_size(config)
   device = topology_devices(topo)[0]
   one = jax.sharding.SingleDeviceSharding(device)
   t0 = time.perf_counter()
