@@ -19,13 +19,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import mtp_jax.train.aot.pricing as pricing
+import mtp_jax.train.aot.programs as programs
 from mtp_jax import config_lib
 from mtp_jax.data import tokenizers
 from mtp_jax.decode import cost as cost_lib
 from mtp_jax.decode import decoder as decoder_lib
 from mtp_jax.decode import picker as picker_lib
 from mtp_jax.model.mtp import ModelArgs, MTPModel
-from mtp_jax.train.aot import pricing, programs
 from mtp_jax.train.aot.devices import Topology, no_jax_cache, topology_devices, traced_for
 from mtp_jax.train.aot.hlo import analyze_hlo
 
