@@ -72,11 +72,12 @@ def main(argv=None) -> int:
 def held_out(workdir: str, n: int = 8):
   """Up to n held-out validation prompts of the workdir's data (what the picker's
   acceptance rates are measured on); None when its split holds too few documents."""
-  from mtp_jax import checkpoint, config_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import config_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax.checkpoint.reader import load_workdir  # pylint: disable=import-outside-toplevel
   from mtp_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
   from mtp_jax.errors import ConfigError  # pylint: disable=import-outside-toplevel
   from mtp_jax.train import evaluation  # pylint: disable=import-outside-toplevel
-  config, _ = checkpoint.load_workdir(workdir)
+  config, _ = load_workdir(workdir)
   tokenizer = tokenizers.get_tokenizer(config.data)
   try:
     ids = evaluation.validation_prompts(config, tokenizer, n,
