@@ -78,6 +78,8 @@ def test_cost_of_a_chain_and_a_tree():
   assert p == {'verify_rows': 5, 'depths': [(3, 1), (5, 2)]}
   assert c.seconds(t) == pytest.approx(3.0 + 0.5 + 0.1 + 0.7 + 0.2 + 0.25 + 0.1 + 0.5)
   assert c.seconds(None, 0) == pytest.approx(1.25)
+  c.ar = 0.75  # plain decoding's step as its whole program measured it
+  assert c.seconds(None, 0) == 0.75 and c.seconds(None, 0, overheads=False) == 1.0
   assert cost_lib._lookup({'4': 1.0, '8': 2.0}, 12) == pytest.approx(3.0)  # past: linear
 
 

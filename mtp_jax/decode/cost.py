@@ -9,9 +9,11 @@ An iteration of a chain of A drafts or of a tree (tree.py) is, in the compiled p
   the rest  acceptance, cache moves, bookkeeping.
 `IterationCost` holds the first two as tables by rows (each measured alone, inside a
 compiled loop of its own so that dispatch is left out) and the rest as three fitted
-constants: per iteration (from the autoregressive program's measured step), per drafting
-depth (from the chain of the model's drafts) and per tree iteration (from a small tree),
-each the measured program's time less what the tables predict for it. A table is read at
+constants: per drafting iteration and per drafting depth (from the measured steps of the
+chains of 1 and of the model's drafts) and per tree iteration (from a small tree), each
+the measured program's time less what the tables predict for it. Plain decoding's step
+is its whole program's, measured (a one-row pass timed alone misleads on some CPUs: the
+one-row product runs another kernel). A table is read at
 the smallest measured row count at or above the one asked for: on a CPU few-row products
 past 4 rows run padded to 8 (decode_ops.ROW_MULTIPLE), and the grid's points past 8 sit
 where that padding steps.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -41,6 +44,7 @@ from mtp_jax.runtime import peak as peak_lib
 
 ROW_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 48, 56, 64)
 CACHE_FILE = 'decode_cost.json'
+FORM = 'form 2'  # the cached tables' form: a change here calibrates anew
 # A pass's time: the difference between loops of MIN_TRIPS and of more trips (spanning about
 # SPAN seconds, at most MAX_TRIPS), over the extra trips.
 MIN_TRIPS, MAX_TRIPS, SPAN = 2, 400, 0.03
@@ -68,7 +72,8 @@ class IterationCost:
   verify: dict  # rows -> main pass + logits over that many rows per batch row
   block: dict  # rows -> one MTP block pass over a window of that many rows
   logits: dict  # rows -> one head's logits over that many rows per batch row
-  base: float = 0.0  # per iteration, outside the passes
+  ar: float | None = None  # plain decoding's step, its whole program measured
+  base: float = 0.0  # per drafting iteration, outside the passes
   per_depth: float = 0.0  # per drafting depth, outside the passes
   tree_extra: float = 0.0  # per tree iteration: the tree's acceptance and cache moves
   batch: int = 1
@@ -90,6 +95,8 @@ class IterationCost:
   def seconds(self, tree: tree_lib.Tree | None = None, num_drafts: int = 0, *,
               overheads: bool = True) -> float:
     """Predicted seconds of one iteration of a tree, or of a chain of num_drafts."""
+    if tree is None and not num_drafts and overheads and self.ar is not None:
+      return self.ar
     p = self.parts(tree, num_drafts)
     t = _lookup(self.verify, p['verify_rows'])
     t += sum(_lookup(self.block, w) + _lookup(self.logits, r) for w, r in p['depths'])
@@ -139,7 +146,7 @@ def measure_passes(decoder, prog, max_rows: int, max_window: int, rounds: int = 
   return out
 
 
-def _program_step(decoder, batch, prompt_len, max_new, temperature, rounds, **kw):
+def _program_step(decoder, *, batch, prompt_len, max_new, temperature, rounds, **kw):
   """Seconds per loop iteration of a whole compiled program: the difference between the
   best times of a short and a full-length request (one program) over their iterations."""
   rng = np.random.default_rng(0)
@@ -161,19 +168,23 @@ def _program_step(decoder, batch, prompt_len, max_new, temperature, rounds, **kw
 
 def fit_overheads(cost: IterationCost, decoder, batch, prompt_len, max_new, temperature,
                   depth: int, rounds: int = 2) -> IterationCost:
-  """Fills base, per_depth and tree_extra from whole programs (module docstring)."""
+  """Fills ar, base, per_depth and tree_extra from whole programs (module docstring)."""
   plain = decoder.with_tree(None)
-  ar = _program_step(plain, batch, prompt_len, max_new, temperature, rounds, num_drafts=0)
-  chain = _program_step(plain, batch, prompt_len, max_new, temperature, rounds,
-                        num_drafts=depth)
+  step = functools.partial(_program_step, batch=batch, prompt_len=prompt_len, max_new=max_new,
+                           temperature=temperature, rounds=rounds)
+  ar = step(plain, num_drafts=0)
+  one = step(plain, num_drafts=1)
+  chain = step(plain, num_drafts=depth) if depth > 1 else one
   small = tree_lib.parse_tree((2,) + (1,) * (depth - 1))
-  tree = _program_step(decoder.with_tree(small), batch, prompt_len, max_new,
-                       temperature, rounds)
-  cost.base = ar - cost.seconds(None, 0, overheads=False)
-  cost.per_depth = (chain - cost.seconds(None, depth, overheads=False) - cost.base) / depth
+  tree = step(decoder.with_tree(small))
+  cost.ar = ar
+  left = [t - cost.seconds(None, a, overheads=False) for t, a in ((one, 1), (chain, depth))]
+  cost.per_depth = (left[1] - left[0]) / (depth - 1) if depth > 1 else 0.0
+  cost.base = left[0] - cost.per_depth
   cost.tree_extra = tree - cost.seconds(small, overheads=False) - cost.base - (
       cost.per_depth * depth)
-  cost.fitted_from = {'ar_s': ar, f'chain_{depth}_s': chain, f'tree_{small}_s': tree}
+  cost.fitted_from = {'ar_s': ar, 'chain_1_s': one, f'chain_{depth}_s': chain,
+                      f'tree_{small}_s': tree}
   return cost
 
 
@@ -191,7 +202,7 @@ def cache_key(decoder, prog, max_rows: int) -> str:
       model_key(decoder.args), dev.platform, where, f'{machine.usable_cores()} cores',
       f'batch {prog.batch}', f'prompt {prog.prompt_len}', f'new {prog.max_new}',
       'greedy' if prog.greedy else 'sampled', prog.weights, prog.layout,
-      f'rows {max_rows}', f'jax {jax.__version__}'])
+      f'rows {max_rows}', f'jax {jax.__version__}', FORM])
 
 
 def cache_file() -> str:
