@@ -26,7 +26,8 @@ from mtp_jax.data import tokenizers
 from mtp_jax.decode import cost as cost_lib
 from mtp_jax.decode import decoder as decoder_lib
 from mtp_jax.decode import picker as picker_lib
-from mtp_jax.model.mtp import ModelArgs, MTPModel
+from mtp_jax.model.args import ModelArgs
+from mtp_jax.model.mtp import MTPModel
 from mtp_jax.train.aot.devices import Topology, no_jax_cache, topology_devices, traced_for
 from mtp_jax.train.aot.hlo import analyze_hlo
 
