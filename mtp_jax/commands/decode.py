@@ -72,8 +72,8 @@ def main(argv=None) -> int:
 def held_out(workdir: str, n: int = 8):
   """Up to n held-out validation prompts of the workdir's data (what the picker's
   acceptance rates are measured on); None when its split holds too few documents."""
-  from mtp_jax import config_lib  # pylint: disable=import-outside-toplevel
   from mtp_jax.checkpoint.reader import load_workdir  # pylint: disable=import-outside-toplevel
+  from mtp_jax.config.readers import decode_prompt_len  # pylint: disable=import-outside-toplevel
   from mtp_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
   from mtp_jax.errors import ConfigError  # pylint: disable=import-outside-toplevel
   from mtp_jax.train import evaluation  # pylint: disable=import-outside-toplevel
@@ -81,7 +81,7 @@ def held_out(workdir: str, n: int = 8):
   tokenizer = tokenizers.get_tokenizer(config.data)
   try:
     ids = evaluation.validation_prompts(config, tokenizer, n,
-                                        config_lib.decode_prompt_len(config))
+                                        decode_prompt_len(config))
   except ConfigError:
     return None
   return [tokenizer.decode(p) for p in ids]

@@ -21,7 +21,7 @@ from flax import nnx
 
 import mtp_jax.train.aot.pricing as pricing
 import mtp_jax.train.aot.programs as programs
-from mtp_jax import config_lib
+from mtp_jax.config.readers import decode_prompt_len
 from mtp_jax.data import tokenizers
 from mtp_jax.decode import cost as cost_lib
 from mtp_jax.decode import decoder as decoder_lib
@@ -60,7 +60,7 @@ def priced_cost(config, topo: Topology, *, batch: int = 1, new_tokens: int = 64,
                             params)
     leaves, treedef = jax.tree.flatten(params)
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) for x in leaves]
-    prompt = config_lib.decode_prompt_len(config)
+    prompt = decode_prompt_len(config)
     prog = decoder_lib.Program(batch, decoder_lib.bucket(prompt), decoder_lib.bucket(new_tokens),
                                depth, greedy=True, layout=layout, weights=weights)
     caches = jax.eval_shape(functools.partial(decoder_lib.pass_caches, graphdef, treedef, prog),
