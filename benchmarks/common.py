@@ -141,7 +141,11 @@ def write(run: Run, result: dict, out: str | None = None) -> dict:
   lock; returns the object written."""
   doc = run.envelope() | {'result': result}
   run.release()
-  path = out or run.args.out
+  return write_doc(doc, out or run.args.out)
+
+
+def write_doc(doc: dict, path: str) -> dict:
+  """Writes a result object to `path` atomically; returns it."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = f'{path}.{os.getpid()}.tmp'
   with open(tmp, 'w') as f:

@@ -137,10 +137,38 @@ def test_decode_speed(tmp_path):
 def test_tree_decode(tmp_path):
   r = smoke('tree_decode', tmp_path, '--trees', '0;1;0.0')  # --smoke decodes `2,1`
   rows = {row['variant']: row for row in r['results']}
-  assert set(rows) == {'ar', 'chain', '2,1'}
-  assert rows['2,1']['identical_to_ar'] is True and rows['chain']['identical_to_ar'] is True
-  assert rows['2,1']['verify_rows_per_iteration'] == 5 and rows['2,1']['speedup_over_chain'] > 0
-  assert rows['2,1']['flops_per_iteration']['flops'] > rows['chain']['flops_per_iteration']['flops']
+  assert set(rows) == {'ar', 'chain 1', 'chain 2', 'tree 2,1', 'auto'}
+  assert all(row.get('identical_to_ar', True) is True for row in rows.values())
+  tree, chain = rows['tree 2,1'], rows['chain 2']
+  assert tree['verify_rows_per_iteration'] == 5 and tree['speedup_over_ar'] > 0
+  assert tree['flops_per_iteration']['flops'] > chain['flops_per_iteration']['flops']
+  auto = r['auto']
+  assert auto['line'].startswith('auto: ') and auto['shapes_considered'] >= 3
+  assert auto['speedup_vs_best_measured'] > 0 and auto['expected_tau'] >= 1
+  assert set(auto['cost']) >= {'verify', 'block', 'logits', 'base', 'per_depth'}
+
+
+def test_tree_decode_result_file_merges_runs(tmp_path):
+  """A run replaces the file's run of the same workdir, temperature and batch size and
+  keeps the others; a file from another CPU is replaced whole."""
+  module = importlib.import_module('tree_decode')
+  path = str(tmp_path / 'tree_decode.json')
+
+  def doc(cpu, temperature, batch, tag):
+    return {'benchmark': 'tree_decode', 'machine': {'cpu': cpu}, 'smoke': False, 'tag': tag,
+            'result': {'workdir': 'runs/m', 'temperature': temperature, 'batch_size': batch}}
+
+  def write(d):
+    merged = module.merge(path, d)
+    pathlib.Path(path).write_text(json.dumps(merged))
+    return merged
+
+  write(doc('A', 0.0, 1, 'a'))
+  write(doc('A', 1.0, 1, 'b'))
+  m = write(doc('A', 0.0, 1, 'c'))
+  assert [r['tag'] for r in m['runs']] == ['c', 'b'] and m['tag'] == 'c'
+  m = write(doc('B', 0.0, 4, 'd'))
+  assert [r['tag'] for r in m['runs']] == ['d']
 
 
 def test_peer_generate(tmp_path):

@@ -32,8 +32,11 @@ from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import cli, train_state
 from mtp_jax.commands import decode as decode_command
 from mtp_jax.data import tokenizers
+from mtp_jax.decode import acceptance as acceptance_lib
+from mtp_jax.decode import cost as cost_lib
 from mtp_jax.decode import decoder as decode
 from mtp_jax.decode import generate
+from mtp_jax.decode import picker as picker_lib
 from mtp_jax.decode import sampling as sampling_lib
 from mtp_jax.decode import tree as tree_lib
 from mtp_jax.model import decode_ops
@@ -841,3 +844,106 @@ def test_tree_lossless_sampling(small_vocab_models, draft_argmax):
   acc = spec.stats()['acceptance_per_depth']
   assert 0.05 < acc[0] < 0.95 and acc[1] > 0.002, acc
   assert chi2_pvalue(spec_x, exact) > 1e-3
+
+
+# -- the automatic draft shape (decode/picker.py) -------------------------------------------------
+def rows_cost(verify_per_row, block_per_row, base=1.0):
+  """A synthetic cost model: each verify / MTP-block row costs this much (in AR steps)."""
+  rows = range(1, 80)
+  return cost_lib.IterationCost(
+      verify={str(r): 1.0 + verify_per_row * r for r in rows},
+      block={str(r): 0.1 + block_per_row * r for r in rows},
+      logits={str(r): 0.01 * r for r in rows}, base=base, per_depth=0.1)
+
+
+# The cost regimes the lossless tests decode the picker's choice under: on the trained model
+# they pick a wide tree, a narrow tree or chain, and plain decoding.
+REGIMES = {'rows-free': rows_cost(0.0, 0.0), 'rows-cheap': rows_cost(0.08, 0.02),
+           'rows-dear': rows_cost(1.0, 0.3)}
+
+
+@pytest.fixture(scope='session')
+def trained_acceptance(models):
+  model = models['trained']
+  return acceptance_lib.measure(decode.Decoder(model), word_prompts(4, seed=11), 24,
+                                depths=cost_lib.max_depth(model.args))
+
+
+def test_acceptance_rates_of_the_trained_model(models, trained_acceptance):
+  """The probe tree's rates: per depth at most 1 in all, trials shrinking with depth, and the
+  positional model's tau of the probe tree near the probe's measured tau."""
+  acc = trained_acceptance
+  assert acc.depths == 4 and all(len(r) == acceptance_lib.PROBE_RANKS for r in acc.rates)
+  assert all(0 <= sum(r) <= 1 for r in acc.rates) and acc.rates[0][0] > 0.5
+  assert acc.trials[0] > 10 and all(a >= b for a, b in zip(acc.trials, acc.trials[1:]))
+  probe = acceptance_lib.probe_tree(4)  # the rows' last, cut iterations lower the measured
+  assert acc.measured_tau - 0.05 <= acc.expected_tau(probe) <= acc.measured_tau + 0.6
+
+
+@pytest.mark.parametrize('regime', list(REGIMES))
+def test_picker_shapes_lossless_greedy(models, trained_acceptance, regime):
+  """Decoder(tree='auto') decodes the picker's choice, == AR token for token."""
+  model = models['trained']
+  dec = decode.Decoder(model, tree='auto', acceptance=trained_acceptance,
+                       cost=REGIMES[regime], max_rows=8)
+  prompts = word_prompts(8, seed=4)
+  _, sp = spec_equals_ar(dec, prompts)
+  choice = next(iter(dec.choices.values()))
+  assert sp.tree == choice.tree and sp.num_drafts == choice.num_drafts
+  want = {'rows-free': lambda c: c.tree is not None and c.tree.size >= 5,
+          'rows-cheap': lambda c: 1 <= c.best.rows <= 6,
+          'rows-dear': lambda c: c.tree is None and c.num_drafts == 0}[regime]
+  assert want(choice), choice.line()
+  chains = decode.Decoder(model, acceptance=trained_acceptance, cost=REGIMES[regime])
+  r = chains.generate(prompts, MAX_NEW, num_drafts='auto', eos_id=None)
+  assert r.tree is None and r.num_drafts == next(iter(chains.choices.values())).num_drafts
+
+
+@pytest.mark.slow  # every shape of the family: ~25 programs
+def test_every_picker_shape_lossless_greedy(models, trained_acceptance):
+  """Every chain and tree the picker weighs (row budget 6) decodes == AR."""
+  model = models['trained']
+  ranked = picker_lib.candidates(trained_acceptance, REGIMES['rows-free'], max_depth=4,
+                                 max_rows=6)
+  assert sum(c.tree is not None for c in ranked) >= 10
+  ar = decode.Decoder(model)
+  prompts = word_prompts(4, seed=6)
+  for c in ranked:
+    dec = decode.Decoder(model, tree=c.tree)
+    spec_equals_ar(dec, prompts, ar_decoder=ar, num_drafts=None if c.tree else c.num_drafts)
+
+
+def test_picker_tree_lossless_sampling(small_vocab_models):
+  """Chi-square: the picker's tree for rates measured at T = 1 samples plain sampling's law."""
+  model = small_vocab_models(0.15)
+  acc = acceptance_lib.measure(decode.Decoder(model), [SAMPLE_PROMPT] * 8, 12, depths=3,
+                               temperature=1.0, ranks=3, batch_size=8)
+  dec = decode.Decoder(model, tree='auto', acceptance=acc, cost=REGIMES['rows-free'],
+                       max_rows=8)
+  sampling = sampling_lib.Sampling(jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0))
+  exact, _ = exact_joint(model, sampling)
+  spec = dec.generate([SAMPLE_PROMPT] * N_SAMPLES, 4, eos_id=None, seed=2, temperature=1.0)
+  assert spec.tree is not None and spec.tree.size >= 4, str(spec.tree)
+  assert chi2_pvalue(np.stack(spec.tokens), exact) > 1e-3
+  with pytest.raises(cli.RequestError, match='measured for T=1'):
+    dec.generate([SAMPLE_PROMPT], 4, eos_id=None)  # greedy: other rates
+
+
+def test_cli_tree_auto(trained, capsys, monkeypatch, tmp_path):
+  """mtp-decode --tree auto: measures and stores the acceptance rates, calibrates this
+  machine (cached), says what it chose, and decodes it == AR; the second run reads both."""
+  monkeypatch.setenv('MTP_JAX_CACHE_DIR', str(tmp_path))
+  argv = ['--workdir', trained[1], '--prompt', 'abc hij pq', '--max_new_tokens', str(MAX_NEW),
+          '--mode', 'compare', '--tree', 'auto', '--max_rows', '4', '--json']
+  assert _script().main(argv) == 0
+  cap = capsys.readouterr()
+  out = json.loads(cap.out)
+  assert out['auto'].startswith('auto: ') and 'measuring acceptance rates' in cap.err
+  assert out['identical'] is True and out.get('tree_outputs_identical') in (None, True)
+  assert out['auto_expected_speedup'] > 0 and out['auto_measured_speedup'] > 0
+  assert os.path.exists(os.path.join(trained[1], acceptance_lib.FILE))
+  assert os.path.exists(os.path.join(tmp_path, cost_lib.CACHE_FILE))
+  assert _script().main(argv) == 0
+  cap = capsys.readouterr()
+  assert 'measuring' not in cap.err and 'calibrated' not in cap.err
+  assert json.loads(cap.out)['auto_shape'] == out['auto_shape']

@@ -38,6 +38,12 @@ def parser() -> cli.ArgumentParser:
                  help='rows of the compiled decode loop (default: %(default)s)')
   p.add_argument('--decode_tokens', type=cli.positive_int, default=64,
                  help='new tokens the compiled decode loop is sized for (default: %(default)s)')
+  p.add_argument('--pick_draft_shape', metavar='FILE',
+                 help="a workdir's decode_acceptance.json: instead of the programs, price the "
+                 "decode passes on one chip and print the draft shape (chain or tree) the "
+                 "picker expects fastest there under those acceptance rates (greedy)")
+  p.add_argument('--max_rows', type=cli.positive_int, default=16,
+                 help='--pick_draft_shape: the most verify rows a shape may have per prompt')
   p.add_argument('--json', action='store_true', help='print the whole report as JSON')
   p.add_argument('--dump_hlo', metavar='DIR',
                  help='write each compiled program as HLO text to DIR/<program>.hlo.txt')
@@ -88,6 +94,8 @@ def main(argv=None) -> int:
   log = (lambda s: print(s, file=sys.stderr)) if args.json else print
   try:
     topo = devices.parse_topology(args.topology, args.num_slices)
+    if args.pick_draft_shape:
+      return _pick(args, config, topo, log)
     report = programs.compile_report(config, topo, wanted, decode_batch=args.decode_batch,
                                      decode_tokens=args.decode_tokens, log=log,
                                      dump_dir=args.dump_hlo, cache_dir=cache or None)
@@ -98,6 +106,23 @@ def main(argv=None) -> int:
     figures.check_fits(report, topo)
   except Exception as e:  # pylint: disable=broad-except
     return cli.report_expected(e)
+  return 0
+
+
+def _pick(args, config, topo, log) -> int:
+  from mtp_jax.decode import acceptance  # pylint: disable=g-import-not-at-top
+  from mtp_jax.train.aot import decode_cost  # pylint: disable=g-import-not-at-top
+  acc = acceptance.load_file(args.pick_draft_shape)
+  choice = decode_cost.pick(config, topo, acc, batch=args.decode_batch,
+                            new_tokens=args.decode_tokens, max_rows=args.max_rows, log=log)
+  if args.json:
+    print(json.dumps(choice.summary() | {
+        'line': choice.line(), 'cost': choice.cost.to_json(),
+        'ranked': [{'shape': c.name, 'rows': c.rows, 'tau': c.tau, 'ms': 1e3 * c.seconds,
+                    'speedup': c.tokens_per_second / choice.ar.tokens_per_second}
+                   for c in choice.ranked[:10]]}, indent=1))
+  else:
+    print(choice.line())
   return 0
 
 

@@ -33,11 +33,19 @@ def parse(argv):
   p.add_argument('--seed', type=int, default=0, help='sampling seed')
   p.add_argument('--max_len', type=cli.non_negative_int, default=0,
                  help='positions per row, prompt + new tokens (0: the training seq_len)')
-  p.add_argument('--num_drafts', type=cli.non_negative_int,
-                 help='MTP depths to draft with (default: all; 0: none, plain decoding)')
+  p.add_argument('--num_drafts', type=drafts_arg,
+                 help='MTP depths to draft with (default: all; 0: none, plain decoding; auto: '
+                 'the chain length expected fastest on this machine)')
   p.add_argument('--tree', help='draft a tree: candidates per depth (3,2,1) or nodes as rank '
-                 'paths (0;1;0.0); compare runs AR, the chain and the tree')
+                 'paths (0;1;0.0); auto: the chain or tree expected fastest on this machine; '
+                 'compare runs AR, the chain and the tree')
+  p.add_argument('--max_rows', type=cli.non_negative_int, default=0,
+                 help='auto: the most rows a verify pass may have per prompt (default 16)')
   return p.parse_args(argv)
+
+
+def drafts_arg(text: str):
+  return text if text == 'auto' else cli.non_negative_int(text)
 
 
 RULE = '-' * 40
@@ -61,14 +69,35 @@ def main(argv=None) -> int:
   return common.run_on_workdir(args.workdir, lambda: decode(args), files)
 
 
+def held_out(workdir: str, n: int = 8):
+  """Up to n held-out validation prompts of the workdir's data (what the picker's
+  acceptance rates are measured on); None when its split holds too few documents."""
+  from mtp_jax.checkpoint.reader import load_workdir  # pylint: disable=import-outside-toplevel
+  from mtp_jax.config.readers import decode_prompt_len  # pylint: disable=import-outside-toplevel
+  from mtp_jax.data import tokenizers  # pylint: disable=import-outside-toplevel
+  from mtp_jax.errors import ConfigError  # pylint: disable=import-outside-toplevel
+  from mtp_jax.train import evaluation  # pylint: disable=import-outside-toplevel
+  config, _ = load_workdir(workdir)
+  tokenizer = tokenizers.get_tokenizer(config.data)
+  try:
+    ids = evaluation.validation_prompts(config, tokenizer, n,
+                                        decode_prompt_len(config))
+  except ConfigError:
+    return None
+  return [tokenizer.decode(p) for p in ids]
+
+
 def decode(args) -> int:
   from mtp_jax.decode import generate  # after flag parsing: JAX starts here
   prompts = generate.read_prompts(args.prompt, args.prompts_file)
+  auto = 'auto' in (args.tree, args.num_drafts)
   out = generate.decode_workdir(
       args.workdir, prompts, mode=args.mode, max_new_tokens=args.max_new_tokens,
       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
       batch_size=args.batch_size, seed=args.seed, max_len=args.max_len,
-      num_drafts=args.num_drafts, tree=args.tree)
+      num_drafts=args.num_drafts, tree=args.tree, max_rows=args.max_rows,
+      acceptance_prompts=held_out(args.workdir) if auto else None,
+      log=lambda s: print(s, file=sys.stderr, flush=True))
   if args.json:
     print(json.dumps(out))
     return 0
@@ -78,7 +107,8 @@ def decode(args) -> int:
     print(show(prompt, text, styled))
   keys = ('compute_dtype', 'new_tokens', 'verify_steps', 'mean_accepted_length', 'tokens_per_sec',
           'ar_tokens_per_sec', 'spec_tokens_per_sec', 'speedup', 'identical')
-  keys += TREE_KEYS
+  keys += TREE_KEYS + ('auto_expected_speedup', 'auto_measured_speedup', 'auto_expected_tau',
+                       'auto_measured_tau')
   summary = {k: out[k] for k in keys if k in out}
   print(' '.join(f'{k}={v:.3g}' if isinstance(v, float) else f'{k}={v}'
                  for k, v in summary.items()), file=sys.stderr)

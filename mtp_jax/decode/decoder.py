@@ -49,6 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import mtp_jax.decode.acceptance as acceptance_lib
+import mtp_jax.decode.cost as cost_lib
+import mtp_jax.decode.picker as picker_lib
 import mtp_jax.decode.sampling as sampling_lib
 import mtp_jax.decode.tree as tree_lib
 from mtp_jax.decode.sampling import PAD_ID, Sampling, row_keys, take_rows
@@ -58,6 +61,7 @@ from mtp_jax.model.heads import MAX_DRAFTS
 from mtp_jax.model.mtp import MTPModel
 
 Array = jax.Array
+AUTO = 'auto'  # tree / num_drafts: the picker's shape (picker.py)
 MIN_BUCKET = 16
 WEIGHT_DTYPES = ('float32', 'bfloat16')
 _COMPILED = {}  # (graphdef, Program) -> compiled executable, shared by every Decoder
@@ -343,6 +347,66 @@ def decode_program(prog: Program, graphdef, treedef, leaves, prompts_BxP, prompt
   return jax.lax.while_loop(cond, body, st)
 
 
+# -- the passes of one iteration, alone (cost.py) --------------------------------------------
+def pass_functions(graphdef, treedef, prog: Program):
+  """The passes of one iteration, each as a function (leaves, caches, reps) that runs it
+  `reps` times in a loop, for cost.py: verify(rows) (the main pass and its logits over
+  `rows` positions per batch row), block(rows) (one MTP block over a window of `rows`)
+  and logits(rows) (one head over `rows` rows per batch row)."""
+  b = prog.batch
+  start = jnp.full((b,), prog.prompt_len, jnp.int32)
+
+  def model_of(leaves):
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+  def loop(body, init, reps):
+    return jax.lax.fori_loop(0, reps, lambda _, c: body(c), init)
+
+  def verify(rows):
+    def fn(leaves, caches, reps):
+      m = model_of(leaves)
+
+      def body(c):
+        tok, trunk = c
+        h, trunk = _main_pass(prog, m, tok, start, trunk)
+        logits = m.decode_logits(h.reshape(b * rows, -1), 0)
+        return jnp.argmax(logits, -1).reshape(b, rows).astype(jnp.int32), trunk
+      return loop(body, (jnp.zeros((b, rows), jnp.int32), caches[0]), reps)[0]
+    return fn
+
+  def block(rows):
+    def fn(leaves, caches, reps):
+      m = model_of(leaves)
+      pos, mask = _window(prog, start, rows)
+      tok = jnp.zeros((b, rows), jnp.int32)
+
+      def body(c):
+        h, cache = c
+        return m.decode_mtp_step(1, h, tok, pos, mask, cache, start + prog.offset, prog.layout)
+      h0 = jnp.zeros((b, rows, m.args.d_model), m.args.dtype)
+      return loop(body, (h0, caches[1]), reps)[0]
+    return fn
+
+  def logits(rows):
+    def fn(leaves, caches, reps):
+      del caches
+      m = model_of(leaves)
+
+      def body(h):
+        return h + 1e-3 * m.decode_logits(h, 1)[:, :1].astype(h.dtype)
+      return loop(body, jnp.ones((b * rows, m.args.d_model), m.args.dtype), reps)
+    return fn
+
+  return verify, block, logits
+
+
+def pass_caches(graphdef, treedef, prog: Program, leaves):
+  """(trunk caches, depth 1's cache): what pass_functions' passes read."""
+  model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+  return (model.trunk_caches(prog.batch, prog.cache_len, prog.layout),
+          model.mtp_caches(1, prog.batch, prog.cache_len, prog.layout)[0])
+
+
 # -- host side -----------------------------------------------------------------------------------
 def bucket(n: int) -> int:
   """Static size for n: the next power of two, at least MIN_BUCKET."""
@@ -403,7 +467,8 @@ class Decoder:
 
   def __init__(self, model: MTPModel, *, weight_dtype: str = 'float32',
                cache_layout: str | None = None, tall_attention: bool = True,
-               bitwise_thresholds: bool = True, tree=None):
+               bitwise_thresholds: bool = True, tree=None, acceptance=None,
+               max_rows: int | None = None, cost=None):
     """weight_dtype 'bfloat16': the weight matrices (ndim >= 2: projections, embedding)
     stored in bfloat16 for decoding, half the bytes a step reads; products accumulate
     in float32, norms, activations and KV caches stay in the model's dtype.
@@ -411,7 +476,13 @@ class Decoder:
     tall_attention / bitwise_thresholds: the faster forms of the few-query attention
     products on CPU (decode_ops.tall_attention) and of the top-k / top-p thresholds
     (Sampling.bitwise); False compiles the earlier forms, for comparing the two.
-    tree: draft a static tree instead of a chain (tree.parse_tree: `3,2,1` or `0;1;0.0`).
+    tree: draft a static tree instead of a chain (tree.parse_tree: `3,2,1` or `0;1;0.0`);
+    'auto': the shape the picker (picker.py) expects fastest on this backend, chain or
+    tree, per program shape; `generate(num_drafts='auto')` picks among chains only.
+    Both need `acceptance` (acceptance.Acceptance: the model's measured rates for the
+    sampling setting decoded with); the backend's cost model is calibrated on first use
+    (cost.calibrate, cached on disk) unless `cost` gives one (cost.IterationCost: e.g. a
+    TPU or GPU target's, priced by its compiler). max_rows: the picker's row budget.
     """
     if weight_dtype not in WEIGHT_DTYPES:
       raise RequestError(f'weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}')
@@ -419,7 +490,11 @@ class Decoder:
     if layout not in decode_ops.CACHE_LAYOUTS:
       raise RequestError(f'cache_layout must be one of {decode_ops.CACHE_LAYOUTS}, got {layout!r}')
     self.args = model.args
-    self.tree = None if tree is None else tree_lib.check_tree(model.args, tree)
+    self.auto = tree == AUTO
+    self.tree = None if tree is None or self.auto else tree_lib.check_tree(model.args, tree)
+    self.acceptance, self.max_rows = acceptance, max_rows or picker_lib.MAX_ROWS
+    self.cost = cost
+    self.choices = {}  # (batch, prompt bucket, new bucket, sampling, chains only) -> Choice
     self.weight_dtype, self.layout = weight_dtype, layout
     self.tall_attention, self.bitwise_thresholds = bool(tall_attention), bool(bitwise_thresholds)
     # The decode layout (decode_ops.DecodeWeight): the decode path's matrices transposed and
@@ -436,11 +511,56 @@ class Decoder:
     self._leaves, self._treedef = jax.tree.flatten(self.params)
     self._programs = {}  # this Decoder's view of _COMPILED (hashing a graphdef is slow)
 
-  def program(self, batch: int, prompt_len: int, max_new: int, *, num_drafts: int | None = None,
+  def with_tree(self, tree) -> Decoder:
+    """A Decoder over these weights (no copy, no new layout) drafting `tree` (None: the
+    chain; 'auto': the picker's shape)."""
+    new = object.__new__(type(self))
+    new.__dict__.update(self.__dict__)
+    new.auto = tree == AUTO
+    new.tree = None if tree is None or new.auto else tree_lib.check_tree(self.args, tree)
+    new.choices = {} if new.auto != self.auto else self.choices
+    return new
+
+  def pass_functions(self, prog: Program):
+    """pass_functions(prog) of this model, and the (trunk, MTP) caches they read."""
+    return (*pass_functions(self.graphdef, self._treedef, prog),
+            jax.jit(functools.partial(pass_caches, self.graphdef, self._treedef, prog))(
+                self._leaves))
+
+  def choose(self, batch: int, prompt_len: int, max_new: int, *, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, chains_only: bool = False,
+             log=lambda s: None) -> picker_lib.Choice:
+    """The picker's shape for this program shape (memoized; calibrates on first use)."""
+    key = (batch, bucket(prompt_len), bucket(max_new),
+           acceptance_lib.sampling_key(temperature, top_k, top_p), chains_only)
+    if key in self.choices:
+      return self.choices[key]
+    acc = self.acceptance
+    if acc is None:
+      raise RequestError('an automatic draft shape needs the model\'s acceptance rates '
+                         '(Decoder(..., acceptance=acceptance.measure(...)))')
+    if acc.key() != acceptance_lib.sampling_key(temperature, top_k, top_p):
+      raise RequestError(f'the acceptance rates were measured for {acc.key()}, not for '
+                         f'{acceptance_lib.sampling_key(temperature, top_k, top_p)}')
+    depth = cost_lib.max_depth(self.args)
+    cost = self.cost or cost_lib.calibrate(self, batch, prompt_len, max_new,
+                                           temperature=temperature, max_rows=self.max_rows,
+                                           depth=depth, log=log)
+    trees = not chains_only and self.args.mtp_head().chained
+    self.choices[key] = picker_lib.choose(acc, cost, max_depth=depth, max_rows=self.max_rows,
+                                          trees=trees)
+    return self.choices[key]
+
+  def program(self, batch: int, prompt_len: int, max_new: int, *, num_drafts=None,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
               record: bool = False, draft_threshold: float = 0.0) -> Program:
+    tree = self.tree
+    if num_drafts == AUTO or (self.auto and num_drafts is None):
+      chosen = self.choose(batch, prompt_len, max_new, temperature=temperature, top_k=top_k,
+                           top_p=top_p, chains_only=num_drafts == AUTO or draft_threshold > 0)
+      tree, num_drafts = chosen.tree, chosen.num_drafts
     drafting = self.args.drafting_depths()
-    tree = tree_lib.program_tree(self.tree, num_drafts, draft_threshold)
+    tree = tree_lib.program_tree(tree, num_drafts, draft_threshold)
     num_drafts = (tree.depth if tree else drafting) if num_drafts is None else num_drafts
     if drafting < self.args.mtp_depth:  # leap targets: only the adjacent prefix drafts
       if not 0 <= num_drafts <= drafting:

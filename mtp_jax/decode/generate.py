@@ -11,10 +11,12 @@ import os
 
 import numpy as np
 
+import mtp_jax.decode.acceptance as acceptance_lib
+import mtp_jax.decode.cost as cost_lib
 import mtp_jax.decode.tree as tree_lib
 from mtp_jax.checkpoint.reader import load_workdir
 from mtp_jax.data import tokenizers
-from mtp_jax.decode.decoder import Decoder, DecodeResult, check_request
+from mtp_jax.decode.decoder import AUTO, Decoder, DecodeResult, check_request
 from mtp_jax.errors import RequestError
 from mtp_jax.runtime import peak as peak_lib
 from mtp_jax.train_state.restore import restore_model_at
@@ -57,7 +59,9 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
 def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_tokens: int = 128,
                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                    batch_size: int = 1, seed: int = 0, max_len: int = 0,
-                   num_drafts: int | None = None, tree: str | None = None) -> dict:
+                   num_drafts: int | str | None = None, tree: str | None = None,
+                   acceptance_prompts: list[str] | None = None, max_rows: int = 0,
+                   log=lambda s: None) -> dict:
   """What scripts/decode.py does: checks everything, restores, decodes, reports.
 
   mode: spec | ar | compare (both, on the same prompts). max_len: cache positions per
@@ -65,15 +69,28 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
   (None: every depth; 0: none, which decodes as plain autoregression), as Decoder.generate.
   tree: draft this tree (tree.parse_tree) in spec mode; compare then runs AR, the chain
   and the tree side by side and reports the tree's figures under `tree_...`.
+  tree 'auto' / num_drafts 'auto': the picker's shape (picker.py; 'auto' drafts: chains
+  only), from the workdir's stored acceptance rates for this sampling setting, measured
+  first on `acceptance_prompts` (default: the prompts) and stored when absent, and this
+  backend's calibrated cost; `auto` in the result says what it chose and why, and
+  compare adds the expected speed-up beside the measured one. max_rows: the picker's
+  row budget (0: picker.MAX_ROWS). log: progress lines (calibration, the choice).
   """
   if mode not in ('spec', 'ar', 'compare'):
     raise RequestError(f'--mode must be spec, ar or compare, got {mode!r}')
   if batch_size <= 0:
     raise RequestError(f'--batch_size must be > 0, got {batch_size}')
-  if max_len < 0 or (num_drafts is not None and num_drafts < 0):
-    raise RequestError('--max_len and --num_drafts must be >= 0')
+  auto = AUTO in (tree, num_drafts)
+  if num_drafts == AUTO:
+    if tree not in (None, AUTO):
+      raise RequestError('--num_drafts auto picks a chain; give --tree auto to pick among '
+                         'trees too, or a --tree without --num_drafts')
+    num_drafts = None
+  if max_len < 0 or max_rows < 0 or (num_drafts is not None and num_drafts < 0):
+    raise RequestError('--max_len, --max_rows and --num_drafts must be >= 0')
   check_request([[0]], max_new_tokens, temperature, top_k, top_p)
-  if tree is not None:
+  chains_only = auto and tree != AUTO
+  if tree is not None and tree != AUTO:
     tree = tree_lib.parse_tree(tree)
   config, step = load_workdir(workdir)
   # 'auto' (as trained, whatever the training resolved it to) decodes in float32: the
@@ -94,6 +111,20 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
 
   model, step = restore_model_at(config, workdir, step, fallback=True)
   decoder = Decoder(model)
+  choice = None
+  if auto and mode != 'ar':
+    if tree == AUTO and not model.args.mtp_head().chained:
+      chains_only = True  # parallel heads draft chains only
+    acc = workdir_acceptance(workdir, decoder, [list(tokenizer.encode(p)) for p in
+                                                (acceptance_prompts or prompts)],
+                             max_new_tokens, temperature, top_k, top_p, log)
+    chooser = decoder.with_tree(AUTO)
+    chooser.acceptance, chooser.max_rows = acc, max_rows or chooser.max_rows
+    choice = chooser.choose(batch_size, max(map(len, ids)), max_new_tokens,
+                            temperature=temperature, top_k=top_k, top_p=top_p,
+                            chains_only=chains_only, log=log)
+    log(choice.line())
+    tree, num_drafts = choice.tree, choice.num_drafts
   modes = ['ar', 'spec'] if mode == 'compare' else [mode]
   drafts = {'ar': 0, 'spec': mtp_depth if num_drafts is None else num_drafts}
   tree_decoder = None if tree is None or mode == 'ar' else Decoder(model, tree=tree)
@@ -123,7 +154,29 @@ def decode_workdir(workdir: str, prompts: list[str], *, mode: str, max_new_token
     out['speedup'] = results['ar'].seconds / max(results['spec'].seconds, 1e-12)
   if tree_decoder:
     out.update(_tree_figures(tree_decoder, ids, max_new_tokens, batch_size, kw, mode, results))
+  if choice is not None:
+    out['auto'] = choice.line()
+    out.update(choice.summary())
+    if mode == 'compare':
+      run = 'tree_' if tree_decoder else ''
+      out['auto_measured_speedup'] = out[f'{run}speedup']
+      out['auto_measured_tau'] = out[f'{run}mean_accepted_length']
   return out
+
+
+def workdir_acceptance(workdir: str, decoder, prompts, max_new_tokens: int, temperature: float,
+                       top_k: int, top_p: float, log=lambda s: None):
+  """The workdir's stored acceptance rates for this sampling setting; measured on `prompts`
+  (acceptance.measure) and stored first when absent."""
+  depth = cost_lib.max_depth(decoder.args)
+  acc = acceptance_lib.load(workdir, temperature, top_k, top_p, depth)
+  if acc is None:
+    log(f'measuring acceptance rates ({acceptance_lib.sampling_key(temperature, top_k, top_p)})'
+        f' on {len(prompts)} prompts')
+    acc = acceptance_lib.measure(decoder, prompts, min(max_new_tokens, 128), depths=depth,
+                                 temperature=temperature, top_k=top_k, top_p=top_p)
+    log(f'stored in {acceptance_lib.store(workdir, acc)}')
+  return acc
 
 
 def _tree_figures(decoder, ids, max_new_tokens, batch_size, kw, mode, results) -> dict:
