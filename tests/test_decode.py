@@ -37,6 +37,7 @@ from mtp_jax.decode import cost as cost_lib
 from mtp_jax.decode import decoder as decode
 from mtp_jax.decode import generate
 from mtp_jax.decode import picker as picker_lib
+from mtp_jax.decode import program as program_lib
 from mtp_jax.decode import sampling as sampling_lib
 from mtp_jax.decode import tree as tree_lib
 from mtp_jax.model import decode_ops
@@ -138,9 +139,9 @@ def _chunked_forward(model, tokens_BxT, layout='heads_major'):
   outs = [[] for _ in range(model.args.mtp_depth + 1)]
   for start, width in [(0, 3), (3, 9)]:  # 3b and 9b rows: tall-skinny (the prefill: GEMM)
     s = jnp.full((b,), start, jnp.int32)
-    h, main = decode._main_pass(prog, model, tokens_BxT[:, start:start + width], s, main)
+    h, main = program_lib._main_pass(prog, model, tokens_BxT[:, start:start + width], s, main)
     outs[0].append(h)
-    pos, mask = decode._window(prog, s, width)
+    pos, mask = program_lib._window(prog, s, width)
     for k in range(1, model.args.mtp_depth + 1):
       shifted = shift_left(tokens_BxT, k)[:, start:start + width]
       h, mtp[k - 1] = model.decode_mtp_step(k, h, shifted, pos, mask, mtp[k - 1],
