@@ -515,7 +515,8 @@ def _splash_rows_two(kernel, q_BxNxTqxH, k_BxKxTxH, v_BxKxTxHv, seg):
 @functools.lru_cache(maxsize=1)
 def _layout_mask_class():
   # Deferred: as in _splash_local.
-  import jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask as mask_lib
+  import jax.experimental.pallas.ops.tpu.splash_attention as splash
+  mask_lib = splash.splash_attention_mask
 
   class LayoutCausalMask(mask_lib._ComputableMask):  # pylint: disable=protected-access
     """Causal by natural index, the queries in the balanced layout (q_sequence: each
