@@ -17,7 +17,7 @@ DEFAULT_AXES = {'data': -1, 'stage': 1, 'fsdp': 1, 'context': 1, 'tensor': 1}
 # Logical axis -> mesh axis. Layers only ever name logical axes.
 DEFAULT_RULES = (
     ('batch', ('data', 'fsdp')),  # activations: batch split over data and fsdp
-    ('length', None),  # sequence positions stay whole
+    ('length', 'context'),  # sequence positions: context parallelism (model/context.py)
     ('act_embed', None),  # activation feature dim (replicated: fsdp gathers params)
     ('act_heads', 'tensor'),  # attention heads of activations
     ('act_mlp', 'tensor'),  # MLP hidden of activations

@@ -268,7 +268,9 @@ def _validate_mesh(config, num_devices: int | None) -> None:
       require(a is None or a in MESH_AXES,
                f'mesh.rules maps {rule[0]!r} to unknown mesh axis {a!r}; axes are {MESH_AXES}')
   if num_devices is not None:
-    shape = resolved_mesh_axes(config.mesh, num_devices)
+    sizes = shape = resolved_mesh_axes(config.mesh, num_devices)
+  _validate_context(config, sizes['context'])
+  if num_devices is not None:
     batch_ways = shape['data'] * shape['fsdp']
     require(d.batch_size % (batch_ways * t.grad_accum) == 0,
              f'data.batch_size ({d.batch_size}) must be divisible by data x fsdp '
@@ -290,6 +292,26 @@ def _validate_mesh(config, num_devices: int | None) -> None:
       require(m.moe.n_routed_experts % ways == 0,
                f'model.moe.n_routed_experts ({m.moe.n_routed_experts}) must be divisible by '
                f'the mesh axes the expert rule shards over ({ways} devices)')
+
+
+def _validate_context(config, ways: int) -> None:
+  """A context axis of `ways` devices (-1: not known yet) splits every sequence into 2 x ways
+  chunks, two a shard (model/context.py); the attention kernel and the chunked loss run on
+  a shard's T / ways tokens."""
+  if ways in (1, -1):
+    return
+  m, d = config.model, config.data
+  require(d.seq_len % (2 * ways) == 0,
+           f'data.seq_len ({d.seq_len}) must be divisible by 2 x the context axis '
+           f'({2 * ways}): each context shard holds two chunks of every sequence')
+  local = d.seq_len // ways
+  if m.attention_core == 'splash':
+    problem = attention_kernel_problem('splash', local, m.attention_block_q,
+                                       m.attention_block_kv, _attention_head_width(m))
+    require(not problem, f'{problem} (per context shard: {local} tokens of {d.seq_len})')
+  require(m.loss_chunk == 0 or local % m.loss_chunk == 0,
+           f'model.loss_chunk ({m.loss_chunk}) must divide the {local} tokens of a context '
+           f'shard (data.seq_len {d.seq_len} / context {ways})')
 
 
 def _validate_mtp_schedules(config) -> None:

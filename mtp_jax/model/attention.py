@@ -22,10 +22,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.core import spmd as flax_spmd
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+import mtp_jax.model.context as context_lib
 import mtp_jax.model.matmul as matmul
 from mtp_jax.config.kernel_limits import attention_kernel_problem, triton_blocks
 from mtp_jax.errors import ConfigError
@@ -35,9 +37,15 @@ Array = jax.Array
 
 
 def attention_mask(segment_ids_BxT: Array) -> Array:
-  """Causal mask restricted to one packed document: [B, 1, T, T] booleans."""
+  """Causal mask restricted to one packed document: [B, 1, T, T] booleans (in context
+  parallelism's balanced layout, causal by the tokens' natural indices)."""
   t = segment_ids_BxT.shape[1]
-  causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
+  layout = context_lib.active()
+  if layout is not None and layout.length == t:
+    order = jnp.asarray(layout.order)
+    causal_TxT = order[:, None] >= order[None, :]
+  else:
+    causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
   same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
   return (causal_TxT[None] & same_BxTxT)[:, None]
 
@@ -67,8 +75,17 @@ def attention_impl(cfg) -> str:
 
 def training_mask(segment_ids_BxT: Array, impl: str) -> Array:
   """What the layers' no-cache path reads as its mask for core `impl`: the segment ids
-  themselves for the kernels (SEGMENT_CORES), else the dense attention_mask."""
-  return segment_ids_BxT if impl in SEGMENT_CORES else attention_mask(segment_ids_BxT)
+  themselves for the kernels (SEGMENT_CORES) and in context parallelism's layout
+  (context_attention), else the dense attention_mask."""
+  if impl in SEGMENT_CORES or context_lib.active() is not None:
+    return segment_ids_BxT
+  return attention_mask(segment_ids_BxT)
+
+
+def no_cache_context_parallel(cache) -> bool:
+  """Whether a layer's no-cache attention runs context_attention (the step is in the
+  balanced layout of model/context.py)."""
+  return cache is None and context_lib.active() is not None
 
 
 def dense_mask(mask: Array) -> Array:
@@ -375,3 +392,166 @@ def _saved_kernel_bwd(call, vjp_fn, do):
 
 
 _saved_kernel.defvjp(_saved_kernel_fwd, _saved_kernel_bwd)
+
+
+# -- context parallelism: K / V all-gathered over the context axes, queries local ----------
+def context_attention(impl: str, q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxHv: Array,
+                      segment_ids_BxT: Array, scale: float, block_q: int = 512,
+                      block_kv: int = 512) -> Array:
+  """Attention of a step in context parallelism's balanced layout (model/context.py): each
+  shard keeps its own queries and all-gathers the keys, values and segment ids over the
+  context axes (MaxText's default strategy); a query sees a key when the key's natural
+  index is not later and both are in one document. [B, T, N, Hv], in the layout.
+
+  splash: the TPU kernel with a mask over natural indices (_layout_splash_kernel), its
+  block tables split over the context shards, the gathered keys put back in the natural
+  order so that the kernel skips every block the causal mask removes. The other cores
+  (blocked, xla, and the GPU kernel, whose causal form needs queries and keys of one
+  length) take the dense masked product per shard: every shard does the same work, the
+  whole key range, about twice the causal minimum.
+  """
+  layout = context_lib.active()
+  mesh = jax.sharding.get_abstract_mesh()
+  ctx = layout.axes if len(layout.axes) > 1 else layout.axes[0]
+  b, t, n, _ = q_BxTxNxH.shape
+  rows = _shard_axes(mesh, 'batch', b)
+  heads = _shard_axes(mesh, 'act_heads', n, k_BxTxKxH.shape[2])
+  q_spec, kv_spec = P(rows, ctx, heads, None), P(rows, None, heads, None)
+  # one int array holds the shard's query segment ids, then all T of the keys'
+  seg = jnp.concatenate([segment_ids_BxT, segment_ids_BxT], axis=1)
+  seg_spec = P(rows, None)
+  local_q = t // layout.ways
+  if impl == 'splash':
+    problem = attention_kernel_problem(impl, local_q, block_q, block_kv,
+                                       q_BxTxNxH.shape[3])
+    if problem:
+      raise ConfigError(problem + f' (per context shard: {local_q} tokens)')
+    n_local = n // _ways(mesh, heads)
+    kernel = _layout_splash_kernel(layout, n_local, min(block_q, local_q), min(block_kv, t),
+                                   jax.default_backend() not in KERNEL_BACKENDS['splash'])
+    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, ctx)))
+    fn = functools.partial(_context_splash_local, order=layout.order, inverse=layout.inverse,
+                           ways=layout.ways, axes=layout.axes, scale=scale)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, seg_spec),
+                         out_specs=q_spec, check_vma=False)(
+                             kernel, q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, seg)
+  fn = functools.partial(_context_dense_local, order=layout.order, ways=layout.ways,
+                         axes=layout.axes, scale=scale)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+                       out_specs=q_spec, check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxHv, seg)
+
+
+def _ways(mesh, names) -> int:
+  if names is None:
+    return 1
+  names = names if isinstance(names, tuple) else (names,)
+  return math.prod(mesh.shape[a] for a in names)
+
+
+def _shard_axes(mesh, logical: str, *sizes: int):
+  """The mesh axes of a logical rule where they divide every size, else None (whole)."""
+  spec = sharding.logical_spec((logical,))[0]
+  names = () if spec is None else (tuple(spec) if isinstance(spec, (tuple, list)) else (spec,))
+  ways = math.prod(mesh.shape[a] for a in names)
+  return (names if len(names) > 1 else names[0]) if names and all(
+      s % ways == 0 for s in sizes) else None
+
+
+def _shard_queries(seg, order, ways, axes):
+  """(this shard's query segment ids [b, T / ways], all keys' segment ids [b, T], the
+  natural index of each of this shard's queries [T / ways])."""
+  t = order.shape[0]
+  local = t // ways
+  i = jax.lax.axis_index(axes)
+  seg_q_all, seg_kv = seg[:, :t], seg[:, t:]
+  seg_q = jax.lax.dynamic_slice_in_dim(seg_q_all, i * local, local, axis=1)
+  q_nat = jax.lax.dynamic_slice_in_dim(jnp.asarray(order), i * local, local)
+  return seg_q, seg_kv, q_nat
+
+
+def _context_dense_local(q_BxTqxNxH, k_BxTxKxH, v_BxTxKxHv, seg, *, order, ways, axes, scale):
+  """One shard's queries against every key, masked by natural index and segment."""
+  seg_q, seg_kv, q_nat = _shard_queries(seg, order, ways, axes)
+  mask = ((jnp.asarray(order)[None, None, :] <= q_nat[None, :, None])
+          & (seg_q[:, :, None] == seg_kv[:, None, :]))[:, None]
+  dt = q_BxTqxNxH.dtype
+  width = max(q_BxTqxNxH.shape[-1], v_BxTxKxHv.shape[-1])
+  pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+  out = jax.nn.dot_product_attention(pad(q_BxTqxNxH), pad(k_BxTxKxH).astype(dt),
+                                     pad(v_BxTxKxHv).astype(dt), mask=mask, scale=scale)
+  return out[..., :v_BxTxKxHv.shape[-1]]
+
+
+def _context_splash_local(kernel, q_BxTqxNxH, k_BxTxKxH, v_BxTxKxHv, seg, *, order, inverse,
+                          ways, axes, scale):
+  """One shard through the splash kernel of _layout_splash_kernel: its queries (natural
+  indices from the kernel's own q_sequence shard) against the gathered keys put back in
+  the natural order."""
+  del order, ways
+  t = inverse.shape[0]
+  local = q_BxTqxNxH.shape[1]
+  i = jax.lax.axis_index(axes)
+  seg_q = jax.lax.dynamic_slice_in_dim(seg[:, :t], i * local, local, axis=1)
+  natural = lambda x: jnp.take(x, jnp.asarray(inverse), axis=1)
+  seg_kv = natural(seg[:, t:])
+  heads_major = lambda x: jnp.transpose(x, (0, 2, 1, 3))
+  dt = q_BxTqxNxH.dtype
+  q = heads_major((q_BxTqxNxH * scale).astype(dt))
+  k = heads_major(natural(k_BxTxKxH).astype(dt))
+  v = heads_major(natural(v_BxTxKxHv).astype(dt))
+  both = jnp.concatenate([seg_q, seg_kv], axis=1)
+  return heads_major(_saved_kernel(_splash_rows_two, kernel, q, k, v, both))
+
+
+def _splash_rows_two(kernel, q_BxNxTqxH, k_BxKxTxH, v_BxKxTxHv, seg):
+  """The splash kernel vmapped over rows; seg holds the query then the key segment ids."""
+  # Deferred: as in _splash_local.
+  import jax.experimental.pallas.ops.tpu.splash_attention as splash
+  tq = q_BxNxTqxH.shape[2]
+  return jax.vmap(lambda q, k, v, s: kernel(q, k, v, splash.SegmentIds(q=s[:tq], kv=s[tq:])))(
+      q_BxNxTqxH, k_BxKxTxH, v_BxKxTxHv, seg)
+
+
+@functools.lru_cache(maxsize=1)
+def _layout_mask_class():
+  # Deferred: as in _splash_local.
+  import jax.experimental.pallas.ops.tpu.splash_attention as splash
+  mask_lib = splash.splash_attention_mask
+
+  class LayoutCausalMask(mask_lib._ComputableMask):  # pylint: disable=protected-access
+    """Causal by natural index, the queries in the balanced layout (q_sequence: each
+    query row's natural index), the keys in the natural order."""
+
+    def __init__(self, order: np.ndarray):
+      super().__init__((len(order), len(order)), mask_function=lambda q, kv: q >= kv)
+      self.q_sequence = np.asarray(order, np.int32)
+      self._key = (len(order), self.q_sequence.tobytes())
+
+    def __eq__(self, other):
+      return isinstance(other, LayoutCausalMask) and self._key == other._key
+
+    def __hash__(self):
+      return hash(self._key)
+
+  return LayoutCausalMask
+
+
+def _layout_splash_kernel(layout, heads: int, bq: int, bkv: int, interpret: bool):
+  """The splash kernel over a whole sequence in the layout, its block tables in one part
+  per context shard (q_seq_shards): each shard runs the rows of its own queries. Built per
+  trace, as _splash_local's (its tables are arrays, passed in, never closed over); the
+  library caches the mask processing by the mask's hash."""
+  # Deferred: the Pallas TPU kernels load only where the splash core is chosen.
+  import jax.experimental.pallas.ops.tpu.splash_attention as splash
+  mask = _layout_mask(layout.length, layout.ways)
+  sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
+                            block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq,
+                            block_kv_dq=bkv)
+  return splash.make_splash_mha(splash.MultiHeadMask([mask] * heads), block_sizes=sizes,
+                                head_shards=1, q_seq_shards=layout.ways, interpret=interpret)
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_mask(length: int, ways: int):
+  """One mask object per layout, so the library's cache of processed masks finds it."""
+  return _layout_mask_class()(context_lib.balanced_order(length, ways))

@@ -250,7 +250,10 @@ class Attention(nnx.Module):
       k = write_cache(cache[0], k, cache_index_B)
       v = write_cache(cache[1], v, cache_index_B)
       cache = (k, v)
-    if cache is None and self.impl in attn_lib.SEGMENT_CORES:  # the Pallas kernels
+    if attn_lib.no_cache_context_parallel(cache):  # the sequence split over context axes
+      out = attn_lib.context_attention(self.impl, q, k, v, mask_Bx1xTxS, self.softmax_scale,
+                                       *self.kernel_blocks)
+    elif cache is None and self.impl in attn_lib.SEGMENT_CORES:  # the Pallas kernels
       out = attn_lib.kernel_attention(self.impl, q, k, v, mask_Bx1xTxS,
                                       self.softmax_scale, *self.kernel_blocks)
     elif cache is None and self.impl == 'blocked':  # training / no cache: self-attention, causal

@@ -66,6 +66,9 @@ def attention_core(q_BxTxNxH, k_BxSxNxH, v_BxSxNxHv, mask_Bx1xTxS, scale: float,
   to the larger one (zeros change no dot product, and the padded output columns are 0
   and sliced off). mask_Bx1xTxS: attn_lib.training_mask's (segment ids for the kernels).
   """
+  if attn_lib.context_lib.active() is not None:  # the sequence split over context axes
+    return attn_lib.context_attention(impl, q_BxTxNxH, k_BxSxNxH, v_BxSxNxHv, mask_Bx1xTxS,
+                                      scale, *kernel_blocks)
   if impl in attn_lib.SEGMENT_CORES:
     return attn_lib.kernel_attention(impl, q_BxTxNxH, k_BxSxNxH, v_BxSxNxHv, mask_Bx1xTxS,
                                      scale, *kernel_blocks)

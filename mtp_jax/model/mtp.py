@@ -12,6 +12,7 @@ from flax import nnx
 
 import mtp_jax
 import mtp_jax.model.attention as attn_lib
+import mtp_jax.model.context as context_lib
 import mtp_jax.model.decode_ops as decode_ops
 import mtp_jax.model.layers as layers
 from mtp_jax.model.args import ModelArgs
@@ -23,9 +24,13 @@ Array = jax.Array
 
 
 def shift_left(x_BxT: Array, k: int, fill=0) -> Array:
-  """x[:, i + k] at position i; the last k positions hold `fill` (static shape)."""
+  """x[:, i + k] at position i; the last k positions hold `fill` (static shape). In context
+  parallelism's balanced layout, i and i + k are natural positions (context.Layout)."""
   if k == 0:
     return x_BxT
+  layout = context_lib.active()
+  if layout is not None and layout.length == x_BxT.shape[1]:
+    return layout.shift_left(x_BxT, k, fill)
   k = min(k, x_BxT.shape[1])  # k >= T: all fill, still length T
   pad = jnp.full((x_BxT.shape[0], k) + x_BxT.shape[2:], fill, x_BxT.dtype)
   return jnp.concatenate([x_BxT[:, k:], pad], axis=1)

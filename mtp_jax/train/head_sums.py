@@ -119,7 +119,6 @@ def _chunked(norms, hiddens, w_DxV, targets_M1xBxT, mask_M1xBxT, chunk: int, tea
   """
   num = len(hiddens)
   b, t, _ = hiddens[0].shape
-  n = t // chunk
   h_M1xBxTxD = jnp.stack(hiddens)
   norm_def, _ = nnx.split(norms[0])
   norm_M1 = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in norms])
@@ -161,7 +160,9 @@ def _chunked(norms, hiddens, w_DxV, targets_M1xBxT, mask_M1xBxT, chunk: int, tea
       body = lambda carry, cxs: chunk_body(carry, (norm_state, cxs))  # noqa: E731
       if teach is not None:
         body = jax.checkpoint(body)
-      carry, ys = jax.lax.scan(body, init, tuple(_split(x, n, chunk) for x in (h, tgt, m, th)))
+      # this device's own positions (a context shard holds T / context of them)
+      carry, ys = jax.lax.scan(body, init, tuple(_split(x, x.shape[1] // chunk, chunk)
+                                                 for x in (h, tgt, m, th)))
       if not grads:
         return None, (carry[0], carry[1], _unsplit(ys))
       return None, (carry[0], carry[1], _unsplit(ys[0]), _unsplit(ys[1]), carry[2], carry[3])

@@ -22,6 +22,7 @@ import optax
 
 import mtp_jax
 from mtp_jax.config import kinds
+from mtp_jax.model import context as context_lib
 from mtp_jax.model import moe
 from mtp_jax.model.heads import vocab_logits
 from mtp_jax.model.mtp import MTPModel, shift_left
@@ -210,6 +211,7 @@ def top_sums(model: MTPModel, h0_BxTxD: Array, tokens_BxT: Array, segment_ids_Bx
   return jnp.sum(nll_BxT * mf), jnp.sum((pred_BxT == nxt) * mf), pred_BxT
 
 
+@context_lib.in_balanced_layout
 def loss_and_metrics(model: MTPModel, batch: dict, weights_M1: Array,
                      counts_M1: Array | None = None, chunk: int = 0, mtp_targets: str = 'data',
                      balance_weight: float = 0.0):

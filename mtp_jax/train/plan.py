@@ -34,6 +34,8 @@ def describe(config, workdir: str, init_from: str | InitFrom | None = None) -> s
       f'batch: {d.batch_size} sequences of {d.seq_len} tokens a step, '
       f'{d.batch_size // shards} per data x fsdp shard'
       + (f' in {t.grad_accum} micro-batches' if t.grad_accum > 1 else ''),
+      *([f"context: each sequence in {mesh['context']} shards of {d.seq_len // mesh['context']} "
+         'tokens (load-balanced causal order)'] if mesh['context'] > 1 else []),
       f'steps: {t.steps} ({t.steps * d.batch_size * d.seq_len:,} tokens), '
       f'M = {config.model.mtp.depth} MTP depths, {math.prod(mesh.values())} devices',
   ]
