@@ -72,7 +72,7 @@ def test_topology_names():
 def test_argument_bytes_are_the_state_over_its_shards(report):
   rep, _ = report
   mesh = rep['mesh']
-  assert mesh == {'data': 2, 'fsdp': 2, 'tensor': 2}
+  assert mesh == {'data': 2, 'stage': 1, 'fsdp': 2, 'context': 1, 'tensor': 2}
   # per chip: every parameter's bytes over the mesh axes its spec names
   expected = 0
   for info in rep['params'].values():
@@ -194,7 +194,8 @@ def test_multislice_mesh_spans_the_slices_with_the_data_axis(report):
   config = small_config()
   config.mesh.shape = (2, 8, 1)
   mesh = sharding.make_mesh(config, devices)
-  slices = [[d.slice_index for d in row] for row in mesh.devices[:, :, 0]]
+  grid = mesh.devices.reshape(mesh.shape['data'], mesh.shape['fsdp'])  # the other axes are 1
+  slices = [[d.slice_index for d in row] for row in grid]
   assert slices == [[0] * 8, [1] * 8]
 
 
