@@ -94,6 +94,7 @@ SPLIT['interop.convert'] = SPLIT['convert'].replace('mtp_jax.convert', 'mtp_jax.
 # moved_name; tests/test_public_api.py holds every earlier public name to this table.
 _TABLES = 'mtp_jax.research.tables'
 MOVED_NAMES = {
+    'mtp_jax.decode.decoder.DecodeState': 'mtp_jax.decode.program.DecodeState',
     'mtp_jax.checkpoint.partial.InitFrom': 'mtp_jax.train_state.InitFrom',
     'mtp_jax.checkpoint.partial.HF_PREFIX': 'mtp_jax.train_state.HF_PREFIX',
     'mtp_jax.commands.preflight.HF_PREFIX': 'mtp_jax.train_state.HF_PREFIX',
