@@ -65,6 +65,9 @@ def model_fields() -> ml_collections.ConfigDict:
   m.remat = 'none'
   # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
   m.scan_layers = False
+  # microbatches per (accumulation) batch through the pipeline of mesh.axes.stage > 1 stages
+  # (model/pipeline.py; bubble (S - 1) / (N + S - 1)); 0: as many as stages
+  m.pipeline_microbatches = 0
   # sequence chunk for the vocab projection + CE (0: whole length, all depths in one product)
   m.loss_chunk = 0
   return m

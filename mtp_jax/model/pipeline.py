@@ -30,6 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax.runtime.sharding import logical_spec
@@ -79,7 +80,7 @@ def _staged_mesh() -> bool:
   of the stacked parameters and of the buffer is sharded over it."""
   mesh = jax.sharding.get_abstract_mesh()
   return (not mesh.empty and STAGE_AXIS in mesh.axis_names
-          and bool(nnx.get_logical_axis_rules()))
+          and bool(flax_spmd.get_logical_axis_rules()))
 
 
 def _stage_constrain(x, names):
