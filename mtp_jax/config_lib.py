@@ -50,6 +50,7 @@ __all__ = [
     'MTP_HEADS', 'MTP_KINDS', 'REMAT_POLICIES', 'TRITON_BLOCKS', 'AttentionFacts', 'ConfigError',
     'HeadFacts', 'MLPFacts', 'attention_kernel_problem', 'base_config', 'check_schema',
     'decode_prompt_len', 'fixed_devices', 'mesh_axes_form', 'optional', 'profile_window',
-    'require_positive_int', 'resolved_mesh_axes', 'staged_layers', 'resolved_mesh_shape', 'rope_scaling_tuple',
+    'require_positive_int', 'resolved_mesh_axes', 'resolved_mesh_shape', 'rope_scaling_tuple',
+    'staged_layers',
     'target_offsets', 'triton_blocks', 'validate', 'validate_data_source',
 ]

@@ -64,7 +64,8 @@ def _assert_same(ref, out, tol=1e-5):
 
 
 def _packed_batch(rows=8, seed=3):
-  return {k: jnp.asarray(v) for k, v in synthetic_batches(1, rows, 16, vocab=64, seed=seed)[0].items()}
+  batch = synthetic_batches(1, rows, 16, vocab=64, seed=seed)[0]
+  return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
 def test_stage_2_at_m3_on_four_devices_equals_the_unpipelined_step():

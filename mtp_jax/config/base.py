@@ -301,7 +301,7 @@ def mesh_fields() -> ml_collections.ConfigDict:
   """config.mesh: the device mesh and the logical-axis rules (config/mesh.py)."""
   mesh = ml_collections.ConfigDict()
   # the size of each named mesh axis (config/mesh.py MESH_AXES, outermost first); one -1
-  # takes the remaining devices. stage is reserved for pipeline stages (1 only, for now);
+  # takes the remaining devices. stage > 1 pipelines the trunk (model.pipeline_microbatches);
   # context shards every sequence (context parallelism, docs/training.md).
   mesh.axes = ml_collections.ConfigDict(dict(DEFAULT_AXES))
   # the older positional form (data, fsdp, tensor), still read when set (configs and saved
