@@ -11,6 +11,7 @@ import jax
 
 import mtp_jax.train.metrics as metrics_lib
 from mtp_jax.config.mesh import resolved_mesh_axes
+from mtp_jax.config.validation import staged_layers
 from mtp_jax.train.start import init_source, resolve_config
 from mtp_jax.train_state.init_from import InitFrom
 
@@ -49,7 +50,7 @@ def describe(config, workdir: str, init_from: str | InitFrom | None = None) -> s
 def pipeline_line(config, stages: int) -> str:
   """The pipeline of a mesh with stages: layers per stage, microbatches and the bubble."""
   m = config.model
-  staged = config_lib.staged_layers(m)
+  staged = staged_layers(m)
   micro = m.get('pipeline_microbatches', 0) or stages
   dense = m.n_layers - staged
   return (f'pipeline: {stages} stages of {staged // stages} layers'
