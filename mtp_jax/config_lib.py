@@ -41,7 +41,7 @@ from mtp_jax.config.readers import (
   target_offsets,
 )
 from mtp_jax.config.schema import check_schema, require_positive_int
-from mtp_jax.config.validation import validate, validate_data_source
+from mtp_jax.config.validation import staged_layers, validate, validate_data_source
 from mtp_jax.errors import ConfigError
 
 __all__ = [
@@ -51,5 +51,6 @@ __all__ = [
     'HeadFacts', 'MLPFacts', 'attention_kernel_problem', 'base_config', 'check_schema',
     'decode_prompt_len', 'fixed_devices', 'mesh_axes_form', 'optional', 'profile_window',
     'require_positive_int', 'resolved_mesh_axes', 'resolved_mesh_shape', 'rope_scaling_tuple',
+    'staged_layers',
     'target_offsets', 'triton_blocks', 'validate', 'validate_data_source',
 ]

@@ -65,6 +65,9 @@ def model_fields() -> ml_collections.ConfigDict:
   m.remat = 'none'
   # lax.scan over stacked trunk layers and MTP depths (compile time, memory; same params)
   m.scan_layers = False
+  # microbatches per (accumulation) batch through the pipeline of mesh.axes.stage > 1 stages
+  # (model/pipeline.py; bubble (S - 1) / (N + S - 1)); 0: as many as stages
+  m.pipeline_microbatches = 0
   # sequence chunk for the vocab projection + CE (0: whole length, all depths in one product)
   m.loss_chunk = 0
   return m
@@ -298,7 +301,7 @@ def mesh_fields() -> ml_collections.ConfigDict:
   """config.mesh: the device mesh and the logical-axis rules (config/mesh.py)."""
   mesh = ml_collections.ConfigDict()
   # the size of each named mesh axis (config/mesh.py MESH_AXES, outermost first); one -1
-  # takes the remaining devices. stage is reserved for pipeline stages (1 only, for now);
+  # takes the remaining devices. stage > 1 pipelines the trunk (model.pipeline_microbatches);
   # context shards every sequence (context parallelism, docs/training.md).
   mesh.axes = ml_collections.ConfigDict(dict(DEFAULT_AXES))
   # the older positional form (data, fsdp, tensor), still read when set (configs and saved

@@ -259,8 +259,9 @@ def _validate_mesh(config, num_devices: int | None) -> None:
   heads and experts over it."""
   m, d, t = config.model, config.data, config.train
   sizes = mesh_axes_form(config.mesh)
-  require(sizes['stage'] == 1, f"mesh.axes.stage must be 1 (pipeline stages are not built "
-          f"yet), got {sizes['stage']}")
+  stages, micro = sizes['stage'], _pipeline_microbatches(config)
+  if stages != 1:
+    _validate_pipeline(config, stages, micro)
   for rule in config.mesh.rules:
     require(len(rule) == 2, f'mesh.rules entries must be (logical, mesh_axes) pairs, got {rule!r}')
     axes = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
@@ -275,6 +276,11 @@ def _validate_mesh(config, num_devices: int | None) -> None:
     require(d.batch_size % (batch_ways * t.grad_accum) == 0,
              f'data.batch_size ({d.batch_size}) must be divisible by data x fsdp '
              f'({batch_ways}) x train.grad_accum ({t.grad_accum})')
+    if stages > 1:
+      require(d.batch_size % (batch_ways * t.grad_accum * micro) == 0,
+               f'data.batch_size ({d.batch_size}) must be divisible by data x fsdp '
+               f'({batch_ways}) x train.grad_accum ({t.grad_accum}) x the pipeline\'s '
+               f'{micro} microbatches (model.pipeline_microbatches)')
     rules = dict((r[0], r[1]) for r in config.mesh.rules)
     vocab_axes = rules.get('vocab')
     vocab_axes = vocab_axes if isinstance(vocab_axes, (tuple, list)) else (vocab_axes,)
@@ -312,6 +318,39 @@ def _validate_context(config, ways: int) -> None:
   require(m.loss_chunk == 0 or local % m.loss_chunk == 0,
            f'model.loss_chunk ({m.loss_chunk}) must divide the {local} tokens of a context '
            f'shard (data.seq_len {d.seq_len} / context {ways})')
+
+
+def _pipeline_microbatches(config) -> int:
+  """model.pipeline_microbatches, checked; 0 stands for the stage count."""
+  n = optional(config, 'model.pipeline_microbatches', 0)
+  require(isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+          f'model.pipeline_microbatches must be a non-negative integer (0: the stage count), '
+          f'got {n!r}')
+  return n or mesh_axes_form(config.mesh)['stage']
+
+
+def staged_layers(m) -> int:
+  """The trunk layers the pipeline's stages share out (model/pipeline.py's split_stages):
+  those after the dense first layers of an MoE trunk, which run before the pipeline."""
+  dense = min(m.moe.first_k_dense, m.n_layers) if m.mlp == 'moe' else 0
+  return m.n_layers - dense if dense < m.n_layers else m.n_layers
+
+
+def _validate_pipeline(config, stages: int, micro: int) -> None:
+  """mesh.axes.stage > 1: what the pipeline can take (one line each, before compiling)."""
+  m = config.model
+  require(stages > 0, f'mesh.axes.stage must be a positive integer (the pipeline stages), '
+          f'not {stages}: it is never the axis that takes the remaining devices')
+  staged = staged_layers(m)
+  dense = m.n_layers - staged
+  after = f' after the {dense} dense first layers (model.moe.first_k_dense)' if dense else ''
+  require(staged % stages == 0,
+          f'model.n_layers: the {staged} layers{after} do not divide into '
+          f'mesh.axes.stage = {stages} pipeline stages of equal layer counts')
+  core = m.attention_core
+  require(core not in ('splash', 'triton'),
+          f'model.attention_core {core!r} under mesh.axes.stage = {stages}: the pipeline '
+          f'runs the blocked or XLA attention cores (model.attention_core blocked or xla)')
 
 
 def _validate_mtp_schedules(config) -> None:

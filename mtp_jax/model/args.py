@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from mtp_jax.config import kinds
+from mtp_jax.config.mesh import mesh_axes_form
 from mtp_jax.config.readers import optional, rope_scaling_tuple
 from mtp_jax.errors import ConfigError
 from mtp_jax.model.kind_classes import MTP_KINDS
@@ -40,6 +41,8 @@ class ModelArgs:
   top_window: int = 16  # mtp_kind 'top': W, the upcoming tokens its ranking target orders
   remat: str = 'none'  # none | block | full (see remat_policy); never changes parameters
   scan_layers: bool = False  # lax.scan over trunk blocks and MTP depths; never changes parameters
+  pipeline_stages: int = 1  # the mesh's 'stage' axis: S > 1 pipelines the trunk (pipeline.py)
+  pipeline_microbatches: int = 0  # microbatches through the pipeline; 0: S
   # Block kinds (config/kinds.py's ATTENTION and MLP names; config/base.py documents each).
   attention: str = 'gqa'
   mlp: str = 'dense'
@@ -78,7 +81,8 @@ class ModelArgs:
       raise ConfigError('model.vocab_size is 0 (the tokenizer\'s size): resolve it first '
                         '(mtp_jax.data.tokenizers.resolve_vocab_size) or pass vocab_size')
     values = {'vocab_size': vocab_size, 'dtype': peak_lib.compute_dtype(config.model.dtype),
-              'rope_scaling': rope_scaling_tuple(config)}
+              'rope_scaling': rope_scaling_tuple(config),
+              'pipeline_stages': mesh_axes_form(config.mesh)['stage']}
     for field in dataclasses.fields(cls):
       if field.name not in values:  # a config saved before a field existed: its default
         values[field.name] = optional(config, 'model.' + config_path(field.name),

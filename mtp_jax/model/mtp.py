@@ -6,6 +6,8 @@ the block stacks run by mtp_jax/model/blocks.py.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -15,6 +17,7 @@ import mtp_jax.model.attention as attn_lib
 import mtp_jax.model.context as context_lib
 import mtp_jax.model.decode_ops as decode_ops
 import mtp_jax.model.layers as layers
+import mtp_jax.model.pipeline as pipeline
 from mtp_jax.model.args import ModelArgs
 from mtp_jax.model.blocks import block_classes, run_blocks
 from mtp_jax.model.heads import vocab_logits
@@ -80,8 +83,12 @@ class MTPModel(nnx.Module):
   def trunk(self, tokens_BxT, positions_BxT, mask_Bx1xTxT) -> Array:
     """h^0: the last block's output, before the final norm."""
     x = self.embed_tokens(tokens_BxT)
-    return run_blocks(self.layers, x, positions_BxT, mask_Bx1xTxT, self.args.remat,
-                      self.args.scan_layers)
+    run = functools.partial(run_blocks, remat=self.args.remat, scan=self.args.scan_layers)
+    s = self.args.pipeline_stages
+    if s > 1:  # S stages over the 'stage' mesh axis; never changes parameters
+      return pipeline.run_stages(self.layers, x, positions_BxT, mask_Bx1xTxT, s,
+                                 self.args.pipeline_microbatches or s, run)
+    return run(self.layers, x, positions_BxT, mask_Bx1xTxT)
 
   def mtp_embed(self, tokens_BxT: Array) -> Array:
     """Emb(t_(i+k)) as an MTP input: detached from the shared table under stop_gradient."""

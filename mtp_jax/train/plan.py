@@ -11,6 +11,7 @@ import jax
 
 import mtp_jax.train.metrics as metrics_lib
 from mtp_jax.config.mesh import resolved_mesh_axes
+from mtp_jax.config.validation import staged_layers
 from mtp_jax.train.start import init_source, resolve_config
 from mtp_jax.train_state.init_from import InitFrom
 
@@ -39,6 +40,21 @@ def describe(config, workdir: str, init_from: str | InitFrom | None = None) -> s
       f'steps: {t.steps} ({t.steps * d.batch_size * d.seq_len:,} tokens), '
       f'M = {config.model.mtp.depth} MTP depths, {math.prod(mesh.values())} devices',
   ]
+  if mesh['stage'] > 1:
+    lines.append(pipeline_line(config, mesh['stage']))
   if changes:
     lines.append(source.describe(changes))
   return '\n'.join(lines)
+
+
+def pipeline_line(config, stages: int) -> str:
+  """The pipeline of a mesh with stages: layers per stage, microbatches and the bubble."""
+  m = config.model
+  staged = staged_layers(m)
+  micro = m.get('pipeline_microbatches', 0) or stages
+  dense = m.n_layers - staged
+  return (f'pipeline: {stages} stages of {staged // stages} layers'
+          + (f' after {dense} dense first layers on every stage' if dense else '')
+          + f', {micro} microbatches, GPipe schedule, bubble (S - 1) / (N + S - 1) = '
+          f'{(stages - 1) / (micro + stages - 1):.3f}; embedding, MTP modules and output '
+          f'head on every stage')
