@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import mtp_jax
 import mtp_jax.decode.acceptance as acceptance_lib
 import mtp_jax.decode.cost as cost_lib
 import mtp_jax.decode.picker as picker_lib
@@ -383,3 +384,7 @@ def _merge_results(parts) -> DecodeResult:
       tokens=[t for r, n in parts for t in r.tokens[:n]], num_drafts=r0.num_drafts,
       steps=sum(r.steps for r, _ in parts), seconds=sum(r.seconds for r, _ in parts),
       tree=r0.tree, flops_per_iteration=r0.flops_per_iteration, **rows)
+
+
+def __getattr__(name: str):  # a name an earlier release had here: mtp_jax.MOVED_NAMES
+  return mtp_jax.moved_name(__name__, name)
