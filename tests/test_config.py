@@ -83,10 +83,11 @@ def test_named_mesh_axes_and_the_older_positional_shape():
   with pytest.raises(ConfigError, match='only one axis may be -1'):
     config_lib.validate(c)
   c.mesh.axes.fsdp = 1
-  c.mesh.axes.stage = 2
-  with pytest.raises(ConfigError, match='mesh.axes.stage must be 1'):
+  c.mesh.axes.stage = 2  # pipeline stages must share the trunk's layers evenly
+  n_layers, c.model.n_layers = c.model.n_layers, 3
+  with pytest.raises(ConfigError, match='do not divide into mesh.axes.stage = 2'):
     config_lib.validate(c)
-  c.mesh.axes.stage = 1
+  c.mesh.axes.stage, c.model.n_layers = 1, n_layers
   c.mesh.axes.data = 0
   with pytest.raises(ConfigError, match='mesh.axes.data must be a positive integer or -1'):
     config_lib.validate(c)
