@@ -9,6 +9,7 @@ first checkpoint.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -38,7 +39,7 @@ from mtp_jax.train_state.state import abstract_train_state
 
 
 # -- what --init_from starts a run from -------------------------------------------------
-class InitSource:
+class InitSource(abc.ABC):
   """A parsed --init_from (InitFrom) and what a run does with it; one subclass per kind."""
 
   def __init__(self, init_from: InitFrom):
@@ -53,14 +54,14 @@ class InitSource:
     del config
     return []
 
+  @abc.abstractmethod
   def check(self, config, config_dict: dict) -> None:
     """ConfigError / CheckpointError / InteropError unless the source fits `config`; reads
     no weight and compiles nothing."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def load(self, config, config_dict: dict, state, abstract_state, notify):
     """(`state` with the source's weights where it has them, description)."""
-    raise NotImplementedError
 
   def describe(self, changes: list[str]) -> str:
     """The line that reports apply_to_config's changes."""
