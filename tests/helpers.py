@@ -16,6 +16,7 @@ from flax import nnx
 from mtp_jax import checkpoint as ckpt_lib
 from mtp_jax import config_files, config_lib
 from mtp_jax.model import moe as moe_lib
+from mtp_jax.runtime import sharding
 from mtp_jax.train import loss as loss_lib
 from mtp_jax.train import steps as steps_lib
 
@@ -388,3 +389,16 @@ def packed_segments(b: int, t: int, seed: int = 0, cuts_from: int = 1,
     cuts = np.sort(rng.choice(np.arange(cuts_from, cuts_before or t - 2), size=2, replace=False))
     seg[r, :cuts[0]], seg[r, cuts[0]:cuts[1]], seg[r, cuts[1]:t - padding] = 1, 2, 3
   return seg
+
+
+def compiled_tiny_step(dtype: str, depth: int):
+  """The compiled train step of the tiny model at `dtype` on one device, with its state and
+  global batch."""
+  c = tiny_model_config(depth=depth)
+  c.model.dtype = dtype
+  ts, state = steps_lib.setup(c, jax.devices()[:1])
+  batch = next(iter(synthetic_batches(1, c.data.batch_size, c.data.seq_len, vocab=64)))
+  with sharding.use_mesh(ts.mesh, ts.rules):
+    gbatch = sharding.host_batch_to_global(batch, ts.mesh)
+    compiled = ts.train_step.lower(state, gbatch).compile()
+  return compiled, state, gbatch

@@ -13,8 +13,6 @@ import pytest
 import helpers
 from mtp_jax.model import matmul
 from mtp_jax.runtime import peak as peak_lib
-from mtp_jax.runtime import sharding
-from mtp_jax.train import steps as steps_lib
 from mtp_jax.train import train_and_evaluate
 from mtp_jax.train.aot.hlo_read import cpu_dot_forms
 
@@ -94,15 +92,6 @@ def test_float32_and_accelerators_keep_the_plain_dot(monkeypatch):
     matmul.parse_spec('bij,bjk->bki')
 
 
-def _compiled_step(dtype):
-  c = helpers.tiny_model_config(depth=2)
-  c.model.dtype = dtype
-  ts, state = steps_lib.setup(c, jax.devices()[:1])
-  batch = next(iter(helpers.synthetic_batches(1, c.data.batch_size, c.data.seq_len, vocab=64)))
-  with sharding.use_mesh(ts.mesh, ts.rules):
-    gbatch = sharding.host_batch_to_global(batch, ts.mesh)
-    compiled = ts.train_step.lower(state, gbatch).compile()
-  return compiled, state, gbatch
 
 
 def test_bf16_train_step_runs_its_matmuls_on_the_bf16_kernel_form():
@@ -110,7 +99,7 @@ def test_bf16_train_step_runs_its_matmuls_on_the_bf16_kernel_form():
   forward and backward): >= 90 % of its matmul FLOPs are bf16 x bf16 -> f32 dots with a
   row-major left operand, the rest f32 (the norms' matrix-vector products); and the step
   runs (XLA:CPU's generic dot has no bf16 x bf16 -> f32 kernel)."""
-  compiled, state, batch = _compiled_step('bfloat16')
+  compiled, state, batch = helpers.compiled_tiny_step('bfloat16', depth=2)
   forms = cpu_dot_forms(compiled.as_text())
   total = sum(forms.values())
   assert forms.get('bf16 kernels', 0) >= 0.9 * total, forms
@@ -243,7 +232,7 @@ def test_bf16_step_makes_one_bf16_copy_of_each_weight():
   op (its one cast, reused by the forward and both gradient products), and the matrices
   feed one each: no weight is cast again per use."""
   from mtp_jax.train.aot import hlo_read
-  compiled, _, _ = _compiled_step('bfloat16')
+  compiled, _, _ = helpers.compiled_tiny_step('bfloat16', depth=2)
   comps, _, entry = hlo_read.read_computations(compiled.as_text())
   body = comps[entry]
   params = {n: t for n, t, op, _, _ in body if op == 'parameter' and t.startswith('f32[')}
@@ -263,7 +252,7 @@ def test_float32_step_runs_its_projection_gradients_row_major():
   with a row-major left operand (model/matmul.py's float32 form on CPU), so what is left
   with a transposed left operand (the attention cores' and loss head's einsums) is a
   small share of the matmul FLOPs; the step runs."""
-  compiled, state, batch = _compiled_step('float32')
+  compiled, state, batch = helpers.compiled_tiny_step('float32', depth=2)
   forms = cpu_dot_forms(compiled.as_text())
   total = sum(forms.values())
   assert forms.get('f32 x f32 -> f32 (lhs transposed)', 0) < 0.15 * total, forms

@@ -4,20 +4,12 @@ import jax
 import pytest
 
 import helpers
-from mtp_jax.runtime import sharding
 from mtp_jax.train import step_profile
-from mtp_jax.train import steps as steps_lib
 
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_a_traced_step_adds_up_by_kind_and_region(dtype, tmp_path):
-  c = helpers.tiny_model_config(depth=1)
-  c.model.dtype = dtype
-  ts, state = steps_lib.setup(c, jax.devices()[:1])
-  batch = next(iter(helpers.synthetic_batches(1, c.data.batch_size, c.data.seq_len, vocab=64)))
-  with sharding.use_mesh(ts.mesh, ts.rules):
-    gbatch = sharding.host_batch_to_global(batch, ts.mesh)
-    compiled = ts.train_step.lower(state, gbatch).compile()
+  compiled, state, gbatch = helpers.compiled_tiny_step(dtype, depth=1)
   held = {'state': state}
 
   def step():  # the step donates its state: each call takes the last one's
